@@ -1,0 +1,36 @@
+# Both `make demo` and `make test` set themselves up from nothing: a .venv, torch first
+# (the CPU wheel on this machine's disk; elsewhere the normal PyPI build), then the package.
+PY      := .venv/bin/python
+PIP     := $(PY) -m pip
+STAMP   := .venv/.installed
+EXTRAS  := dev,viz,browser,hf,gpu
+
+.PHONY: demo test lint bench browser clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv .venv
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	.venv/bin/causalattn demo
+
+# Chromium for the browser tests comes from Debian; the tests skip loudly where it cannot.
+browser:
+	@command -v chromium >/dev/null 2>&1 || (command -v apt-get >/dev/null 2>&1 && \
+	  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null 2>&1) || \
+	  echo "!!! chromium could not be installed: browser tests will be SKIPPED")
+
+test: $(STAMP) browser
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	.venv/bin/ruff check .
+
+bench: $(STAMP)
+	.venv/bin/causalattn bench
+
+clean:
+	rm -rf .venv .pytest_cache .ruff_cache .hypothesis

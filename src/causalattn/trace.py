@@ -1,0 +1,288 @@
+"""Trace: the named stages of one attention computation, in dependency order.
+
+A Trace is what :func:`causalattn.trace` returns and what :func:`causalattn.audit`
+checks. Each stage keeps the seeds' symbol, its formula and its shape in the seeds'
+notation, and is reachable by attribute or by name::
+
+    tr.S, tr["A"], [st.name for st in tr]   # X, W_q, ..., Q, K, V, S, M, Z, A, H, C, O
+
+Arrays may carry leading batch axes, and a head axis just before ``T`` when the
+trace was built with ``n_heads``: ``Q`` is then ``(..., h, T, d_k)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["Stage", "Trace", "Explanation", "STAGES"]
+
+# name -> (symbol, formula, shape in the seeds' notation). The order is the dependency order.
+STAGES: dict[str, tuple[str, str, str]] = {
+    "X": ("X", "token representations", "T×d_model"),
+    "W_q": ("W_Q", "query weights", "d_model×d_k"),
+    "W_k": ("W_K", "key weights", "d_model×d_k"),
+    "W_v": ("W_V", "value weights", "d_model×d_v"),
+    "Q": ("Q", "Q = X W_Q", "T×d_k"),
+    "K": ("K", "K = X W_K", "T×d_k"),
+    "V": ("V", "V = X W_V", "T×d_v"),
+    "S": ("S", "S = Q Kᵀ / √d_k", "T×T"),
+    "M": ("M", "M_ij = 0 if j may be read, -∞ otherwise", "T×T"),
+    "Z": ("Z", "Z = S + M", "T×T"),
+    "A": ("A", "A = softmax_last(Z)", "T×T"),
+    "H": ("H", "H = A V", "T×d_v"),
+    "C": ("C", "C[i, j] = A_ij v_j", "T×T×d_v"),
+    "W_o": ("W_O", "output weights", "h·d_v×d_model"),
+    "O": ("O", "O = H W_O", "T×d_model"),
+}
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One named array of a Trace with its symbol, formula and seeds'-notation shape."""
+
+    name: str
+    symbol: str
+    formula: str
+    notation: str
+    value: np.ndarray
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.value.shape)
+
+    def __repr__(self) -> str:
+        return f"Stage({self.name}: {self.formula}, {self.notation} = {self.shape})"
+
+
+@dataclass(frozen=True)
+class Explanation:
+    """The four quantities for one query i, one row per key j.
+
+    ``score[j] = S_ij``, ``weight[j] = A_ij``, ``value[j] = v_j``,
+    ``contribution[j] = A_ij v_j`` and ``norm[j] = ‖A_ij v_j‖``; the ``rank_*`` arrays
+    give each column's rank (1 = largest) among readable keys, 0 for unreadable ones.
+    """
+
+    query: int
+    readable: np.ndarray  # (T,) bool
+    score: np.ndarray  # (T,)
+    weight: np.ndarray  # (T,)
+    value: np.ndarray  # (T, d_v)
+    contribution: np.ndarray  # (T, d_v)
+    norm: np.ndarray  # (T,)
+    rank_score: np.ndarray
+    rank_weight: np.ndarray
+    rank_norm: np.ndarray
+    h: np.ndarray  # (d_v,) = sum_j contribution[j]
+
+    def rows(self) -> list[dict]:
+        """One dict per key j, for tables and JSON."""
+        out = []
+        for j in range(len(self.readable)):
+            out.append(
+                {
+                    "key": j,
+                    "readable": bool(self.readable[j]),
+                    "score": float(self.score[j]),
+                    "weight": float(self.weight[j]),
+                    "value": self.value[j].tolist(),
+                    "contribution": self.contribution[j].tolist(),
+                    "norm": float(self.norm[j]),
+                    "rank_score": int(self.rank_score[j]),
+                    "rank_weight": int(self.rank_weight[j]),
+                    "rank_norm": int(self.rank_norm[j]),
+                }
+            )
+        return out
+
+    def __str__(self) -> str:
+        lines = [f"query i={self.query}: h_i = {np.array2string(self.h, precision=3)}"]
+        lines.append("  j  S_ij      A_ij     ‖A_ij v_j‖  ranks(S,A,‖·‖)  v_j")
+        for r in self.rows():
+            if not r["readable"]:
+                lines.append(f"{r['key']:>3}  (blocked: weight exactly 0)")
+                continue
+            lines.append(
+                f"{r['key']:>3}  {r['score']:>8.3f}  {r['weight']:>7.3f}  {r['norm']:>10.3f}"
+                f"  {r['rank_score']:>4} {r['rank_weight']:>3} {r['rank_norm']:>3}"
+                f"     {np.array2string(self.value[r['key']], precision=3)}"
+            )
+        return "\n".join(lines)
+
+
+def _rank(x: np.ndarray, readable: np.ndarray) -> np.ndarray:
+    """1 = largest among readable entries; 0 where unreadable."""
+    r = np.zeros(x.shape, dtype=np.int64)
+    idx = np.flatnonzero(readable)
+    order = idx[np.argsort(-x[idx], kind="stable")]
+    r[order] = np.arange(1, len(order) + 1)
+    return r
+
+
+class Trace:
+    """Named stages of attention in dependency order (see module docstring).
+
+    ``arrays`` maps stage names (keys of :data:`STAGES`) to arrays; any subset may be
+    present. ``allowed`` is the boolean mask (True = may read) the stages were built
+    with; ``scale`` the factor applied to Q Kᵀ; ``n_heads`` is set when the arrays carry
+    a head axis; ``tokens`` optionally labels the T positions.
+    """
+
+    def __init__(
+        self,
+        arrays: dict[str, np.ndarray],
+        *,
+        allowed: np.ndarray | None = None,
+        scale: float | None = None,
+        n_heads: int | None = None,
+        tokens: list[str] | None = None,
+    ):
+        unknown = set(arrays) - set(STAGES)
+        if unknown:
+            raise ValueError(f"trace: unknown stage names {sorted(unknown)}; known: {list(STAGES)}")
+        self._arrays = {k: np.asarray(arrays[k]) for k in STAGES if k in arrays}
+        self.allowed = None if allowed is None else np.asarray(allowed, dtype=bool)
+        self.scale = scale
+        self.n_heads = n_heads
+        self.tokens = None if tokens is None else [str(t) for t in tokens]
+
+    # -- access -----------------------------------------------------------------
+    def __contains__(self, name: str) -> bool:
+        return name in self._arrays
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self._arrays:
+            raise KeyError(f"trace has no stage {name!r}; it has {list(self._arrays)}")
+        return self._arrays[name]
+
+    def __getattr__(self, name: str) -> np.ndarray:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        arrays = self.__dict__.get("_arrays", {})
+        if name in arrays:
+            return arrays[name]
+        raise AttributeError(f"trace has no stage {name!r}; it has {list(arrays)}")
+
+    def stage(self, name: str) -> Stage:
+        symbol, formula, notation = STAGES[name]
+        return Stage(name, symbol, formula, notation, self[name])
+
+    def __iter__(self):
+        return (self.stage(n) for n in self._arrays)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._arrays)
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{n}{tuple(a.shape)}" for n, a in self._arrays.items())
+        return f"Trace({parts})"
+
+    def select(self, *index: int) -> Trace:
+        """The trace of one sequence / head: ``tr.select(b, h)`` indexes the leading axes.
+
+        Stages without those axes (the weights) are kept as they are; ``O`` mixes heads
+        and is dropped from a per-head selection.
+        """
+        arrays = {}
+        n = len(index)
+        lead = self["A"].ndim - 2 if "A" in self else None
+        head_pick = self.n_heads is not None and lead is not None and n == lead
+        for name, a in self._arrays.items():
+            if name.startswith("W_"):
+                arrays[name] = a
+                continue
+            if name in ("O", "X") and self.n_heads is not None:
+                if head_pick:
+                    if name == "X":
+                        arrays[name] = a[index[:-1]]
+                    continue
+                arrays[name] = a[index]
+                continue
+            arrays[name] = a[index]
+        allowed = None
+        if self.allowed is not None:
+            want = (lead if lead is not None else n) + 2
+            al = self.allowed.reshape((1,) * (want - self.allowed.ndim) + self.allowed.shape)
+            al = al[tuple(0 if al.shape[k] == 1 else i for k, i in enumerate(index))]
+            allowed = al
+        n_heads = None if head_pick or self.n_heads is None else self.n_heads
+        return Trace(arrays, allowed=allowed, scale=self.scale, n_heads=n_heads, tokens=self.tokens)
+
+    @property
+    def heads(self) -> list[Trace]:
+        """Each head as its own Trace (single sequence traces only)."""
+        if self.n_heads is None:
+            return [self]
+        if self["A"].ndim != 3:
+            raise ValueError("trace.heads: select a sequence first, e.g. tr.select(b).heads")
+        return [self.select(h) for h in range(self.n_heads)]
+
+    # -- the four quantities --------------------------------------------------------
+    def explain(self, i: int) -> Explanation:
+        """Score S_ij, weight A_ij, value v_j and contribution A_ij v_j for query i (0-based).
+
+        Works on a single sequence and head; use :meth:`select` first otherwise.
+        """
+        A, V, S = self["A"], self["V"], self["S"]
+        if A.ndim != 2:
+            raise ValueError(
+                f"explain: A has leading axes {A.shape[:-2]}; select one sequence/head first "
+                "with trace.select(...)"
+            )
+        T = A.shape[0]
+        if not (0 <= i < T):
+            raise ValueError(f"explain: query i={i} is outside 0..{T - 1} (A is {T}×{A.shape[1]})")
+        readable = (
+            np.ones(A.shape[1], bool) if self.allowed is None else np.broadcast_to(self.allowed, A.shape)[i]
+        )
+        contribution = np.where(readable[:, None], A[i][:, None] * V, 0.0)
+        norm = np.linalg.norm(contribution, axis=-1)
+        score = np.where(readable, S[i], np.nan)
+        return Explanation(
+            query=i,
+            readable=readable.copy(),
+            score=score,
+            weight=A[i].copy(),
+            value=V.copy(),
+            contribution=contribution,
+            norm=norm,
+            rank_score=_rank(np.nan_to_num(score, nan=-np.inf), readable),
+            rank_weight=_rank(A[i], readable),
+            rank_norm=_rank(norm, readable),
+            h=contribution.sum(axis=0),
+        )
+
+    # -- files ----------------------------------------------------------------------
+    def save(self, path: str | Path) -> None:
+        """Write a .npz of named arrays (no pickled objects)."""
+        extra: dict[str, np.ndarray] = {}
+        if self.allowed is not None:
+            extra["allowed"] = self.allowed
+        if self.scale is not None:
+            extra["scale"] = np.asarray(self.scale, dtype=np.float64)
+        if self.n_heads is not None:
+            extra["n_heads"] = np.asarray(self.n_heads, dtype=np.int64)
+        if self.tokens is not None:
+            extra["tokens"] = np.asarray(self.tokens, dtype=str)
+        np.savez(Path(path), **self._arrays, **extra)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trace:
+        """Read a .npz written by :meth:`save` (``allow_pickle=False``: data, never code)."""
+        try:
+            with np.load(Path(path), allow_pickle=False) as f:
+                data = {k: f[k] for k in f.files}
+        except (OSError, ValueError, EOFError) as exc:
+            raise ValueError(f"trace file {path}: cannot be read as .npz of arrays ({exc})") from exc
+        arrays = {k: v for k, v in data.items() if k in STAGES}
+        return cls(
+            arrays,
+            allowed=data.get("allowed"),
+            scale=float(data["scale"]) if "scale" in data else None,
+            n_heads=int(data["n_heads"]) if "n_heads" in data else None,
+            tokens=data["tokens"].tolist() if "tokens" in data else None,
+        )
