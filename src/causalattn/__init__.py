@@ -3,10 +3,13 @@
     H = softmax_last( Q Kᵀ / √d_k + M ) V
 """
 
-from . import masks
+from . import masks, shapes, text
 from .engines import KVCache, attention
 from .reference import trace
+from .shapes import shape_table
+from .text import Batch, Vocabulary, encode
 from .trace import Trace
 
 __all__ = ["masks", "trace", "Trace", "attention", "KVCache"]
+__all__ += ["text", "encode", "Vocabulary", "Batch", "shapes", "shape_table"]
 __version__ = "0.1.0"

@@ -1,0 +1,223 @@
+"""Sentences -> Vocabulary -> padded ids, lengths, tokens and masks (a :class:`Batch`).
+
+As in the seed: words are split at whitespace, punctuation marks are tokens of their
+own, case is kept ("On" and "on" are two tokens). ``<PAD>`` is id 0, ``<UNK>`` id 1,
+and every other token gets the next id in order of first appearance. N, the padded
+length, is the longest sentence (or ``max_len``, which truncates longer sentences and
+says so with a warning)::
+
+    batch = encode(SEED_SENTENCES)       # N = 10
+    batch.mask[3]                        # sentence 4's combined causal + padding mask
+
+Every mask comes from :mod:`causalattn.masks` (True = may read).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import masks as _masks
+
+__all__ = ["PAD", "UNK", "SEED_SENTENCES", "tokenize", "Vocabulary", "Batch", "encode"]
+
+PAD = "<PAD>"
+UNK = "<UNK>"
+
+# The seed's corpus (the default of `causalattn demo`).
+SEED_SENTENCES: tuple[str, ...] = (
+    "I love to eat pizza with extra cheese on top",
+    "I love to eat burgers with extra ketchup",
+    "On top of the pizza is extra cheese",
+    "Cheese and burgers go well together",
+)
+
+# A word (letters/digits/underscore, with inner apostrophes: "don't") or one punctuation mark.
+_TOKEN = re.compile(r"\w+(?:['’]\w+)*|[^\w\s]")
+
+
+def tokenize(sentence: str) -> list[str]:
+    """Word-level tokens of one sentence: words and punctuation marks, case kept."""
+    if not isinstance(sentence, str):
+        raise ValueError(f"text: a sentence must be a string, got {type(sentence).__name__}")
+    return _TOKEN.findall(sentence)
+
+
+class Vocabulary:
+    """Token <-> id, ``<PAD>`` = 0, ``<UNK>`` = 1, then ids by first appearance.
+
+    ``vocab["pizza"]`` gives an id (``<UNK>``'s for unknown tokens) and ``vocab[4]``
+    a token; ``encode`` / ``decode`` do whole token lists.
+    """
+
+    def __init__(self, tokens: Iterable[str] = ()):
+        self._tokens: list[str] = [PAD, UNK]
+        self._ids: dict[str, int] = {PAD: 0, UNK: 1}
+        for t in tokens:
+            self.add(t)
+
+    @classmethod
+    def from_sentences(cls, sentences: Iterable[str]) -> Vocabulary:
+        vocab = cls()
+        for s in sentences:
+            for t in tokenize(s):
+                vocab.add(t)
+        return vocab
+
+    def add(self, token: str) -> int:
+        """Id of ``token``, adding it at the end when new."""
+        if not isinstance(token, str) or not token:
+            raise ValueError(f"text: a token must be a non-empty string, got {token!r}")
+        if token not in self._ids:
+            self._ids[token] = len(self._tokens)
+            self._tokens.append(token)
+        return self._ids[token]
+
+    @property
+    def tokens(self) -> list[str]:
+        """All tokens, position = id."""
+        return list(self._tokens)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __contains__(self, token: object) -> bool:
+        return token in self._ids
+
+    def __iter__(self):
+        return iter(self._tokens)
+
+    def __getitem__(self, key: str | int) -> int | str:
+        if isinstance(key, str):
+            return self._ids.get(key, 1)
+        if isinstance(key, (int, np.integer)) and not isinstance(key, bool):
+            if not 0 <= key < len(self._tokens):
+                raise ValueError(f"text: id {key} is outside the vocabulary 0..{len(self) - 1}")
+            return self._tokens[int(key)]
+        raise ValueError(f"text: look up a token (str) or an id (int), got {type(key).__name__}")
+
+    def encode(self, tokens: Iterable[str]) -> list[int]:
+        """Ids of ``tokens``; unknown tokens map to ``<UNK>`` (1)."""
+        return [self._ids.get(t, 1) for t in tokens]
+
+    def decode(self, ids: Iterable[int]) -> list[str]:
+        return [self[int(i)] for i in ids]
+
+    def to_dict(self) -> dict[str, int]:
+        return dict(self._ids)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Vocabulary) and self._tokens == other._tokens
+
+    def __repr__(self) -> str:
+        shown = ", ".join(self._tokens[:8]) + (", …" if len(self) > 8 else "")
+        return f"Vocabulary({len(self)} tokens: {shown})"
+
+
+@dataclass(frozen=True, eq=False)
+class Batch:
+    """B sentences padded to N tokens, with their masks (True = may read).
+
+    ids ``(B, N)`` int64 (``<PAD>`` = 0 after each sentence); lengths ``(B,)``;
+    tokens: B lists of N strings (the sentence's own words, then ``<PAD>``);
+    key_padding_mask ``(B, N)``; mask ``(B, N, N)`` = causal AND key padding AND query
+    padding, so a padding query row has no readable key; truncated: indices of the
+    sentences cut to ``max_len``.
+    """
+
+    vocab: Vocabulary
+    ids: np.ndarray
+    lengths: np.ndarray
+    tokens: list[list[str]]
+    key_padding_mask: np.ndarray
+    mask: np.ndarray
+    truncated: tuple[int, ...] = ()
+
+    @property
+    def B(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def N(self) -> int:
+        return int(self.ids.shape[1])
+
+    @property
+    def causal_mask(self) -> np.ndarray:
+        """The plain ``N×N`` causal mask shared by every sentence."""
+        return _masks.causal(self.N)
+
+    @property
+    def query_padding_mask(self) -> np.ndarray:
+        """``(B, N)``: True where the query position holds a real token."""
+        return _masks.query_padding(self.lengths, self.N)
+
+
+def _sentences(sentences) -> list[str]:
+    if isinstance(sentences, str):
+        return [sentences]
+    if sentences is None or not isinstance(sentences, (Sequence, Iterable)):
+        raise ValueError(
+            f"text: sentences must be a list of strings, got {type(sentences).__name__}"
+        )
+    out = list(sentences)
+    if not out:
+        raise ValueError("text: the corpus is empty; give at least one sentence")
+    for b, s in enumerate(out):
+        if not isinstance(s, str):
+            raise ValueError(
+                f"text: sentence {b + 1} must be a string, got {type(s).__name__} ({s!r:.40})"
+            )
+    return out
+
+
+def encode(sentences, max_len: int | None = None, vocab: Vocabulary | None = None) -> Batch:
+    """Tokenize, build (or use) a vocabulary, pad to N and build the masks.
+
+    ``sentences``: a list of strings (one string is one sentence). N is the longest
+    sentence, or ``max_len`` when given; longer sentences are then truncated, listed in
+    ``batch.truncated`` and reported with a warning. With ``vocab`` given it is used as
+    is (unknown tokens -> ``<UNK>``); otherwise one is built from the sentences.
+    """
+    texts = _sentences(sentences)
+    toks = [tokenize(s) for s in texts]
+    for b, t in enumerate(toks):
+        if not t:
+            raise ValueError(f"text: sentence {b + 1} ({texts[b]!r}) is empty: it has no tokens")
+    if max_len is not None:
+        if isinstance(max_len, bool) or not isinstance(max_len, (int, np.integer)) or max_len < 1:
+            raise ValueError(f"text: max_len must be a positive integer, got {max_len!r}")
+        max_len = int(max_len)
+    if vocab is None:
+        vocab = Vocabulary()
+        for t in toks:
+            for w in t:
+                vocab.add(w)
+    elif not isinstance(vocab, Vocabulary):
+        raise ValueError(f"text: vocab must be a Vocabulary, got {type(vocab).__name__}")
+
+    truncated = tuple(b for b, t in enumerate(toks) if max_len is not None and len(t) > max_len)
+    if truncated:
+        cut = ", ".join(f"sentence {b + 1} ({len(toks[b])} tokens)" for b in truncated)
+        warnings.warn(f"text: truncated to max_len={max_len}: {cut}", stacklevel=2)
+        toks = [t[:max_len] for t in toks]
+    N = max_len if max_len is not None else max(len(t) for t in toks)
+    B = len(toks)
+
+    lengths = np.array([len(t) for t in toks], dtype=np.int64)
+    ids = np.zeros((B, N), dtype=np.int64)  # <PAD> = 0
+    tokens = []
+    for b, t in enumerate(toks):
+        ids[b, : len(t)] = vocab.encode(t)
+        tokens.append(t + [PAD] * (N - len(t)))
+
+    key_pad = _masks.key_padding(lengths, N)
+    mask = _masks.combine(
+        _masks.causal(N)[None],  # (1, N, N)
+        key_pad[:, None, :],  # keys beyond the sentence: blocked
+        _masks.query_padding(lengths, N)[:, :, None],  # padding queries: no readable key
+    )
+    return Batch(vocab, ids, lengths, tokens, key_pad, mask, truncated)
