@@ -6,6 +6,13 @@ line are 1-based, as in the chapter (h_1 … h_T); the Python API is 0-based.
 
 from __future__ import annotations
 
+import json
+import math
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+from typing import NoReturn
+
 import typer
 
 app = typer.Typer(
@@ -13,6 +20,470 @@ app = typer.Typer(
     no_args_is_help=True,
     help="Causal self-attention in matrix form: H = softmax_last(Q Kᵀ/√d_k + M) V.",
 )
+
+
+# -- shared helpers (every command uses them) --------------------------------------------
+
+
+def _fail(message: str, code: int = 2) -> NoReturn:
+    """Print ``error: message`` on stderr and exit with ``code`` (2), no traceback."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def _library_errors():
+    """Turn the library's ValueError (and file errors) into :func:`_fail`."""
+    try:
+        yield
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+
+
+def _jsonable(obj):
+    """NumPy arrays and scalars -> lists and numbers; non-finite floats -> "inf"/"-inf"/"nan"."""
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if hasattr(obj, "tolist") and not isinstance(obj, str):
+        return _jsonable(obj.tolist())
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    return obj
+
+
+def _print_json(data) -> None:
+    typer.echo(json.dumps(_jsonable(data), ensure_ascii=False, indent=2))
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+def escape(s: str) -> str:
+    """Escape rich markup in library text (formulas like ``C[i, j]``, user tokens)."""
+    from rich.markup import escape as _escape
+
+    return _escape(s)
+
+
+def _fmt(a, precision: int = 3) -> str:
+    import numpy as np
+
+    return np.array2string(np.asarray(a), precision=precision, suppress_small=True)
+
+
+def _mask_table(title: str, allowed, rows: list[str], cols: list[str], form: str):
+    """A token-labelled mask: rows are queries, columns keys; form 'additive' (0/-∞) or 'check' (✓/·)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    on, off = ("0", "-∞") if form == "additive" else ("✓", "·")
+    t = Table(title=title, box=None, pad_edge=False, padding=(0, 1), title_justify="left")
+    t.add_column("query \\ key", style="bold", no_wrap=True)
+    for j, c in enumerate(cols):  # Text, not markup: tokens are user data
+        t.add_column(Text(f"{j + 1}\n{c[:5]}"), justify="center", no_wrap=True)
+    for i, r in enumerate(rows):
+        cells = [Text(on, style="green") if a else Text(off, style="dim") for a in allowed[i]]
+        t.add_row(Text(f"{i + 1} {r}" if len(rows) > 1 else r), *cells)
+    return t
+
+
+def _mask_pair(title: str, allowed, rows, cols, form: str) -> list:
+    forms = ["additive", "check"] if form == "both" else [form]
+    names = {"additive": "M, 0/-∞", "check": "may read, ✓/·"}
+    return [_mask_table(f"{title}: {names[f]}", allowed, rows, cols, f) for f in forms]
+
+
+def _print_tables(console, tables: list) -> None:
+    from rich.columns import Columns
+
+    console.print(Columns(tables, padding=(0, 4)) if len(tables) > 1 else tables[0])
+    console.print()
+
+
+def _encode_quiet(sentences, max_len=None):
+    """text.encode, with its truncation warning shown as a note on stderr."""
+    from . import text
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batch = text.encode(sentences, max_len=max_len)
+    for w in caught:
+        typer.echo(f"note: {w.message}", err=True)
+    return batch
+
+
+# -- causalattn shapes ------------------------------------------------------------------
+
+
+def _human_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _si(n: int) -> str:
+    """1234567 -> '1.23 M' (decimal prefixes, as FLOP counts are usually quoted)."""
+    for div, unit in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(n) >= div:
+            return f"{n / div:.3g} {unit}"
+    return str(n)
+
+
+@app.command()
+def shapes(
+    seq_len: int = typer.Option(2048, "--seq-len", "-T", help="Sequence length T (N)."),
+    d_model: int = typer.Option(1000, "--d-model", help="Model (embedding) width d_model."),
+    heads: int = typer.Option(1, "--heads", "-H", help="Number of heads h."),
+    d_k: int = typer.Option(None, "--d-k", help="Query/key width per head (default d_model/h)."),
+    d_v: int = typer.Option(None, "--d-v", help="Value width per head (default d_k)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """The seed's dimension table for T, d_model and heads, with params, bytes and FLOPs."""
+    from .shapes import shape_table
+
+    with _library_errors():
+        rows = shape_table(seq_len, d_model, n_heads=heads, d_k=d_k, d_v=d_v)
+    by = {r.symbol: r for r in rows}
+    dense = by["QKᵀ"].flops + by["H"].flops
+    totals = {
+        "params": sum(r.params for r in rows),
+        "flops": sum(r.flops for r in rows),
+        "attention_flops_dense": dense,
+        "attention_flops_causal": dense // 2,
+    }
+    if as_json:
+        _print_json(
+            {
+                "seq_len": seq_len,
+                "d_model": d_model,
+                "n_heads": heads,
+                "rows": [r.to_dict() for r in rows],
+                "totals": totals,
+            }
+        )
+        return
+    from rich.table import Table
+
+    t = Table(title=f"T = {seq_len}, d_model = {d_model}, heads = {heads}", title_justify="left",
+              box=None)
+    for c in ("Symbol", "Shape", "Params", "fp32", "bf16", "FLOPs"):
+        t.add_column(c, no_wrap=True, justify="left" if c in ("Symbol", "Shape") else "right")
+    for r in rows:
+        t.add_row(
+            r.symbol, r.notation, _si(r.params), _human_bytes(r.bytes_fp32),
+            _human_bytes(r.bytes_bf16), _si(r.flops),
+        )
+    console = _console()
+    console.print(t)
+    console.print()
+    for r in rows:
+        console.print(f"[bold]{escape(r.symbol)}[/] ({r.name}): {escape(r.explanation)}")
+    console.print(
+        f"parameters {totals['params']:,}; attention FLOPs (QKᵀ + A V, DESIGN.md's 4·H·T²·d): "
+        f"dense {_si(dense)}, causal {_si(dense // 2)}; all rows {_si(totals['flops'])}"
+    )
+
+
+# -- causalattn masks -------------------------------------------------------------------
+
+_FORMS = ("both", "additive", "check")
+
+
+def _read_corpus(path: Path) -> list[str]:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        _fail(f"text: cannot read corpus file {path}: {exc}")
+    return [ln for ln in lines if ln.strip()]
+
+
+@app.command()
+def masks(
+    sentences: list[str] = typer.Argument(None, help="Sentences (default: the seed's four)."),
+    file: Path = typer.Option(None, "--file", "-f", help="Corpus file, one sentence a line."),
+    max_len: int = typer.Option(None, "--max-len", help="Pad/truncate to this many tokens."),
+    form: str = typer.Option("both", "--form", help="both | additive (0/-∞) | check (✓/·)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Token-labelled causal, padding and combined masks for each sentence."""
+    from . import text
+
+    if form not in _FORMS:
+        _fail(f"--form must be one of {', '.join(_FORMS)}, got {form!r}")
+    if sentences and file is not None:
+        _fail("give sentences or --file, not both")
+    corpus = _read_corpus(file) if file is not None else (sentences or list(text.SEED_SENTENCES))
+    with _library_errors():
+        batch = _encode_quiet(corpus, max_len=max_len)
+    if as_json:
+        _print_json(
+            {
+                "N": batch.N,
+                "vocab": batch.vocab.tokens,
+                "causal": batch.causal_mask,
+                "truncated": list(batch.truncated),
+                "sentences": [
+                    {
+                        "tokens": batch.tokens[b],
+                        "ids": batch.ids[b],
+                        "length": batch.lengths[b],
+                        "key_padding": batch.key_padding_mask[b],
+                        "combined": batch.mask[b],
+                    }
+                    for b in range(batch.B)
+                ],
+            }
+        )
+        return
+    console = _console()
+    longest = batch.tokens[int(batch.lengths.argmax())]
+    _print_tables(console, _mask_pair(f"causal {batch.N}×{batch.N}", batch.causal_mask,
+                                      longest, longest, form))
+    for b in range(batch.B):
+        toks = batch.tokens[b]
+        console.print(f"[bold]sentence {b + 1}[/] ({batch.lengths[b]} tokens): "
+                      f"{escape(' '.join(toks))}")
+        _print_tables(console, _mask_pair("key padding", batch.key_padding_mask[b][None],
+                                          ["keys"], toks, form))
+        _print_tables(console, _mask_pair("combined (causal AND padding)", batch.mask[b],
+                                          toks, toks, form))
+
+
+# -- causalattn trace -------------------------------------------------------------------
+
+_CHAPTER = {  # the chapter's four-token example
+    "X": [[1, 0], [0, 1], [1, 1], [-1, 1]],
+    "W_q": [[1, 0], [0, 1]],
+    "W_k": [[1, 0], [0, 1]],
+    "W_v": [[1, 1], [1, -1]],
+}
+_TRACE_KEYS = ("X", "W_q", "W_k", "W_v")
+_TRACE_OPTIONAL = ("W_o", "mask", "tokens")
+
+
+def _load_trace_inputs(path: Path) -> dict:
+    """X, W_q, W_k, W_v (optional W_o, mask, tokens) from a .npz or .json file."""
+    import numpy as np
+
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(data, dict):
+                _fail(f"trace input {path}: expected a JSON object with keys X, W_q, W_k, W_v")
+        else:
+            with np.load(path, allow_pickle=False) as f:
+                data = {k: f[k] for k in f.files}
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        _fail(f"trace input {path}: cannot be read as .npz or JSON ({exc})")
+    missing = [k for k in _TRACE_KEYS if k not in data]
+    if missing:
+        _fail(
+            f"trace input {path}: missing {', '.join(missing)}; expected X, W_q, W_k, W_v "
+            "(optional W_o, mask, tokens)"
+        )
+    unknown = sorted(set(data) - set(_TRACE_KEYS) - set(_TRACE_OPTIONAL))
+    if unknown:
+        _fail(f"trace input {path}: unknown keys {', '.join(unknown)}")
+    if "mask" in data:
+        data["mask"] = np.asarray(data["mask"])
+    if "tokens" in data:
+        data["tokens"] = [str(t) for t in np.asarray(data["tokens"]).tolist()]
+    return data
+
+
+def _explain_json(ex) -> dict:
+    return {"query": ex.query + 1, "h": ex.h, "keys": ex.rows()}
+
+
+@app.command("trace")
+def trace_cmd(
+    input_file: Path = typer.Option(
+        None, "--input", "-i", help=".npz or .json with X, W_q, W_k, W_v (optional W_o, mask)."
+    ),
+    query: int = typer.Option(None, "--query", "-q", help="Explain query i (1-based, as h_i)."),
+    save: Path = typer.Option(None, "--save", help="Write the whole trace to FILE.npz."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Every stage of attention in dependency order (default: the chapter's example)."""
+    from .reference import trace as run_trace
+
+    data = _load_trace_inputs(input_file) if input_file is not None else dict(_CHAPTER)
+    with _library_errors():
+        tr = run_trace(
+            data["X"], data["W_q"], data["W_k"], data["W_v"], data.get("W_o"),
+            mask=data.get("mask"), tokens=data.get("tokens"),
+        )
+        T = tr.A.shape[-1]
+        ex = None
+        if query is not None:
+            if not 1 <= query <= T:
+                _fail(f"--query must be a position 1..{T} (T = {T}), got {query}")
+            ex = tr.explain(query - 1)
+        if save is not None:
+            tr.save(save)
+    if as_json:
+        out = {
+            "scale": tr.scale,
+            "stages": [
+                {"name": st.name, "symbol": st.symbol, "formula": st.formula,
+                 "notation": st.notation, "shape": list(st.shape), "value": st.value}
+                for st in tr
+            ],
+        }
+        if ex is not None:
+            out["explain"] = _explain_json(ex)
+        _print_json(out)
+        return
+    console = _console()
+    for st in tr:
+        console.print(f"[bold cyan]{st.symbol}[/]  {escape(st.formula)}   [dim]{st.notation} = "
+                      f"{'×'.join(map(str, st.shape))}[/]")
+        if st.value.size <= 256:
+            console.print(_fmt(st.value), markup=False)
+        console.print()
+    if ex is not None:
+        console.print(f"[bold]The four quantities for query {query} (h_{query}):[/]")
+        console.print(str(ex), markup=False)
+    if save is not None:
+        console.print(f"saved the trace to {save}")
+
+
+# -- causalattn demo --------------------------------------------------------------------
+
+
+def _seeded_attention(batch, d_model: int, seed: int):
+    """Random (seeded) embeddings and weights -> one float64 trace over the whole batch."""
+    import numpy as np
+
+    from .reference import trace as run_trace
+
+    rng = np.random.default_rng(seed)
+    E = rng.normal(size=(len(batch.vocab), d_model))  # one embedding per vocabulary id
+    W_q, W_k, W_v = (rng.normal(size=(d_model, d_model)) / np.sqrt(d_model) for _ in range(3))
+    X = E[batch.ids]  # (B, N, d_model)
+    return run_trace(X, W_q, W_k, W_v, mask=batch.mask)
+
+
+@app.command()
+def demo(
+    d_model: int = typer.Option(8, "--d-model", help="Width of the random embeddings."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random embeddings and weights."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """The seed's four sentences end to end, then the chapter's four-token trace."""
+    from . import text
+    from .audit import audit
+    from .reference import trace as run_trace
+
+    with _library_errors():
+        batch = _encode_quiet(list(text.SEED_SENTENCES))
+        tr = _seeded_attention(batch, d_model, seed)
+        report = audit(tr)
+        chapter = run_trace(**dict(_CHAPTER))
+        ex = chapter.explain(3)
+    last = batch.B - 1
+    first_failure = report.first_failure
+    if as_json:
+        _print_json(
+            {
+                "sentences": list(text.SEED_SENTENCES),
+                "vocab": batch.vocab.tokens,
+                "tokens": batch.tokens,
+                "ids": batch.ids,
+                "lengths": batch.lengths,
+                "causal": batch.causal_mask,
+                "combined_sentence_4": batch.mask[last],
+                "attention": {
+                    "d_model": d_model,
+                    "seed": seed,
+                    "A_sentence_4": tr.A[last],
+                    "audit_ok": bool(report.ok),
+                    "first_failure": None if first_failure is None else str(first_failure),
+                },
+                "chapter": {
+                    "S_4": chapter.S[3],
+                    "A_4": chapter.A[3],
+                    "h_4": chapter.H[3],
+                    "explain": _explain_json(ex),
+                },
+            }
+        )
+        if not report.ok:
+            raise typer.Exit(1)
+        return
+
+    from rich.table import Table
+    from rich.text import Text
+
+    console = _console()
+    console.rule("1. The corpus, tokenized")
+    vt = Table(title=f"Vocabulary ({len(batch.vocab)} ids, by first appearance)",
+               title_justify="left", box=None)
+    for _ in range(4):
+        vt.add_column("id", justify="right", style="dim")
+        vt.add_column("token")
+    toks = batch.vocab.tokens
+    per = -(-len(toks) // 4)
+    for r in range(per):
+        cells = []
+        for c in range(4):
+            k = c * per + r
+            cells += [str(k), toks[k]] if k < len(toks) else ["", ""]
+        vt.add_row(*cells)
+    console.print(vt)
+    console.print()
+    pt = Table(title=f"Padded to N = {batch.N} tokens", title_justify="left", box=None)
+    pt.add_column("#")
+    pt.add_column("len", justify="right")
+    pt.add_column("tokens")
+    pt.add_column("ids")
+    for b in range(batch.B):
+        pt.add_row(str(b + 1), str(batch.lengths[b]), " ".join(batch.tokens[b]),
+                   " ".join(map(str, batch.ids[b])))
+    console.print(pt)
+    console.print()
+
+    console.rule("2. Masks (rows are queries, columns keys)")
+    s1 = batch.tokens[0]
+    _print_tables(console, [_mask_table(f"causal mask M, {batch.N}×{batch.N}", batch.causal_mask,
+                                        s1, s1, "additive")])
+    s4 = batch.tokens[last]
+    _print_tables(console, _mask_pair(f"sentence {last + 1}, causal AND padding",
+                                      batch.mask[last], s4, s4, "both"))
+
+    console.rule(f"3. One seeded self-attention over the batch (d_model = {d_model}, seed {seed})")
+    console.print(f"X = E[ids] is {'×'.join(map(str, tr.X.shape))}; "
+                  f"A is {'×'.join(map(str, tr.A.shape))}; H is {'×'.join(map(str, tr.H.shape))}")
+    at = Table(title=f"A for sentence {last + 1} (rows sum to 1; padding rows are 0)",
+               title_justify="left", box=None)
+    at.add_column("query \\ key", style="bold")
+    for j, c in enumerate(s4):
+        at.add_column(Text(f"{j + 1}\n{c[:5]}"), justify="right")
+    for i, r in enumerate(s4):
+        at.add_row(Text(f"{i + 1} {r}"), *(f"{a:.2f}" if a else "·" for a in tr.A[last, i]))
+    console.print(at)
+    if report.ok:
+        console.print("[bold green]audit: ok[/] — every stage checked in dependency order")
+    else:
+        console.print(f"[bold red]audit failed:[/] {first_failure}")
+    console.print()
+
+    console.rule("4. The chapter's four-token trace")
+    console.print("X = [[1,0],[0,1],[1,1],[-1,1]], W_Q = W_K = I, W_V = [[1,1],[1,-1]]",
+                  markup=False)
+    console.print(f"scores of query 4   S_4 = {_fmt(chapter.S[3])}", markup=False)
+    console.print(f"its weights         A_4 = {_fmt(chapter.A[3])}", markup=False)
+    console.print(f"weighted values     h_4 = {_fmt(chapter.H[3])}", markup=False)
+    console.print(str(ex), markup=False)
+    if not report.ok:
+        raise typer.Exit(1)
 
 
 def main() -> None:
