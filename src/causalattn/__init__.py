@@ -4,12 +4,13 @@
 """
 
 from . import masks, shapes, text
+from .audit import AuditInputError, Report, audit
 from .engines import KVCache, attention
 from .reference import trace
 from .shapes import shape_table
 from .text import Batch, Vocabulary, encode
 from .trace import Trace
 
-__all__ = ["masks", "trace", "Trace", "attention", "KVCache"]
+__all__ = ["masks", "trace", "Trace", "attention", "KVCache", "audit", "Report", "AuditInputError"]
 __all__ += ["text", "encode", "Vocabulary", "Batch", "shapes", "shape_table"]
 __version__ = "0.1.0"
