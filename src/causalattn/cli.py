@@ -63,7 +63,7 @@ def _console():
     return Console(highlight=False)
 
 
-def escape(s: str) -> str:
+def _markup_escape(s: str) -> str:
     """Escape rich markup in library text (formulas like ``C[i, j]``, user tokens)."""
     from rich.markup import escape as _escape
 
@@ -184,7 +184,7 @@ def shapes(
     console.print(t)
     console.print()
     for r in rows:
-        console.print(f"[bold]{escape(r.symbol)}[/] ({r.name}): {escape(r.explanation)}")
+        console.print(f"[bold]{_markup_escape(r.symbol)}[/] ({r.name}): {_markup_escape(r.explanation)}")
     console.print(
         f"parameters {totals['params']:,}; attention FLOPs (QKᵀ + A V, DESIGN.md's 4·H·T²·d): "
         f"dense {_si(dense)}, causal {_si(dense // 2)}; all rows {_si(totals['flops'])}"
@@ -249,7 +249,7 @@ def masks(
     for b in range(batch.B):
         toks = batch.tokens[b]
         console.print(f"[bold]sentence {b + 1}[/] ({batch.lengths[b]} tokens): "
-                      f"{escape(' '.join(toks))}")
+                      f"{_markup_escape(' '.join(toks))}")
         _print_tables(console, _mask_pair("key padding", batch.key_padding_mask[b][None],
                                           ["keys"], toks, form))
         _print_tables(console, _mask_pair("combined (causal AND padding)", batch.mask[b],
@@ -343,7 +343,7 @@ def trace_cmd(
         return
     console = _console()
     for st in tr:
-        console.print(f"[bold cyan]{st.symbol}[/]  {escape(st.formula)}   [dim]{st.notation} = "
+        console.print(f"[bold cyan]{st.symbol}[/]  {_markup_escape(st.formula)}   [dim]{st.notation} = "
                       f"{'×'.join(map(str, st.shape))}[/]")
         if st.value.size <= 256:
             console.print(_fmt(st.value), markup=False)
@@ -482,6 +482,27 @@ def demo(
     console.print(f"its weights         A_4 = {_fmt(chapter.A[3])}", markup=False)
     console.print(f"weighted values     h_4 = {_fmt(chapter.H[3])}", markup=False)
     console.print(str(ex), markup=False)
+    if not report.ok:
+        raise typer.Exit(1)
+
+
+@app.command("audit")
+def audit_cmd(
+    file: Path = typer.Argument(..., help="A .npz, a .npy, a folder of .npy files or a .safetensors."),
+    max_bytes: int = typer.Option(2 * 2**30, "--max-bytes", help="Refuse arrays larger than this."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+):
+    """Check named arrays in dependency order. Exit 0 clean, 1 a check fails, 2 unusable input."""
+    from .audit import audit
+
+    try:
+        report = audit(file, max_bytes=max_bytes)
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+    if as_json:
+        _print_json(report.to_dict())
+    else:
+        _console().print(str(report), markup=False)
     if not report.ok:
         raise typer.Exit(1)
 

@@ -141,9 +141,10 @@ def trace(
     else:
         d_k = W["W_q"].shape[1]
 
-    Q = _split_heads(X @ W["W_q"], n_heads)
-    K = _split_heads(X @ W["W_k"], n_heads)
-    V = _split_heads(X @ W["W_v"], n_heads)
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf at unreadable positions is allowed
+        Q = _split_heads(X @ W["W_q"], n_heads)
+        K = _split_heads(X @ W["W_k"], n_heads)
+        V = _split_heads(X @ W["W_v"], n_heads)
 
     if scale is None:
         scale = 1.0 / np.sqrt(d_k)
