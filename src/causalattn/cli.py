@@ -349,7 +349,8 @@ def trace_cmd(
             console.print(_fmt(st.value), markup=False)
         console.print()
     if ex is not None:
-        console.print(f"[bold]The four quantities for query {query} (h_{query}):[/]")
+        console.print(f"[bold]The four quantities for query {query} (h_{query}; "
+                      f"0-based i = {query - 1} below):[/]")
         console.print(str(ex), markup=False)
     if save is not None:
         console.print(f"saved the trace to {save}")
@@ -389,7 +390,6 @@ def demo(
         chapter = run_trace(**dict(_CHAPTER))
         ex = chapter.explain(3)
     last = batch.B - 1
-    first_failure = report.first_failure
     if as_json:
         _print_json(
             {
@@ -404,8 +404,7 @@ def demo(
                     "d_model": d_model,
                     "seed": seed,
                     "A_sentence_4": tr.A[last],
-                    "audit_ok": bool(report.ok),
-                    "first_failure": None if first_failure is None else str(first_failure),
+                    "audit": report.to_dict(),
                 },
                 "chapter": {
                     "S_4": chapter.S[3],
@@ -459,7 +458,7 @@ def demo(
                                       batch.mask[last], s4, s4, "both"))
 
     console.rule(f"3. One seeded self-attention over the batch (d_model = {d_model}, seed {seed})")
-    console.print(f"X = E[ids] is {'×'.join(map(str, tr.X.shape))}; "
+    console.print(f"X = E\\[ids] is {'×'.join(map(str, tr.X.shape))}; "
                   f"A is {'×'.join(map(str, tr.A.shape))}; H is {'×'.join(map(str, tr.H.shape))}")
     at = Table(title=f"A for sentence {last + 1} (rows sum to 1; padding rows are 0)",
                title_justify="left", box=None)
@@ -469,10 +468,7 @@ def demo(
     for i, r in enumerate(s4):
         at.add_row(Text(f"{i + 1} {r}"), *(f"{a:.2f}" if a else "·" for a in tr.A[last, i]))
     console.print(at)
-    if report.ok:
-        console.print("[bold green]audit: ok[/] — every stage checked in dependency order")
-    else:
-        console.print(f"[bold red]audit failed:[/] {first_failure}")
+    console.print(str(report), markup=False, style="green" if report.ok else "bold red")
     console.print()
 
     console.rule("4. The chapter's four-token trace")
@@ -481,6 +477,7 @@ def demo(
     console.print(f"scores of query 4   S_4 = {_fmt(chapter.S[3])}", markup=False)
     console.print(f"its weights         A_4 = {_fmt(chapter.A[3])}", markup=False)
     console.print(f"weighted values     h_4 = {_fmt(chapter.H[3])}", markup=False)
+    console.print("explain(3), 0-based as in Python (i = 3 is the chapter's h_4):")
     console.print(str(ex), markup=False)
     if not report.ok:
         raise typer.Exit(1)
