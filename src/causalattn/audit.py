@@ -330,21 +330,19 @@ def _eps(dtype: np.dtype) -> float:
 def _from_mapping(data: Mapping[str, Any]) -> _Inputs:
     raw: dict[str, tuple[np.ndarray, str]] = {}
     notes: list[str] = []
-    prefixes = set()
     ignored = []
+    layers = {_canon(str(k))[2] for k in data if _canon(str(k))[0] not in ("", *_META)}
+    if len(layers - {None}) > 1:
+        raise AuditInputError(f"arrays from several layers ({', '.join(sorted(layers - {None}))}); "
+                              "audit one layer at a time")
     for key, val in data.items():
         stage, base, prefix = _canon(str(key))
         if not stage:
             ignored.append(str(key))
             continue
-        if prefix and stage not in _META:
-            prefixes.add(prefix)
         if stage in raw:
             raise AuditInputError(f"{key}: names the same stage ({stage}) as another entry")
         raw[stage] = (_to_numpy(str(key), val), base)
-    if len(prefixes) > 1:
-        raise AuditInputError(f"arrays from several layers ({', '.join(sorted(prefixes))}); "
-                              "audit one layer at a time")
     if ignored:
         notes.append(f"ignored entries: {', '.join(sorted(ignored))}")
 
@@ -751,7 +749,8 @@ class _Auditor:
         """Blocked = exactly 0, but an isolated zero below the diagonal is read as underflow."""
         T_q, T_k = A.shape[-2:]
         off = T_k - T_q
-        R = A != 0  # NaN counts as read
+        # NaN counts as read, except a row that is NaN throughout: softmax of all -inf (0/0)
+        R = (A != 0) & ~np.isnan(A).all(-1, keepdims=True)
         causal = _masks.causal(T_q, T_k)
         empty_row = ~R.any(-1, keepdims=True)
         i = np.arange(T_q)[:, None]

@@ -1,0 +1,220 @@
+"""The in-order audit: planted faults land at the right stage, clean traces pass, bad files exit 2."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import zipfile
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import causalattn
+from causalattn import masks
+from causalattn.audit import AuditInputError, audit
+from causalattn.cli import app
+
+T, D, DK = 6, 4, 3
+
+
+@pytest.fixture(scope="module")
+def parts():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(T, D))
+    W = {n: rng.normal(size=(D, DK)) for n in ("W_q", "W_k", "W_v")}
+    W["W_o"] = rng.normal(size=(DK, D))
+    return X, W
+
+
+def _softmax(Z, axis):
+    Z = Z - np.max(Z, axis=axis, keepdims=True)
+    E = np.exp(Z)
+    return E / E.sum(axis=axis, keepdims=True)
+
+
+def _pipeline(X, W, *, scale=None, mask="causal", axis=-1, after=False):
+    """Plain NumPy attention with one knob per planted fault -> dict of stages."""
+    Q, K, V = X @ W["W_q"], X @ W["W_k"], X @ W["W_v"]
+    S = Q @ K.T * (1 / np.sqrt(DK) if scale is None else scale)
+    al = {"causal": masks.causal(T), "none": np.ones((T, T), bool),
+          "diag": np.tril(np.ones((T, T), bool), -1)}[mask]
+    if after:
+        A = _softmax(S, -1) * al
+    elif axis is None:
+        Z = np.where(al, S, -np.inf)
+        E = np.exp(Z - Z.max())
+        A = E / E.sum()
+    else:
+        A = _softmax(np.where(al, S, -np.inf), axis)
+    H = A @ V
+    return {"X": X, **W, "Q": Q, "K": K, "V": V, "S": S, "A": A, "H": H, "O": H @ W["W_o"]}
+
+
+def test_clean_trace_and_chapter_example(parts):
+    X, W = parts
+    rep = audit(causalattn.trace(X, *W.values()))
+    assert rep.ok and rep.first_failure is None, str(rep)
+    chapter = causalattn.trace(np.array([[1, 0], [0, 1], [1, 1], [-1, 1.0]]), np.eye(2), np.eye(2),
+                               np.array([[1, 1], [1, -1.0]]))
+    assert audit(chapter).ok
+    assert audit(_pipeline(X, W)).ok
+    d = audit(_pipeline(X, W)).to_dict()
+    json.dumps(d)
+    assert d["ok"] and d["first_failure"] is None
+
+
+@pytest.mark.parametrize(
+    "knob, stage, hint",
+    [
+        ({"axis": 0}, "A", "query axis"),
+        ({"axis": None}, "A", "all entries"),
+        ({"after": True}, "A", "after softmax"),
+        ({"scale": 1.0}, "S", "scale is missing"),
+        ({"scale": 1.0 / DK}, "S", "divided by d_k"),
+        ({"mask": "diag"}, "M", "diagonal is blocked"),
+        ({"mask": "none"}, "M", "no causal mask"),
+    ],
+)
+def test_planted_fault_at_its_stage(parts, knob, stage, hint):
+    X, W = parts
+    stages = _pipeline(X, W, **knob)
+    rep = audit(stages)
+    assert not rep.ok
+    assert rep.first_failure.stage == stage, str(rep)
+    assert hint in rep.first_failure.hint
+    assert rep.first_failure.evidence
+    # the same fault seen from fewer stages: A alone is recomputed from
+    small = {k: stages[k] for k in ("X", "W_q", "W_k", "W_v", "A")}
+    rep2 = audit(small)
+    assert rep2.first_failure.stage == stage, str(rep2)
+    assert {"Q", "K", "V", "S", "H"} <= set(rep2.recomputed)
+
+
+def test_k_not_transposed_and_output_projection(parts):
+    rng = np.random.default_rng(1)
+    Q, K, V = rng.normal(size=(3, 4, 4))  # T = d_k, so Q K has the right shape
+    S = Q @ K / 2.0
+    rep = audit({"Q": Q, "K": K, "V": V, "S": S})
+    assert rep.first_failure.stage == "S" and "not transposed" in rep.first_failure.hint
+    X, W = parts
+    st = _pipeline(X, W)
+    Wsq = rng.normal(size=(DK, DK))
+    rep = audit({**st, "W_o": Wsq, "O": st["H"] @ Wsq.T})
+    assert rep.first_failure.stage == "O" and "transposed" in rep.first_failure.hint
+    rep = audit({**st, "O": st["H"]})
+    assert rep.first_failure.stage == "O" and "missing" in rep.first_failure.hint
+
+
+def test_padding_rows_listed_not_failed_and_nan_rows_fail(parts):
+    X, W = parts
+    Xb = np.stack([X, X])
+    al = masks.combine(masks.causal(T), masks.key_padding([T, 4], T)[:, None, :],
+                       masks.query_padding([T, 4], T)[:, :, None])
+    tr = causalattn.trace(Xb, *W.values(), mask=al)
+    rep = audit(tr)
+    assert rep.ok, str(rep)
+    assert rep.empty_rows == [{"index": [1], "rows": [4, 5]}]
+    A = tr.A.copy()
+    A[1, 4:] = np.nan
+    rep = audit({"A": A, "V": tr.V, "allowed": al})
+    assert rep.first_failure.stage == "A" and "NaN" in rep.first_failure.message
+    assert rep.first_failure.evidence["index"] == (1,)
+    # padding keys readable by real queries (declared lengths): fails at M
+    rep = audit({"A": causalattn.trace(Xb, *W.values()).A, "lengths": np.array([T, 4])})
+    assert not rep.ok and rep.first_failure.stage in ("M", "A"), str(rep)
+
+
+def test_torch_dump_audits(tmp_path):
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 4, generator=g) for _ in range(3))
+    s = q @ k.transpose(-2, -1) / 2.0
+    s = s.masked_fill(~torch.ones(5, 5, dtype=torch.bool).tril(), float("-inf"))
+    a = torch.softmax(s, dim=-1)
+    h = a @ v
+    path = tmp_path / "torch.npz"
+    np.savez(path, q=q.numpy(), k=k.numpy(), v=v.numpy(), scores=s.numpy(), attn=a.numpy(),
+             out=h.numpy())
+    rep = audit(path)
+    assert rep.ok, str(rep)
+    assert "Z" in rep.given  # scores carrying -inf are read as Z = S + M
+    rep = audit({"q": q, "k": k, "v": v, "pattern": torch.softmax(s, dim=-2).nan_to_num()})
+    assert rep.first_failure.stage == "A"
+
+
+def test_transformerlens_shaped_dict():
+    rng = np.random.default_rng(2)
+    b, pos, h, d = 2, 5, 3, 4
+    q, k, v = rng.normal(size=(3, b, pos, h, d))
+    qh, kh, vh = (np.moveaxis(x, 2, 1) for x in (q, k, v))
+    s = qh @ np.swapaxes(kh, -1, -2) / np.sqrt(d)
+    s = np.where(masks.causal(pos), s, -np.inf)
+    p = _softmax(s, -1)
+    z = np.moveaxis(p @ vh, 1, 2)  # (batch, pos, head, d)
+    pre = "blocks.0.attn."
+    cache = {pre + "hook_q": q, pre + "hook_k": k, pre + "hook_v": v,
+             pre + "hook_attn_scores": s, pre + "hook_pattern": p, pre + "hook_z": z}
+    rep = audit(cache)
+    assert rep.ok, str(rep)
+    bad = p.copy()
+    bad[1, 2] = np.nan_to_num(_softmax(s[1, 2], 0))
+    rep = audit({**cache, pre + "hook_pattern": bad})
+    assert rep.first_failure.stage == "A"
+    assert rep.first_failure.evidence["index"] == (1, 2)
+    with pytest.raises(AuditInputError, match="several layers"):
+        audit({**cache, "blocks.1.attn.hook_q": q})
+
+
+def test_folder_and_safetensors(tmp_path, parts):
+    X, W = parts
+    st = _pipeline(X, W, scale=1.0)
+    folder = tmp_path / "arrays"
+    folder.mkdir()
+    for name in ("Q", "K", "V", "S"):
+        np.save(folder / f"{name}.npy", st[name])
+    assert audit(folder).first_failure.stage == "S"
+    sf = pytest.importorskip("safetensors.numpy")
+    sf.save_file({"Q": st["Q"], "K": st["K"], "weights": _pipeline(X, W)["A"]},
+                 str(tmp_path / "a.safetensors"))
+    assert audit(tmp_path / "a.safetensors").ok
+
+
+def _malformed(tmp_path):
+    good = tmp_path / "good.npz"
+    np.savez(good, A=np.eye(3))
+    trunc = tmp_path / "trunc.npz"
+    trunc.write_bytes(good.read_bytes()[:60])
+    obj = tmp_path / "obj.npz"
+    with zipfile.ZipFile(obj, "w") as zf:
+        with zf.open("A.npy", "w") as fh:
+            np.lib.format.write_array(fh, np.array([{"x": 1}], dtype=object), allow_pickle=True)
+    pkl = tmp_path / "pickle.npz"
+    pkl.write_bytes(pickle.dumps({"A": np.eye(3)}))
+    rank = tmp_path / "rank.npz"
+    np.savez(rank, S=np.ones(4))
+    nan = tmp_path / "nan.npz"
+    np.savez(nan, A=np.full((4, 4), np.nan), V=np.full((4, 2), np.nan))
+    empty = tmp_path / "empty.npz"
+    np.savez(empty, tokens=np.array(["a", "b"]))
+    return [trunc, obj, pkl, rank, nan, empty, tmp_path / "missing.npz"]
+
+
+def test_cli_exit_codes(tmp_path, parts):
+    runner = CliRunner()
+    X, W = parts
+    clean, bad = tmp_path / "clean.npz", tmp_path / "bad.npz"
+    np.savez(clean, **_pipeline(X, W))
+    np.savez(bad, **_pipeline(X, W, axis=0))
+    r = runner.invoke(app, ["audit", str(clean)])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["audit", str(bad), "--json"])
+    assert r.exit_code == 1, r.output
+    data = json.loads(r.stdout)
+    assert data["first_failure"]["stage"] == "A" and "query axis" in data["first_failure"]["hint"]
+    for path in _malformed(tmp_path):
+        r = runner.invoke(app, ["audit", str(path)])
+        assert r.exit_code == 2, (path.name, r.output)
+        assert "error:" in r.output and "Traceback" not in r.output, r.output
+    r = runner.invoke(app, ["audit", str(clean), "--max-bytes", "100"])
+    assert r.exit_code == 2 and "limit" in r.output
