@@ -1,0 +1,404 @@
+"""Triton kernels of the GPU engine (imported only where triton is installed).
+
+Notation: a program owns one tile of rows, BLOCK_M queries × BLOCK_N keys at a time.
+Which keys a query row i may read is one interval per row, ``LO[b, i] <= j < HI[b, i]``
+(built on the host from causal / lengths / cu_seqlens; ``LO = HI = T_k`` for a row with
+no readable key), intersected with ``key_padding_mask``. Because LO and HI never decrease
+along i, a tile of rows reads one contiguous key range, and inside it the keys every row
+may read form one contiguous run: key tiles in that run are computed without a mask, the
+tiles at its two ends (the causal diagonal, a sequence start, a length) with ``tl.where``.
+
+Head sizes: when d fits one tile (``NUM_DK == NUM_DV == 1``) Q (or K, V in the backward)
+stay in registers. Otherwise the scores ``Q Kᵀ`` are accumulated over d-chunks of
+BLOCK_DK (loaded inside the loop), and the output columns are split over a grid axis
+(BLOCK_DV columns per program), each program recomputing the scores for its columns:
+the accumulator of a 1024-wide head never fits registers, recomputing ``Q Kᵀ`` does.
+Scores are in log2 units (``qk_scale = scale · log2 e``); the saved log-sum-exp is in
+natural units (+inf for an empty row, so that the backward's ``exp2(s - lse)`` is 0).
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _dot_rows_cols(A, B_, offs_a, offs_b, a_ok, b_ok, sat, sad, sbt, sbd, D,
+                   BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+                   NUM_D: tl.constexpr, PREC: tl.constexpr):
+    """Σ_d A[a, d] B[b, d] for the rows offs_a of A and offs_b of B, over d-chunks -> (BLOCK_A, BLOCK_B) fp32."""
+    acc = tl.zeros([BLOCK_A, BLOCK_B], dtype=tl.float32)
+    for c in range(NUM_D):
+        offs_d = c * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_ok = offs_d < D
+        a = tl.load(A + offs_a[:, None] * sat + offs_d[None, :] * sad,
+                    mask=a_ok[:, None] & d_ok[None, :], other=0.0)
+        bT = tl.load(B_ + offs_b[None, :] * sbt + offs_d[:, None] * sbd,
+                     mask=b_ok[None, :] & d_ok[:, None], other=0.0)
+        acc += tl.dot(a, bT, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _row_bounds(LOb, HIb, offs_m, T_q, T_k, BLOCK_N: tl.constexpr, HAS_KPM: tl.constexpr):
+    """Per-row intervals of a row tile and the key tiles to visit: masked [start, u1),
+    unmasked [u1, u2), masked [u2, end)."""
+    row_ok = offs_m < T_q
+    lo = tl.load(LOb + offs_m, mask=row_ok, other=0)
+    hi = tl.load(HIb + offs_m, mask=row_ok, other=0)
+    live = row_ok & (lo < hi)
+    n_lo = tl.min(tl.where(live, lo, T_k), axis=0)
+    end = tl.max(tl.where(live, hi, 0), axis=0)
+    f_lo = tl.max(tl.where(live, lo, 0), axis=0)
+    f_hi = tl.min(tl.where(live, hi, T_k), axis=0)
+    start = (n_lo // BLOCK_N) * BLOCK_N
+    u1 = tl.minimum(tl.maximum(tl.cdiv(f_lo, BLOCK_N) * BLOCK_N, start), end)
+    u2 = tl.minimum(tl.maximum((f_hi // BLOCK_N) * BLOCK_N, u1), end)
+    if HAS_KPM:
+        u2 = u1
+    return lo, hi, live, n_lo, end, start, u1, u2
+
+
+@triton.jit
+def _key_ok(KPMb, offs_n, n_lo, n_hi, HAS_KPM: tl.constexpr):
+    """Keys some row of the tile may read; every other key is loaded as 0 (padding never leaks)."""
+    ok = (offs_n >= n_lo) & (offs_n < n_hi)
+    if HAS_KPM:
+        ok = ok & (tl.load(KPMb + offs_n, mask=ok, other=0) != 0)
+    return ok
+
+
+@triton.jit
+def _fwd_tile(acc, l_i, m_i, q, Qb, Kb, Vb, KPMb, offs_m, row_ok, lo, hi, n_lo, n_hi, start_n,
+              sqt, sqd, skt, skd, svt, svd, D_K, D_V, qk_scale, offs_dv, dv_ok,
+              MASKED: tl.constexpr, HAS_KPM: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
+              NUM_DK: tl.constexpr, PREC: tl.constexpr):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if MASKED:
+        k_ok = _key_ok(KPMb, offs_n, n_lo, n_hi, HAS_KPM)
+    else:
+        k_ok = offs_n >= 0
+    if NUM_DK == 1:
+        offs_d = tl.arange(0, BLOCK_DK)
+        kT = tl.load(Kb + offs_n[None, :] * skt + offs_d[:, None] * skd,
+                     mask=k_ok[None, :] & (offs_d[:, None] < D_K), other=0.0)
+        s = tl.dot(q, kT, input_precision=PREC)
+    else:
+        s = _dot_rows_cols(Qb, Kb, offs_m, offs_n, row_ok, k_ok, sqt, sqd, skt, skd, D_K,
+                           BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, PREC)
+    s = s * qk_scale
+    if MASKED:
+        allowed = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None]) & k_ok[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet: keep 0s
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = m_new
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    v = tl.load(Vb + offs_n[:, None] * svt + offs_dv[None, :] * svd,
+                mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def fwd_kernel(Q, K, V, O, LSE, LO, HI, KPM,
+               sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod,
+               H_q, T_q, T_k, D_K, D_V, GROUP, qk_scale,
+               HAS_KPM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+               PREC: tl.constexpr):
+    """One program: BLOCK_M query rows × BLOCK_DV output columns of one (b, h)."""
+    pid_m = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = pid_bh // H_q
+    h = pid_bh % H_q
+    hk = h // GROUP
+    b64 = b.to(tl.int64)
+    Qb = Q + b64 * sqb + h.to(tl.int64) * sqh
+    Kb = K + b64 * skb + hk.to(tl.int64) * skh
+    Vb = V + b64 * svb + hk.to(tl.int64) * svh
+    KPMb = KPM + b64 * T_k
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    lo, hi, live, n_lo, n_hi, start, u1, u2 = _row_bounds(
+        LO + b64 * T_q, HI + b64 * T_q, offs_m, T_q, T_k, BLOCK_N, HAS_KPM)
+    row_ok = offs_m < T_q
+    offs_dv = pid_c * BLOCK_DV + tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < D_V
+
+    if NUM_DK == 1:
+        offs_d = tl.arange(0, BLOCK_DK)
+        q = tl.load(Qb + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
+                    mask=row_ok[:, None] & (offs_d[None, :] < D_K), other=0.0)
+    else:
+        q = tl.zeros([BLOCK_M, 16], dtype=tl.float32)  # unused: Q is loaded by d-chunks
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for start_n in range(start, u1, BLOCK_N):  # leading edge (sequence start): masked
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Qb, Kb, Vb, KPMb, offs_m, row_ok, lo, hi,
+                                  n_lo, n_hi, start_n, sqt, sqd, skt, skd, svt, svd, D_K, D_V,
+                                  qk_scale, offs_dv, dv_ok, True, HAS_KPM,
+                                  BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, PREC)
+    for start_n in range(u1, u2, BLOCK_N):  # every row reads every key: no mask
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Qb, Kb, Vb, KPMb, offs_m, row_ok, lo, hi,
+                                  n_lo, n_hi, start_n, sqt, sqd, skt, skd, svt, svd, D_K, D_V,
+                                  qk_scale, offs_dv, dv_ok, False, HAS_KPM,
+                                  BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, PREC)
+    for start_n in range(u2, n_hi, BLOCK_N):  # trailing edge (causal diagonal, length): masked
+        acc, l_i, m_i = _fwd_tile(acc, l_i, m_i, q, Qb, Kb, Vb, KPMb, offs_m, row_ok, lo, hi,
+                                  n_lo, n_hi, start_n, sqt, sqd, skt, skd, svt, svd, D_K, D_V,
+                                  qk_scale, offs_dv, dv_ok, True, HAS_KPM,
+                                  BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, PREC)
+
+    has = live & (l_i > 0.0)  # rows with at least one readable key
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    out = tl.where(has[:, None], out, 0.0)
+    Ob = O + b64 * sob + h.to(tl.int64) * soh
+    tl.store(Ob + offs_m[:, None] * sot + offs_dv[None, :] * sod, out.to(O.dtype.element_ty),
+             mask=row_ok[:, None] & dv_ok[None, :])
+    if pid_c == 0:
+        lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634,
+                       float("inf"))
+        tl.store(LSE + pid_bh.to(tl.int64) * T_q + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _dkdv_tile(acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, offs_n, k_ok, start_m,
+               q_end, sqt, sqd, skt, skd, svt, svd, sdot, sdod, D_K, D_V, qk_scale, offs_c, ck_ok,
+               cv_ok, MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+               NUM_DV: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr):
+    """Transposed form: sT = K Qᵀ (BLOCK_N × BLOCK_M), so dK, dV rows stay with this program."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    if MASKED:
+        m_ok = offs_m < q_end
+    else:
+        m_ok = offs_m >= 0
+    if NUM_DK == 1:
+        offs_d = tl.arange(0, BLOCK_DK)
+        qT = tl.load(Qb + offs_m[None, :] * sqt + offs_d[:, None] * sqd,
+                     mask=m_ok[None, :] & (offs_d[:, None] < D_K), other=0.0)
+        sT = tl.dot(k, qT, input_precision=PREC)
+    else:
+        sT = _dot_rows_cols(Kb, Qb, offs_n, offs_m, k_ok, m_ok, skt, skd, sqt, sqd, D_K,
+                            BLOCK_N, BLOCK_M, BLOCK_DK, NUM_DK, PREC)
+    lse = tl.load(LSEb + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
+    pT = tl.math.exp2(sT * qk_scale - lse[None, :])
+    if MASKED:
+        lo = tl.load(LOb + offs_m, mask=m_ok, other=0)
+        hi = tl.load(HIb + offs_m, mask=m_ok, other=0)
+        allowed = ((offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :])
+                   & m_ok[None, :] & k_ok[:, None])
+        pT = tl.where(allowed, pT, 0.0)
+    do_c = tl.load(DOb + offs_m[:, None] * sdot + offs_c[None, :] * sdod,
+                   mask=m_ok[:, None] & cv_ok[None, :], other=0.0)
+    acc_dv += tl.dot(pT.to(do_c.dtype), do_c, input_precision=PREC)
+    if NUM_DV == 1:
+        offs_d = tl.arange(0, BLOCK_DV)
+        doT = tl.load(DOb + offs_m[None, :] * sdot + offs_d[:, None] * sdod,
+                      mask=m_ok[None, :] & (offs_d[:, None] < D_V), other=0.0)
+        dpT = tl.dot(v, doT, input_precision=PREC)
+    else:
+        dpT = _dot_rows_cols(Vb, DOb, offs_n, offs_m, k_ok, m_ok, svt, svd, sdot, sdod, D_V,
+                             BLOCK_N, BLOCK_M, BLOCK_DV, NUM_DV, PREC)
+    Di = tl.load(DDb + offs_m, mask=m_ok, other=0.0)
+    dsT = pT * (dpT - Di[None, :])
+    if MASKED:
+        dsT = tl.where(allowed, dsT, 0.0)
+    q_c = tl.load(Qb + offs_m[:, None] * sqt + offs_c[None, :] * sqd,
+                  mask=m_ok[:, None] & ck_ok[None, :], other=0.0)
+    acc_dk += tl.dot(dsT.to(q_c.dtype), q_c, input_precision=PREC)
+    return acc_dk, acc_dv
+
+
+@triton.jit
+def dkdv_kernel(Q, K, V, DO, LSE, DD, DK, DV, LO, HI, KPM, RANGES,
+                sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
+                sdob, sdoh, sdot, sdod, sdkb, sdkh, sdkt, sdkd, sdvb, sdvh, sdvt, sdvd,
+                H_q, H_kv, T_q, T_k, D_K, D_V, GROUP, N_BLOCKS, scale, qk_scale,
+                HAS_KPM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+                NUM_DV: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr):
+    """One program: BLOCK_N keys × BLOCK_C columns of dK and dV for one (b, kv-head),
+    summed over the GROUP query heads that share it (no atomics)."""
+    pid_n = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = pid_bh // H_kv
+    hk = pid_bh % H_kv
+    b64 = b.to(tl.int64)
+    Kb = K + b64 * skb + hk.to(tl.int64) * skh
+    Vb = V + b64 * svb + hk.to(tl.int64) * svh
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_ok = offs_n < T_k
+    if HAS_KPM:
+        k_ok = k_ok & (tl.load(KPM + b64 * T_k + offs_n, mask=k_ok, other=0) != 0)
+    # query rows that may read this key tile, from the host: [qlo, qhi), unmasked [r1, r2)
+    R = RANGES + (b64 * N_BLOCKS + pid_n) * 4
+    qlo = tl.load(R)
+    qhi = tl.load(R + 1)
+    r1 = tl.load(R + 2)
+    r2 = tl.load(R + 3)
+    q_start = (qlo // BLOCK_M) * BLOCK_M
+    u1 = tl.minimum(tl.maximum(tl.cdiv(r1, BLOCK_M) * BLOCK_M, q_start), qhi)
+    u2 = tl.minimum(tl.maximum((r2 // BLOCK_M) * BLOCK_M, u1), qhi)
+
+    if NUM_DK == 1:
+        offs_d = tl.arange(0, BLOCK_DK)
+        k = tl.load(Kb + offs_n[:, None] * skt + offs_d[None, :] * skd,
+                    mask=k_ok[:, None] & (offs_d[None, :] < D_K), other=0.0)
+    else:
+        k = tl.zeros([BLOCK_N, 16], dtype=tl.float32)  # unused: K is loaded by d-chunks
+    if NUM_DV == 1:
+        offs_d = tl.arange(0, BLOCK_DV)
+        v = tl.load(Vb + offs_n[:, None] * svt + offs_d[None, :] * svd,
+                    mask=k_ok[:, None] & (offs_d[None, :] < D_V), other=0.0)
+    else:
+        v = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    ck_ok = offs_c < D_K
+    cv_ok = offs_c < D_V
+    acc_dk = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
+    acc_dv = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
+    LOb = LO + b64 * T_q
+    HIb = HI + b64 * T_q
+    for g in range(GROUP):
+        h = (hk * GROUP + g).to(tl.int64)
+        Qb = Q + b64 * sqb + h * sqh
+        DOb = DO + b64 * sdob + h * sdoh
+        LSEb = LSE + (b64 * H_q + h) * T_q
+        DDb = DD + (b64 * H_q + h) * T_q
+        for start_m in range(q_start, u1, BLOCK_M):
+            acc_dk, acc_dv = _dkdv_tile(
+                acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, offs_n, k_ok, start_m,
+                qhi, sqt, sqd, skt, skd, svt, svd, sdot, sdod, D_K, D_V, qk_scale, offs_c, ck_ok,
+                cv_ok, True, BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, BLOCK_C, PREC)
+        for start_m in range(u1, u2, BLOCK_M):
+            acc_dk, acc_dv = _dkdv_tile(
+                acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, offs_n, k_ok, start_m,
+                qhi, sqt, sqd, skt, skd, svt, svd, sdot, sdod, D_K, D_V, qk_scale, offs_c, ck_ok,
+                cv_ok, False, BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, BLOCK_C, PREC)
+        for start_m in range(u2, qhi, BLOCK_M):
+            acc_dk, acc_dv = _dkdv_tile(
+                acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, offs_n, k_ok, start_m,
+                qhi, sqt, sqd, skt, skd, svt, svd, sdot, sdod, D_K, D_V, qk_scale, offs_c, ck_ok,
+                cv_ok, True, BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, BLOCK_C, PREC)
+
+    n_ok = offs_n < T_k
+    DKb = DK + b64 * sdkb + hk.to(tl.int64) * sdkh
+    tl.store(DKb + offs_n[:, None] * sdkt + offs_c[None, :] * sdkd,
+             (acc_dk * scale).to(DK.dtype.element_ty), mask=n_ok[:, None] & ck_ok[None, :])
+    DVb = DV + b64 * sdvb + hk.to(tl.int64) * sdvh
+    tl.store(DVb + offs_n[:, None] * sdvt + offs_c[None, :] * sdvd,
+             acc_dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & cv_ok[None, :])
+
+
+@triton.jit
+def _dq_tile(acc, q, do, Qb, Kb, Vb, DOb, KPMb, offs_m, row_ok, lo, hi, lse, Di, n_lo, n_hi,
+             start_n, sqt, sqd, skt, skd, svt, svd, sdot, sdod, D_K, D_V, qk_scale, offs_c, c_ok,
+             MASKED: tl.constexpr, HAS_KPM: tl.constexpr, BLOCK_M: tl.constexpr,
+             BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr,
+             BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr, PREC: tl.constexpr):
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    if MASKED:
+        k_ok = _key_ok(KPMb, offs_n, n_lo, n_hi, HAS_KPM)
+    else:
+        k_ok = offs_n >= 0
+    if NUM_DK == 1:
+        offs_d = tl.arange(0, BLOCK_DK)
+        kT = tl.load(Kb + offs_n[None, :] * skt + offs_d[:, None] * skd,
+                     mask=k_ok[None, :] & (offs_d[:, None] < D_K), other=0.0)
+        s = tl.dot(q, kT, input_precision=PREC)
+    else:
+        s = _dot_rows_cols(Qb, Kb, offs_m, offs_n, row_ok, k_ok, sqt, sqd, skt, skd, D_K,
+                           BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, PREC)
+    p = tl.math.exp2(s * qk_scale - lse[:, None])
+    if MASKED:
+        allowed = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None]) & k_ok[None, :]
+        p = tl.where(allowed, p, 0.0)
+    if NUM_DV == 1:
+        offs_d = tl.arange(0, BLOCK_DV)
+        vT = tl.load(Vb + offs_n[None, :] * svt + offs_d[:, None] * svd,
+                     mask=k_ok[None, :] & (offs_d[:, None] < D_V), other=0.0)
+        dp = tl.dot(do, vT, input_precision=PREC)
+    else:
+        dp = _dot_rows_cols(DOb, Vb, offs_m, offs_n, row_ok, k_ok, sdot, sdod, svt, svd, D_V,
+                            BLOCK_M, BLOCK_N, BLOCK_DV, NUM_DV, PREC)
+    ds = p * (dp - Di[:, None])
+    if MASKED:
+        ds = tl.where(allowed, ds, 0.0)
+    k_c = tl.load(Kb + offs_n[:, None] * skt + offs_c[None, :] * skd,
+                  mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+    acc += tl.dot(ds.to(k_c.dtype), k_c, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def dq_kernel(Q, K, V, DO, LSE, DD, DQ, LO, HI, KPM,
+              sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
+              sdob, sdoh, sdot, sdod, sdqb, sdqh, sdqt, sdqd,
+              H_q, T_q, T_k, D_K, D_V, GROUP, scale, qk_scale,
+              HAS_KPM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+              NUM_DV: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr):
+    """One program: BLOCK_M query rows × BLOCK_C columns of dQ for one (b, h)."""
+    pid_m = tl.program_id(0)
+    pid_c = tl.program_id(1)
+    pid_bh = tl.program_id(2)
+    b = pid_bh // H_q
+    h = pid_bh % H_q
+    hk = h // GROUP
+    b64 = b.to(tl.int64)
+    Qb = Q + b64 * sqb + h.to(tl.int64) * sqh
+    Kb = K + b64 * skb + hk.to(tl.int64) * skh
+    Vb = V + b64 * svb + hk.to(tl.int64) * svh
+    DOb = DO + b64 * sdob + h.to(tl.int64) * sdoh
+    KPMb = KPM + b64 * T_k
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    lo, hi, live, n_lo, n_hi, start, u1, u2 = _row_bounds(
+        LO + b64 * T_q, HI + b64 * T_q, offs_m, T_q, T_k, BLOCK_N, HAS_KPM)
+    row_ok = offs_m < T_q
+    lse = tl.load(LSE + pid_bh.to(tl.int64) * T_q + offs_m, mask=row_ok, other=float("inf"))
+    lse = lse * 1.4426950408889634
+    Di = tl.load(DD + pid_bh.to(tl.int64) * T_q + offs_m, mask=row_ok, other=0.0)
+    if NUM_DK == 1:
+        offs_d = tl.arange(0, BLOCK_DK)
+        q = tl.load(Qb + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
+                    mask=row_ok[:, None] & (offs_d[None, :] < D_K), other=0.0)
+    else:
+        q = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+    if NUM_DV == 1:
+        offs_d = tl.arange(0, BLOCK_DV)
+        do = tl.load(DOb + offs_m[:, None] * sdot + offs_d[None, :] * sdod,
+                     mask=row_ok[:, None] & (offs_d[None, :] < D_V), other=0.0)
+    else:
+        do = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+    offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < D_K
+    acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
+    for start_n in range(start, u1, BLOCK_N):
+        acc = _dq_tile(acc, q, do, Qb, Kb, Vb, DOb, KPMb, offs_m, row_ok, lo, hi, lse, Di, n_lo,
+                       n_hi, start_n, sqt, sqd, skt, skd, svt, svd, sdot, sdod, D_K, D_V,
+                       qk_scale, offs_c, c_ok, True, HAS_KPM, BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK,
+                       BLOCK_DV, NUM_DV, PREC)
+    for start_n in range(u1, u2, BLOCK_N):
+        acc = _dq_tile(acc, q, do, Qb, Kb, Vb, DOb, KPMb, offs_m, row_ok, lo, hi, lse, Di, n_lo,
+                       n_hi, start_n, sqt, sqd, skt, skd, svt, svd, sdot, sdod, D_K, D_V,
+                       qk_scale, offs_c, c_ok, False, HAS_KPM, BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK,
+                       BLOCK_DV, NUM_DV, PREC)
+    for start_n in range(u2, n_hi, BLOCK_N):
+        acc = _dq_tile(acc, q, do, Qb, Kb, Vb, DOb, KPMb, offs_m, row_ok, lo, hi, lse, Di, n_lo,
+                       n_hi, start_n, sqt, sqd, skt, skd, svt, svd, sdot, sdod, D_K, D_V,
+                       qk_scale, offs_c, c_ok, True, HAS_KPM, BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK,
+                       BLOCK_DV, NUM_DV, PREC)
+    dq = tl.where(live[:, None], acc * scale, 0.0)
+    DQb = DQ + b64 * sdqb + h.to(tl.int64) * sdqh
+    tl.store(DQb + offs_m[:, None] * sdqt + offs_c[None, :] * sdqd, dq.to(DQ.dtype.element_ty),
+             mask=row_ok[:, None] & c_ok[None, :])

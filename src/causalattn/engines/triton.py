@@ -1,0 +1,301 @@
+"""The GPU engine: fused Triton kernels for any head size 16..1024 (``engine="triton"``).
+
+Forward: online softmax in fp32 (FlashAttention-2), one program per BLOCK_M query rows;
+key tiles every row may read run without a mask, only the tiles at the edges (causal
+diagonal, sequence start, length) are masked, tiles nobody reads are skipped.
+Backward by recomputation from the saved log-sum-exp: ``D = rowsum(dH ∘ H)``, a dK/dV
+kernel (one program per key tile, summing over the query heads that share it, so
+grouped-query needs no atomics) and a dQ kernel.
+
+Head sizes: d up to 256 (forward) / 128 (backward) fits one tile. Wider heads are tiled
+along d: the scores ``Q Kᵀ`` are summed over d-chunks, and the output columns (H in the
+forward, dQ / dK / dV in the backward) are split over programs, each recomputing the
+scores for its columns. Recomputing costs FLOPs, but an accumulator of BLOCK_M × 1024 fp32
+values does not fit registers and would spill; the alternative of keeping the running
+output in global memory costs a read and a write of it for every key tile.
+
+The kernels run on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1`` (set before
+this module's kernels are first imported; that is how the tests run them without a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .problem import Problem
+
+try:  # triton is the optional extra `.[gpu]`; without it this module still imports
+    import triton
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+
+LOG2E = 1.4426950408889634
+
+# Kernel tile sizes, overridable (tests force the d-chunked path on small heads).
+CONFIG_OVERRIDE: dict | None = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def _kernels():
+    if triton is None:
+        raise ValueError("engine 'triton': the triton package is not installed (pip install '.[gpu]')")
+    if _interpreting():
+        _interpreter_compat()
+    from . import _triton_kernels
+
+    return _triton_kernels
+
+
+def _interpreter_compat():
+    """triton 3.6's interpreter turns a scalar into a 1-element array and calls ``int()`` on it
+    for ``range(lo, hi)`` bounds, which NumPy >= 2.4 refuses; take the element instead."""
+    from triton.runtime import interpreter as it
+
+    if getattr(it, "_causalattn_patched", False):
+        return
+    original = it._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    it._patch_lang_tensor = patched
+    it._causalattn_patched = True
+
+
+def _interpreting() -> bool:
+    return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << max(0, (n - 1).bit_length()))
+
+
+def _configs(d_k: int, d_v: int, interpret: bool) -> dict:
+    """Tile sizes for the three kernels (see the benchmark notes in ``benchmarks/bench_gpu.py``)."""
+    pk, pv = _pow2(d_k), _pow2(d_v)
+    if interpret:  # small tiles: several of them even at tiny T, and a fast interpreter
+        small = max(pk, pv) <= 128
+        fwd = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_DK=pk if small else 128,
+                   BLOCK_DV=pv if small else 256, num_warps=1, num_stages=1)
+        bwd = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_DK=pk if small else 128,
+                   BLOCK_DV=pv if small else 128, BLOCK_C=max(pk, pv) if small else 256,
+                   num_warps=1, num_stages=1)
+        cfg = {"fwd": fwd, "dkdv": dict(bwd), "dq": dict(bwd)}
+    else:
+        big = max(pk, pv)
+        if big <= 256:
+            bm = 128 if big <= 128 else 64
+            fwd = dict(BLOCK_M=bm, BLOCK_N=64 if big <= 128 else 32, BLOCK_DK=pk, BLOCK_DV=pv,
+                       num_warps=8 if big >= 128 else 4, num_stages=3 if big <= 128 else 2)
+        else:
+            fwd = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=256, num_warps=8, num_stages=2)
+        if big <= 128:
+            dkdv = dict(BLOCK_M=32 if big >= 128 else 64, BLOCK_N=128, BLOCK_DK=pk, BLOCK_DV=pv,
+                        BLOCK_C=big, num_warps=8 if big >= 128 else 4, num_stages=2)
+            dq = dict(BLOCK_M=128, BLOCK_N=32 if big >= 128 else 64, BLOCK_DK=pk, BLOCK_DV=pv,
+                      BLOCK_C=big, num_warps=8 if big >= 128 else 4, num_stages=2)
+        else:
+            dkdv = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=128,
+                        num_warps=8, num_stages=2)
+            dq = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=128,
+                      num_warps=8, num_stages=2)
+        cfg = {"fwd": fwd, "dkdv": dkdv, "dq": dq}
+    if CONFIG_OVERRIDE:
+        for name, over in CONFIG_OVERRIDE.items():
+            cfg[name] = {**cfg[name], **over}
+    return cfg
+
+
+# -- where the engine beats SDPA --------------------------------------------------------
+# Measured by benchmarks/bench_gpu.py (bf16, causal, forward+backward); see prefers().
+MEASURED = "not yet measured"
+# (largest head size of the class, smallest T from which triton is faster) -> None = never
+_PREFERS = {128: None, 256: None, 1024: 0}
+
+
+def prefers(p: Problem) -> bool:
+    """Whether "auto" should run this problem on the Triton engine rather than SDPA (CUDA)."""
+    if triton is None or p.q.device.type != "cuda" or p.q.dtype == torch.float64:
+        return False
+    if p.lengths is not None or p.cu_seqlens is not None or p.key_padding_mask is not None:
+        return True  # SDPA needs a dense (B, 1, T_q, T_k) mask there and leaves the flash kernel
+    d = max(p.q.shape[-1], p.v.shape[-1])
+    for d_max in sorted(_PREFERS):
+        if d <= d_max:
+            t_min = _PREFERS[d_max]
+            return t_min is not None and p.k.shape[2] >= t_min
+    return True
+
+
+# -- host side ---------------------------------------------------------------------------
+class _Rows:
+    """Per query row, the interval of keys it may read: ``LO <= j < HI`` (B, T_q) int32.
+
+    A row with no readable key gets ``LO = HI = T_k``; LO and HI never decrease along a row
+    index, which is what lets the kernels find contiguous tile ranges.
+    """
+
+    def __init__(self, p: Problem):
+        B, _, T_q, _ = p.q.shape
+        T_k = p.k.shape[2]
+        dev = p.q.device
+        i = torch.arange(T_q, device=dev, dtype=torch.int64) + p.offset  # key coordinates
+        lo = torch.zeros(B, T_q, dtype=torch.int64, device=dev)
+        hi = torch.full((B, T_q), T_k, dtype=torch.int64, device=dev)
+        if p.causal:
+            hi = torch.minimum(hi, i + 1)
+        empty = torch.zeros(B, T_q, dtype=torch.bool, device=dev)
+        if p.lengths is not None:
+            L = p.lengths.to(dev)[:, None]
+            hi = torch.minimum(hi, L)
+            empty = empty | (i[None, :] >= L)
+        if p.cu_seqlens is not None:
+            cu = p.cu_seqlens.to(dev)
+            seq = torch.bucketize(torch.arange(T_k, device=dev), cu[1:], right=True)
+            lo = cu[seq].expand(B, T_q)
+            hi = torch.minimum(hi, cu[seq + 1])
+        empty = empty | (hi <= lo)
+        self.lo64 = torch.where(empty, T_k, lo).contiguous()
+        self.hi64 = torch.where(empty, T_k, hi).contiguous()
+        self.lo = self.lo64.to(torch.int32)
+        self.hi = self.hi64.to(torch.int32)
+        self.T_k = T_k
+        self.kpm = (p.key_padding_mask.to(torch.int8).contiguous()
+                    if p.key_padding_mask is not None else torch.zeros(1, dtype=torch.int8, device=dev))
+        self.has_kpm = p.key_padding_mask is not None
+
+    def key_tile_ranges(self, block_n: int) -> torch.Tensor:
+        """For each key tile: the rows that may read it [qlo, qhi) and the rows that read
+        all of it [r1, r2) (empty when the tile is partial or a key mask is given) -> (B, n, 4)."""
+        T_k = self.T_k
+        B = self.lo64.shape[0]
+        s = torch.arange(0, T_k, block_n, device=self.lo64.device, dtype=torch.int64)
+        e = torch.clamp(s + block_n, max=T_k)
+        S, E, F = (x.expand(B, -1).contiguous() for x in (s, e, s + block_n))
+        qlo = torch.searchsorted(self.hi64, S, right=True)  # first row with HI > s
+        qhi = torch.searchsorted(self.lo64, E, right=False)  # first row with LO >= e
+        r1 = torch.searchsorted(self.hi64, F, right=False)  # first row with HI >= s + n
+        r2 = torch.searchsorted(self.lo64, S, right=True)  # first row with LO > s
+        if self.has_kpm:
+            r1 = r2 = torch.zeros_like(r1)
+        return torch.stack([qlo, qhi, r1, r2], dim=-1).to(torch.int32).contiguous()
+
+
+def _prec(dtype: torch.dtype) -> str:
+    # fp32 inputs: full-precision dots (tf32 would break the accuracy rule against fp32 math)
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _launch_fwd(q, k, v, rows: _Rows, scale: float, cfg: dict):
+    kern = _kernels()
+    B, H_q, T_q, d_k = q.shape
+    H_kv, T_k, d_v = k.shape[1], k.shape[2], v.shape[3]
+    o = torch.empty(B, H_q, T_q, d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H_q, T_q, dtype=torch.float32, device=q.device)
+    c = cfg["fwd"]
+    num_dk = triton.cdiv(d_k, c["BLOCK_DK"])
+    grid = (triton.cdiv(T_q, c["BLOCK_M"]), triton.cdiv(d_v, c["BLOCK_DV"]), B * H_q)
+    kern.fwd_kernel[grid](
+        q, k, v, o, lse, rows.lo, rows.hi, rows.kpm,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        H_q, T_q, T_k, d_k, d_v, H_q // H_kv, scale * LOG2E,
+        HAS_KPM=rows.has_kpm, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
+        BLOCK_DK=c["BLOCK_DK"], NUM_DK=num_dk, BLOCK_DV=c["BLOCK_DV"], PREC=_prec(q.dtype),
+        num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+    return o, lse
+
+
+def _launch_bwd(q, k, v, do, lse, D, rows: _Rows, scale: float, cfg: dict):
+    kern = _kernels()
+    B, H_q, T_q, d_k = q.shape
+    H_kv, T_k, d_v = k.shape[1], k.shape[2], v.shape[3]
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    prec = _prec(q.dtype)
+    c = cfg["dkdv"]
+    ranges = rows.key_tile_ranges(c["BLOCK_N"])
+    n_blocks = ranges.shape[1]
+    grid = (n_blocks, triton.cdiv(max(d_k, d_v), c["BLOCK_C"]), B * H_kv)
+    kern.dkdv_kernel[grid](
+        q, k, v, do, lse, D, dk, dv, rows.lo, rows.hi, rows.kpm, ranges,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
+        H_q, H_kv, T_q, T_k, d_k, d_v, H_q // H_kv, n_blocks, scale, scale * LOG2E,
+        HAS_KPM=rows.has_kpm, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
+        BLOCK_DK=c["BLOCK_DK"], NUM_DK=triton.cdiv(d_k, c["BLOCK_DK"]),
+        BLOCK_DV=c["BLOCK_DV"], NUM_DV=triton.cdiv(d_v, c["BLOCK_DV"]), BLOCK_C=c["BLOCK_C"],
+        PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+    c = cfg["dq"]
+    grid = (triton.cdiv(T_q, c["BLOCK_M"]), triton.cdiv(d_k, c["BLOCK_C"]), B * H_q)
+    kern.dq_kernel[grid](
+        q, k, v, do, lse, D, dq, rows.lo, rows.hi, rows.kpm,
+        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
+        H_q, T_q, T_k, d_k, d_v, H_q // H_kv, scale, scale * LOG2E,
+        HAS_KPM=rows.has_kpm, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
+        BLOCK_DK=c["BLOCK_DK"], NUM_DK=triton.cdiv(d_k, c["BLOCK_DK"]),
+        BLOCK_DV=c["BLOCK_DV"], NUM_DV=triton.cdiv(d_v, c["BLOCK_DV"]), BLOCK_C=c["BLOCK_C"],
+        PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"],
+    )
+    return dq, dk, dv
+
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, rows, scale, cfg):
+        out, lse = _launch_fwd(q, k, v, rows, scale, cfg)  # lse: +inf on empty rows
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.rows, ctx.scale, ctx.cfg = rows, scale, cfg
+        return out, torch.where(lse == float("inf"), float("-inf"), lse)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dout = dout.contiguous()
+        empty = lse == float("inf")
+        D = (dout.float() * out.float()).sum(-1)  # rowsum(dH ∘ H): the softmax Jacobian's term
+        if dlse is not None:  # d lse / d S = A, so a gradient on lse shifts D
+            D = D - dlse.float()
+        D = torch.where(empty, 0.0, D).contiguous()
+        dq, dk, dv = _launch_bwd(q, k, v, dout, lse, D, ctx.rows, ctx.scale, ctx.cfg)
+        return dq, dk, dv, None, None, None
+
+
+def forward(p: Problem, return_lse: bool = False):
+    """H ``(B, H_q, T_q, d_v)`` (and the fp32 log-sum-exp ``(B, H_q, T_q)``) on the GPU."""
+    if triton is None:
+        raise ValueError("engine 'triton': the triton package is not installed (pip install '.[gpu]')")
+    q, k, v = p.q, p.k, p.v
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"engine 'triton': dtype {q.dtype} not supported; use fp16, bf16 or fp32")
+    if q.device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"engine 'triton': q is on {q.device}; the kernels need CUDA tensors "
+            "(or TRITON_INTERPRET=1 to run them, slowly, on the CPU)"
+        )
+    d_k, d_v = q.shape[-1], v.shape[-1]
+    if not (1 <= d_k <= 1024 and 1 <= d_v <= 1024):
+        raise ValueError(f"engine 'triton': head sizes d_k={d_k}, d_v={d_v} must lie in 1..1024")
+    B, H_q, T_q, _ = q.shape
+    if B * H_q * T_q == 0 or k.shape[2] == 0:
+        out = q.new_zeros(B, H_q, T_q, d_v)
+        lse = torch.full((B, H_q, T_q), float("-inf"), dtype=torch.float32, device=q.device)
+        return (out, lse) if return_lse else out
+    cfg = _configs(d_k, d_v, _interpreting())
+    rows = _Rows(p)
+    out, lse = _Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), rows, p.scale, cfg)
+    return (out, lse) if return_lse else out
+
+
+def flops(B: int, H: int, T: int, d: int, causal: bool = True, backward: bool = False) -> float:
+    """FLOPs by DESIGN.md's convention: 4·B·H·T²·d, halved for causal; backward 2.5× that."""
+    f = 4.0 * B * H * T * T * d / (2.0 if causal else 1.0)
+    return f * 2.5 if backward else f
+
+
+__all__ = ["forward", "prefers", "available", "flops", "MEASURED"]
