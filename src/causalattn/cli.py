@@ -347,6 +347,8 @@ def trace_cmd(
                       f"{'×'.join(map(str, st.shape))}[/]")
         if st.value.size <= 256:
             console.print(_fmt(st.value), markup=False)
+        else:
+            console.print(f"({st.value.size} values: see --json or --save)", style="dim")
         console.print()
     if ex is not None:
         console.print(f"[bold]The four quantities for query {query} (h_{query}; "
