@@ -148,12 +148,6 @@ class CausalSelfAttention(nn.Module):
     def _check_cache(self, kv_cache, x: torch.Tensor) -> None:
         if not isinstance(kv_cache, KVCache):
             raise ValueError(f"kv_cache: expected a causalattn.KVCache, got {type(kv_cache).__name__}")
-        owner = getattr(kv_cache, "_causalattn_owner", None)
-        if owner is not None and owner() is not self:
-            raise ValueError(
-                "kv_cache: this KVCache already holds keys and values of another "
-                "CausalSelfAttention layer; give every layer its own KVCache"
-            )
         if len(kv_cache):
             k = kv_cache.k
             want = (x.shape[0], self.n_kv_heads, self.d_k)
@@ -167,6 +161,12 @@ class CausalSelfAttention(nn.Module):
                 raise ValueError(
                     f"kv_cache: holds {k.dtype} on {k.device}, but x is {x.dtype} on {x.device}"
                 )
+        owner = getattr(kv_cache, "_causalattn_owner", None)
+        if owner is not None and owner() is not self:
+            raise ValueError(
+                "kv_cache: this KVCache already holds keys and values of another "
+                "CausalSelfAttention layer; give every layer its own KVCache"
+            )
 
     def forward(
         self,
