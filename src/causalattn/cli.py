@@ -327,7 +327,10 @@ def trace_cmd(
                 _fail(f"--query must be a position 1..{T} (T = {T}), got {query}")
             ex = tr.explain(query - 1)
         if save is not None:
-            tr.save(save)
+            try:
+                tr.save(save)
+            except OSError as exc:
+                _fail(f"--save: cannot write {save} ({exc.strerror or exc})")
     if as_json:
         out = {
             "scale": tr.scale,
@@ -355,7 +358,8 @@ def trace_cmd(
                       f"0-based i = {query - 1} below):[/]")
         console.print(str(ex), markup=False)
     if save is not None:
-        console.print(f"saved the trace to {save}")
+        saved = save if save.suffix == ".npz" else save.with_name(save.name + ".npz")  # as np.savez
+        console.print(f"saved the trace to {saved}", markup=False)
 
 
 # -- causalattn demo --------------------------------------------------------------------
