@@ -1,0 +1,1 @@
+"""Small hand-written attention implementations, each with one planted fault (see diagnose)."""
