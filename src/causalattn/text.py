@@ -155,6 +155,12 @@ class Batch:
         """``(B, N)``: True where the query position holds a real token."""
         return _masks.query_padding(self.lengths, self.N)
 
+    def _repr_html_(self) -> str:
+        """Jupyter shows the explorer inline, over seeded random weights (:mod:`causalattn.viz`)."""
+        from .viz.explorer import explorer_fragment
+
+        return explorer_fragment(self, title="causalattn explorer: seeded random weights")
+
 
 def _sentences(sentences) -> list[str]:
     if isinstance(sentences, str):

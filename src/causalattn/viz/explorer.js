@@ -297,6 +297,7 @@ function causalattnExplorer(root, data) {
     var W = g.ml + g.G + g.mr, Hh = g.mt + g.G + 6;
     var ctx = sized(p.base, W, Hh);
     sized(p.over, W, Hh);
+    p.over.setAttribute("data-grid", [g.ml, g.mt, g.cell, T].join(",")); // left, top, cell, T (for tests)
     ctx.clearRect(0, 0, W, Hh);
     ctx.imageSmoothingEnabled = cell < 1;
     ctx.imageSmoothingQuality = "high";

@@ -93,7 +93,9 @@ def _sequence_data(name: str, tr: Trace) -> dict:
 
 def _named_sequences(obj, names) -> list[tuple[str, Trace]]:
     """Accept a Trace, a list of Traces, or a text.Batch; split batches into sequences."""
-    if type(obj).__name__ == "Batch" and hasattr(obj, "mask") and hasattr(obj, "tokens"):
+    from ..text import Batch
+
+    if isinstance(obj, Batch):
         names = sentence_names(obj) if names is None else names
         obj = batch_traces(obj)
     traces = [obj] if isinstance(obj, Trace) else list(obj)

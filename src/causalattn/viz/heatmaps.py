@@ -237,12 +237,15 @@ def plot_stage(tr: Trace, stage: str = "A", *, seq: int | None = None, head: int
 
 
 def trace_figures(tr: Trace, stages=("M", "S", "A", "norm")) -> dict[str, object]:
-    """Every sequence's figures: ``{"seq1_A": Figure, ...}`` (head grids where there are heads)."""
+    """Figures by name: ``{"A": Figure, ...}``, or ``{"seq1_A": ...}`` for several sequences.
+
+    Heads are drawn as a grid in one figure per stage.
+    """
     out = {}
     seqs = sequences(tr)
     for b in range(len(seqs)):
         for st in stages:
-            out[f"seq{b + 1}_{st}"] = plot_stage(tr, st, seq=b)
+            out[st if len(seqs) == 1 else f"seq{b + 1}_{st}"] = plot_stage(tr, st, seq=b)
     return out
 
 
