@@ -204,12 +204,26 @@ def _read_corpus(path: Path) -> list[str]:
     return [ln for ln in lines if ln.strip()]
 
 
+def _write_pngs(out_dir: Path, make) -> None:
+    """Draw ``make(causalattn.viz)``'s named figures into ``out_dir`` as PNG (needs matplotlib)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        _fail("--png needs matplotlib: pip install 'causalattn[viz]'")
+    from . import viz
+
+    with _library_errors():
+        paths = viz.write_figures(make(viz), out_dir)
+    typer.echo(f"wrote {len(paths)} PNG files to {out_dir}", err=True)
+
+
 @app.command()
 def masks(
     sentences: list[str] = typer.Argument(None, help="Sentences (default: the seed's four)."),
     file: Path = typer.Option(None, "--file", "-f", help="Corpus file, one sentence a line."),
     max_len: int = typer.Option(None, "--max-len", help="Pad/truncate to this many tokens."),
     form: str = typer.Option("both", "--form", help="both | additive (0/-∞) | check (✓/·)."),
+    png: Path = typer.Option(None, "--png", help="Also draw each sentence's mask into DIR as PNG."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Token-labelled causal, padding and combined masks for each sentence."""
@@ -222,6 +236,9 @@ def masks(
     corpus = _read_corpus(file) if file is not None else (sentences or list(text.SEED_SENTENCES))
     with _library_errors():
         batch = _encode_quiet(corpus, max_len=max_len)
+    if png is not None:
+        _write_pngs(png, lambda viz: {f"mask_sentence{b + 1}": viz.plot_mask(batch.mask[b], batch.tokens[b])
+                                      for b in range(batch.B)})
     if as_json:
         _print_json(
             {
@@ -309,6 +326,7 @@ def trace_cmd(
     ),
     query: int = typer.Option(None, "--query", "-q", help="Explain query i (1-based, as h_i)."),
     save: Path = typer.Option(None, "--save", help="Write the whole trace to FILE.npz."),
+    png: Path = typer.Option(None, "--png", help="Also draw M, S, A and ‖A_ij v_j‖ into DIR as PNG."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Every stage of attention in dependency order (default: the chapter's example)."""
@@ -331,6 +349,8 @@ def trace_cmd(
                 tr.save(save)
             except OSError as exc:
                 _fail(f"--save: cannot write {save} ({exc.strerror or exc})")
+    if png is not None:
+        _write_pngs(png, lambda viz: viz.trace_figures(tr))
     if as_json:
         out = {
             "scale": tr.scale,
@@ -508,6 +528,50 @@ def audit_cmd(
         _console().print(str(report), markup=False)
     if not report.ok:
         raise typer.Exit(1)
+
+
+# -- causalattn explore -----------------------------------------------------------------
+
+
+@app.command()
+def explore(
+    sentences: list[str] = typer.Argument(None, help="Sentences (default: the seed's four)."),
+    file: Path = typer.Option(None, "--file", "-f", help="Corpus file, one sentence a line."),
+    trace_file: Path = typer.Option(None, "--trace", help="A trace saved by `trace --save` (.npz)."),
+    output: Path = typer.Option(Path("explorer.html"), "--output", "-o", help="HTML file to write."),
+    max_len: int = typer.Option(None, "--max-len", help="Pad/truncate to this many tokens."),
+    d_model: int = typer.Option(16, "--d-model", help="Width of the random embeddings."),
+    heads: int = typer.Option(2, "--heads", help="Number of heads h."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random embeddings and weights."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """One self-contained HTML page (no network) to explore masks, S, A and each query's row."""
+    from . import text, viz
+    from .trace import Trace
+
+    if sum(x is not None and x != [] for x in (sentences, file, trace_file)) > 1:
+        _fail("give sentences, --file or --trace, only one of them")
+    with _library_errors():
+        if trace_file is not None:
+            tr = Trace.load(trace_file)
+            title = f"causalattn explorer: {trace_file.name}"
+            viz.write_explorer(tr, output, title=title)
+            n = len(viz.kinds.sequences(tr))
+        else:
+            corpus = _read_corpus(file) if file is not None else (sentences or list(text.SEED_SENTENCES))
+            if not corpus:
+                _fail(f"text: the corpus file {file} has no sentences")
+            batch = _encode_quiet(corpus, max_len=max_len)
+            traces = viz.batch_traces(batch, d_model=d_model, n_heads=heads, seed=seed)
+            title = (f"causalattn explorer: {batch.B} sentence(s), seeded random weights "
+                     f"(d_model = {d_model}, {heads} heads, seed {seed})")
+            viz.write_explorer(traces, output, names=viz.sentence_names(batch), title=title)
+            n = batch.B
+    size = output.stat().st_size
+    if as_json:
+        _print_json({"output": str(output), "sequences": n, "bytes": size})
+        return
+    typer.echo(f"wrote {output} ({_human_bytes(size)}): open it in any browser, offline")
 
 
 def main() -> None:
