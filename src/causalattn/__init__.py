@@ -3,7 +3,7 @@
     H = softmax_last( Q Kᵀ / √d_k + M ) V
 """
 
-from . import masks, shapes, text
+from . import masks, shapes, text, viz
 from .audit import AuditInputError, Report, audit
 from .engines import KVCache, attention
 from .reference import trace
