@@ -50,19 +50,34 @@ def _kernels():
 
 
 def _interpreter_compat():
-    """triton 3.6's interpreter turns a scalar into a 1-element array and calls ``int()`` on it
-    for ``range(lo, hi)`` bounds, which NumPy >= 2.4 refuses; take the element instead."""
+    """Two fixes to triton 3.6's interpreter (CPU only; compiled kernels are untouched):
+    it turns a scalar into a 1-element array and calls ``int()`` on it for ``range(lo, hi)``
+    bounds, which NumPy >= 2.4 refuses (take the element); and its ``tl.dot`` multiplies
+    the raw uint16 bits of bf16 operands (widen them to fp32 first)."""
+    import numpy as np
     from triton.runtime import interpreter as it
 
     if getattr(it, "_causalattn_patched", False):
         return
-    original = it._patch_lang_tensor
+    patch_tensor = it._patch_lang_tensor
 
-    def patched(tensor, scope):
-        original(tensor, scope)
+    def patched_tensor(tensor, scope):
+        patch_tensor(tensor, scope)
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
-    it._patch_lang_tensor = patched
+    dot = it.InterpreterBuilder.create_dot
+
+    def widen(h):
+        if h.dtype.scalar != triton.language.bfloat16:
+            return h
+        bits = (h.data.astype(np.uint32) << 16).view(np.float32)
+        return it.TensorHandle(bits, triton.language.float32)
+
+    def patched_dot(self, a, b, d, *args, **kwargs):
+        return dot(self, widen(a), widen(b), d, *args, **kwargs)
+
+    it._patch_lang_tensor = patched_tensor
+    it.InterpreterBuilder.create_dot = patched_dot
     it._causalattn_patched = True
 
 
