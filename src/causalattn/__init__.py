@@ -13,4 +13,5 @@ from .trace import Trace
 
 __all__ = ["masks", "trace", "Trace", "attention", "KVCache", "audit", "Report", "AuditInputError"]
 __all__ += ["text", "encode", "Vocabulary", "Batch", "shapes", "shape_table"]
+__all__ += ["viz"]
 __version__ = "0.1.0"
