@@ -6,6 +6,7 @@
 from . import masks, shapes, text, viz
 from .audit import AuditInputError, Report, audit
 from .engines import KVCache, attention
+from .layer import CausalSelfAttention
 from .reference import trace
 from .shapes import shape_table
 from .text import Batch, Vocabulary, encode
@@ -14,4 +15,5 @@ from .trace import Trace
 __all__ = ["masks", "trace", "Trace", "attention", "KVCache", "audit", "Report", "AuditInputError"]
 __all__ += ["text", "encode", "Vocabulary", "Batch", "shapes", "shape_table"]
 __all__ += ["viz"]
+__all__ += ["CausalSelfAttention"]
 __version__ = "0.1.0"
