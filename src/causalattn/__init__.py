@@ -5,6 +5,7 @@
 
 from . import masks, shapes, text, viz
 from .audit import AuditInputError, Report, audit
+from .diagnose import Diagnosis, diagnose
 from .engines import KVCache, attention
 from .layer import CausalSelfAttention
 from .reference import trace
@@ -12,7 +13,8 @@ from .shapes import shape_table
 from .text import Batch, Vocabulary, encode
 from .trace import Trace
 
-__all__ = ["masks", "trace", "Trace", "attention", "KVCache", "audit", "Report", "AuditInputError"]
+__all__ = ["masks", "trace", "Trace", "attention", "KVCache", "audit", "Report", "AuditInputError",
+           "diagnose", "Diagnosis"]
 __all__ += ["text", "encode", "Vocabulary", "Batch", "shapes", "shape_table"]
 __all__ += ["viz"]
 __all__ += ["CausalSelfAttention"]

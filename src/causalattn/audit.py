@@ -532,6 +532,17 @@ class _Auditor:
             if s not in a:
                 self.recompute(s, ref, "X", w)
                 continue
+            if (self.h is None and a[s].shape[:-1] == ref.shape[:-1]
+                    and ref.shape[-1] % a[s].shape[-1] == 0 and ref.shape[-1] > a[s].shape[-1]):
+                # one head of a multi-head projection (Trace.select(b, h)): find which
+                heads = _split_heads(ref, ref.shape[-1] // a[s].shape[-1])
+                tol = _rtol(self.eps[s], self.eps["X"], self.eps[w])
+                hit = [j for j in range(heads.shape[-3])
+                       if _close(a[s], heads[..., j, :, :], tol)[0]]
+                self.add(s, f"{s} = X {w}", bool(hit),
+                         f"{s} is head {hit[0]} of X {w}" if hit else
+                         f"{s} ({a[s].shape}) is no head of X {w} ({ref.shape})")
+                continue
             if a[s].shape != ref.shape:
                 self.add(s, f"{s} = X {w}", False,
                          f"{s} has shape {a[s].shape} but X {w} gives {ref.shape}")
@@ -739,11 +750,13 @@ class _Auditor:
         return R
 
     def _bcast(self, m, shape, name):
-        m = self._fit_lead(np.asarray(m))
-        try:
-            return np.broadcast_to(m, shape)
-        except ValueError:
-            raise AuditInputError(f"{name}: shape {m.shape} does not broadcast to {shape}") from None
+        m = np.asarray(m)
+        for cand in (m, self._fit_lead(m)):  # as given, or a (B, T, T) mask missing its head axis
+            try:
+                return np.broadcast_to(cand, shape)
+            except ValueError:
+                pass
+        raise AuditInputError(f"{name}: shape {m.shape} does not broadcast to {shape}")
 
     def _mask_from_weights(self, A):
         """Blocked = exactly 0, but an isolated zero below the diagonal is read as underflow."""

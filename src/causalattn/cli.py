@@ -530,6 +530,33 @@ def audit_cmd(
         raise typer.Exit(1)
 
 
+@app.command("diagnose")
+def diagnose_cmd(
+    target: str = typer.Argument(..., help="path/to/file.py:function_or_class (the file is executed)."),
+    signature: str = typer.Option(None, "--signature", help="qkv | x-weights | module (default: discovered)."),
+    timeout: float = typer.Option(60.0, "--timeout", help="Seconds before the user's code is stopped."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+):
+    """Name the fault in an attention function or module. Exit 0 clean, 1 a fault, 2 it could not run.
+
+    The target file is EXECUTED, in a subprocess stopped after --timeout seconds.
+    """
+    from .diagnose import diagnose
+
+    if ":" not in target:
+        _fail(f"expected path/to/file.py:function_or_class, got {target!r}")
+    with _library_errors():
+        d = diagnose(target, signature=signature, timeout=timeout)
+    if as_json:
+        _print_json(d.to_dict())
+    else:
+        _console().print(str(d), markup=False)
+    if d.status in ("error", "timeout", "crashed"):
+        raise typer.Exit(2)
+    if not d.ok:
+        raise typer.Exit(1)
+
+
 # -- causalattn explore -----------------------------------------------------------------
 
 

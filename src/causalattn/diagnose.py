@@ -630,9 +630,12 @@ def _whitebox(events: list[dict], fault: str | None) -> tuple[str | None, str, d
     elif fault == "mask-after-softmax":
         after = [i for i in maskops + zeroing if norm_at is not None and i > norm_at]
         pick = after[0] if after else norm_at
+    elif fault == "no-mask":
+        pick = norm_at  # no causal mask reaches this softmax
     elif stage == "M" or fault == "nan-on-empty-rows":
         before = [i for i in maskops if norm_at is None or i < norm_at]
-        pick = before[0] if before else norm_at
+        # the second finite minimum is where the overflow happens: point at the last mask op
+        pick = (before[-1] if fault == "finite-min-added-twice" else before[0]) if before else norm_at
     elif fault in ("missing-scale", "scale-by-dk", "k-not-transposed"):
         sc = [i for i, e in enumerate(events) if e.get("kind") == "scale"
               and (norm_at is None or i < norm_at)]
@@ -739,7 +742,7 @@ def _diagnose_callable(fn, signature) -> Diagnosis:
     def distance(ids, knobs):
         outs = outputs(knobs)
         every_row = not ids or any(i in _EMPTY_ROW_FAULTS for i in ids)
-        worst, wild = 0.0, 0
+        worst, wild, total = 0.0, 0, 0
         for p in probes:
             c = outs[p.name]
             shape = c.shape if not isinstance(c, BaseException) else None
@@ -747,6 +750,9 @@ def _diagnose_callable(fn, signature) -> Diagnosis:
                     else _real_rows(p, shape)) if shape is not None else None
             e, w = _distance(user[p.name], c, rows, _rtol(p.dtype))
             worst, wild = max(worst, e), wild + w
+            total += 0 if isinstance(c, BaseException) else c.size
+        if wild > total / 2:  # a variant that is mostly NaN says nothing about the user's code
+            worst = np.inf
         return worst, wild
 
     ref_out = outputs({})
@@ -787,8 +793,11 @@ def _diagnose_callable(fn, signature) -> Diagnosis:
     location, code, facts = None, "", {}
     if framework == "torch":
         try:
-            events = _record(caller, probes[1] if len(probes) > 1 and not isinstance(
-                user[probes[1].name], BaseException) else base)
+            # the richest probe the function ran on: padding (every branch taken), else T ≠ d_k
+            ran = [p for p in probes if not isinstance(user[p.name], BaseException)]
+            rec = next((p for p in ran if p.pad_kind and not p.optional), ran[-1] if len(ran) > 1
+                       else base)
+            events = _record(caller, rec)
             location, code, facts = _whitebox(events, fault)
         except Exception as exc:  # recording is a bonus; never let it hide the diagnosis
             facts = {"error": f"{type(exc).__name__}: {exc}"}
