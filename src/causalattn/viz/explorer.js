@@ -79,8 +79,8 @@ function causalattnExplorer(root, data) {
     return x.toFixed(d);
   }
   function vec(arr, off, n) {
-    var parts = [], shown = Math.min(n, 6);
-    for (var c = 0; c < shown; c++) parts.push(fmt(arr[off + c]));
+    var parts = [], shown = n <= 4 ? n : 3; // the side panel stays narrow; h_i shows more
+    for (var c = 0; c < shown; c++) parts.push(fmt(arr[off + c], 2));
     return "[" + parts.join(", ") + (n > shown ? ", …" : "") + "]";
   }
   function short(tok) { return tok.length > 14 ? tok.slice(0, 13) + "…" : tok; }
@@ -260,7 +260,7 @@ function causalattnExplorer(root, data) {
 
   // -- geometry and drawing of one panel ---------------------------------------------------
   function geometry(info, key, ctx) {
-    var T = info.T, cell = Math.min(44, 400 / T), G = cell * T;
+    var T = info.T, cell = Math.min(40, 340 / T), G = cell * T;
     var labels = cell >= 9, font = Math.max(8, Math.min(12, Math.floor(cell * 0.8)));
     var margin = 10;
     if (labels) {
@@ -412,7 +412,11 @@ function causalattnExplorer(root, data) {
       " — softmax runs along this row, over the keys j (the last axis).");
     sums.setAttribute("data-role", "rowsum");
     side.appendChild(sums);
-    if (hi.H) side.appendChild(el("p", "ca-h", "h_i = Σ_j A_ij v_j = " + vec(hi.H, i * hi.dv, hi.dv)));
+    if (hi.H) {
+      var hv = [];
+      for (var c0 = 0; c0 < hi.dv; c0++) hv.push(fmt(hi.H[i * hi.dv + c0]));
+      side.appendChild(el("p", "ca-h", "h_i = Σ_j A_ij v_j = [" + hv.join(", ") + "]"));
+    }
     if (state.col !== null) {
       var j0 = state.col, idx0 = i * T + j0, txt;
       if (info.allowed[idx0]) {
@@ -445,7 +449,7 @@ function causalattnExplorer(root, data) {
                  ["norm", fmt(a * hi.vnorm[j])]];
       } else {
         row.classList.add(info.pad[i] || info.pad[j] ? "ca-blocked-pad" : "ca-blocked");
-        var why = info.pad[i] || info.pad[j] ? "blocked (padding)" : "blocked (future)";
+        var why = info.pad[i] || info.pad[j] ? "blocked: pad" : "blocked: future";
         cells = [["pos", j + 1], ["token", info.tokens[j]], ["score", why], ["weight", "0"],
                  ["value", vec(hi.V, j * hi.dv, hi.dv)], ["contribution", "0"], ["norm", "0"]];
       }
