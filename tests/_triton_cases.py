@@ -58,17 +58,17 @@ def _check(q, k, v, dtype=torch.float32, grads=True, **kw):
     rule("H", out, ref, plain)
     assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse.to(lse.device)))
     fin = torch.isfinite(ref_lse)
-    assert (lse.cpu()[fin] - ref_lse[fin]).abs().max().item() <= 1e-3 if fin.any() else True
+    assert (lse[fin] - ref_lse[fin]).abs().max().item() <= 1e-3 if fin.any() else True
     if not grads:
         return out
     g = torch.Generator().manual_seed(1)
-    dH = torch.randn(out.shape, generator=g, dtype=torch.float64)
-    (out * dH.to(DEV, dtype)).sum().backward()
+    dH = torch.randn(out.shape, generator=g, dtype=torch.float64).to(DEV)
+    (out * dH.to(dtype)).sum().backward()
     (ref * dH).sum().backward()
     (plain * dH.to(dtype)).sum().backward()
     for name, a, r, b in (("dQ", q, q64, pq), ("dK", k, k64, pk), ("dV", v, v64, pv)):
         assert torch.isfinite(a.grad).all(), f"{name} is not finite"
-        rule(name, a.grad.cpu(), r.grad, b.grad)
+        rule(name, a.grad, r.grad, b.grad)
     return out
 
 
@@ -97,6 +97,10 @@ def test_packed_sequences():
 def test_grouped_query_and_bottom_right_alignment():
     q, k, v = _inputs(2, 4, 2, 7, 20, 24, d_v=40)  # T_q < T_k, d_k != d_v
     _check(q, k, v, lengths=torch.tensor([20, 12]))
+
+
+def test_bottom_right_alignment_without_masks():
+    _check(*_inputs(1, 2, 1, 5, 21, 16))  # the kernels' own causal intervals, T_q < T_k
 
 
 def test_key_padding_mask_and_not_causal():
@@ -128,9 +132,9 @@ def test_gradient_through_lse():
     (out.sum() + torch.where(torch.isfinite(lse), lse * w, 0).sum()).backward()
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     o64, l64 = ref_engine.forward(make_problem(q64, k64, v64, lengths=torch.tensor([10])), True)
-    (o64.sum() + torch.where(torch.isfinite(l64), l64 * w.cpu().double(), 0).sum()).backward()
+    (o64.sum() + torch.where(torch.isfinite(l64), l64 * w.double(), 0).sum()).backward()
     for a, r in ((q, q64), (k, k64), (v, v64)):
-        assert (a.grad.cpu().double() - r.grad).abs().max() < 1e-4
+        assert (a.grad.double() - r.grad).abs().max() < 1e-4
 
 
 def test_unreadable_positions_never_leak():

@@ -41,12 +41,29 @@ def _dot_rows_cols(A, B_, offs_a, offs_b, a_ok, b_ok, sat, sad, sbt, sbd, D,
 
 
 @triton.jit
-def _row_bounds(LOb, HIb, offs_m, T_q, T_k, BLOCK_N: tl.constexpr, HAS_KPM: tl.constexpr):
+def _row_interval(LOb, HIb, offs_m, row_ok, T_k, OFF, ROWS: tl.constexpr, CAUSAL: tl.constexpr):
+    """Keys row i may read: [lo_i, hi_i), from the host's arrays (ROWS) or, for plain
+    causal / full attention, computed here (no host work at all)."""
+    if ROWS:
+        lo = tl.load(LOb + offs_m, mask=row_ok, other=0)
+        hi = tl.load(HIb + offs_m, mask=row_ok, other=0)
+    else:
+        lo = tl.zeros_like(offs_m)
+        if CAUSAL:
+            hi = tl.minimum(offs_m + OFF + 1, T_k)
+        else:
+            hi = tl.zeros_like(offs_m) + T_k
+        hi = tl.where(row_ok, hi, 0)
+    return lo, hi
+
+
+@triton.jit
+def _row_bounds(LOb, HIb, offs_m, T_q, T_k, OFF, BLOCK_N: tl.constexpr, HAS_KPM: tl.constexpr,
+                ROWS: tl.constexpr, CAUSAL: tl.constexpr):
     """Per-row intervals of a row tile and the key tiles to visit: masked [start, u1),
     unmasked [u1, u2), masked [u2, end)."""
     row_ok = offs_m < T_q
-    lo = tl.load(LOb + offs_m, mask=row_ok, other=0)
-    hi = tl.load(HIb + offs_m, mask=row_ok, other=0)
+    lo, hi = _row_interval(LOb, HIb, offs_m, row_ok, T_k, OFF, ROWS, CAUSAL)
     live = row_ok & (lo < hi)
     n_lo = tl.min(tl.where(live, lo, T_k), axis=0)
     end = tl.max(tl.where(live, hi, 0), axis=0)
@@ -109,8 +126,9 @@ def _fwd_tile(acc, l_i, m_i, q, Qb, Kb, Vb, KPMb, offs_m, row_ok, lo, hi, n_lo, 
 @triton.jit
 def fwd_kernel(Q, K, V, O, LSE, LO, HI, KPM,
                sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod,
-               H_q, T_q, T_k, D_K, D_V, GROUP, qk_scale,
-               HAS_KPM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               H_q, T_q, T_k, D_K, D_V, GROUP, OFF, qk_scale,
+               HAS_KPM: tl.constexpr, ROWS: tl.constexpr, CAUSAL: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                PREC: tl.constexpr):
     """One program: BLOCK_M query rows × BLOCK_DV output columns of one (b, h)."""
@@ -127,7 +145,7 @@ def fwd_kernel(Q, K, V, O, LSE, LO, HI, KPM,
     KPMb = KPM + b64 * T_k
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     lo, hi, live, n_lo, n_hi, start, u1, u2 = _row_bounds(
-        LO + b64 * T_q, HI + b64 * T_q, offs_m, T_q, T_k, BLOCK_N, HAS_KPM)
+        LO + b64 * T_q, HI + b64 * T_q, offs_m, T_q, T_k, OFF, BLOCK_N, HAS_KPM, ROWS, CAUSAL)
     row_ok = offs_m < T_q
     offs_dv = pid_c * BLOCK_DV + tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < D_V
@@ -171,8 +189,9 @@ def fwd_kernel(Q, K, V, O, LSE, LO, HI, KPM,
 
 @triton.jit
 def _dkdv_tile(acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, offs_n, k_ok, start_m,
-               q_end, sqt, sqd, skt, skd, svt, svd, sdot, sdod, D_K, D_V, qk_scale, offs_c, ck_ok,
-               cv_ok, MASKED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               q_end, sqt, sqd, skt, skd, svt, svd, sdot, sdod, T_k, D_K, D_V, OFF, qk_scale, offs_c,
+               ck_ok, cv_ok, MASKED: tl.constexpr, ROWS: tl.constexpr, CAUSAL: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                NUM_DV: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr):
     """Transposed form: sT = K Qᵀ (BLOCK_N × BLOCK_M), so dK, dV rows stay with this program."""
@@ -192,8 +211,7 @@ def _dkdv_tile(acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, offs_
     lse = tl.load(LSEb + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
     pT = tl.math.exp2(sT * qk_scale - lse[None, :])
     if MASKED:
-        lo = tl.load(LOb + offs_m, mask=m_ok, other=0)
-        hi = tl.load(HIb + offs_m, mask=m_ok, other=0)
+        lo, hi = _row_interval(LOb, HIb, offs_m, m_ok, T_k, OFF, ROWS, CAUSAL)
         allowed = ((offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :])
                    & m_ok[None, :] & k_ok[:, None])
         pT = tl.where(allowed, pT, 0.0)
@@ -222,8 +240,9 @@ def _dkdv_tile(acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, offs_
 def dkdv_kernel(Q, K, V, DO, LSE, DD, DK, DV, LO, HI, KPM, RANGES,
                 sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
                 sdob, sdoh, sdot, sdod, sdkb, sdkh, sdkt, sdkd, sdvb, sdvh, sdvt, sdvd,
-                H_q, H_kv, T_q, T_k, D_K, D_V, GROUP, N_BLOCKS, scale, qk_scale,
-                HAS_KPM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                H_q, H_kv, T_q, T_k, D_K, D_V, GROUP, N_BLOCKS, OFF, scale, qk_scale,
+                HAS_KPM: tl.constexpr, ROWS: tl.constexpr, CAUSAL: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
                 NUM_DV: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr):
     """One program: BLOCK_N keys × BLOCK_C columns of dK and dV for one (b, kv-head),
@@ -241,11 +260,26 @@ def dkdv_kernel(Q, K, V, DO, LSE, DD, DK, DV, LO, HI, KPM, RANGES,
     if HAS_KPM:
         k_ok = k_ok & (tl.load(KPM + b64 * T_k + offs_n, mask=k_ok, other=0) != 0)
     # query rows that may read this key tile, from the host: [qlo, qhi), unmasked [r1, r2)
-    R = RANGES + (b64 * N_BLOCKS + pid_n) * 4
-    qlo = tl.load(R)
-    qhi = tl.load(R + 1)
-    r1 = tl.load(R + 2)
-    r2 = tl.load(R + 3)
+    if ROWS:
+        R = RANGES + (b64 * N_BLOCKS + pid_n) * 4
+        qlo = tl.load(R)
+        qhi = tl.load(R + 1)
+        r1 = tl.load(R + 2)
+        r2 = tl.load(R + 3)
+    else:  # plain causal (row i reads keys <= i + OFF) or full attention
+        s0 = pid_n * BLOCK_N
+        qhi = T_q
+        r2 = T_q
+        if CAUSAL:
+            qlo = tl.maximum(s0 - OFF, 0)
+            r1 = tl.maximum(s0 + BLOCK_N - 1 - OFF, 0)
+        else:
+            qlo = 0
+            r1 = 0
+        r1 = tl.where(s0 + BLOCK_N > T_k, T_q, r1)  # a partial tile: every row masked
+        if HAS_KPM:
+            r1 = 0
+            r2 = 0
     q_start = (qlo // BLOCK_M) * BLOCK_M
     u1 = tl.minimum(tl.maximum(tl.cdiv(r1, BLOCK_M) * BLOCK_M, q_start), qhi)
     u2 = tl.minimum(tl.maximum((r2 // BLOCK_M) * BLOCK_M, u1), qhi)
@@ -278,18 +312,18 @@ def dkdv_kernel(Q, K, V, DO, LSE, DD, DK, DV, LO, HI, KPM, RANGES,
         for start_m in range(q_start, u1, BLOCK_M):
             acc_dk, acc_dv = _dkdv_tile(
                 acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, offs_n, k_ok, start_m,
-                qhi, sqt, sqd, skt, skd, svt, svd, sdot, sdod, D_K, D_V, qk_scale, offs_c, ck_ok,
-                cv_ok, True, BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, BLOCK_C, PREC)
+                qhi, sqt, sqd, skt, skd, svt, svd, sdot, sdod, T_k, D_K, D_V, OFF, qk_scale, offs_c,
+                ck_ok, cv_ok, True, ROWS, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, BLOCK_C, PREC)
         for start_m in range(u1, u2, BLOCK_M):
             acc_dk, acc_dv = _dkdv_tile(
                 acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, offs_n, k_ok, start_m,
-                qhi, sqt, sqd, skt, skd, svt, svd, sdot, sdod, D_K, D_V, qk_scale, offs_c, ck_ok,
-                cv_ok, False, BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, BLOCK_C, PREC)
+                qhi, sqt, sqd, skt, skd, svt, svd, sdot, sdod, T_k, D_K, D_V, OFF, qk_scale, offs_c,
+                ck_ok, cv_ok, False, ROWS, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, BLOCK_C, PREC)
         for start_m in range(u2, qhi, BLOCK_M):
             acc_dk, acc_dv = _dkdv_tile(
                 acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, offs_n, k_ok, start_m,
-                qhi, sqt, sqd, skt, skd, svt, svd, sdot, sdod, D_K, D_V, qk_scale, offs_c, ck_ok,
-                cv_ok, True, BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, BLOCK_C, PREC)
+                qhi, sqt, sqd, skt, skd, svt, svd, sdot, sdod, T_k, D_K, D_V, OFF, qk_scale, offs_c,
+                ck_ok, cv_ok, True, ROWS, CAUSAL, BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, BLOCK_C, PREC)
 
     n_ok = offs_n < T_k
     DKb = DK + b64 * sdkb + hk.to(tl.int64) * sdkh
@@ -344,8 +378,9 @@ def _dq_tile(acc, q, do, Qb, Kb, Vb, DOb, KPMb, offs_m, row_ok, lo, hi, lse, Di,
 def dq_kernel(Q, K, V, DO, LSE, DD, DQ, LO, HI, KPM,
               sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
               sdob, sdoh, sdot, sdod, sdqb, sdqh, sdqt, sdqd,
-              H_q, T_q, T_k, D_K, D_V, GROUP, scale, qk_scale,
-              HAS_KPM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              H_q, T_q, T_k, D_K, D_V, GROUP, OFF, scale, qk_scale,
+              HAS_KPM: tl.constexpr, ROWS: tl.constexpr, CAUSAL: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
               NUM_DV: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr):
     """One program: BLOCK_M query rows × BLOCK_C columns of dQ for one (b, h)."""
@@ -363,7 +398,7 @@ def dq_kernel(Q, K, V, DO, LSE, DD, DQ, LO, HI, KPM,
     KPMb = KPM + b64 * T_k
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     lo, hi, live, n_lo, n_hi, start, u1, u2 = _row_bounds(
-        LO + b64 * T_q, HI + b64 * T_q, offs_m, T_q, T_k, BLOCK_N, HAS_KPM)
+        LO + b64 * T_q, HI + b64 * T_q, offs_m, T_q, T_k, OFF, BLOCK_N, HAS_KPM, ROWS, CAUSAL)
     row_ok = offs_m < T_q
     lse = tl.load(LSE + pid_bh.to(tl.int64) * T_q + offs_m, mask=row_ok, other=float("inf"))
     lse = lse * 1.4426950408889634

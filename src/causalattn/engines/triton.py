@@ -89,35 +89,50 @@ def _pow2(n: int) -> int:
     return max(16, 1 << max(0, (n - 1).bit_length()))
 
 
-def _configs(d_k: int, d_v: int, interpret: bool) -> dict:
-    """Tile sizes for the three kernels (see the benchmark notes in ``benchmarks/bench_gpu.py``)."""
+def _configs(d_k: int, d_v: int, dtype: torch.dtype, interpret: bool) -> dict:
+    """Tile sizes for the three kernels; the bf16/fp16 ones were picked on an H200 by
+    ``benchmarks/bench_gpu.py`` (fp32 tiles are halved: twice the bytes per element)."""
     pk, pv = _pow2(d_k), _pow2(d_v)
+    big = max(pk, pv)
     if interpret:  # small tiles: several of them even at tiny T, and a fast interpreter
-        small = max(pk, pv) <= 128
+        small = big <= 128
         fwd = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_DK=pk if small else 128,
                    BLOCK_DV=pv if small else 256, num_warps=1, num_stages=1)
         bwd = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_DK=pk if small else 128,
-                   BLOCK_DV=pv if small else 128, BLOCK_C=max(pk, pv) if small else 256,
+                   BLOCK_DV=pv if small else 128, BLOCK_C=big if small else 256,
                    num_warps=1, num_stages=1)
         cfg = {"fwd": fwd, "dkdv": dict(bwd), "dq": dict(bwd)}
-    else:
-        big = max(pk, pv)
-        if big <= 256:
-            bm = 128 if big <= 128 else 64
-            fwd = dict(BLOCK_M=bm, BLOCK_N=64 if big <= 128 else 32, BLOCK_DK=pk, BLOCK_DV=pv,
-                       num_warps=8 if big >= 128 else 4, num_stages=3 if big <= 128 else 2)
+    elif dtype != torch.float32:
+        if big <= 128:
+            fwd = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_DK=pk, BLOCK_DV=pv,
+                       num_warps=8 if big >= 128 else 4, num_stages=3)
+        elif big <= 256:
+            fwd = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_DK=pk, BLOCK_DV=pv, num_warps=8, num_stages=2)
         else:
             fwd = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=256, num_warps=8, num_stages=2)
         if big <= 128:
-            dkdv = dict(BLOCK_M=32 if big >= 128 else 64, BLOCK_N=128, BLOCK_DK=pk, BLOCK_DV=pv,
-                        BLOCK_C=big, num_warps=8 if big >= 128 else 4, num_stages=2)
-            dq = dict(BLOCK_M=128, BLOCK_N=32 if big >= 128 else 64, BLOCK_DK=pk, BLOCK_DV=pv,
-                      BLOCK_C=big, num_warps=8 if big >= 128 else 4, num_stages=2)
+            dkdv = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_DK=pk, BLOCK_DV=pv, BLOCK_C=big,
+                        num_warps=8 if big >= 128 else 4, num_stages=2)
+            dq = dict(BLOCK_M=128, BLOCK_N=32, BLOCK_DK=pk, BLOCK_DV=pv, BLOCK_C=big,
+                      num_warps=8 if big >= 128 else 4, num_stages=2)
         else:
             dkdv = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=128,
                         num_warps=8, num_stages=2)
             dq = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=128,
                       num_warps=8, num_stages=2)
+        cfg = {"fwd": fwd, "dkdv": dkdv, "dq": dq}
+    else:
+        if big <= 128:
+            fwd = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_DK=pk, BLOCK_DV=pv, num_warps=4, num_stages=2)
+            dkdv = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_DK=pk, BLOCK_DV=pv, BLOCK_C=big,
+                        num_warps=4, num_stages=2)
+            dq = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_DK=pk, BLOCK_DV=pv, BLOCK_C=big,
+                      num_warps=4, num_stages=2)
+        else:
+            fwd = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_DK=32, BLOCK_DV=128, num_warps=4, num_stages=1)
+            dkdv = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_DK=32, BLOCK_DV=32, BLOCK_C=64,
+                        num_warps=4, num_stages=1)
+            dq = dict(dkdv)
         cfg = {"fwd": fwd, "dkdv": dkdv, "dq": dq}
     if CONFIG_OVERRIDE:
         for name, over in CONFIG_OVERRIDE.items():
@@ -158,6 +173,15 @@ class _Rows:
         B, _, T_q, _ = p.q.shape
         T_k = p.k.shape[2]
         dev = p.q.device
+        self.T_k, self.offset, self.causal = T_k, p.offset, p.causal
+        self.kpm = (p.key_padding_mask.to(torch.int8).contiguous()
+                    if p.key_padding_mask is not None else torch.zeros(1, dtype=torch.int8, device=dev))
+        self.has_kpm = p.key_padding_mask is not None
+        # plain causal / full attention: the kernels compute the intervals themselves
+        self.arrays = p.lengths is not None or p.cu_seqlens is not None
+        if not self.arrays:
+            self.lo = self.hi = torch.zeros(1, dtype=torch.int32, device=dev)
+            return
         i = torch.arange(T_q, device=dev, dtype=torch.int64) + p.offset  # key coordinates
         lo = torch.zeros(B, T_q, dtype=torch.int64, device=dev)
         hi = torch.full((B, T_q), T_k, dtype=torch.int64, device=dev)
@@ -178,15 +202,13 @@ class _Rows:
         self.hi64 = torch.where(empty, T_k, hi).contiguous()
         self.lo = self.lo64.to(torch.int32)
         self.hi = self.hi64.to(torch.int32)
-        self.T_k = T_k
-        self.kpm = (p.key_padding_mask.to(torch.int8).contiguous()
-                    if p.key_padding_mask is not None else torch.zeros(1, dtype=torch.int8, device=dev))
-        self.has_kpm = p.key_padding_mask is not None
 
     def key_tile_ranges(self, block_n: int) -> torch.Tensor:
         """For each key tile: the rows that may read it [qlo, qhi) and the rows that read
         all of it [r1, r2) (empty when the tile is partial or a key mask is given) -> (B, n, 4)."""
         T_k = self.T_k
+        if not self.arrays:  # computed in the kernel
+            return torch.zeros(1, 1, 4, dtype=torch.int32, device=self.kpm.device)
         B = self.lo64.shape[0]
         s = torch.arange(0, T_k, block_n, device=self.lo64.device, dtype=torch.int64)
         e = torch.clamp(s + block_n, max=T_k)
@@ -200,9 +222,9 @@ class _Rows:
         return torch.stack([qlo, qhi, r1, r2], dim=-1).to(torch.int32).contiguous()
 
 
-def _prec(dtype: torch.dtype) -> str:
+def _prec(dtype: torch.dtype) -> str | None:
     # fp32 inputs: full-precision dots (tf32 would break the accuracy rule against fp32 math)
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return "ieee" if dtype == torch.float32 else None
 
 
 def _launch_fwd(q, k, v, rows: _Rows, scale: float, cfg: dict):
@@ -217,8 +239,8 @@ def _launch_fwd(q, k, v, rows: _Rows, scale: float, cfg: dict):
     kern.fwd_kernel[grid](
         q, k, v, o, lse, rows.lo, rows.hi, rows.kpm,
         *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        H_q, T_q, T_k, d_k, d_v, H_q // H_kv, scale * LOG2E,
-        HAS_KPM=rows.has_kpm, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
+        H_q, T_q, T_k, d_k, d_v, H_q // H_kv, rows.offset, scale * LOG2E,
+        HAS_KPM=rows.has_kpm, ROWS=rows.arrays, CAUSAL=rows.causal, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
         BLOCK_DK=c["BLOCK_DK"], NUM_DK=num_dk, BLOCK_DV=c["BLOCK_DV"], PREC=_prec(q.dtype),
         num_warps=c["num_warps"], num_stages=c["num_stages"],
     )
@@ -235,13 +257,13 @@ def _launch_bwd(q, k, v, do, lse, D, rows: _Rows, scale: float, cfg: dict):
     prec = _prec(q.dtype)
     c = cfg["dkdv"]
     ranges = rows.key_tile_ranges(c["BLOCK_N"])
-    n_blocks = ranges.shape[1]
+    n_blocks = triton.cdiv(T_k, c["BLOCK_N"])
     grid = (n_blocks, triton.cdiv(max(d_k, d_v), c["BLOCK_C"]), B * H_kv)
     kern.dkdv_kernel[grid](
         q, k, v, do, lse, D, dk, dv, rows.lo, rows.hi, rows.kpm, ranges,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        H_q, H_kv, T_q, T_k, d_k, d_v, H_q // H_kv, n_blocks, scale, scale * LOG2E,
-        HAS_KPM=rows.has_kpm, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
+        H_q, H_kv, T_q, T_k, d_k, d_v, H_q // H_kv, n_blocks, rows.offset, scale, scale * LOG2E,
+        HAS_KPM=rows.has_kpm, ROWS=rows.arrays, CAUSAL=rows.causal, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
         BLOCK_DK=c["BLOCK_DK"], NUM_DK=triton.cdiv(d_k, c["BLOCK_DK"]),
         BLOCK_DV=c["BLOCK_DV"], NUM_DV=triton.cdiv(d_v, c["BLOCK_DV"]), BLOCK_C=c["BLOCK_C"],
         PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"],
@@ -251,8 +273,8 @@ def _launch_bwd(q, k, v, do, lse, D, rows: _Rows, scale: float, cfg: dict):
     kern.dq_kernel[grid](
         q, k, v, do, lse, D, dq, rows.lo, rows.hi, rows.kpm,
         *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        H_q, T_q, T_k, d_k, d_v, H_q // H_kv, scale, scale * LOG2E,
-        HAS_KPM=rows.has_kpm, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
+        H_q, T_q, T_k, d_k, d_v, H_q // H_kv, rows.offset, scale, scale * LOG2E,
+        HAS_KPM=rows.has_kpm, ROWS=rows.arrays, CAUSAL=rows.causal, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
         BLOCK_DK=c["BLOCK_DK"], NUM_DK=triton.cdiv(d_k, c["BLOCK_DK"]),
         BLOCK_DV=c["BLOCK_DV"], NUM_DV=triton.cdiv(d_v, c["BLOCK_DV"]), BLOCK_C=c["BLOCK_C"],
         PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"],
@@ -301,7 +323,7 @@ def forward(p: Problem, return_lse: bool = False):
         out = q.new_zeros(B, H_q, T_q, d_v)
         lse = torch.full((B, H_q, T_q), float("-inf"), dtype=torch.float32, device=q.device)
         return (out, lse) if return_lse else out
-    cfg = _configs(d_k, d_v, _interpreting())
+    cfg = _configs(d_k, d_v, q.dtype, _interpreting())
     rows = _Rows(p)
     out, lse = _Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), rows, p.scale, cfg)
     return (out, lse) if return_lse else out
