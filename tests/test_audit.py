@@ -28,9 +28,10 @@ def parts():
 
 
 def _softmax(Z, axis):
-    Z = Z - np.max(Z, axis=axis, keepdims=True)
-    E = np.exp(Z)
-    return E / E.sum(axis=axis, keepdims=True)
+    with np.errstate(invalid="ignore"):  # a row of -inf gives NaN, as plain code would
+        Z = Z - np.max(Z, axis=axis, keepdims=True)
+        E = np.exp(Z)
+        return E / E.sum(axis=axis, keepdims=True)
 
 
 def _pipeline(X, W, *, scale=None, mask="causal", axis=-1, after=False):
@@ -218,3 +219,30 @@ def test_cli_exit_codes(tmp_path, parts):
         assert "error:" in r.output and "Traceback" not in r.output, r.output
     r = runner.invoke(app, ["audit", str(clean), "--max-bytes", "100"])
     assert r.exit_code == 2 and "limit" in r.output
+
+
+def test_heads_per_head_selection_decode_and_rendering(parts):
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(2, 5, 8))
+    W = [rng.normal(size=(8, 8)) for _ in range(4)]
+    tr = causalattn.trace(X, *W, n_heads=2)
+    assert audit(tr).ok and audit(tr.select(1)).ok
+    rep = audit(tr.select(1, 1))  # one head: Q is found as head 1 of X W_q
+    assert rep.ok and "head 1" in rep.checks[0].message
+    # only X, weights and O: everything between is recomputed, heads split and merged
+    rep = audit({"X": X, "W_q": W[0], "W_k": W[1], "W_v": W[2], "W_o": W[3], "O": tr.O,
+                 "n_heads": 2})
+    assert rep.ok and {"Q", "S", "A", "H"} <= set(rep.recomputed)
+    # decoding against a cache: T_q < T_k, bottom-right causal alignment
+    q, k, v = rng.normal(size=(2, 4)), rng.normal(size=(6, 4)), rng.normal(size=(6, 3))
+    s = q @ k.T / 2
+    A = _softmax(np.where(masks.causal(2, 6), s, -np.inf), -1)
+    assert audit({"Q": q, "K": k, "V": v, "A": A, "H": A @ v}).ok
+    bad = audit({"Q": q, "K": k, "V": v, "A": A[:, :2]})
+    assert bad.first_failure.stage == "A" and "S" in bad.first_failure.name
+    from rich.console import Console
+
+    console = Console(record=True, width=100)
+    console.print(bad)
+    text = console.export_text()
+    assert "FAILED" in text and "hint" in text

@@ -162,16 +162,23 @@ class Report:
         return "\n".join(lines)
 
     def __rich__(self):
+        from rich.markup import escape
         from rich.table import Table
 
         t = Table(title=f"audit: {'[green]ok' if self.ok else '[red]FAILED'}", show_lines=False)
         for col in ("stage", "check", "result", "details"):
             t.add_column(col)
         for c in self.checks:
-            details = c.message
+            details = escape(c.message)
+            if not c.ok and c.evidence:
+                ev = ", ".join(f"{k}={v}" for k, v in _jsonable(c.evidence).items())
+                details += f"\n[dim]evidence: {escape(ev)}[/]"
             if not c.ok and c.hint:
-                details += f"\n[yellow]hint:[/] {c.hint}"
-            t.add_row(c.stage, c.name, "[green]ok" if c.ok else "[red]FAIL", details)
+                details += f"\n[yellow]hint:[/] {escape(c.hint)}"
+            t.add_row(c.stage, escape(c.name), "[green]ok" if c.ok else "[red]FAIL", details)
+        if self.empty_rows:
+            t.caption = escape("rows with no readable key (zero output, not a failure): "
+                               + _fmt_empty(self.empty_rows))
         return t
 
 
@@ -426,7 +433,7 @@ def _diff(got: np.ndarray, want: np.ndarray, where: np.ndarray | None = None):
     err = np.where(np.isnan(err), np.where(bad_nan, np.inf, 0.0), err)
     if where is not None:
         err = np.where(where, err, 0.0)
-    mag = np.nanmax(np.abs(np.where(np.isfinite(want), want, 0.0))) if want.size else 0.0
+    mag = np.abs(np.where(np.isfinite(want), want, 0.0)).max() if want.size else 0.0
     return float(err.max()) if err.size else 0.0, max(1.0, float(mag)), err
 
 
@@ -605,6 +612,12 @@ class _Auditor:
                      f"S is {S.shape[-2]}×{S.shape[-1]} but Q Kᵀ is "
                      f"{G.shape[-2]}×{G.shape[-1]} (T_q×T_k)", {"shape": S.shape}, hint)
             return
+        try:
+            S, G = np.broadcast_arrays(S, G)
+        except ValueError:
+            self.add("S", "S is T×T", False, f"S is {S.shape} but Q Kᵀ is {G.shape}: the "
+                     "batch/head axes do not match", {"shape": S.shape})
+            return
         self.add("S", "S is T×T", True, f"S is {S.shape[-2]}×{S.shape[-1]}")
         finite = np.isfinite(S) & (S > BLOCKED_BELOW)
         tol = _rtol(self.eps["S"], self.eps["Q"], self.eps["K"])
@@ -684,7 +697,7 @@ class _Auditor:
     def mask(self):
         a = self.a
         shape = None
-        for s in ("A", "S", "Z", "M"):
+        for s in ("S", "Z", "M", "A"):
             if s in a:
                 shape = a[s].shape
                 break
@@ -839,6 +852,12 @@ class _Auditor:
                     self.recompute("A", softmax_last(np.where(R, S, 0.0), R), "S")
             return
         A = a["A"]
+        if "S" in a and a["S"].shape[-2:] != A.shape[-2:]:
+            self.add("A", "A has S's shape", False,
+                     f"A is {A.shape[-2]}×{A.shape[-1]} but S (Q Kᵀ) is "
+                     f"{a['S'].shape[-2]}×{a['S'].shape[-1]} (T_q×T_k)", {"shape": A.shape},
+                     "A must be T_q×T_k like the scores: was it transposed or sliced?")
+            return
         if R is None:
             T_q, T_k = A.shape[-2:]
             if T_q > T_k:
@@ -875,7 +894,7 @@ class _Auditor:
         self.add("A", "forbidden entries exactly 0", not forb.any(),
                  "blocked entries have exactly zero weight" if not forb.any()
                  else f"{int(forb.sum())} blocked entries have nonzero weight "
-                 f"(max {float(np.nanmax(np.abs(np.where(forb, A, 0)))):.3g})",
+                 f"(max {float(np.abs(np.where(forb & np.isfinite(A), A, 0)).max()):.3g})",
                  _locate(forb, lead),
                  None if not forb.any() else "the mask must be applied before the softmax, with "
                  "-inf (or a fill whose weight comes out exactly 0)")
@@ -883,7 +902,7 @@ class _Auditor:
         hint = None
         if nonfinite.any():
             S = a.get("S")
-            if S is not None and np.nanmax(np.abs(np.where(R, S, 0))) > 80:
+            if S is not None and np.abs(np.where(R & np.isfinite(S), S, 0)).max() > 80:
                 hint = ("scores this large overflow exp(): subtract the row maximum before "
                         "exponentiating (stable softmax)")
             else:
@@ -952,7 +971,10 @@ class _Auditor:
         if R is None or R.shape != A.shape:
             R = np.ones(A.shape, bool)
         try:
-            Hr = weighted_values(A, np.broadcast_to(V, A.shape[:-1] + V.shape[-1:]), R)
+            lead = np.broadcast_shapes(A.shape[:-2], V.shape[:-2])
+            Hr = weighted_values(np.broadcast_to(A, lead + A.shape[-2:]),
+                                 np.broadcast_to(V, lead + V.shape[-2:]),
+                                 np.broadcast_to(R, lead + A.shape[-2:]))
         except ValueError:
             self.add("H", "H = A V shapes", False, f"A is {A.shape} but V is {V.shape}; "
                      "A's key axis must match V's T")
@@ -1057,7 +1079,8 @@ def audit(obj, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Report:
         raise AuditInputError(f"audit: expected a Trace, a mapping of arrays or a path, got "
                               f"{type(obj).__name__}")
     try:
-        return _Auditor(inp).run()
+        with np.errstate(all="ignore"):  # NaN/inf in the user's arrays are findings, not warnings
+            return _Auditor(inp).run()
     except AuditInputError:
         raise
     except ValueError as exc:  # shapes that do not fit together in a way no check foresaw

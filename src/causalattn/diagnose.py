@@ -149,7 +149,7 @@ class _Probe:
     heads: int | None = None
     pad_kind: str | None = None  # "lengths" | "key_padding_mask"
     pad: np.ndarray | None = None  # lengths (B,) or key_padding_mask (B, T)
-    optional: bool = False  # the user's fn may refuse it (fp16): then it is dropped
+    optional: bool = False  # the user's fn may refuse it (padding, fp16): then it is dropped
 
 
 def _split(Y, h):
@@ -320,11 +320,11 @@ def _probes(sig: str, dims: dict, pad_kind: str | None, dtype) -> list[_Probe]:
         make("T≠d_k", dk + 2 if dk < 6 else 5, dk, None, 1.5)
         make("large scores", 5, dk, None, 40.0 / max(1.0, dk ** 0.25))
     if pad_kind == "lengths":
-        make("padding", 6, 3, 4, 1.3, B=2, pad=np.array([6, 3]))
+        make("padding", 6, 3, 4, 1.3, B=2, pad=np.array([6, 3]), optional=True)
         make("padding fp16", 6, 3, 4, 1.3, B=2, pad=np.array([5, 2]), dt=np.float16, optional=True)
     elif pad_kind == "key_padding_mask":
         kpm = np.array([[True] * 6, [False, False] + [True] * 4])  # left padding
-        make("padding", 6, 3, 4, 1.3, B=2, pad=kpm)
+        make("padding", 6, 3, 4, 1.3, B=2, pad=kpm, optional=True)
         make("padding fp16", 6, 3, 4, 1.3, B=2, pad=kpm[::-1].copy(), dt=np.float16, optional=True)
     return out
 
@@ -504,13 +504,14 @@ class _Caller:
         for n in names:
             if n not in p.inputs:
                 continue
-            a = p.inputs[n]
-            if n in ("q", "k", "v", "x") and not batched:
-                a = a.reshape((1,) * lead + a.shape)
+            a = p.inputs[n].copy()  # the user's code may write into its inputs
+            if n in ("q", "k", "v", "x"):  # (B, T, d) -> (B, 1, T, d) for (B, H, T, d) code
+                a = (a.reshape(a.shape[:1] + (1,) * (lead - 1) + a.shape[1:]) if batched
+                     else a.reshape((1,) * lead + a.shape))
             args.append(self._conv(a))
         kwargs = {}
         if p.pad_kind is not None:
-            kwargs[p.pad_kind] = self._conv(p.pad)
+            kwargs[p.pad_kind] = self._conv(p.pad.copy())
         out = _to_numpy(self.fn(*args, **kwargs))
         return out
 
@@ -602,14 +603,17 @@ def _whitebox(events: list[dict], fault: str | None) -> tuple[str | None, str, d
     scores = [i for i, e in enumerate(events)
               if e["op"] in ("matmul", "__matmul__", "bmm", "einsum", "baddbmm")
               and len(e.get("shape", ())) >= 2 and e["shape"][-1] == e["shape"][-2]]
-    norm_at = sm[0] if sm else (exp[0] if exp else None)
+    sdpa = [i for i, e in enumerate(events) if e["op"] == "scaled_dot_product_attention"]
+    norm_at = sm[0] if sm else (exp[0] if exp else (sdpa[0] if sdpa else None))
     facts: dict = {}
     if sm:
         facts["softmax dim"] = events[sm[0]]["dim"]
         facts["softmax over the key axis"] = events[sm[0]]["last"]
     elif exp:
         facts["softmax"] = "written by hand (exp)"
-    if norm_at is not None:
+    elif sdpa:
+        facts["softmax"] = "inside scaled_dot_product_attention"
+    if norm_at is not None and not (sdpa and norm_at == sdpa[0]):
         before = [i for i in maskops if i < norm_at]
         after = [i for i in maskops + zeroing if i > norm_at]
         facts["mask before softmax"] = bool(before)
@@ -795,8 +799,8 @@ def _diagnose_callable(fn, signature) -> Diagnosis:
         try:
             # the richest probe the function ran on: padding (every branch taken), else T ≠ d_k
             ran = [p for p in probes if not isinstance(user[p.name], BaseException)]
-            rec = next((p for p in ran if p.pad_kind and not p.optional), ran[-1] if len(ran) > 1
-                       else base)
+            rec = next((p for p in ran if p.pad_kind and p.dtype != np.float16),
+                       ran[1] if len(ran) > 1 else base)
             events = _record(caller, rec)
             location, code, facts = _whitebox(events, fault)
         except Exception as exc:  # recording is a bonus; never let it hide the diagnosis
@@ -805,8 +809,6 @@ def _diagnose_callable(fn, signature) -> Diagnosis:
 
     if status == "clean":
         msg = "no known fault: matches the reference"
-        if untested:
-            msg += f" (on these probes; not testable here: {', '.join(untested)})"
         return Diagnosis(None, None, msg, None, "clean", [], untested, details)
     if status == "unknown":
         stage = _unknown_stage(facts, sig, dims)
@@ -872,8 +874,12 @@ def _worker(argv=None) -> None:
 def _diagnose_path(spec: str, signature: str | None, timeout: float) -> Diagnosis:
     cmd = [sys.executable, "-c", "import sys; from causalattn.diagnose import _worker; _worker()",
            spec, signature or "-"]
+    env = dict(os.environ)
+    pkg_root = str(Path(__file__).resolve().parent.parent)  # so the child finds causalattn
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_root, env.get("PYTHONPATH")]))
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                             stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return Diagnosis(None, None, f"{spec} did not finish within {timeout:g} s (a hang?); "
                          "it was stopped", status="timeout")
