@@ -280,6 +280,7 @@ def dkdv_kernel(Q, K, V, DO, LSE, DD, DK, DV, LO, HI, KPM, RANGES,
         if HAS_KPM:
             r1 = 0
             r2 = 0
+    qhi = tl.where(qhi > qlo, qhi, 0)  # nobody reads this tile (past every length)
     q_start = (qlo // BLOCK_M) * BLOCK_M
     u1 = tl.minimum(tl.maximum(tl.cdiv(r1, BLOCK_M) * BLOCK_M, q_start), qhi)
     u2 = tl.minimum(tl.maximum((r2 // BLOCK_M) * BLOCK_M, u1), qhi)
