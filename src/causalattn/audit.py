@@ -494,8 +494,8 @@ class _Auditor:
         self.inp = inp
         self.a = dict(inp.arrays)
         self.eps = dict(inp.eps)
-        self.given = [s for s in STAGE_ORDER + ("Z",) if s in self.a] + [
-            w for w in ("W_q", "W_k", "W_v", "W_o") if w in self.a]
+        self.given = [s for s in ("X", "W_q", "W_k", "W_v", "Q", "K", "V", "S", "M", "Z", "A",
+                                  "H", "C", "W_o", "O") if s in self.a]
         self.recomputed: list[str] = []
         self.checks: list[Check] = []
         self.empty_rows: list[dict] = []
@@ -800,9 +800,11 @@ class _Auditor:
                 self._expected_default(T_q, T_k)).any(-2), lead + (T_k,))
         bad = np.zeros(shape, bool)
         kinds = set()
+        padded = False
         for idx in np.ndindex(*lead) if lead else [()]:
             r = R[idx]
             pad = ~r.any(0) if declared_pad is None else declared_pad[idx]
+            padded |= bool(pad.any())
             E = causal & ~pad[None, :]
             pad_query = pad[np.arange(T_q) + off]
             row_ok = (r == E).all(-1) | (pad_query & ((~r.any(-1)) | (r == (causal & ~pad)).all(-1)))
@@ -836,7 +838,8 @@ class _Auditor:
         kind = next((k for k in order if k in kinds), None)
         self.add("M", "mask is causal (+ padding)", ok,
                  f"{source}: " + ("0 on and below the diagonal, blocked above"
-                                  + (", padding blocked" if declared_pad is not None else "")
+                                  + (", padding blocked" if declared_pad is not None else
+                                     ", padding keys (read by no query) blocked" if padded else "")
                                   if ok else "does not match causal ∧ padding"),
                  None if ok else _locate(bad, len(lead)),
                  None if ok else hints[kind])

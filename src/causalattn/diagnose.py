@@ -319,6 +319,11 @@ def _probes(sig: str, dims: dict, pad_kind: str | None, dtype) -> list[_Probe]:
             make("T=d_k", dk, dk, None, 1.3)
         make("T≠d_k", dk + 2 if dk < 6 else 5, dk, None, 1.5)
         make("large scores", 5, dk, None, 40.0 / max(1.0, dk ** 0.25))
+    if pad_kind is None and sig != "module":  # a module keeps its own weights' dtype
+        if sig == "qkv":
+            make("fp16", 6, 3, 5, 1.5, dt=np.float16, optional=True)
+        else:
+            make("fp16", dims["d_k"] + 2, dims["d_k"], None, 1.5, dt=np.float16, optional=True)
     if pad_kind == "lengths":
         make("padding", 6, 3, 4, 1.3, B=2, pad=np.array([6, 3]), optional=True)
         make("padding fp16", 6, 3, 4, 1.3, B=2, pad=np.array([5, 2]), dt=np.float16, optional=True)
