@@ -31,7 +31,7 @@ TRACE_LIMIT_BYTES = 64 * 2**20
 
 
 def _shape(t) -> str:
-    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+    return str(tuple(t.shape))
 
 
 def _positive(name: str, value) -> int:
