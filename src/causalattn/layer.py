@@ -290,8 +290,13 @@ class CausalSelfAttention(nn.Module):
                 f"got {type(module).__name__}"
             )
         d_model, n_heads = int(module.embed_dim), int(module.num_heads)
+        scale = getattr(module, "scaling", None)
+        if scale is None:  # transformers < 5 keeps the flags only
+            scale = (d_model // n_heads) ** -0.5 if module.scale_attn_weights else 1.0
+            if module.scale_attn_by_inverse_layer_idx:
+                scale /= float(module.layer_idx + 1)
         layer = cls(
-            d_model, n_heads, bias=True, scale=float(module.scaling), engine=engine,
+            d_model, n_heads, bias=True, scale=float(scale), engine=engine,
             device=c_attn.weight.device, dtype=c_attn.weight.dtype,
         )
         layer._load(c_attn.weight, c_attn.bias, c_proj.weight, c_proj.bias, "from_gpt2_attention")
