@@ -130,6 +130,17 @@ def test_from_gpt2_attention_equals_hf_module(models):
         want = hf(x, attention_mask=causal[None, None])[0]  # called alone, eager needs the mask
         got = layer(x)
     assert (got - want).abs().max() <= 1e-5 * (1 + want.abs().max())
+    # GPT-2's optional 1/(layer_idx + 1) scaling is carried over too
+    cfg = gpt2_config()
+    cfg.scale_attn_by_inverse_layer_idx = True
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(3)
+    hf3 = transformers.models.gpt2.modeling_gpt2.GPT2Attention(cfg, layer_idx=2).eval()
+    with torch.no_grad():
+        hf3.c_attn.weight.mul_(20.0)  # large scores, so a wrong scale shows
+        want = hf3(x, attention_mask=causal[None, None])[0]
+        got = CausalSelfAttention.from_gpt2_attention(hf3)(x)
+    assert (got - want).abs().max() <= 1e-5 * (1 + want.abs().max())
     with pytest.raises(ValueError, match="from_gpt2_attention: expected a GPT-2"):
         CausalSelfAttention.from_gpt2_attention(torch.nn.Linear(2, 2))
 
