@@ -100,6 +100,9 @@ def test_cli_runs_the_file_in_a_subprocess(tmp_path):
 def test_unknown_fault():
     d = diagnose(lambda q, k, v: 2 * numpy_qkv.correct(q, k, v))
     assert d.status == "unknown" and d.fault is None and d.stage == "H", str(d)
+    # torch: the recorded softmax weights go through the audit, which locates the stage
+    d = diagnose(torch_qkv.half_scale)
+    assert d.status == "unknown" and d.stage == "S" and "0.5774" in d.message, str(d)
 
 
 def test_hang_and_crash_are_reported(tmp_path):

@@ -569,6 +569,9 @@ def _record(call, probe):
                 nd = args[0].ndim
                 ev["dim"] = dim
                 ev["last"] = dim is not None and dim % nd == nd - 1
+                if not any("weights" in e for e in events) and isinstance(out, torch.Tensor):
+                    t = out.detach().cpu()
+                    ev["weights"] = (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy()
             elif name in ("masked_fill", "masked_fill_"):
                 ev["kind"] = "mask"
                 ev["value"] = float(args[2] if len(args) > 2 else kwargs.get("value", 0))
@@ -799,7 +802,7 @@ def _diagnose_callable(fn, signature) -> Diagnosis:
             else:
                 status = "unknown"
 
-    location, code, facts = None, "", {}
+    location, code, facts, events, rec = None, "", {}, [], base
     if framework == "torch":
         try:
             # the richest probe the function ran on: padding (every branch taken), else T ≠ d_k
@@ -816,10 +819,20 @@ def _diagnose_callable(fn, signature) -> Diagnosis:
         msg = "no known fault: matches the reference"
         return Diagnosis(None, None, msg, None, "clean", [], untested, details)
     if status == "unknown":
-        stage = _unknown_stage(facts, sig, dims)
-        return Diagnosis(None, stage, "the output differs from the reference and from every "
-                         "catalogued fault (and every pair of them)", location, "unknown", [],
-                         untested, details)
+        A = next((e["weights"] for e in events if "weights" in e), None)
+        check = _audit_weights(A, rec, sig) if A is not None else None
+        msg = ("the output differs from the reference and from every catalogued fault (and "
+               "every pair of them)")
+        if check is not None and check.ok:
+            stage = "O" if sig != "qkv" and dims.get("w_o") else "H"
+            msg += "; the softmax weights pass the audit, so the divergence is after A"
+        elif check is not None:
+            stage = check.stage
+            msg += f"; the softmax weights fail the audit at {check.stage}: {check.message}"
+            msg += f" ({check.hint})" if check.hint else ""
+        else:
+            stage = _unknown_stage(facts, sig, dims)
+        return Diagnosis(None, stage, msg, location, "unknown", [], untested, details)
     f = _BY_ID[fault]
     msg = f"{f.id}: {f.description}"
     if pair:
@@ -827,6 +840,34 @@ def _diagnose_callable(fn, signature) -> Diagnosis:
     elif also:
         msg += f" (these probes cannot tell it from: {', '.join(also)})"
     return Diagnosis(f.id, f.stage, msg, location, "fault", also, untested, details)
+
+
+def _audit_weights(A, p: _Probe, sig: str):
+    """The audit's first failing Check given the weights A the user's softmax produced
+    (a passing Check when the audit is clean; None when A cannot be placed)."""
+    from .audit import audit
+
+    if sig == "qkv":
+        data = {"Q": p.inputs["q"], "K": p.inputs["k"], "V": p.inputs["v"]}
+        lead = p.inputs["q"].shape[:-2]
+    else:
+        data = {"X": p.inputs["x"], "W_q": p.inputs["w_q"], "W_k": p.inputs["w_k"],
+                "W_v": p.inputs["w_v"]}
+        lead = p.inputs["x"].shape[:-2] + ((p.heads,) if p.heads else ())
+        if p.heads:
+            data["n_heads"] = p.heads
+    T = p.inputs["q" if sig == "qkv" else "x"].shape[-2]
+    want = lead + (T, T)
+    if A.size != int(np.prod(want)):
+        return None
+    data["A"] = A.reshape(want)
+    if p.pad_kind is not None:
+        data[p.pad_kind] = p.pad
+    try:
+        rep = audit(data)
+    except ValueError:
+        return None
+    return rep.first_failure or rep.checks[-1]
 
 
 def _unknown_stage(facts: dict, sig: str, dims: dict) -> str:
