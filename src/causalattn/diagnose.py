@@ -18,7 +18,9 @@ v: ``T×d_v`` (optionally a ``key_padding_mask=`` (B, T) keyword, True = may rea
 its projection weights are found by name and replaced (on a copy) by probe weights.
 
 ``diagnose("path/file.py:name")`` EXECUTES that file, in a subprocess with a timeout, so
-a hang or a crash in it is reported, not inherited. ``diagnose(callable)`` runs in-process.
+a hang or a crash in it is reported, not inherited; ``name`` may be a function, a module
+instance, an nn.Module class constructible without arguments, or a function without
+arguments that returns one of those. ``diagnose(callable)`` runs in-process.
 """
 
 from __future__ import annotations
@@ -470,12 +472,27 @@ class _ModuleAdapter:
         par.copy_(val.to(par.dtype))
 
 
-def _to_numpy(out):
-    if isinstance(out, (tuple, list)) and out:
-        out = out[0]
+def _as_array(out, dtype=np.float64):
     if type(out).__module__.startswith("torch"):
         out = out.detach().cpu().double().numpy()
-    return np.asarray(out, dtype=np.float64)
+    return np.asarray(out, dtype=dtype)
+
+
+def _to_numpy(out):
+    """The output H (or O); a tuple's first element (``(out, weights)`` is common)."""
+    return _as_array(out[0] if isinstance(out, (tuple, list)) and out else out)
+
+
+def _returned_weights(out):
+    """A ``(..., T, T)`` second element of a returned tuple: the weights A, or None."""
+    if isinstance(out, (tuple, list)) and len(out) > 1:
+        try:
+            w = _as_array(out[1])
+        except (TypeError, ValueError):
+            return None
+        if w.ndim >= 2 and w.shape[-1] == w.shape[-2]:
+            return w
+    return None
 
 
 class _Caller:
@@ -484,6 +501,7 @@ class _Caller:
     def __init__(self, fn, sig, framework, adapter=None):
         self.fn, self.sig, self.framework, self.adapter = fn, sig, framework, adapter
         self.lead = 0  # extra leading unit axes the function needs
+        self.weights = None  # A, when the function returns (out, weights)
 
     def _conv(self, a):
         if self.framework == "torch":
@@ -517,8 +535,9 @@ class _Caller:
         kwargs = {}
         if p.pad_kind is not None:
             kwargs[p.pad_kind] = self._conv(p.pad.copy())
-        out = _to_numpy(self.fn(*args, **kwargs))
-        return out
+        out = self.fn(*args, **kwargs)
+        self.weights = _returned_weights(out)
+        return _to_numpy(out)
 
 
 # -- white-box pass (torch) --------------------------------------------------------------
@@ -820,6 +839,8 @@ def _diagnose_callable(fn, signature) -> Diagnosis:
         return Diagnosis(None, None, msg, None, "clean", [], untested, details)
     if status == "unknown":
         A = next((e["weights"] for e in events if "weights" in e), None)
+        if A is None and not isinstance(_safe(caller, rec), BaseException):
+            A = caller.weights  # the function returned (out, weights)
         check = _audit_weights(A, rec, sig) if A is not None else None
         msg = ("the output differs from the reference and from every catalogued fault (and "
                "every pair of them)")
@@ -897,12 +918,17 @@ def _load_target(spec: str):
     if not hasattr(mod, name):
         raise ValueError(f"diagnose: {path} has no {name!r}")
     obj = getattr(mod, name)
+    if inspect.isfunction(obj) and not any(
+            q.default is q.empty and q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)
+            for q in inspect.signature(obj).parameters.values()):
+        obj = obj()  # a factory: returns the configured function or module
     if inspect.isclass(obj):
         try:
             obj = obj()
         except TypeError as exc:
             raise ValueError(f"diagnose: cannot construct {name}() without arguments ({exc}); "
-                             "give a function that returns a configured module") from None
+                             "name a function without arguments that returns a configured "
+                             "module") from None
     return obj
 
 
