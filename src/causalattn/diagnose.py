@@ -14,7 +14,7 @@ points at the user's ``file:line``.
 Calling conventions (``signature=``): ``"qkv"`` — ``fn(q, k, v)`` with q, k: ``T×d_k``,
 v: ``T×d_v`` (optionally a ``key_padding_mask=`` (B, T) keyword, True = may read, or
 ``lengths=`` (B,)); ``"x-weights"`` — ``fn(x, w_q, w_k, w_v[, w_o])`` in the seeds'
-``X W`` layout; ``"module"`` — an ``nn.Module`` whose ``forward(x)`` takes ``(1, T, d_model)``:
+``X W`` layout, one head; ``"module"`` — an ``nn.Module`` whose ``forward(x)`` takes ``(1, T, d_model)``:
 its projection weights are found by name and replaced (on a copy) by probe weights.
 
 ``diagnose("path/file.py:name")`` EXECUTES that file, in a subprocess with a timeout, so
@@ -776,9 +776,9 @@ def _diagnose_callable(fn, signature) -> Diagnosis:
         worst, wild, total = 0.0, 0, 0
         for p in probes:
             c = outs[p.name]
-            shape = c.shape if not isinstance(c, BaseException) else None
-            rows = (np.ones(shape[:-1], bool) if every_row or shape is None
-                    else _real_rows(p, shape)) if shape is not None else None
+            rows = None
+            if not isinstance(c, BaseException):
+                rows = np.ones(c.shape[:-1], bool) if every_row else _real_rows(p, c.shape)
             e, w = _distance(user[p.name], c, rows, _rtol(p.dtype))
             worst, wild = max(worst, e), wild + w
             total += 0 if isinstance(c, BaseException) else c.size
