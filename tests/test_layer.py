@@ -212,3 +212,14 @@ def test_bad_kv_cache():
     assert len(cache) == 5  # refused calls left the cache as it was
     with pytest.raises(ValueError, match="kv_cache: expected a causalattn.KVCache"):
         layer(x, kv_cache={})
+
+
+def test_layer_bench_rows():
+    from causalattn.bench import layer as bench_layer
+
+    rows = bench_layer.run(1, 48, 16, 2, budget_s=0.05, passes=("fwd", "fwd+bwd"))
+    assert [(r["pass"], r["engine"]) for r in rows] == [
+        ("fwd", "auto (tiled)"), ("fwd", "sdpa"), ("fwd+bwd", "auto (tiled)"), ("fwd+bwd", "sdpa")
+    ]
+    assert all(r["ms"] > 0 and r["vs_sdpa"] > 0 and r["reps"] >= 3 for r in rows)
+    assert rows[1]["vs_sdpa"] == 1.0 and rows[0]["max_abs_diff_vs_sdpa"] < 1e-5
