@@ -77,6 +77,15 @@ def test_module_and_whitebox_location():
         line = next(i + 1 for i, s in enumerate(src) if marker in s)
         d = diagnose(PLANTED[fault])
         assert d.location == f"{FAULTY / 'torch_qkv.py'}:{line}", (fault, str(d))
+    # NumPy code is recorded too (an ndarray subclass sees every ufunc and np.where)
+    src = (FAULTY / "numpy_qkv.py").read_text().splitlines()
+    for fault, marker in [("scale-by-dk", "fault: / d_k"),
+                          ("softmax-all-entries", "fault: one distribution over T×T")]:
+        line = next(i + 1 for i, s in enumerate(src) if marker in s)
+        d = diagnose(PLANTED[fault])
+        assert d.location == f"{FAULTY / 'numpy_qkv.py'}:{line}", (fault, str(d))
+    assert diagnose(PLANTED["softmax-all-entries"]).details["whitebox"][
+        "normalized over axis"] == (-2, -1)
 
 
 def test_bad_signature():

@@ -6,10 +6,12 @@ reference and with every faulty variant in :data:`CATALOGUE` — each variant is
 reference pipeline (:mod:`causalattn.masks`, :func:`causalattn.reference.softmax_last`)
 with one stage changed. The answer names the matching fault (or ``None``: "no known
 fault: matches the reference") and its stage; when no single fault fits, pairs are
-tried and the earliest fault in dependency order is named. For torch callables a
-white-box pass records the operations (a ``TorchFunctionMode``): the softmax and its
-dim, the mask op and whether it comes before or after the softmax, the scale — and
-points at the user's ``file:line``.
+tried and the earliest fault in dependency order is named. A white-box pass records the
+operations — a ``TorchFunctionMode`` for torch, an ndarray subclass for NumPy: the
+softmax and its axis, the mask op and whether it comes before or after the softmax, the
+scale — and points at the user's ``file:line``. When nothing in the catalogue fits, the
+softmax weights it recorded (or that the function returned as ``(out, weights)``) go
+through :func:`causalattn.audit`, which names the first stage that diverges.
 
 Calling conventions (``signature=``): ``"qkv"`` — ``fn(q, k, v)`` with q, k: ``T×d_k``,
 v: ``T×d_v`` (optionally a ``key_padding_mask=`` (B, T) keyword, True = may read, or
@@ -502,13 +504,14 @@ class _Caller:
         self.fn, self.sig, self.framework, self.adapter = fn, sig, framework, adapter
         self.lead = 0  # extra leading unit axes the function needs
         self.weights = None  # A, when the function returns (out, weights)
+        self.wrap = None  # NumPy op recording: a view of each input array
 
     def _conv(self, a):
         if self.framework == "torch":
             import torch
 
             return torch.from_numpy(np.ascontiguousarray(a))
-        return a
+        return a if self.wrap is None else self.wrap(a)
 
     def __call__(self, p: _Probe, lead: int | None = None):
         lead = self.lead if lead is None else lead
@@ -544,7 +547,7 @@ class _Caller:
 _SCORED = {"softmax", "log_softmax", "exp", "matmul", "__matmul__", "bmm", "einsum", "linear",
            "masked_fill", "masked_fill_", "where", "add", "__add__", "__iadd__", "__radd__", "add_",
            "div", "__truediv__", "__itruediv__", "div_", "mul", "__mul__", "__rmul__", "mul_",
-           "transpose", "permute", "t", "scaled_dot_product_attention", "baddbmm"}
+           "transpose", "permute", "t", "scaled_dot_product_attention", "baddbmm", "sum"}
 
 
 def _record(call, probe):
@@ -591,6 +594,9 @@ def _record(call, probe):
                 if not any("weights" in e for e in events) and isinstance(out, torch.Tensor):
                     t = out.detach().cpu()
                     ev["weights"] = (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy()
+            elif name == "sum":
+                ev["axis"] = kwargs.get("dim", args[1] if len(args) > 1 else None)
+                ev["ndim"] = args[0].ndim if isinstance(args[0], torch.Tensor) else None
             elif name in ("masked_fill", "masked_fill_"):
                 ev["kind"] = "mask"
                 ev["value"] = float(args[2] if len(args) > 2 else kwargs.get("value", 0))
@@ -598,7 +604,7 @@ def _record(call, probe):
                 if any(neg_fill(a) for a in args[1:]):
                     ev["kind"] = "mask"
                 elif len(args) > 2 and any(isinstance(a, (int, float)) and a == 0 for a in args[1:]):
-                    ev["kind"] = "zero"  # where(mask, A, 0): zeroing after the fact
+                    ev["kind"] = "guard"  # where(cond, A, 0): often a guard for empty rows
             elif name in ("add", "__add__", "__iadd__", "__radd__", "add_"):
                 if any(neg_fill(a) for a in args):
                     ev["kind"] = "mask"
@@ -621,6 +627,91 @@ def _record(call, probe):
     return events
 
 
+def _record_numpy(caller, probe):
+    """Run the NumPy ``caller(probe)`` with inputs viewed as a recording ndarray subclass
+    (``__array_ufunc__`` / ``__array_function__``); op events in call order, as _record."""
+    np_dir = os.path.dirname(np.__file__)
+    here = os.path.abspath(__file__)
+    events: list[dict] = []
+
+    def where():
+        for fr in reversed(traceback.extract_stack()[:-2]):  # less where() and the hook
+            f = os.path.abspath(fr.filename)
+            if f.startswith(np_dir) or f == here or f.startswith("<"):
+                continue
+            return f"{fr.filename}:{fr.lineno}", (fr.line or "").strip()
+        return None, ""
+
+    def plain(x):
+        if isinstance(x, Rec):
+            return x.view(np.ndarray)
+        if isinstance(x, (tuple, list)):
+            return type(x)(plain(v) for v in x)
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return x
+
+    def wrap(x):
+        if isinstance(x, np.ndarray) and not isinstance(x, Rec):
+            return x.view(Rec)
+        if isinstance(x, tuple):
+            return tuple(wrap(v) for v in x)
+        return x
+
+    def scalar(a):
+        return np.ndim(a) == 0 and isinstance(a, (int, float, np.number, np.ndarray))
+
+    def neg_fill(a):
+        a = np.asarray(a)
+        return a.dtype.kind == "f" and a.size > 0 and bool((a <= -1e4).any())
+
+    class Rec(np.ndarray):
+        def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+            inputs, kwargs = plain(inputs), plain(kwargs)
+            out = getattr(ufunc, method)(*inputs, **kwargs)
+            name, ev = ufunc.__name__, None
+            if method == "__call__":
+                if name == "exp":
+                    ev = {"op": "exp"}
+                elif name == "matmul":
+                    ev = {"op": "matmul", "shape": np.shape(out)}
+                elif name in ("add", "subtract") and any(neg_fill(a) for a in inputs):
+                    ev = {"op": "add", "kind": "mask"}
+                elif name in ("divide", "true_divide", "multiply"):
+                    op = "mul" if name == "multiply" else "div"
+                    sc = [a for a in (inputs if op == "mul" else inputs[1:]) if scalar(a)]
+                    if sc:
+                        ev = {"op": op, "kind": "scale", "scalar": float(sc[0])}
+                    elif any(np.asarray(a).dtype == bool for a in inputs):
+                        ev = {"op": op, "kind": "zero"}
+            elif method == "reduce" and name == "add":
+                ev = {"op": "sum", "axis": kwargs.get("axis"), "ndim": np.ndim(inputs[0])}
+            if ev is not None:
+                ev["at"], ev["code"] = where()
+                events.append(ev)
+            return wrap(out)
+
+        def __array_function__(self, func, types, args, kwargs):
+            args, kwargs = plain(args), plain(kwargs)
+            out = func(*args, **kwargs)
+            if func.__name__ == "where" and len(args) == 3:
+                kind = ("mask" if any(neg_fill(a) for a in args[1:]) else
+                        "guard" if any(scalar(a) and a == 0 for a in args[1:]) else None)
+                if kind:
+                    ev = {"op": "where", "kind": kind}
+                    ev["at"], ev["code"] = where()
+                    events.append(ev)
+            return wrap(out)
+
+    caller.wrap = lambda a: a.view(Rec)
+    try:
+        with np.errstate(all="ignore"):
+            caller(probe)
+    finally:
+        caller.wrap = None
+    return events
+
+
 def _whitebox(events: list[dict], fault: str | None) -> tuple[str | None, str, dict]:
     """(location, code, facts) for the fault from the recorded ops."""
     sm = [i for i, e in enumerate(events) if e["op"] in ("softmax", "log_softmax")]
@@ -638,6 +729,12 @@ def _whitebox(events: list[dict], fault: str | None) -> tuple[str | None, str, d
         facts["softmax over the key axis"] = events[sm[0]]["last"]
     elif exp:
         facts["softmax"] = "written by hand (exp)"
+        norm = [e for e in events[exp[0]:] if e["op"] == "sum"]
+        if norm:
+            ax, nd = norm[0].get("axis"), norm[0].get("ndim")
+            facts["normalized over axis"] = ax
+            if isinstance(ax, int) and nd:
+                facts["softmax over the key axis"] = ax % nd == nd - 1
     elif sdpa:
         facts["softmax"] = "inside scaled_dot_product_attention"
     if norm_at is not None and not (sdpa and norm_at == sdpa[0]):
@@ -656,14 +753,20 @@ def _whitebox(events: list[dict], fault: str | None) -> tuple[str | None, str, d
 
     pick = None
     stage = _BY_ID[fault].stage if fault in _BY_ID else None
-    if fault in ("softmax-query-axis", "softmax-all-entries", "unstable-softmax"):
+    if fault in ("softmax-query-axis", "softmax-all-entries"):
+        norm = [i for i in range(norm_at or 0, len(events)) if events[i]["op"] == "sum"]
+        pick = norm[0] if not sm and norm else norm_at  # a hand-written softmax: its sum
+    elif fault == "unstable-softmax":
         pick = norm_at
     elif fault == "mask-after-softmax":
-        after = [i for i in maskops + zeroing if norm_at is not None and i > norm_at]
+        guards = [i for i, e in enumerate(events) if e.get("kind") == "guard"]
+        after = sorted(i for i in maskops + zeroing + guards if norm_at is not None and i > norm_at)
         pick = after[0] if after else norm_at
     elif fault == "no-mask":
         pick = norm_at  # no causal mask reaches this softmax
-    elif stage == "M" or fault == "nan-on-empty-rows":
+    elif fault == "nan-on-empty-rows":
+        pick = norm_at  # the softmax that divides 0 by 0 on a row of -inf
+    elif stage == "M":
         before = [i for i in maskops if norm_at is None or i < norm_at]
         # the second finite minimum is where the overflow happens: point at the last mask op
         pick = (before[-1] if fault == "finite-min-added-twice" else before[0]) if before else norm_at
@@ -822,16 +925,15 @@ def _diagnose_callable(fn, signature) -> Diagnosis:
                 status = "unknown"
 
     location, code, facts, events, rec = None, "", {}, [], base
-    if framework == "torch":
-        try:
-            # the richest probe the function ran on: padding (every branch taken), else T ≠ d_k
-            ran = [p for p in probes if not isinstance(user[p.name], BaseException)]
-            rec = next((p for p in ran if p.pad_kind and p.dtype != np.float16),
-                       ran[1] if len(ran) > 1 else base)
-            events = _record(caller, rec)
-            location, code, facts = _whitebox(events, fault)
-        except Exception as exc:  # recording is a bonus; never let it hide the diagnosis
-            facts = {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        # the richest probe the function ran on: padding (every branch taken), else T ≠ d_k
+        ran = [p for p in probes if not isinstance(user[p.name], BaseException)]
+        rec = next((p for p in ran if p.pad_kind and p.dtype != np.float16),
+                   ran[1] if len(ran) > 1 else base)
+        events = (_record if framework == "torch" else _record_numpy)(caller, rec)
+        location, code, facts = _whitebox(events, fault)
+    except Exception as exc:  # recording is a bonus; never let it hide the diagnosis
+        facts = {"error": f"{type(exc).__name__}: {exc}"}
     details.update({"whitebox": facts, "code": code, "probes": [p.name for p in probes]})
 
     if status == "clean":
