@@ -19,3 +19,11 @@ __all__ += ["text", "encode", "Vocabulary", "Batch", "shapes", "shape_table"]
 __all__ += ["viz"]
 __all__ += ["CausalSelfAttention"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name):  # `causalattn.distributed` (ring attention) loads on first use
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module 'causalattn' has no attribute {name!r}")
