@@ -24,7 +24,7 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _dot_rows_cols(A, B_, offs_a, offs_b, a_ok, b_ok, sat, sad, sbt, sbd, D,
+def _dot_rows_cols(A, B_, offs_a, offs_b, a_ok, b_ok, sat: tl.constexpr, sad: tl.constexpr, sbt: tl.constexpr, sbd: tl.constexpr, D: tl.constexpr,
                    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
                    NUM_D: tl.constexpr, PREC: tl.constexpr):
     """Σ_d A[a, d] B[b, d] for the rows offs_a of A and offs_b of B, over d-chunks -> (BLOCK_A, BLOCK_B) fp32."""
@@ -88,7 +88,7 @@ def _key_ok(KPMb, offs_n, n_lo, n_hi, HAS_KPM: tl.constexpr):
 
 @triton.jit
 def _fwd_tile(acc, l_i, m_i, q, Qb, Kb, Vb, KPMb, offs_m, row_ok, lo, hi, n_lo, n_hi, start_n,
-              sqt, sqd, skt, skd, svt, svd, D_K, D_V, qk_scale, offs_dv, dv_ok,
+              sqt: tl.constexpr, sqd: tl.constexpr, skt: tl.constexpr, skd: tl.constexpr, svt: tl.constexpr, svd: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, qk_scale, offs_dv, dv_ok,
               MASKED: tl.constexpr, HAS_KPM: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
               NUM_DK: tl.constexpr, PREC: tl.constexpr):
@@ -125,8 +125,8 @@ def _fwd_tile(acc, l_i, m_i, q, Qb, Kb, Vb, KPMb, offs_m, row_ok, lo, hi, n_lo, 
 
 @triton.jit
 def fwd_kernel(Q, K, V, O, LSE, LO, HI, KPM,
-               sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd, sob, soh, sot, sod,
-               H_q, T_q, T_k, D_K, D_V, GROUP, OFF, qk_scale,
+               sqb, sqh, sqt: tl.constexpr, sqd: tl.constexpr, skb, skh, skt: tl.constexpr, skd: tl.constexpr, svb, svh, svt: tl.constexpr, svd: tl.constexpr, sob, soh, sot: tl.constexpr, sod: tl.constexpr,
+               H_q, T_q, T_k, D_K: tl.constexpr, D_V: tl.constexpr, GROUP, OFF, qk_scale,
                HAS_KPM: tl.constexpr, ROWS: tl.constexpr, CAUSAL: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -189,7 +189,7 @@ def fwd_kernel(Q, K, V, O, LSE, LO, HI, KPM,
 
 @triton.jit
 def _dkdv_tile(acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, offs_n, k_ok, start_m,
-               q_end, sqt, sqd, skt, skd, svt, svd, sdot, sdod, T_k, D_K, D_V, OFF, qk_scale, offs_c,
+               q_end, sqt: tl.constexpr, sqd: tl.constexpr, skt: tl.constexpr, skd: tl.constexpr, svt: tl.constexpr, svd: tl.constexpr, sdot: tl.constexpr, sdod: tl.constexpr, T_k, D_K: tl.constexpr, D_V: tl.constexpr, OFF, qk_scale, offs_c,
                ck_ok, cv_ok, MASKED: tl.constexpr, ROWS: tl.constexpr, CAUSAL: tl.constexpr,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -238,9 +238,9 @@ def _dkdv_tile(acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, offs_
 
 @triton.jit
 def dkdv_kernel(Q, K, V, DO, LSE, DD, DK, DV, LO, HI, KPM, RANGES,
-                sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
-                sdob, sdoh, sdot, sdod, sdkb, sdkh, sdkt, sdkd, sdvb, sdvh, sdvt, sdvd,
-                H_q, H_kv, T_q, T_k, D_K, D_V, GROUP, N_BLOCKS, OFF, scale, qk_scale,
+                sqb, sqh, sqt: tl.constexpr, sqd: tl.constexpr, skb, skh, skt: tl.constexpr, skd: tl.constexpr, svb, svh, svt: tl.constexpr, svd: tl.constexpr,
+                sdob, sdoh, sdot: tl.constexpr, sdod: tl.constexpr, sdkb, sdkh, sdkt: tl.constexpr, sdkd: tl.constexpr, sdvb, sdvh, sdvt: tl.constexpr, sdvd: tl.constexpr,
+                H_q, H_kv, T_q, T_k, D_K: tl.constexpr, D_V: tl.constexpr, GROUP, N_BLOCKS, OFF, scale, qk_scale,
                 HAS_KPM: tl.constexpr, ROWS: tl.constexpr, CAUSAL: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -337,7 +337,7 @@ def dkdv_kernel(Q, K, V, DO, LSE, DD, DK, DV, LO, HI, KPM, RANGES,
 
 @triton.jit
 def _dq_tile(acc, q, do, Qb, Kb, Vb, DOb, KPMb, offs_m, row_ok, lo, hi, lse, Di, n_lo, n_hi,
-             start_n, sqt, sqd, skt, skd, svt, svd, sdot, sdod, D_K, D_V, qk_scale, offs_c, c_ok,
+             start_n, sqt: tl.constexpr, sqd: tl.constexpr, skt: tl.constexpr, skd: tl.constexpr, svt: tl.constexpr, svd: tl.constexpr, sdot: tl.constexpr, sdod: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, qk_scale, offs_c, c_ok,
              MASKED: tl.constexpr, HAS_KPM: tl.constexpr, BLOCK_M: tl.constexpr,
              BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr,
              BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr, PREC: tl.constexpr):
@@ -377,9 +377,9 @@ def _dq_tile(acc, q, do, Qb, Kb, Vb, DOb, KPMb, offs_m, row_ok, lo, hi, lse, Di,
 
 @triton.jit
 def dq_kernel(Q, K, V, DO, LSE, DD, DQ, LO, HI, KPM,
-              sqb, sqh, sqt, sqd, skb, skh, skt, skd, svb, svh, svt, svd,
-              sdob, sdoh, sdot, sdod, sdqb, sdqh, sdqt, sdqd,
-              H_q, T_q, T_k, D_K, D_V, GROUP, OFF, scale, qk_scale,
+              sqb, sqh, sqt: tl.constexpr, sqd: tl.constexpr, skb, skh, skt: tl.constexpr, skd: tl.constexpr, svb, svh, svt: tl.constexpr, svd: tl.constexpr,
+              sdob, sdoh, sdot: tl.constexpr, sdod: tl.constexpr, sdqb, sdqh, sdqt: tl.constexpr, sdqd: tl.constexpr,
+              H_q, T_q, T_k, D_K: tl.constexpr, D_V: tl.constexpr, GROUP, OFF, scale, qk_scale,
               HAS_KPM: tl.constexpr, ROWS: tl.constexpr, CAUSAL: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
