@@ -5,8 +5,9 @@
 Per configuration: peak memory per rank (a forward+backward after a warm-up one, shards
 included, above the level before it), payload bytes each rank sends per step, time per forward+backward
 step (slowest rank, median of the timed steps), block-pair FLOPs each rank computed (from
-RingStats) and their max/min — the zigzag/contiguous balance — and the time ranks sat
-blocked on transfers. One torch thread per rank, so P ranks use up to P cores; on a machine
+RingStats) and their max/min — the zigzag/contiguous balance —, the time ranks sat
+blocked on transfers (max over ranks), and the CPU seconds all ranks used together with the
+FLOP rate per CPU second (compute efficiency, independent of how the cores were shared). One torch thread per rank, so P ranks use up to P cores; on a machine
 with fewer free cores than P the time column measures sharing, not speed-up.
 """
 
@@ -58,15 +59,16 @@ def _worker(rank, P, port, layout, a, out_q):
         with PeakMemory("cpu") as mem:  # shards are created inside: they are O(T/P) too
             q, k, v, dout = shards()
             step(None)
-        stats, times = RingStats(), []
+        stats, times, cpu = RingStats(), [], []
         for _ in range(a.steps):
             q, k, v = (t.detach() for t in (q, k, v))
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step(stats)
             times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
         bw = _pingpong(rank) if P == 2 and layout == "zigzag" else None
-        out_q.put((rank, dict(peak=mem.bytes, step=sorted(times)[len(times) // 2],
+        out_q.put((rank, dict(peak=mem.bytes, step=sorted(times)[len(times) // 2], cpu=sum(cpu) / a.steps,
                               sent=stats.bytes_sent / a.steps, flops=stats.flops / a.steps,
                               wait=stats.wait_s / a.steps, bw=bw)))
         dist.destroy_process_group()
@@ -126,7 +128,7 @@ def main():
     print(f"ring attention, gloo on 127.0.0.1: B=1, H={a.H}, T={a.T}, d={a.d}, fp32, causal; "
           f"1 thread/rank; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
     head = (f"{'P':>2} {'layout':<10} {'T/P':>5} {'peak MB/rank':>12} {'x P=1':>6} {'MB sent/rank':>12} "
-            f"{'step s':>7} {'GFLOP/rank min-max':>19} {'balance':>7} {'wait s':>6}")
+            f"{'step s':>7} {'GFLOP/rank min-max':>19} {'balance':>7} {'wait s':>6} {'CPU s':>6} {'GFLOP/CPU s':>11}")
     print(head)
     print("-" * len(head))
     base, bw = None, None
@@ -139,7 +141,8 @@ def main():
             bw = bw or next((r["bw"] for r in rows if r["bw"]), None)
             print(f"{P:>2} {layout if P > 1 else '-':<10} {a.T // P:>5} {peak:>12.1f} {peak / base:>6.2f} "
                   f"{max(r['sent'] for r in rows) / 2**20:>12.1f} {max(r['step'] for r in rows):>7.2f} "
-                  f"{min(fl):>9.2f}-{max(fl):<9.2f} {max(fl) / min(fl):>7.2f} {max(r['wait'] for r in rows):>6.2f}",
+                  f"{min(fl):>9.2f}-{max(fl):<9.2f} {max(fl) / min(fl):>7.2f} {max(r['wait'] for r in rows):>6.2f} "
+                  f"{sum(r['cpu'] for r in rows):>6.2f} {sum(fl) / sum(r['cpu'] for r in rows):>11.1f}",
                   flush=True)
     if bw:
         print(f"gloo loopback bandwidth (32 MiB ping-pong, P=2): {bw:.2f} GB/s")

@@ -82,6 +82,15 @@ def _check_worker(rank, P, port, out_q):
                    for n, t in zip(NAMES, (out, lse, ql.grad, kl.grad, vl.grad))}
             if rank == 0:
                 results[name] = {n: t.numpy() for n, t in got.items()}
+            if lengths is not None:  # NaN past each length must change nothing, gradients included
+                bad = torch.arange(T)[None, :] >= lengths[:, None]  # (B, T)
+                q, k, v = (t.masked_fill(bad[:, None, :, None], float("nan")) for t in (q, k, v))
+                ql, kl, vl = (shard(t, layout=layout).requires_grad_() for t in (q, k, v))
+                out, lse = ring_attention(ql, kl, vl, layout=layout, lengths=lengths, return_lse=True)
+                (out * shard(dout, layout=layout)).sum().backward()
+                got = [unshard(t, layout=layout, length=T) for t in (out, lse, ql.grad, kl.grad, vl.grad)]
+                if rank == 0:
+                    results[name + "-nan"] = {n: t.numpy() for n, t in zip(NAMES, got)}
         # refusals: an odd shard under zigzag, and shards that disagree across ranks
         errors = {}
         x = torch.randn(1, 2, 3, 4)
@@ -206,6 +215,15 @@ def test_matches_single_process(P, name):
     for n in NAMES:
         _close(got[n], want["tiled"][n], f"{name}, P={P}, {n} vs tiled")
         _close(got[n], want["reference"][n], f"{name}, P={P}, {n} vs float64 reference")
+
+
+@pytest.mark.parametrize("P", [2, 4])
+@pytest.mark.parametrize("name", [n for n in CASES if CASES[n][7] is not None])
+def test_nan_past_lengths_changes_nothing(P, name):
+    got = _results(P)[0][2][name + "-nan"]
+    want = _expected(name, P)["tiled"]  # computed from the clean inputs
+    for n in NAMES:
+        _close(got[n], want[n], f"{name} with NaN padding, P={P}, {n}")
 
 
 @pytest.mark.parametrize("P", [2, 4])

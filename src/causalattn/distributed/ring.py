@@ -21,7 +21,7 @@ from __future__ import annotations
 import importlib
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -51,7 +51,6 @@ class RingStats:
     bytes_sent: int = 0
     kernel_calls: int = 0
     wait_s: float = 0.0
-    per_step: list = field(default_factory=list)  # (phase, step, source rank, flops)
 
 
 @dataclass
@@ -230,12 +229,11 @@ def _merge(out, lse, o, l) -> None:
     lse.copy_(new)
 
 
-def _count(cfg: _Config, pair: _Pair, q, v, phase, factor=1.0) -> float:
+def _count(cfg: _Config, pair: _Pair, q, v, factor=1.0) -> None:
+    """FLOPs of one block pair (DESIGN.md's convention: 4·B·H·n·m·d, halved on the diagonal)."""
     B, H, _, d_k = q.shape
-    f = 2.0 * B * H * pair.units * (d_k + v.shape[-1]) * factor
-    cfg.stats.flops += f
+    cfg.stats.flops += 2.0 * B * H * pair.units * (d_k + v.shape[-1]) * factor
     cfg.stats.kernel_calls += 1
-    return f
 
 
 def _forward(q, k, v, cfg: _Config):
@@ -255,7 +253,6 @@ def _forward(q, k, v, cfg: _Config):
             pending = cfg.exchange(cur, bufs[(step + 1) % 2], _TAG_KV, "the k, v block", "forward", step)
         kc, vc = _unpack(cur, k.shape, v.shape)
         kv_pos = cfg.kv_positions(src, q.device) if cfg.lengths is not None else None
-        flops = 0.0
         for pair in cfg.pairs(src):
             skip, kpm = cfg.key_mask(pair, kv_pos)
             if skip:
@@ -264,13 +261,12 @@ def _forward(q, k, v, cfg: _Config):
                              causal=pair.causal, key_padding_mask=kpm, scale=cfg.scale)
             o, l = tiled.fwd(p)
             _merge(out[:, :, pair.qs], lse[:, :, pair.qs], o, l)
-            flops += _count(cfg, pair, q, v, "forward")
-        cfg.stats.per_step.append(("forward", step, src, flops))
+            _count(cfg, pair, q, v)
         cfg.wait(pending)
     lse_public = lse
     if cfg.lengths is not None:  # query rows past the length are padding: zero output
         valid = _valid_rows(cfg, q)
-        out.mul_(valid[:, None, :, None])
+        out.masked_fill_(~valid[:, None, :, None], 0.0)
         lse_public = lse.masked_fill(~valid[:, None, :], float("-inf"))
     return out.to(q.dtype), lse_public.float(), lse
 
@@ -283,7 +279,7 @@ def _valid_rows(cfg: _Config, q) -> torch.Tensor:
 def _backward(dout, q, k, v, out, lse, cfg: _Config):
     tiled = _tiled()
     if cfg.lengths is not None:
-        dout = dout * _valid_rows(cfg, q)[:, None, :, None].to(dout.dtype)
+        dout = dout.masked_fill(~_valid_rows(cfg, q)[:, None, :, None], 0.0)
     cd = _acc_dtype(q)
     dq = torch.zeros(q.shape, dtype=cd, device=q.device)
     kv = [_pack(k, v), None]
@@ -307,7 +303,6 @@ def _backward(dout, q, k, v, out, lse, cfg: _Config):
             mine.zero_()
         dk_p, dv_p = _unpack(mine, k.shape, v.shape)
         kv_pos = cfg.kv_positions(src, q.device) if cfg.lengths is not None else None
-        flops = 0.0
         for pair in cfg.pairs(src):
             skip, kpm = cfg.key_mask(pair, kv_pos)
             if skip:
@@ -318,8 +313,7 @@ def _backward(dout, q, k, v, out, lse, cfg: _Config):
             dq[:, :, pair.qs] += dq_i
             dk_p[:, :, pair.ks] += dk_j
             dv_p[:, :, pair.ks] += dv_j
-            flops += _count(cfg, pair, q, v, "backward", 2.5)
-        cfg.stats.per_step.append(("backward", step, src, flops))
+            _count(cfg, pair, q, v, 2.5)
         if cfg.P > 1:
             if step > 0:  # the gradients other ranks already gave this block travel with it
                 cfg.wait(sent)
@@ -336,6 +330,10 @@ def _backward(dout, q, k, v, out, lse, cfg: _Config):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cfg):
+        if cfg.lengths is not None:
+            # padding query rows still read keys inside the length (only keys are masked per
+            # block); zeroed, whatever they held (even NaN) stays out of the sums of dK, dV
+            q = q.masked_fill(~_valid_rows(cfg, q)[:, None, :, None], 0.0)
         out, lse_public, lse = _forward(q, k, v, cfg)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg = cfg
