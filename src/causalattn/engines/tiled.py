@@ -22,6 +22,7 @@ inf) rows never multiply 0·NaN; see :func:`_mm_zero_safe`.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
@@ -87,23 +88,70 @@ def _jobs(p: Problem) -> list[_Job]:
 
 
 # Block sizes (tuned on a 2-core AVX2 machine; see _blocks).
-TILE_ELEMS = 1 << 20  # score elements per tile, all heads together: about 4 MiB in fp32
+TILE_ELEMS = 1 << 17  # score elements per tile (all its heads): 512 KiB in fp32, fits L2
 
 
-def _blocks(N: int, m: int, n: int, d: int, square: bool = False) -> tuple[int, int]:
-    """Query and key block sizes from the shape: tiles of about TILE_ELEMS scores.
+def _plan(N: int, m: int, n: int, d: int, bwd: bool = False) -> tuple[int, int, int]:
+    """(heads per tile, query block, key block) from the shape.
 
-    Query blocks are a power of two from 32 to 128 rows, as large as lets all N heads
-    share one tile (the diagonal, computed in full and masked, wastes bq/T of the work);
-    key blocks are four times as wide in the forward (a query block clips its last one at
-    its reach) and square in the backward (whose key blocks serve many query blocks).
+    A tile of about TILE_ELEMS scores stays in cache between the product that writes it,
+    the softmax passes and the product that reads it. Per-head products should not be
+    tiny (BLAS efficiency), so query blocks have 64 to 128 rows and key blocks 256 to 512
+    columns, and as many heads share a tile as fit. The diagonal block is computed in
+    full and masked, which wastes about bq/T of the work. The backward uses square blocks
+    (its key blocks are shared by many query blocks).
     """
-    b = 32
-    while b < 128 and N * (2 * b) * (8 * b) <= TILE_ELEMS:
-        b *= 2
-    bq = max(1, min(m, b))
-    bk = max(1, min(n, b if square else 4 * b))
-    return bq, bk
+    if bwd:
+        bq = bk = 128 if d <= 128 else 64
+    else:
+        bq, bk = (128, 256) if d <= 128 else (128, 512)
+    bq, bk = max(1, min(m, bq)), max(1, min(n, bk))
+    nh = max(1, min(N, TILE_ELEMS // (bq * bk)))
+    return nh, bq, bk
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _parallel(tasks: list, run, workers: int) -> list:
+    """Run ``run(part)`` for parts of ``tasks`` on ``workers`` threads; each thread runs
+    single-threaded torch ops. Independent tiles in Python threads (torch releases the
+    GIL) avoid one OpenMP fork-join per small op, which costs dearly on a busy machine."""
+    global _POOL
+    parts = [tasks[i::workers] for i in range(workers)]
+    parts = [p for p in parts if p]
+    if len(parts) <= 1:
+        return [run(tasks)]
+    if _POOL is None or _POOL._max_workers < len(parts):
+        _POOL = ThreadPoolExecutor(len(parts), thread_name_prefix="causalattn-tiled")
+    n_threads = torch.get_num_threads()
+
+    def one(part):
+        torch.set_num_threads(1)  # this thread's OpenMP and MKL
+        try:
+            with torch.no_grad():
+                return run(part)
+        finally:
+            torch.set_num_threads(n_threads)
+
+    return [f.result() for f in [_POOL.submit(one, p) for p in parts]]
+
+
+def _balanced(tasks: list[tuple], cost, workers: int) -> list:
+    """Order tasks so that dealing them round-robin gives each worker similar work."""
+    tasks = sorted(tasks, key=cost, reverse=True)
+    if workers <= 1:
+        return tasks
+    loads = [0.0] * workers
+    bins: list[list] = [[] for _ in range(workers)]
+    for t in tasks:  # greedy: the next largest task to the least loaded worker
+        w = loads.index(min(loads))
+        bins[w].append(t)
+        loads[w] += cost(t)
+    out = []
+    for i in range(max(len(b) for b in bins)):
+        out.extend(b[i] for b in bins if i < len(b))
+    return out
 
 
 def _finite(X: torch.Tensor, bs: int):
@@ -134,31 +182,57 @@ def _nonfinite_terms(out: torch.Tensor, A: torch.Tensor, X: torch.Tensor) -> Non
         out += torch.where(a != 0, a * x, 0.0).sum(-2)
 
 
-def _acc(out, A, X, X0, flags, i, masked):
-    """out += A @ X; in a masked tile the zero weights must not meet non-finite rows of X."""
-    if not masked or flags is None:
+def _acc(out, A, X, X0, flag: bool | None, masked: bool):
+    """out += A @ X; in a masked tile the zero weights must not meet non-finite rows of X.
+
+    ``flag``: None when X is finite everywhere, else whether this block of X holds a
+    non-finite entry (X0 is X with those zeroed)."""
+    if not masked or flag is None:
         out.baddbmm_(A, X)
         return
     out.baddbmm_(A, X0)
-    if flags[i]:
+    if flag:
         _nonfinite_terms(out, A, X)
 
 
-def _allowed(a: int, a2: int, c: int, c2: int, off: int, causal: bool, kmask) -> torch.Tensor | None:
-    """Mask (bq, bk) for query rows a:a2 against keys c:c2, or None when all may be read."""
+def _allowed(a: int, a2: int, c: int, c2: int, off: int, causal: bool, kmask, cache: dict):
+    """Mask of query rows a:a2 against keys c:c2: (allowed (bq, bk) bool, additive bias
+    0/-inf of the same shape), or None when every key may be read.
+
+    Adding the bias is an order of magnitude cheaper than masked_fill, but NaN + -inf is
+    NaN: callers add it only where the key block is finite, and masked_fill elsewhere.
+    Causal-only masks depend on (a + off - c, sizes) alone and are cached.
+    """
     need_causal = causal and c2 - 1 > a + off
     km = None if kmask is None else kmask[c:c2]
     if km is not None and bool(km.all()):
         km = None
     if not need_causal and km is None:
         return None
+    key = (a + off - c, a2 - a, c2 - c) if km is None else None
+    if key is not None and key in cache:
+        return cache[key]
     if need_causal:
         dev = kmask.device if kmask is not None else None
         i = torch.arange(a, a2, device=dev)[:, None] + off
         j = torch.arange(c, c2, device=dev)[None, :]
         m = j <= i
-        return m & km if km is not None else m
-    return km.expand(a2 - a, c2 - c)
+        m = m & km if km is not None else m
+    else:
+        m = km.expand(a2 - a, c2 - c)
+    res = (m, torch.zeros(m.shape, dtype=cache["dtype"]).masked_fill_(~m, NEG_INF))
+    if key is not None:
+        cache[key] = res
+    return res
+
+
+def _mask_scores(S: torch.Tensor, mask, finite: bool, shape) -> None:
+    """Blocked scores -> -inf in place (S viewed as ``shape`` = (M, g, bq, bk))."""
+    allowed, bias = mask
+    if finite:
+        S.view(shape).add_(bias)
+    else:
+        S.view(shape).masked_fill_(~allowed, NEG_INF)
 
 
 def _reach(a2: int, n: int, off: int, causal: bool) -> int:
@@ -176,49 +250,65 @@ def _stack(x: torch.Tensor, N: int, r: int) -> torch.Tensor:
     return x.reshape(N, r, x.shape[-1])
 
 
-def _fwd_tiles(Q, K, V, off, causal, scale, kmask, O_out, L_out):
+def _fwd_job(Q, K, V, off, causal, scale, kmask, O_out, L_out, workers):
     """Q (N, g, m, d), K (N, n, d), V (N, n, d_v) -> writes O_out (N, g, m, d_v), L_out (N, g, m).
 
-    Per tile: one GEMM for the scores, the mask only where the tile needs one, the row max,
-    exp in place, the row sum, one GEMM into the accumulator (online softmax, fp32).
+    Tasks are (head chunk, query block); each runs its key blocks with the online softmax:
+    one GEMM for the scores, the mask only where the block needs one, the row max, exp in
+    place, the row sum, one GEMM into the accumulator.
     """
     N, g, m, d = Q.shape
     n, dv = K.shape[1], V.shape[2]
-    bq, bk = _blocks(N * g, m, n, d)
+    nh, bq, bk = _plan(N * g, m, n, d)
+    nh = max(1, nh // g)
     dt = Q.dtype
     V0, vflags = _finite(V, bk)
-    buf = torch.empty(N * g * bq * bk, dtype=dt)
-    for a in range(0, m, bq):
-        a2 = min(m, a + bq)
-        r = g * (a2 - a)
-        qs = _stack(Q[:, :, a:a2] * scale, N, r)
-        mx = torch.full((N, r), NEG_INF, dtype=dt)
-        l = torch.zeros(N, r, dtype=dt)
-        acc = torch.zeros(N, r, dv, dtype=dt)
-        kend = _reach(a2, n, off, causal)
-        for i, c in enumerate(range(0, kend, bk)):
-            c2 = min(kend, c + bk)
-            allowed = _allowed(a, a2, c, c2, off, causal, kmask)
-            if allowed is not None and not bool(allowed.any()):
-                continue
-            S = torch.bmm(qs, K[:, c:c2].transpose(1, 2), out=_tile(buf, N, r, c2 - c))
-            if allowed is not None:
-                S.view(N, g, a2 - a, c2 - c).masked_fill_(~allowed, NEG_INF)
-            m_new = torch.maximum(mx, S.amax(-1))
-            m_safe = m_new.masked_fill(m_new == NEG_INF, 0.0)  # rows with nothing read yet
-            S.sub_(m_safe.unsqueeze(-1)).exp_()  # S is now P, unnormalized
-            if i:  # rescale what earlier key blocks accumulated
-                alpha = torch.exp(mx - m_safe)
-                l.mul_(alpha)
-                acc.mul_(alpha.unsqueeze(-1))
-            l.add_(S.sum(-1))
-            _acc(acc, S, V[:, c:c2], V0[:, c:c2], vflags, i, allowed is not None)
-            mx = m_new
-        empty = l == 0
-        acc.div_(l.masked_fill(empty, 1.0).unsqueeze(-1))
-        O_out[:, :, a:a2] = acc.view(N, g, a2 - a, dv)
-        lse = torch.log(l).add_(mx.masked_fill(empty, 0.0)).masked_fill_(empty, NEG_INF)
-        L_out[:, :, a:a2] = lse.view(N, g, a2 - a)
+    _, kflags = _finite(K, bk)
+    cache = {"dtype": dt}
+    tasks = [(h, min(N, h + nh), a, min(m, a + bq)) for h in range(0, N, nh) for a in range(0, m, bq)]
+    tasks = _balanced(tasks, lambda t: (t[1] - t[0]) * (t[3] - t[2]) * _reach(t[3], n, off, causal), workers)
+
+    def run(part):
+        # per-worker buffers, reused by every task: fresh allocations would page-fault
+        buf = torch.empty(nh * g * bq * bk, dtype=dt)
+        qbuf = torch.empty(nh * g * bq * d, dtype=dt)
+        abuf = torch.empty(nh * g * bq * dv, dtype=dt)
+        lbuf = torch.empty(nh * g * bq, dtype=dt)
+        for h, h2, a, a2 in part:
+            M, r = h2 - h, g * (a2 - a)
+            qs = torch.mul(Q[h:h2, :, a:a2], scale, out=qbuf[: M * r * d].view(M, g, a2 - a, d))
+            qs = qs.view(M, r, d)
+            mx = torch.full((M, r), NEG_INF, dtype=dt)
+            l = lbuf[: M * r].view(M, r).zero_()
+            acc = _tile(abuf, M, r, dv).zero_()
+            kend = _reach(a2, n, off, causal)
+            for i, c in enumerate(range(0, kend, bk)):
+                c2 = min(kend, c + bk)
+                mask = _allowed(a, a2, c, c2, off, causal, kmask, cache)
+                if mask is not None and not bool(mask[0].any()):
+                    continue
+                S = torch.bmm(qs, K[h:h2, c:c2].transpose(1, 2), out=_tile(buf, M, r, c2 - c))
+                if mask is not None:
+                    kfin = kflags is None or not kflags[c // bk]
+                    _mask_scores(S, mask, kfin, (M, g, a2 - a, c2 - c))
+                m_new = torch.maximum(mx, S.amax(-1))
+                m_safe = m_new.masked_fill(m_new == NEG_INF, 0.0)  # rows with nothing read yet
+                S.sub_(m_safe.unsqueeze(-1)).exp_()  # S is now P, unnormalized
+                if i:  # rescale what earlier key blocks accumulated
+                    alpha = torch.exp(mx - m_safe)
+                    l.mul_(alpha)
+                    acc.mul_(alpha.unsqueeze(-1))
+                l.add_(S.sum(-1))
+                flag = None if vflags is None else vflags[c // bk]
+                _acc(acc, S, V[h:h2, c:c2], V0[h:h2, c:c2], flag, mask is not None)
+                mx = m_new
+            empty = l == 0
+            acc.div_(l.masked_fill(empty, 1.0).unsqueeze(-1))
+            O_out[h:h2, :, a:a2] = acc.view(M, g, a2 - a, dv)
+            lse = torch.log(l).add_(mx.masked_fill(empty, 0.0)).masked_fill_(empty, NEG_INF)
+            L_out[h:h2, :, a:a2] = lse.view(M, g, a2 - a)
+
+    _parallel(tasks, run, workers)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -242,6 +332,13 @@ def _covers_all(jobs: list[_Job], B: int, T_q: int) -> bool:
     return sum((j.b1 - j.b0) * (j.q1 - j.q0) for j in jobs) == B * T_q
 
 
+def _workers(p: Problem) -> int:
+    """Threads for independent tiles: torch's thread count, one for tiny problems."""
+    B, H, T_q, d = p.q.shape
+    work = B * H * T_q * p.k.shape[2] * (d + p.v.shape[3])
+    return torch.get_num_threads() if work >= (1 << 22) else 1
+
+
 def fwd(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward without autograd: ``(out (B, H_q, T_q, d_v) in q's dtype, lse (B, H_q, T_q))``.
 
@@ -257,28 +354,33 @@ def fwd(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     lse = torch.empty(B, Hq, Tq, 1, dtype=cd, device=q.device)
     if not full:
         lse.fill_(NEG_INF)
+    workers = _workers(p)
     with torch.no_grad():
         for j in jobs:
-            _fwd_tiles(
+            _fwd_job(
                 _job_view(q, j, Hkv), _kv(k, j), _kv(v, j), j.off, p.causal, p.scale, j.kmask,
-                _job_view(out, j, Hkv), _job_view(lse, j, Hkv).squeeze(-1),
+                _job_view(out, j, Hkv), _job_view(lse, j, Hkv).squeeze(-1), workers,
             )
     return out, lse.squeeze(-1)
 
 
-def _bwd_tiles(Q, K, V, dO, LSE, D, off, causal, scale, kmask, dQ_out, dK, dV):
+def _bwd_job(Q, K, V, dO, LSE, D, off, causal, scale, kmask, dQ_out, dK, dV, workers):
     """Gradients of one job: writes dQ_out (N, g, m, d), dK (N, n, d), dV (N, n, d_v).
 
-    Key blocks outside, query blocks inside, so dK and dV accumulate in contiguous
-    per-block buffers and dQ in one contiguous buffer per query block.
+    Tasks are (head chunk, key block): each accumulates its dK, dV block in a contiguous
+    buffer over the query blocks that reach it; dQ accumulates per worker and is summed.
     """
     N, g, m, d = Q.shape
     n, dv = K.shape[1], V.shape[2]
-    bq, bk = _blocks(N * g, m, n, d, square=True)
+    nh, bq, bk = _plan(N * g, m, n, d, bwd=True)
+    nh = max(1, nh // g)
     dt = Q.dtype
     K0, kflags = _finite(K, bk)
-    qs, qs0, qfl, do, do0, dfl, lse, Dr, dq = ([] for _ in range(9))
-    for a in range(0, m, bq):
+    _, vflags = _finite(V, bk)
+    cache = {"dtype": dt}
+    blocks = list(range(0, m, bq))
+    qs, qs0, qfl, do, do0, dfl, lse, Dr, dfin = ([] for _ in range(9))
+    for a in blocks:
         a2 = min(m, a + bq)
         r = g * (a2 - a)
         x = _stack(Q[:, :, a:a2] * scale, N, r)
@@ -287,48 +389,67 @@ def _bwd_tiles(Q, K, V, dO, LSE, D, off, causal, scale, kmask, dQ_out, dK, dV):
         y0, yf = _finite(y.transpose(0, 1), r)
         qs.append(x)
         qs0.append(x0.transpose(0, 1))
-        qfl.append(xf)
+        qfl.append(None if xf is None else xf[0])
         do.append(y)
         do0.append(y0.transpose(0, 1))
-        dfl.append(yf)
+        dfl.append(None if yf is None else yf[0])
         L = _stack(LSE[:, :, a:a2].unsqueeze(-1), N, r)
         lse.append(L.masked_fill(L == NEG_INF, float("inf")))  # rows with no key: P = 0
         Dr.append(_stack(D[:, :, a:a2].unsqueeze(-1), N, r))
-        dq.append(torch.zeros(N, r, d, dtype=dt))
-    bufS = torch.empty(N * g * bq * bk, dtype=dt)
-    bufP = torch.empty_like(bufS)
-    for ci, c in enumerate(range(0, n, bk)):
-        c2 = min(n, c + bk)
-        w = c2 - c
-        Kc, Vc = K[:, c:c2], V[:, c:c2]
-        dk = torch.zeros(N, w, d, dtype=dt)
-        dvb = torch.zeros(N, w, dv, dtype=dt)
-        for ai, a in enumerate(range(0, m, bq)):
-            a2 = min(m, a + bq)
-            if _reach(a2, n, off, causal) <= c:
-                continue
-            allowed = _allowed(a, a2, c, c2, off, causal, kmask)
-            if allowed is not None and not bool(allowed.any()):
-                continue
-            r = g * (a2 - a)
-            masked = allowed is not None
-            S = torch.bmm(qs[ai], Kc.transpose(1, 2), out=_tile(bufS, N, r, w))
-            if masked:
-                S.view(N, g, a2 - a, w).masked_fill_(~allowed, NEG_INF)
-            P = S.sub_(lse[ai]).exp_()
-            dS = torch.bmm(do[ai], Vc.transpose(1, 2), out=_tile(bufP, N, r, w))
-            dS.sub_(Dr[ai]).mul_(P)  # dS = P ∘ (dP - D)
-            if masked:  # P is 0 there, but dP may be NaN (an unreadable v)
-                dS.view(N, g, a2 - a, w).masked_fill_(~allowed, 0.0)
-            Pt, dSt = P.transpose(1, 2), dS.transpose(1, 2)
-            _acc(dvb, Pt, do[ai], do0[ai], dfl[ai], 0, masked)
-            _acc(dk, dSt, qs[ai], qs0[ai], qfl[ai], 0, masked)
-            _acc(dq[ai], dS, Kc, K0[:, c:c2], kflags, ci, masked)
-        dK[:, c:c2] = dk
-        dV[:, c:c2] = dvb
-    for ai, a in enumerate(range(0, m, bq)):
+        # dS = P ∘ (dP - D) is 0 at blocked entries unless dP or D is non-finite there
+        dfin.append(yf is None and bool(torch.isfinite(Dr[-1]).all()))
+    tasks = [(h, min(N, h + nh), c, min(n, c + bk)) for h in range(0, N, nh) for c in range(0, n, bk)]
+
+    def reached(c):  # query blocks whose rows reach key c
+        return [ai for ai, a in enumerate(blocks) if _reach(min(m, a + bq), n, off, causal) > c]
+
+    tasks = _balanced(tasks, lambda t: (t[1] - t[0]) * (t[3] - t[2]) * len(reached(t[2])), workers)
+
+    def run(part):
+        dq = [torch.zeros(N, g * (min(m, a + bq) - a), d, dtype=dt) for a in blocks]
+        bufS = torch.empty(nh * g * bq * bk, dtype=dt)
+        bufP = torch.empty_like(bufS)
+        kbuf = torch.empty(nh * bk * d, dtype=dt)  # per-worker dK, dV block accumulators
+        vbuf = torch.empty(nh * bk * dv, dtype=dt)
+        for h, h2, c, c2 in part:
+            M, w = h2 - h, c2 - c
+            Kc, Vc, K0c = K[h:h2, c:c2], V[h:h2, c:c2], K0[h:h2, c:c2]
+            kflag = None if kflags is None else kflags[c // bk]
+            vfin = vflags is None or not vflags[c // bk]
+            dk = _tile(kbuf, M, w, d).zero_()
+            dvb = _tile(vbuf, M, w, dv).zero_()
+            for ai in reached(c):
+                a = blocks[ai]
+                a2 = min(m, a + bq)
+                mask = _allowed(a, a2, c, c2, off, causal, kmask, cache)
+                if mask is not None and not bool(mask[0].any()):
+                    continue
+                r = g * (a2 - a)
+                masked = mask is not None
+                shape = (M, g, a2 - a, w)
+                S = torch.bmm(qs[ai][h:h2], Kc.transpose(1, 2), out=_tile(bufS, M, r, w))
+                if masked:
+                    _mask_scores(S, mask, kflag is None or not kflag, shape)
+                P = S.sub_(lse[ai][h:h2]).exp_()
+                dS = torch.bmm(do[ai][h:h2], Vc.transpose(1, 2), out=_tile(bufP, M, r, w))
+                dS.sub_(Dr[ai][h:h2]).mul_(P)  # dS = P ∘ (dP - D)
+                if masked and not (vfin and dfin[ai]):  # P is 0 there, dP or D is not finite
+                    dS.view(shape).masked_fill_(~mask[0], 0.0)
+                Pt, dSt = P.transpose(1, 2), dS.transpose(1, 2)
+                _acc(dvb, Pt, do[ai][h:h2], do0[ai][h:h2], dfl[ai], masked)
+                _acc(dk, dSt, qs[ai][h:h2], qs0[ai][h:h2], qfl[ai], masked)
+                _acc(dq[ai][h:h2], dS, Kc, K0c, kflag, masked)
+            dK[h:h2, c:c2] = dk
+            dV[h:h2, c:c2] = dvb
+        return dq
+
+    parts = _parallel(tasks, run, workers)
+    for ai, a in enumerate(blocks):
         a2 = min(m, a + bq)
-        dQ_out[:, :, a:a2] = dq[ai].mul_(scale).view(N, g, a2 - a, d)
+        total = parts[0][ai]
+        for other in parts[1:]:
+            total += other[ai]
+        dQ_out[:, :, a:a2] = total.mul_(scale).view(N, g, a2 - a, d)
 
 
 def bwd(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse=None):
@@ -352,13 +473,14 @@ def bwd(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dl
     dq = (torch.empty if _covers_all(jobs, B, Tq) else torch.zeros)(q.shape, dtype=cd)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
+    workers = _workers(p)
     with torch.no_grad():
         for j in jobs:
-            _bwd_tiles(
+            _bwd_job(
                 _job_view(q, j, Hkv), _kv(k, j), _kv(v, j), _job_view(dout, j, Hkv),
                 _job_view(lse, j, Hkv).squeeze(-1), _job_view(D, j, Hkv).squeeze(-1),
                 j.off, p.causal, p.scale, j.kmask,
-                _job_view(dq, j, Hkv), _kv(dk, j), _kv(dv, j),
+                _job_view(dq, j, Hkv), _kv(dk, j), _kv(dv, j), workers,
             )
     return dq.to(p.q.dtype), dk.to(p.k.dtype), dv.to(p.v.dtype)
 

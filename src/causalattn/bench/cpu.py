@@ -1,0 +1,306 @@
+"""The CPU benchmark: the tiled engine against PyTorch's SDPA and naive materialized attention.
+
+One table from one run. Every group (shape, pass) times its engines in alternation and
+reports each one's median time, GFLOP/s (DESIGN.md's convention: forward 4·B·H·T_q·T_k·d,
+halved for square causal; forward+backward 3.5× that), the median paired ratio to SDPA
+(SDPA's time / this engine's time), the ratio to this machine's fp32 GEMM rate for the
+same matrices (a batched Q Kᵀ at most 2048 rows at a time, timed in the same alternation)
+and the peak extra resident memory of one call (see :mod:`causalattn.bench.timing`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .timing import median_ms, median_ratio, paired_times, peak_extra_mib, reps_for
+
+_GEMM_RATE: dict = {}  # (case, dtype) -> FLOP/s of the same Q Kᵀ, from the forward group
+NAIVE_MAX_SCORES_MIB = 512  # naive attention materializes B·H·T² scores; skip it above this
+
+
+@dataclass
+class Case:
+    name: str
+    B: int
+    H: int
+    T: int
+    d: int
+    dtype: torch.dtype = torch.float32
+    passes: tuple[str, ...] = ("fwd", "fwd+bwd")
+    kind: str = "causal"  # causal | padded | decode | memory
+    budget_s: float = 6.0  # timing budget per group (beyond warm-up)
+    extra: dict = field(default_factory=dict)
+
+
+def cases(quick: bool = False) -> list[Case]:
+    if quick:
+        return [
+            Case("seed", 1, 1, 2048, 1000, passes=("fwd",), budget_s=3),
+            Case("gpt2-small", 4, 12, 1024, 64, budget_s=4),
+            Case("padded", 8, 12, 1024, 64, kind="padded", passes=("fwd",), budget_s=4),
+            Case("decode", 1, 12, 4096, 64, kind="decode", passes=("fwd",), budget_s=2),
+        ]
+    return [
+        Case("seed", 1, 1, 2048, 1000),
+        Case("gpt2-small", 4, 12, 1024, 64),
+        Case("gpt2-small", 4, 12, 1024, 64, dtype=torch.bfloat16),
+        Case("long", 1, 8, 8192, 128, budget_s=20),
+        Case("padded", 8, 12, 1024, 64, kind="padded"),
+        Case("memory", 1, 1, 32768, 64, kind="memory", passes=("fwd+bwd",)),
+        Case("decode", 1, 12, 4096, 64, kind="decode", passes=("fwd",)),
+    ]
+
+
+def flops_fwd(B: int, H: int, T_q: int, T_k: int, d: int, causal: bool = True) -> float:
+    f = 4.0 * B * H * T_q * T_k * d
+    return f / 2 if causal and T_q == T_k else f
+
+
+def _naive(q, k, v, allowed, scale):
+    """Plain PyTorch: materialized scores, masked softmax, weighted values (in q's dtype)."""
+    S = (q @ k.transpose(-1, -2)) * scale
+    A = torch.softmax(S.masked_fill(~allowed, float("-inf")), dim=-1)
+    return (A.nan_to_num(0.0) @ v)
+
+
+def _lengths(B: int, T: int) -> list[int]:
+    """Lengths spread evenly between 64 and T."""
+    return [round(64 + (T - 64) * i / max(1, B - 1)) for i in range(B)]
+
+
+def _fwd_bwd(f: Callable, inputs: list[torch.Tensor], g: torch.Tensor) -> Callable[[], None]:
+    def run():
+        for t in inputs:
+            t.grad = None
+        f().backward(g)
+    return run
+
+
+def _group(case: Case, pass_: str) -> tuple[dict[str, Callable], dict]:
+    """Engines to time for one (case, pass): name -> call, plus facts for the rows."""
+    from ..engines import KVCache, attention, make_problem
+
+    B, H, T, d, dt = case.B, case.H, case.T, case.d, case.dtype
+    scale = 1.0 / math.sqrt(d)
+    gen = torch.Generator().manual_seed(0)
+    grad = pass_ == "fwd+bwd"
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dt).requires_grad_(grad)
+
+    info = {"flops": flops_fwd(B, H, T, T, d), "note": ""}
+    fns: dict[str, Callable] = {}
+    if case.kind == "decode":
+        cache = KVCache(capacity=2 * T)
+        cache.append(rnd(B, H, T, d).detach(), rnd(B, H, T, d).detach())
+        q1, k1, v1 = rnd(B, H, 1, d), rnd(B, H, 1, d), rnd(B, H, 1, d)
+        full = [rnd(B, H, T, d) for _ in range(3)]
+
+        def step(engine):
+            def run():
+                k, v = cache.append(k1, v1)
+                return attention(q1, k, v, engine=engine)
+            return run
+
+        fns["tiled"] = step("tiled")
+        fns["sdpa"] = step("sdpa")
+        fns["tiled recompute"] = lambda: attention(*full, engine="tiled")
+        info["flops"] = flops_fwd(B, H, 1, T, d, causal=False)
+        info["flops_by"] = {"tiled recompute": flops_fwd(B, H, T, T, d)}
+        info["note"] = f"one new token against a {T}-token KV cache"
+        info["shape"] = [B, H, 1, d]
+        return fns, info
+
+    q, k, v = rnd(B, H, T, d), rnd(B, H, T, d), rnd(B, H, T, d)
+    g = torch.randn(B, H, T, d, generator=gen).to(dt)
+    if case.kind == "padded":
+        L = _lengths(B, T)
+        lengths = torch.tensor(L)
+        allowed = make_problem(q, k, v, lengths=lengths).allowed()  # (B, 1, T, T)
+        # packed: the real tokens of every sequence, one after another
+        packed = [torch.cat([t[b, :, : L[b]] for b in range(B)], dim=1)[None].detach().requires_grad_(grad) for t in (q, k, v)]
+        gp = torch.cat([g[b, :, : L[b]] for b in range(B)], dim=1)[None]
+        cu = torch.tensor([0, *torch.tensor(L).cumsum(0).tolist()])
+        pad = 1 - sum(L) / (B * T)
+        info["note"] = f"lengths {min(L)}..{max(L)}, padding fraction {pad:.2f}"
+        info["padding_fraction"] = pad
+
+        def sdpa_masked():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale)
+            return out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
+
+        calls = {
+            "tiled (lengths)": lambda: attention(q, k, v, lengths=lengths, engine="tiled"),
+            "tiled (cu_seqlens)": lambda: attention(*packed, cu_seqlens=cu, engine="tiled"),
+            "sdpa (bool mask)": sdpa_masked,
+        }
+        if B * H * T * T * 4 / 2**20 <= NAIVE_MAX_SCORES_MIB:
+            calls["naive (bool mask)"] = lambda: _naive(q, k, v, allowed, scale)
+        if not grad:
+            return calls, info
+        for name, f in calls.items():
+            if "cu_seqlens" in name:
+                fns[name] = _fwd_bwd(f, packed, gp)
+            else:
+                fns[name] = _fwd_bwd(f, [q, k, v], g)
+        return fns, info
+
+    causal_mask = torch.ones(T, T, dtype=torch.bool).tril()
+    calls = {
+        "tiled": lambda: attention(q, k, v, engine="tiled"),
+        "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale),
+    }
+    if case.kind != "memory" and B * H * T * T * 4 / 2**20 <= NAIVE_MAX_SCORES_MIB:
+        calls["naive"] = lambda: _naive(q, k, v, causal_mask, scale)
+    elif case.kind != "memory":
+        info["note"] = f"naive skipped: its scores alone are {B * H * T * T * 4 / 2**30:.1f} GiB"
+    if case.kind == "memory":
+        info["note"] = f"materialized scores would be {B * H * T * T * 4 / 2**30:.0f} GiB"
+    if not grad:
+        # the GEMM ceiling: this problem's Q Kᵀ in fp32, at most 2048 rows at a time
+        t = min(T, 2048)
+        a = torch.randn(B * H, t, d, generator=gen)
+        b = torch.randn(B * H, d, t, generator=gen)
+        calls["gemm"] = lambda: torch.bmm(a, b)
+        info["gemm_flops"] = 2.0 * B * H * t * t * d
+        return calls, info
+    for name, f in calls.items():
+        fns[name] = _fwd_bwd(f, [q, k, v], g)
+    return fns, info
+
+
+def _rows(case: Case, pass_: str, progress=None) -> list[dict]:
+    fns, info = _group(case, pass_)
+    # one call each, measured for memory; it is also the warm-up
+    mem, secs = {}, {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        mem[name], _ = peak_extra_mib(fn) if name != "gemm" else (None, fn())
+        secs[name] = time.perf_counter() - t0
+    per_round = sum(secs.values())
+    reps = 1 if case.kind == "memory" else reps_for(per_round, case.budget_s)
+    times = paired_times(fns, reps=reps, warmup=0) if reps > 1 or case.kind != "memory" else {
+        n: [s] for n, s in secs.items()
+    }
+    mult = 3.5 if pass_ == "fwd+bwd" else 1.0
+    key = (case.name, case.dtype)
+    if "gemm" in times:
+        _GEMM_RATE[key] = info["gemm_flops"] / (median_ms(times["gemm"]) / 1000)
+    gemm_rate = _GEMM_RATE.get(key)
+    peer = next((n for n in times if n.startswith("sdpa")), None)
+    shape = info.get("shape", [case.B, case.H, case.T, case.d])
+    rows = []
+    for name, ts in times.items():
+        if name == "gemm":
+            continue
+        ms = median_ms(ts)
+        flops = info.get("flops_by", {}).get(name, info["flops"]) * mult
+        gflops = flops / (ms / 1000) / 1e9
+        row = {
+            "case": case.name,
+            "shape": [case.B, case.H, case.T, case.d] if name.endswith("recompute") else shape,
+            "dtype": str(case.dtype).replace("torch.", ""),
+            "pass": pass_,
+            "engine": name,
+            "ms": round(ms, 2),
+            "gflops": round(gflops, 2),
+            "vs_sdpa": round(median_ratio(times[peer], ts), 3) if peer else None,
+            "vs_gemm": round(gflops * 1e9 / gemm_rate, 3) if gemm_rate else None,
+            "peak_extra_mib": None if mem[name] is None else round(mem[name], 1),
+            "reps": len(ts),
+            "note": info["note"],
+        }
+        if case.kind == "decode" and name == "tiled":
+            row["recompute_over_decode"] = round(median_ratio(times["tiled recompute"], ts), 1)
+        if case.kind == "padded":
+            row["padding_fraction"] = round(info["padding_fraction"], 3)
+        rows.append(row)
+    return rows
+
+
+def run(quick: bool = False, show_progress: bool = True) -> list[dict]:
+    """Run the benchmark; a rich progress bar on stderr while it runs; returns the rows."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    groups = [(c, p) for c in cases(quick) for p in c.passes]
+    rows: list[dict] = []
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=Console(stderr=True), disable=not show_progress, transient=True,
+    ) as prog:
+        task = prog.add_task("bench", total=len(groups))
+        for c, p in groups:
+            prog.update(task, description=f"{c.name} {list((c.B, c.H, c.T, c.d))} {str(c.dtype)[6:]} {p}")
+            rows.extend(_rows(c, p))
+            prog.advance(task)
+    return rows
+
+
+def bars(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
+    """The issue's bars, checked on these rows: (bar, met, the numbers)."""
+    def find(case, engine, pass_="fwd", dtype="float32"):
+        for r in rows:
+            if r["case"] == case and r["engine"] == engine and r["pass"] == pass_ and r["dtype"] == dtype:
+                return r
+        return None
+
+    out = []
+    r = find("seed", "tiled")
+    if r:
+        ok = r["vs_sdpa"] >= 1.3 and (r["vs_gemm"] or 0) >= 0.85
+        out.append(("seed fwd >= 1.3x SDPA and >= 85% of GEMM", ok, f"{r['vs_sdpa']:.2f}x SDPA, {r['vs_gemm']:.0%} of GEMM"))
+    for p in ("fwd", "fwd+bwd"):
+        r = find("gpt2-small", "tiled", p)
+        if r:
+            out.append((f"GPT-2 small {p} >= 1.0x SDPA", r["vs_sdpa"] >= 1.0, f"{r['vs_sdpa']:.2f}x"))
+    for p in ("fwd", "fwd+bwd"):
+        for eng in ("tiled (lengths)", "tiled (cu_seqlens)"):
+            r = find("padded", eng, p)
+            if r:
+                need = 1 / (1 - r["padding_fraction"])
+                out.append((f"padded {p} {eng} >= 1/(1-padding) = {need:.2f}x masked SDPA", r["vs_sdpa"] >= need, f"{r['vs_sdpa']:.2f}x"))
+    r = find("memory", "tiled", "fwd+bwd")
+    if r and r["peak_extra_mib"] is not None:
+        out.append(("T=32768 fwd+bwd < 100 MiB extra", r["peak_extra_mib"] < 100, f"{r['peak_extra_mib']:.1f} MiB"))
+    r = find("decode", "tiled")
+    if r:
+        out.append(("decode >= 20x faster than recomputing", r["recompute_over_decode"] >= 20, f"{r['recompute_over_decode']:.0f}x"))
+    return out
+
+
+def render(rows: list[dict], console=None) -> None:
+    """Print the table and the bars with rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    t = Table(title=f"causalattn CPU benchmark ({torch.get_num_threads()} threads, torch {torch.__version__})")
+    for col in ("case", "shape", "dtype", "pass", "engine", "ms", "GFLOP/s", "vs SDPA", "vs GEMM", "peak MiB"):
+        t.add_column(col, justify="right" if col not in ("case", "engine", "pass", "dtype") else "left")
+
+    def fmt(x, spec):
+        return "-" if x is None else format(x, spec)
+
+    for r in rows:
+        t.add_row(
+            r["case"], "x".join(map(str, r["shape"])), r["dtype"], r["pass"], r["engine"],
+            fmt(r["ms"], ".1f"), fmt(r["gflops"], ".1f"), fmt(r["vs_sdpa"], ".2f"),
+            fmt(r["vs_gemm"], ".0%"), fmt(r["peak_extra_mib"], ".1f"),
+        )
+    console.print(t)
+    notes = sorted({(r["case"], r["note"]) for r in rows if r["note"]})
+    for case, note in notes:
+        console.print(f"  {case}: {note}")
+    for r in rows:
+        if "recompute_over_decode" in r:
+            console.print(f"  decode: recomputing the whole pass takes {r['recompute_over_decode']:.0f}x one decode step")
+    console.print("bars:")
+    for name, ok, nums in bars(rows):
+        console.print(f"  [{'green' if ok else 'red'}]{'met ' if ok else 'MISS'}[/] {name}: {nums}")
