@@ -601,6 +601,21 @@ def explore(
     typer.echo(f"wrote {output} ({_human_bytes(size)}): open it in any browser, offline")
 
 
+@app.command()
+def bench(
+    quick: bool = typer.Option(False, "--quick", help="a subset that runs in under a minute"),
+    as_json: bool = typer.Option(False, "--json", help="print the rows as a JSON list"),
+):
+    """Time the tiled engine against PyTorch's SDPA and naive attention (CPU), in alternation."""
+    from .bench import cpu
+
+    rows = cpu.run(quick=quick)
+    if as_json:
+        _print_json(rows)
+        return
+    cpu.render(rows, _console())
+
+
 def main() -> None:
     app()
 
