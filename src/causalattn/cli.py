@@ -605,15 +605,20 @@ def explore(
 def bench(
     quick: bool = typer.Option(False, "--quick", help="a subset that runs in under a minute"),
     as_json: bool = typer.Option(False, "--json", help="print the rows as a JSON list"),
+    layer: bool = typer.Option(
+        False, "--layer", help="the whole CausalSelfAttention layer at GPT-2 small, fwd and fwd+bwd, vs SDPA"
+    ),
 ):
     """Time the tiled engine against PyTorch's SDPA and naive attention (CPU), in alternation."""
     from .bench import cpu
+    from .bench import layer as layer_bench
 
-    rows = cpu.run(quick=quick)
+    mod = layer_bench if layer else cpu
+    rows = layer_bench.run(budget_s=8.0 if quick else 20.0) if layer else cpu.run(quick=quick)
     if as_json:
         _print_json(rows)
         return
-    cpu.render(rows, _console())
+    mod.render(rows, _console())
 
 
 def main() -> None:
