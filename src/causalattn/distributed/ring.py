@@ -207,8 +207,9 @@ def _tiled():
     return importlib.import_module("causalattn.engines.tiled")
 
 
-def _pack(k, v, dtype=None) -> torch.Tensor:
-    return torch.cat([k.reshape(-1), v.reshape(-1)]).to(dtype or k.dtype)
+def _pack(k, v) -> torch.Tensor:
+    """K and V in one flat buffer: one message per ring step."""
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
 
 
 def _unpack(buf, k_shape, v_shape):
