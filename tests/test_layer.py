@@ -93,6 +93,17 @@ def test_lengths_and_key_padding_mask(engine):
     assert (out_k - out)[real].abs().max() < 1e-5
 
 
+def test_padding_positions_never_reach_real_rows():
+    # DESIGN: values at unreadable positions, even NaN, never change a readable output, bit for bit
+    layer = make_layer(engine="auto", n_kv_heads=2, bias=True)
+    x = torch.randn(2, 10, 32)
+    lengths = torch.tensor([10, 6])
+    poisoned = x.clone()
+    poisoned[1, 6:] = float("nan")
+    a, b = layer(x, lengths=lengths), layer(poisoned, lengths=lengths)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1, :6], b[1, :6])
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_kv_cache_decoding_equals_full_pass(engine):
     layer = make_layer(engine=engine, n_kv_heads=2, bias=True)
