@@ -84,7 +84,7 @@ def make_problem(
             raise ValueError(f"attention: {name} must be 4-D (B, H, T, d), got shape {_shape(t)}")
         if t.dtype not in FLOAT_DTYPES:
             raise ValueError(
-                f"attention: {name} has dtype {t.dtype}; expected one of fp64, fp32, bf16, fp16"
+                f"attention: {name} {_shape(t)} has dtype {t.dtype}; expected one of fp64, fp32, bf16, fp16"
             )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"attention: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
