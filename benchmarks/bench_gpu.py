@@ -226,6 +226,15 @@ def main():
         verdict = "met" if min(r_f, r_b) >= bar else "MISSED"
         print(f"  ({B}, {H}, {T}, {d}): fwd {r_f:.2f}× vs {be_f}, fwd+bwd {r_b:.2f}× vs {be_b}; "
               f"bar {bar}× {verdict}")
+    table = {}
+    for cls in (128, 1024):
+        rows = sorted((T, r_b) for (B, H, T, d), (_, r_b, _, _) in ratios.items()
+                      if (d <= 128) == (cls == 128))
+        wins = [T for i, (T, _) in enumerate(rows) if all(r >= 1.0 for _, r in rows[i:])]
+        table[cls] = min(wins) if wins else None
+    print(f"\nprefers table for engines/triton.py (fwd+bwd ratio >= 1 from this T on): "
+          f"_PREFERS = {{128: {table[128]}, 256: None, 1024: {table[1024]}}}  "
+          f"# {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
     print(f"\ntotal {time.time() - t0:.0f} s")
 
 

@@ -102,20 +102,31 @@ def launches(dtype, T: int, d: int, lengths: bool, causal: bool, kpm: bool, over
     return rec.calls
 
 
-def check(name, args, kw, arch):
-    fn = getattr(K, name)
+def compile_launch(name, args, kw, arch=90):
+    """Compile one recorded launch for sm_<arch> -> triton's CompiledKernel (no GPU needed)."""
+    kw = dict(kw)
     opts = dict(num_warps=kw.pop("num_warps"), num_stages=kw.pop("num_stages"))
+    return triton.compile(_source(getattr(K, name), args, kw), target=GPUTarget("cuda", arch, 32),
+                          options=opts)
+
+
+def pipelined(k) -> bool:
+    return "async_copy_global_to_local" in k.asm["ttgir"] or "async_tma" in k.asm["ttgir"]
+
+
+def check(name, args, kw, arch):
     t = time.time()
     try:
-        k = triton.compile(_source(fn, args, kw), target=GPUTarget("cuda", arch, 32), options=opts)
+        k = compile_launch(name, args, kw, arch)
     except Exception as exc:
         return f"FAILED {type(exc).__name__}: ...{str(exc)[-700:]}"
     smem = k.metadata.shared
     ttgir = k.asm["ttgir"]
+    opts = {"num_warps": kw["num_warps"], "num_stages": kw["num_stages"]}
     tiles = {a: kw[a] for a in ("BLOCK_M", "BLOCK_N") if a in kw} | opts
     return (f"smem {smem} B{' OVER LIMIT' if smem > SMEM_LIMIT else ''}, {_ptxas(k.asm['ptx'], arch)}, "
             f"wgmma {'yes' if 'warp_group_dot' in ttgir else 'no'}, "
-            f"pipelined {'yes' if 'async_copy_global_to_local' in ttgir or 'async_tma' in ttgir else 'no'}, "
+            f"pipelined {'yes' if pipelined(k) else 'no'}, "
             f"{time.time() - t:.0f} s, {tiles}")
 
 
@@ -135,7 +146,7 @@ def main():
     args = ap.parse_args()
     for dtype, T, d, lengths, causal, kpm in VARIANTS[:2] if args.quick else VARIANTS:
         for name, a, kw in launches(dtype, T, d, lengths, causal, kpm):
-            res = check(name, a, dict(kw), args.arch)
+            res = check(name, a, kw, args.arch)
             print(f"{name:11s} {TY[dtype]} T={T} d={d} lengths={lengths} causal={causal} "
                   f"kpm={kpm}: {res}", flush=True)
 

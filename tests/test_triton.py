@@ -22,7 +22,26 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 if INTERPRETED or torch.cuda.is_available():
     from _triton_cases import *  # noqa: F403
-else:
+
+if not INTERPRETED:
+
+    @pytest.mark.parametrize("dtype,d,lengths,kpm", [
+        (torch.bfloat16, 128, False, False),  # the kernels' own causal intervals
+        (torch.float16, 1000, True, True),  # host intervals, key mask, d-chunked
+    ])
+    def test_kernels_compile_for_hopper(dtype, d, lengths, kpm):
+        """What the interpreter cannot show: the kernels compile for sm_90 (no GPU needed),
+        fit its shared memory, use wgmma and pipeline their loads."""
+        sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+        import compile_check as cc
+
+        for name, args, kw in cc.launches(dtype, 256, d, lengths, True, kpm):
+            k = cc.compile_launch(name, args, kw)
+            assert k.metadata.shared <= cc.SMEM_LIMIT, (name, k.metadata.shared)
+            assert "warp_group_dot" in k.asm["ttgir"], f"{name}: no wgmma"
+            assert cc.pipelined(k), f"{name}: loads not pipelined"
+
+if not INTERPRETED and not torch.cuda.is_available():
 
     def test_kernels_in_the_interpreter():
         env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -124,10 +124,9 @@ def _configs(d_k: int, d_v: int, dtype: torch.dtype, interpret: bool) -> dict:
     else:
         if big <= 128:
             fwd = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_DK=pk, BLOCK_DV=pv, num_warps=4, num_stages=2)
-            dkdv = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_DK=pk, BLOCK_DV=pv, BLOCK_C=big,
+            dkdv = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_DK=pk, BLOCK_DV=pv, BLOCK_C=big,
                         num_warps=4, num_stages=2)
-            dq = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_DK=pk, BLOCK_DV=pv, BLOCK_C=big,
-                      num_warps=4, num_stages=2)
+            dq = dict(dkdv)
         else:
             fwd = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_DK=32, BLOCK_DV=128, num_warps=4, num_stages=1)
             dkdv = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_DK=32, BLOCK_DV=32, BLOCK_C=64,
@@ -141,24 +140,26 @@ def _configs(d_k: int, d_v: int, dtype: torch.dtype, interpret: bool) -> dict:
 
 
 # -- where the engine beats SDPA --------------------------------------------------------
-# Measured by benchmarks/bench_gpu.py (bf16, causal, forward+backward); see prefers().
-MEASURED = "not yet measured"
-# (largest head size of the class, smallest T from which triton is faster) -> None = never
-_PREFERS = {128: None, 256: None, 1024: 0}
+# Filled from benchmarks/bench_gpu.py (bf16, causal, forward+backward), which prints this
+# table ready to paste: largest head size of a class -> smallest T_k from which the Triton
+# engine beat SDPA on every measured T (None: it never did, or not measured).
+MEASURED = "not measured yet: no GPU was available when this engine was written (2026-11-29)"
+_PREFERS: dict[int, int | None] = {128: None, 256: None, 1024: None}
 
 
 def prefers(p: Problem) -> bool:
-    """Whether "auto" should run this problem on the Triton engine rather than SDPA (CUDA)."""
+    """Whether "auto" should run this problem on the Triton engine rather than SDPA (CUDA).
+
+    Only where the table above says it measured faster; unmeasured classes stay with SDPA.
+    """
     if triton is None or p.q.device.type != "cuda" or p.q.dtype == torch.float64:
         return False
-    if p.lengths is not None or p.cu_seqlens is not None or p.key_padding_mask is not None:
-        return True  # SDPA needs a dense (B, 1, T_q, T_k) mask there and leaves the flash kernel
     d = max(p.q.shape[-1], p.v.shape[-1])
     for d_max in sorted(_PREFERS):
         if d <= d_max:
             t_min = _PREFERS[d_max]
             return t_min is not None and p.k.shape[2] >= t_min
-    return True
+    return False
 
 
 # -- host side ---------------------------------------------------------------------------
