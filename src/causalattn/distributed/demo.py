@@ -142,7 +142,7 @@ def _run(a, device) -> int:
         local = [torch.randn(*s[:2], -(-s[2] // (2 * P)) * 2, s[3], generator=gl).to(device, dtype) for s in shapes]
     q, k, v, dout = local
     stats, times = RingStats(), []
-    for step in range(a.steps + 1):  # step 0 measures memory (first touch), the rest time
+    for step in range(a.steps + 1):  # step 0 warms up (one-time allocations); the rest are measured
         ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
         dist.barrier()
         with PeakMemory(device) as m:
@@ -154,7 +154,6 @@ def _run(a, device) -> int:
             dt = time.perf_counter() - t0
         if step:
             times.append(dt)
-        else:
             mem = m
     mine = dict(rank=rank, T_local=q.shape[2], peak_mb=mem.bytes / 2**20, step_s=sorted(times)[len(times) // 2],
                 sent_mb=stats.bytes_sent / a.steps / 2**20, gflop=stats.flops / a.steps / 1e9,
