@@ -69,7 +69,7 @@ def _check_worker(rank, P, port, out_q):
     """Every case on this rank; rank 0 sends the gathered results back."""
     try:
         dist = _init(rank, P, port, 60)
-        from causalattn.distributed import ring_attention, shard, unshard
+        from causalattn.distributed import positions, ring_attention, shard, unshard
 
         results = {}
         for name in CASES:
@@ -99,6 +99,18 @@ def _check_worker(rank, P, port, out_q):
         got = [unshard(t, length=q.shape[2]).float() for t in (out, ql.grad, kl.grad, vl.grad)]
         if rank == 0:
             results["bf16"] = {n: t.numpy() for n, t in zip(("out", "dq", "dk", "dv"), got)}
+        # global positions of the local rows, as shard() lays them out
+        for layout in ("zigzag", "contiguous"):
+            results[f"positions-{layout}"] = torch.equal(
+                positions(8, layout=layout), shard(torch.arange(8 * P), layout=layout, dim=0))
+        if P == 4:  # two rings of 2 on subgroups {0, 1} and {2, 3}: group ranks != global ranks
+            pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+            q, k, v, dout, _, _ = _inputs("zigzag", 2)
+            ql, kl, vl = (shard(t, group=pair).requires_grad_() for t in (q, k, v))
+            out = ring_attention(ql, kl, vl, group=pair)
+            (out * shard(dout, group=pair)).sum().backward()
+            got = [unshard(t, group=pair) for t in (out, ql.grad, kl.grad, vl.grad)]
+            results["subgroup"] = {n: t.numpy() for n, t in zip(("out", "dq", "dk", "dv"), got)}
         # refusals: an odd shard under zigzag, and shards that disagree across ranks
         errors = {}
         x = torch.randn(1, 2, 3, 4)
@@ -258,6 +270,22 @@ def test_bf16_accuracy_rule(P):
         err = (g.double() - r).abs().max().item()
         bound = 2 * (p.double() - r).abs().max().item() + 1e-3
         assert err <= bound, f"bf16 P={P} {n}: ring error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_positions_match_shard(P):
+    got = _results(P)
+    for r in range(P):
+        assert got[r][2]["positions-zigzag"] and got[r][2]["positions-contiguous"], r
+
+
+def test_subgroups():
+    """Ranks {0, 1} and {2, 3} of a 4-process world each run their own ring of 2."""
+    got = _results(4)
+    want = _expected("zigzag", 2)["tiled"]
+    for r in (0, 2):
+        for n in ("out", "dq", "dk", "dv"):
+            _close(got[r][2]["subgroup"][n], want[n], f"subgroup ring on rank {r}, {n}")
 
 
 @pytest.mark.parametrize("P", [2, 4])
