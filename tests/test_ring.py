@@ -123,6 +123,11 @@ def _check_worker(rank, P, port, out_q):
             ring_attention(y, y, y, layout="zigzag")
         except ValueError as exc:
             errors["disagree"] = str(exc)
+        m = torch.empty(1, 2, 4, 4, device="meta")
+        try:
+            ring_attention(m, m, m)
+        except ValueError as exc:
+            errors["device"] = str(exc)
         out_q.put((rank, "ok", results, errors))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report, the parent fails the tests
@@ -295,6 +300,7 @@ def test_refuses_clearly(P):
         errors = got[r][3]
         assert "T/P = 3" in errors.get("odd", "") and f"2P = {2 * P}" in errors["odd"], errors
         assert "disagree" in errors.get("disagree", "") and "rank 1: q (1, 2, 6, 4)" in errors["disagree"], errors
+        assert "no block kernels for meta tensors" in errors.get("device", ""), errors
 
 
 @pytest.mark.parametrize("mode", ["alive", "exit"])

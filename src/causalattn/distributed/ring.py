@@ -203,8 +203,24 @@ class _Config:
         )
 
 
-def _tiled():
-    return importlib.import_module("causalattn.engines.tiled")
+def _kernels(device: torch.device):
+    """The block kernels, with the contract ``fwd(p) -> (out, lse)`` and
+    ``bwd(p, out, lse, dout) -> (dq, dk, dv)``: the tiled engine on CPU; on CUDA the triton
+    engine once it exposes that pair (the tiled engine allocates on the CPU)."""
+    if device.type == "cpu":
+        return importlib.import_module("causalattn.engines.tiled")
+    if device.type == "cuda":
+        try:
+            mod = importlib.import_module("causalattn.engines.triton")
+        except ImportError:
+            mod = None
+        if mod is not None and callable(getattr(mod, "fwd", None)) and callable(getattr(mod, "bwd", None)):
+            return mod
+    raise ValueError(
+        f"ring_attention: no block kernels for {device.type} tensors here: the tiled engine runs "
+        "on CPU only, and CUDA needs causalattn.engines.triton to provide fwd(p) and "
+        "bwd(p, out, lse, dout); move q, k, v to the CPU (gloo) for now"
+    )
 
 
 def _pack(k, v) -> torch.Tensor:
@@ -238,7 +254,7 @@ def _count(cfg: _Config, pair: _Pair, q, v, factor=1.0) -> None:
 
 
 def _forward(q, k, v, cfg: _Config):
-    tiled = _tiled()
+    tiled = _kernels(q.device)
     B, H_q, T, _ = q.shape
     cd = _acc_dtype(q)
     out = torch.zeros(B, H_q, T, v.shape[-1], dtype=cd, device=q.device)
@@ -278,7 +294,7 @@ def _valid_rows(cfg: _Config, q) -> torch.Tensor:
 
 
 def _backward(dout, q, k, v, out, lse, cfg: _Config):
-    tiled = _tiled()
+    tiled = _kernels(q.device)
     if cfg.lengths is not None:
         dout = dout.masked_fill(~_valid_rows(cfg, q)[:, None, :, None], 0.0)
     cd = _acc_dtype(q)
@@ -393,6 +409,7 @@ def ring_attention(q, k, v, *, group=None, layout: str = "zigzag", lengths=None,
     check_layout(layout)
     rank, P = rank_and_size(group)
     make_problem(q, k, v, causal=True, scale=scale)  # local shapes, dtypes, devices
+    _kernels(q.device)  # refuse a device without block kernels before any communication
     if q.shape[2] != k.shape[2]:
         raise ValueError(
             f"ring_attention: q has T/P = {q.shape[2]} positions but k has {k.shape[2]}; ring "
