@@ -3,8 +3,8 @@
     torchrun --nproc_per_node 4 --master_addr 127.0.0.1 --master_port 29512 \\
         -m causalattn.distributed.demo --T 4096
 
-Without torchrun it runs as a single process (P = 1). gloo on CPU, NCCL when CUDA is there
-(one GPU per process). ``--check`` (default for T <= 4096) compares the gathered output and
+Without torchrun it runs as a single process (P = 1). gloo on CPU; NCCL (one GPU per process)
+when CUDA is there and has block kernels (see ring._kernels). ``--check`` (default for T <= 4096) compares the gathered output and
 gradients with the single-process engine on rank 0.
 """
 
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .layout import LAYOUTS, shard, unshard
-from .ring import RingStats, ring_attention
+from .ring import RingStats, _kernels, ring_attention
 
 
 class PeakMemory:
@@ -87,12 +87,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _has_kernels(device: torch.device) -> bool:
+    try:
+        _kernels(device)
+    except ValueError:
+        return False
+    return True
+
+
 def _setup(timeout_s: float) -> torch.device:
     if "RANK" not in os.environ:  # plain `python -m`: a group of one on loopback
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
         print("(single process; run under `torchrun --nproc_per_node N` to split over N processes)")
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and _has_kernels(torch.device("cuda")):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)  # NCCL needs one GPU per process
         backend = "nccl"
