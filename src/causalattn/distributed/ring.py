@@ -254,7 +254,7 @@ def _count(cfg: _Config, pair: _Pair, q, v, factor=1.0) -> None:
 
 
 def _forward(q, k, v, cfg: _Config):
-    tiled = _kernels(q.device)
+    kern = _kernels(q.device)
     B, H_q, T, _ = q.shape
     cd = _acc_dtype(q)
     out = torch.zeros(B, H_q, T, v.shape[-1], dtype=cd, device=q.device)
@@ -276,7 +276,7 @@ def _forward(q, k, v, cfg: _Config):
                 continue
             p = make_problem(q[:, :, pair.qs], kc[:, :, pair.ks], vc[:, :, pair.ks],
                              causal=pair.causal, key_padding_mask=kpm, scale=cfg.scale)
-            o, l = tiled.fwd(p)
+            o, l = kern.fwd(p)
             _merge(out[:, :, pair.qs], lse[:, :, pair.qs], o, l)
             _count(cfg, pair, q, v)
         cfg.wait(pending)
@@ -294,7 +294,7 @@ def _valid_rows(cfg: _Config, q) -> torch.Tensor:
 
 
 def _backward(dout, q, k, v, out, lse, cfg: _Config):
-    tiled = _kernels(q.device)
+    kern = _kernels(q.device)
     if cfg.lengths is not None:
         dout = dout.masked_fill(~_valid_rows(cfg, q)[:, None, :, None], 0.0)
     cd = _acc_dtype(q)
@@ -326,7 +326,7 @@ def _backward(dout, q, k, v, out, lse, cfg: _Config):
                 continue
             p = make_problem(q[:, :, pair.qs], kc[:, :, pair.ks], vc[:, :, pair.ks],
                              causal=pair.causal, key_padding_mask=kpm, scale=cfg.scale)
-            dq_i, dk_j, dv_j = tiled.bwd(p, out[:, :, pair.qs], lse[:, :, pair.qs], dout[:, :, pair.qs])
+            dq_i, dk_j, dv_j = kern.bwd(p, out[:, :, pair.qs], lse[:, :, pair.qs], dout[:, :, pair.qs])
             dq[:, :, pair.qs] += dq_i
             dk_p[:, :, pair.ks] += dk_j
             dv_p[:, :, pair.ks] += dv_j
