@@ -10,7 +10,10 @@ and the peak extra resident memory of one call (see :mod:`causalattn.bench.timin
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -175,19 +178,43 @@ def _group(case: Case, pass_: str) -> tuple[dict[str, Callable], dict]:
     return fns, info
 
 
-def _rows(case: Case, pass_: str, progress=None) -> list[dict]:
+def _key(case: Case, pass_: str, engine: str) -> str:
+    return f"{case.name}|{case.dtype}|{pass_}|{engine}"
+
+
+def memory_table(quick: bool = False) -> dict[str, float | None]:
+    """Peak extra MiB of one call of every engine in every group (run in a fresh process:
+    it pins glibc's mmap threshold, which would slow the timed calls down)."""
+    out = {}
+    for c in cases(quick):
+        for p in c.passes:
+            fns, _ = _group(c, p)
+            for name, fn in fns.items():
+                if name != "gemm":
+                    out[_key(c, p, name)] = peak_extra_mib(fn)[0]
+    return out
+
+
+def _memory_subprocess(quick: bool) -> dict[str, float | None]:
+    cmd = [sys.executable, "-m", "causalattn.bench.cpu", "--memory"] + (["--quick"] if quick else [])
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        return json.loads(res.stdout.strip().splitlines()[-1])
+    except (subprocess.CalledProcessError, json.JSONDecodeError, IndexError):
+        return {}
+
+
+def _rows(case: Case, pass_: str, memory: dict) -> list[dict]:
     fns, info = _group(case, pass_)
-    # one call each, measured for memory; it is also the warm-up
-    mem, secs = {}, {}
-    for name, fn in fns.items():
-        t0 = time.perf_counter()
-        mem[name], _ = peak_extra_mib(fn) if name != "gemm" else (None, fn())
-        secs[name] = time.perf_counter() - t0
-    per_round = sum(secs.values())
-    reps = 1 if case.kind == "memory" else reps_for(per_round, case.budget_s)
-    times = paired_times(fns, reps=reps, warmup=0) if reps > 1 or case.kind != "memory" else {
-        n: [s] for n, s in secs.items()
-    }
+    t0 = time.perf_counter()
+    for fn in fns.values():  # warm-up, and the cost of one round
+        fn()
+    per_round = time.perf_counter() - t0
+    if case.kind == "memory":
+        times = paired_times(fns, reps=1, warmup=0)
+    else:
+        times = paired_times(fns, reps=reps_for(per_round, case.budget_s), warmup=0)
+    mem = {name: memory.get(_key(case, pass_, name)) for name in fns}
     mult = 3.5 if pass_ == "fwd+bwd" else 1.0
     key = (case.name, case.dtype)
     if "gemm" in times:
@@ -235,10 +262,12 @@ def run(quick: bool = False, show_progress: bool = True) -> list[dict]:
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(), console=Console(stderr=True), disable=not show_progress, transient=True,
     ) as prog:
-        task = prog.add_task("bench", total=len(groups))
+        task = prog.add_task("peak memory (a separate process)", total=len(groups) + 1)
+        memory = _memory_subprocess(quick)
+        prog.advance(task)
         for c, p in groups:
             prog.update(task, description=f"{c.name} {list((c.B, c.H, c.T, c.d))} {str(c.dtype)[6:]} {p}")
-            rows.extend(_rows(c, p))
+            rows.extend(_rows(c, p, memory))
             prog.advance(task)
     return rows
 
@@ -304,3 +333,8 @@ def render(rows: list[dict], console=None) -> None:
     console.print("bars:")
     for name, ok, nums in bars(rows):
         console.print(f"  [{'green' if ok else 'red'}]{'met ' if ok else 'MISS'}[/] {name}: {nums}")
+
+
+if __name__ == "__main__":  # the memory pass runs here, in a fresh process
+    if "--memory" in sys.argv:
+        print(json.dumps(memory_table(quick="--quick" in sys.argv)))

@@ -107,6 +107,8 @@ def _plan(N: int, m: int, n: int, d: int, bwd: bool = False) -> tuple[int, int, 
         bq, bk = (128, 256) if d <= 128 else (128, 512)
     bq, bk = max(1, min(m, bq)), max(1, min(n, bk))
     nh = max(1, min(N, TILE_ELEMS // (bq * bk)))
+    if not bwd:  # few query rows (decoding): wider key blocks fill the tile instead
+        bk = max(bk, min(n, TILE_ELEMS // (nh * bq)))
     return nh, bq, bk
 
 
@@ -119,21 +121,21 @@ def _parallel(tasks: list, run, workers: int) -> list:
     GIL) avoid one OpenMP fork-join per small op, which costs dearly on a busy machine."""
     global _POOL
     parts = [tasks[i::workers] for i in range(workers)]
-    parts = [p for p in parts if p]
-    if len(parts) <= 1:
-        return [run(tasks)]
-    if _POOL is None or _POOL._max_workers < len(parts):
-        _POOL = ThreadPoolExecutor(len(parts), thread_name_prefix="causalattn-tiled")
+    parts = [p for p in parts if p] or [tasks]
     n_threads = torch.get_num_threads()
 
     def one(part):
-        torch.set_num_threads(1)  # this thread's OpenMP and MKL
+        torch.set_num_threads(1)  # this thread's OpenMP and MKL: small ops stay serial
         try:
             with torch.no_grad():
                 return run(part)
         finally:
             torch.set_num_threads(n_threads)
 
+    if len(parts) == 1:
+        return [one(parts[0])]
+    if _POOL is None or _POOL._max_workers < len(parts):
+        _POOL = ThreadPoolExecutor(len(parts), thread_name_prefix="causalattn-tiled")
     return [f.result() for f in [_POOL.submit(one, p) for p in parts]]
 
 
@@ -197,7 +199,7 @@ def _acc(out, A, X, X0, flag: bool | None, masked: bool):
 
 def _allowed(a: int, a2: int, c: int, c2: int, off: int, causal: bool, kmask, cache: dict):
     """Mask of query rows a:a2 against keys c:c2: (allowed (bq, bk) bool, additive bias
-    0/-inf of the same shape), or None when every key may be read.
+    0/-inf of the same shape, whether any entry may be read), or None when all may be.
 
     Adding the bias is an order of magnitude cheaper than masked_fill, but NaN + -inf is
     NaN: callers add it only where the key block is finite, and masked_fill elsewhere.
@@ -220,7 +222,7 @@ def _allowed(a: int, a2: int, c: int, c2: int, off: int, causal: bool, kmask, ca
         m = m & km if km is not None else m
     else:
         m = km.expand(a2 - a, c2 - c)
-    res = (m, torch.zeros(m.shape, dtype=cache["dtype"]).masked_fill_(~m, NEG_INF))
+    res = (m, torch.zeros(m.shape, dtype=cache["dtype"]).masked_fill_(~m, NEG_INF), bool(m.any()))
     if key is not None:
         cache[key] = res
     return res
@@ -228,7 +230,7 @@ def _allowed(a: int, a2: int, c: int, c2: int, off: int, causal: bool, kmask, ca
 
 def _mask_scores(S: torch.Tensor, mask, finite: bool, shape) -> None:
     """Blocked scores -> -inf in place (S viewed as ``shape`` = (M, g, bq, bk))."""
-    allowed, bias = mask
+    allowed, bias, _ = mask
     if finite:
         S.view(shape).add_(bias)
     else:
@@ -262,8 +264,11 @@ def _fwd_job(Q, K, V, off, causal, scale, kmask, O_out, L_out, workers):
     nh, bq, bk = _plan(N * g, m, n, d)
     nh = max(1, nh // g)
     dt = Q.dtype
-    V0, vflags = _finite(V, bk)
-    _, kflags = _finite(K, bk)
+    if kmask is not None or (causal and bq > 1):  # some blocks will be masked
+        V0, vflags = _finite(V, bk)
+        _, kflags = _finite(K, bk)
+    else:  # no mask anywhere (decoding, full attention): no zero weights to guard
+        V0, vflags, kflags = V, None, None
     cache = {"dtype": dt}
     tasks = [(h, min(N, h + nh), a, min(m, a + bq)) for h in range(0, N, nh) for a in range(0, m, bq)]
     tasks = _balanced(tasks, lambda t: (t[1] - t[0]) * (t[3] - t[2]) * _reach(t[3], n, off, causal), workers)
@@ -278,30 +283,40 @@ def _fwd_job(Q, K, V, off, causal, scale, kmask, O_out, L_out, workers):
             M, r = h2 - h, g * (a2 - a)
             qs = torch.mul(Q[h:h2, :, a:a2], scale, out=qbuf[: M * r * d].view(M, g, a2 - a, d))
             qs = qs.view(M, r, d)
-            mx = torch.full((M, r), NEG_INF, dtype=dt)
-            l = lbuf[: M * r].view(M, r).zero_()
-            acc = _tile(abuf, M, r, dv).zero_()
+            l = lbuf[: M * r].view(M, r)
+            acc = _tile(abuf, M, r, dv)
+            mx = None  # running row max; the first block read writes l, acc instead of adding
             kend = _reach(a2, n, off, causal)
-            for i, c in enumerate(range(0, kend, bk)):
+            for c in range(0, kend, bk):
                 c2 = min(kend, c + bk)
                 mask = _allowed(a, a2, c, c2, off, causal, kmask, cache)
-                if mask is not None and not bool(mask[0].any()):
+                if mask is not None and not mask[2]:
                     continue
                 S = torch.bmm(qs, K[h:h2, c:c2].transpose(1, 2), out=_tile(buf, M, r, c2 - c))
                 if mask is not None:
                     kfin = kflags is None or not kflags[c // bk]
                     _mask_scores(S, mask, kfin, (M, g, a2 - a, c2 - c))
-                m_new = torch.maximum(mx, S.amax(-1))
+                bm = S.amax(-1)
+                m_new = bm if mx is None else torch.maximum(mx, bm)
                 m_safe = m_new.masked_fill(m_new == NEG_INF, 0.0)  # rows with nothing read yet
                 S.sub_(m_safe.unsqueeze(-1)).exp_()  # S is now P, unnormalized
-                if i:  # rescale what earlier key blocks accumulated
-                    alpha = torch.exp(mx - m_safe)
-                    l.mul_(alpha)
-                    acc.mul_(alpha.unsqueeze(-1))
-                l.add_(S.sum(-1))
                 flag = None if vflags is None else vflags[c // bk]
-                _acc(acc, S, V[h:h2, c:c2], V0[h:h2, c:c2], flag, mask is not None)
+                if mx is None:
+                    torch.sum(S, -1, out=l)
+                    if mask is None or flag is None:
+                        torch.bmm(S, V[h:h2, c:c2], out=acc)
+                    else:
+                        _acc(acc.zero_(), S, V[h:h2, c:c2], V0[h:h2, c:c2], flag, True)
+                else:  # rescale what earlier key blocks accumulated
+                    alpha = torch.exp(mx - m_safe)
+                    l.mul_(alpha).add_(S.sum(-1))
+                    acc.mul_(alpha.unsqueeze(-1))
+                    _acc(acc, S, V[h:h2, c:c2], V0[h:h2, c:c2], flag, mask is not None)
                 mx = m_new
+            if mx is None:  # no readable key at all
+                l.zero_()
+                acc.zero_()
+                mx = torch.full((M, r), NEG_INF, dtype=dt)
             empty = l == 0
             acc.div_(l.masked_fill(empty, 1.0).unsqueeze(-1))
             O_out[h:h2, :, a:a2] = acc.view(M, g, a2 - a, dv)
@@ -422,7 +437,7 @@ def _bwd_job(Q, K, V, dO, LSE, D, off, causal, scale, kmask, dQ_out, dK, dV, wor
                 a = blocks[ai]
                 a2 = min(m, a + bq)
                 mask = _allowed(a, a2, c, c2, off, causal, kmask, cache)
-                if mask is not None and not bool(mask[0].any()):
+                if mask is not None and not mask[2]:
                     continue
                 r = g * (a2 - a)
                 masked = mask is not None
