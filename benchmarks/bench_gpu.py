@@ -50,10 +50,10 @@ CANDIDATES = {
         ("dq", dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=5)),
     ],
     1024: [
+        ("fwd", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=256, num_warps=8, num_stages=2)),
+        ("fwd", dict(BLOCK_M=128, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=128, num_warps=8, num_stages=2)),
+        ("fwd", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=256, num_warps=8, num_stages=3)),
         ("fwd", dict(BLOCK_M=128, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=256, num_warps=8, num_stages=2)),
-        ("fwd", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=256, num_warps=4, num_stages=2)),
-        ("fwd", dict(BLOCK_M=128, BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=128, num_warps=8, num_stages=2)),
-        ("fwd", dict(BLOCK_M=128, BLOCK_N=32, BLOCK_DK=128, BLOCK_DV=256, num_warps=8, num_stages=2)),
         ("dkdv", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=128, num_warps=8, num_stages=2)),
         ("dkdv", dict(BLOCK_M=32, BLOCK_N=128, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=128, num_warps=8, num_stages=2)),
         ("dkdv", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=256, num_warps=8, num_stages=1)),

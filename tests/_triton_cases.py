@@ -156,6 +156,51 @@ def test_unreadable_positions_never_leak():
     assert torch.isfinite(q.grad).all() and torch.isfinite(v2.grad).all()
 
 
+@pytest.mark.parametrize("t", [0, 20, 36])
+def test_future_nan_and_inf_leave_the_past_bit_identical(t):
+    """Future q, k, v (inside the diagonal tile too) never reach earlier rows: H and dQ."""
+    q, k, v = _inputs(1, 2, 1, 37, 37, 16)
+    dH = torch.zeros(1, 2, 37, 16, device=DEV)
+    dH[:, :, : t + 1] = torch.linspace(-1, 1, 16, device=DEV)
+
+    def run(q, k, v):
+        q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        out = attention(q, k, v, engine="triton")
+        (out * dH).sum().backward()
+        return out.detach(), q.grad
+
+    out, dq = run(q, k, v)
+    qn, kn, vn = (x.detach().clone() for x in (q, k, v))
+    qn[:, :, t + 1 :] = float("nan")
+    kn[:, :, t + 1 :] = float("inf")
+    vn[:, :, t + 1 :: 2] = float("nan")
+    vn[:, :, t + 2 :: 2] = float("-inf")
+    out2, dq2 = run(qn, kn, vn)
+    assert torch.equal(out[:, :, : t + 1], out2[:, :, : t + 1])
+    assert torch.equal(dq[:, :, : t + 1], dq2[:, :, : t + 1])
+
+
+def test_packed_neighbours_never_leak_and_read_nan_propagates():
+    q, k, v = _inputs(1, 1, 1, 30, 30, 16)
+    cu = torch.tensor([0, 13, 30])  # the boundary cuts a tile
+    out = attention(q, k, v, engine="triton", cu_seqlens=cu)
+    dH = torch.linspace(-1, 1, 16, device=DEV).expand(1, 1, 30, 16)
+    g = torch.autograd.grad((out * dH).sum(), (q, k, v))
+    qn, kn, vn = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    for x in (qn, kn, vn):
+        x.data[:, :, 13:] = float("nan")
+    out2 = attention(qn, kn, vn, engine="triton", cu_seqlens=cu)
+    g2 = torch.autograd.grad((out2 * dH).sum(), (qn, kn, vn))
+    assert torch.equal(out[:, :, :13], out2[:, :, :13])
+    assert all(torch.equal(a[:, :, :13], b[:, :, :13]) for a, b in zip(g, g2))
+    assert torch.isnan(out2[:, :, 13:]).all()  # the second sequence reads its NaN
+    v1 = v.detach().clone()
+    v1[0, 0, 5, 3] = float("inf")  # read by queries 5..12 only
+    out3 = attention(q.detach(), k.detach(), v1, engine="triton", cu_seqlens=cu)
+    assert torch.isinf(out3[0, 0, 5:13, 3]).all() and torch.isfinite(out3[0, 0, :5]).all()
+    assert torch.isfinite(out3[0, 0, 13:]).all()
+
+
 def test_errors_and_choice():
     q, k, v = _inputs(1, 1, 1, 4, 4, 16)
     with pytest.raises(ValueError, match="fp16, bf16 or fp32"):

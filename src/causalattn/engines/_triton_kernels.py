@@ -87,6 +87,28 @@ def _key_ok(KPMb, offs_n, n_lo, n_hi, HAS_KPM: tl.constexpr):
 
 
 @triton.jit
+def _nonfinite_reads(p, v, PREC: tl.constexpr):
+    """What ``p @ v`` gets from v's NaN and ±inf entries that a row reads (p > 0): NaN,
+    +inf or -inf where it gets any, else 0. One 0/1 product counts all three kinds at once
+    (NaN as 2^16, +inf as 2^8, -inf as 1: exact in fp32 for up to 255 keys a tile)."""
+    code = tl.where(v != v, 65536.0, tl.where(v == float("inf"), 256.0,
+                                              tl.where(v == float("-inf"), 1.0, 0.0)))
+    n = tl.dot((p > 0).to(v.dtype), code.to(v.dtype), input_precision=PREC)
+    n_nan = n >= 65536.0
+    n_pos = (n % 65536.0) >= 256.0
+    n_neg = (n % 256.0) >= 1.0
+    special = tl.where(n_nan | (n_pos & n_neg), float("nan"),
+                       tl.where(n_pos, float("inf"), float("-inf")))
+    return tl.where(n > 0, special, 0.0)
+
+
+@triton.jit
+def _finite0(x):
+    """x with NaN and ±inf replaced by 0: for products whose weight is 0 where x is unreadable."""
+    return tl.where(tl.abs(x) < float("inf"), x, 0.0)
+
+
+@triton.jit
 def _fwd_tile(acc, l_i, m_i, q, Qb, Kb, Vb, KPMb, offs_m, row_ok, lo, hi, n_lo, n_hi, start_n,
               sqt: tl.constexpr, sqd: tl.constexpr, skt: tl.constexpr, skd: tl.constexpr, svt: tl.constexpr, svd: tl.constexpr, D_K: tl.constexpr, D_V: tl.constexpr, qk_scale, offs_dv, dv_ok,
               MASKED: tl.constexpr, HAS_KPM: tl.constexpr,
@@ -119,7 +141,16 @@ def _fwd_tile(acc, l_i, m_i, q, Qb, Kb, Vb, KPMb, offs_m, row_ok, lo, hi, n_lo, 
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(Vb + offs_n[:, None] * svt + offs_dv[None, :] * svd,
                 mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+    if MASKED:
+        # p is exactly 0 where a row may not read, but 0·NaN is NaN: multiply finite values
+        # only, then add back the NaN/±inf of values a row does read (rare; exact IEEE sums)
+        finite = tl.abs(v) < float("inf")
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), tl.where(finite, v, 0.0),
+                                            input_precision=PREC)
+        if tl.sum(tl.sum(tl.where(finite, 0, 1), axis=1), axis=0) > 0:
+            acc += _nonfinite_reads(p, v, PREC)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
     return acc, l_i, m_new
 
 
@@ -175,7 +206,7 @@ def fwd_kernel(Q, K, V, O, LSE, LO, HI, KPM,
                                   qk_scale, offs_dv, dv_ok, True, HAS_KPM,
                                   BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, PREC)
 
-    has = live & (l_i > 0.0)  # rows with at least one readable key
+    has = live & (l_i != 0.0)  # rows with a readable key (NaN scores stay NaN, not 0)
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     out = tl.where(has[:, None], out, 0.0)
     Ob = O + b64 * sob + h.to(tl.int64) * soh
@@ -217,7 +248,13 @@ def _dkdv_tile(acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, offs_
         pT = tl.where(allowed, pT, 0.0)
     do_c = tl.load(DOb + offs_m[:, None] * sdot + offs_c[None, :] * sdod,
                    mask=m_ok[:, None] & cv_ok[None, :], other=0.0)
-    acc_dv += tl.dot(pT.to(do_c.dtype), do_c, input_precision=PREC)
+    if MASKED:  # as in the forward: dH rows that may not read this key never reach dV
+        finite = tl.abs(do_c) < float("inf")
+        acc_dv += tl.dot(pT.to(do_c.dtype), tl.where(finite, do_c, 0.0), input_precision=PREC)
+        if tl.sum(tl.sum(tl.where(finite, 0, 1), axis=1), axis=0) > 0:
+            acc_dv += _nonfinite_reads(pT, do_c, PREC)
+    else:
+        acc_dv += tl.dot(pT.to(do_c.dtype), do_c, input_precision=PREC)
     if NUM_DV == 1:
         offs_d = tl.arange(0, BLOCK_DV)
         doT = tl.load(DOb + offs_m[None, :] * sdot + offs_d[:, None] * sdod,
@@ -232,6 +269,8 @@ def _dkdv_tile(acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, offs_
         dsT = tl.where(allowed, dsT, 0.0)
     q_c = tl.load(Qb + offs_m[:, None] * sqt + offs_c[None, :] * sqd,
                   mask=m_ok[:, None] & ck_ok[None, :], other=0.0)
+    if MASKED:
+        q_c = _finite0(q_c)  # rows that may not read: weight 0 (a read NaN is in dsT already)
     acc_dk += tl.dot(dsT.to(q_c.dtype), q_c, input_precision=PREC)
     return acc_dk, acc_dv
 
@@ -371,6 +410,8 @@ def _dq_tile(acc, q, do, Qb, Kb, Vb, DOb, KPMb, offs_m, row_ok, lo, hi, lse, Di,
         ds = tl.where(allowed, ds, 0.0)
     k_c = tl.load(Kb + offs_n[:, None] * skt + offs_c[None, :] * skd,
                   mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+    if MASKED:
+        k_c = _finite0(k_c)  # keys the row may not read: weight 0 (a read NaN is in ds already)
     acc += tl.dot(ds.to(k_c.dtype), k_c, input_precision=PREC)
     return acc
 

@@ -90,8 +90,10 @@ def _pow2(n: int) -> int:
 
 
 def _configs(d_k: int, d_v: int, dtype: torch.dtype, interpret: bool) -> dict:
-    """Tile sizes for the three kernels; the bf16/fp16 ones were picked on an H200 by
-    ``benchmarks/bench_gpu.py`` (fp32 tiles are halved: twice the bytes per element)."""
+    """Tile sizes for the three kernels. Chosen without a GPU so far: they compile for sm_90
+    with wgmma, pipelined loads, no register spills and shared memory within the limit
+    (``benchmarks/compile_check.py``); ``benchmarks/bench_gpu.py`` tries alternatives on a
+    GPU. fp32 tiles are smaller (twice the bytes, dots without tensor cores)."""
     pk, pv = _pow2(d_k), _pow2(d_v)
     big = max(pk, pv)
     if interpret:  # small tiles: several of them even at tiny T, and a fast interpreter
@@ -109,7 +111,9 @@ def _configs(d_k: int, d_v: int, dtype: torch.dtype, interpret: bool) -> dict:
         elif big <= 256:
             fwd = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_DK=pk, BLOCK_DV=pv, num_warps=8, num_stages=2)
         else:
-            fwd = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=256, num_warps=8, num_stages=2)
+            # 256 output columns a program (4 for d = 1000: Q Kᵀ computed 4 times); 128 rows
+            # with them would spill registers (benchmarks/compile_check.py)
+            fwd = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=256, num_warps=8, num_stages=2)
         if big <= 128:
             dkdv = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_DK=pk, BLOCK_DV=pv, BLOCK_C=big,
                         num_warps=8 if big >= 128 else 4, num_stages=2)
