@@ -181,7 +181,7 @@ def main():
     best = {}
     if not args.no_tune:
         for cls in (128, 1024):
-            best[cls] = tune(cls, deadline=t0 + 110)
+            best[cls] = tune(cls, deadline=t0 + 100)
     shapes = SHAPES[:1] + SHAPES[5:6] if args.quick else SHAPES
     print("\n| (B, H, T, d) | triton fwd TF/s | SDPA fwd TF/s (backend) | fwd ratio "
           "| triton fwd+bwd TF/s | SDPA fwd+bwd TF/s (backend) | fwd+bwd ratio "
