@@ -30,6 +30,10 @@ import torch
 from .problem import Problem
 
 NEG_INF = float("-inf")
+# exp2 is about twice as fast as exp here (torch's exp goes through MKL's VML, which has no
+# fast path on some CPUs): scores are kept in base 2, S₂ = S·log₂e, and P = 2^(S₂ - m₂).
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 
 @dataclass
@@ -281,7 +285,7 @@ def _fwd_job(Q, K, V, off, causal, scale, kmask, O_out, L_out, workers):
         lbuf = torch.empty(nh * g * bq, dtype=dt)
         for h, h2, a, a2 in part:
             M, r = h2 - h, g * (a2 - a)
-            qs = torch.mul(Q[h:h2, :, a:a2], scale, out=qbuf[: M * r * d].view(M, g, a2 - a, d))
+            qs = torch.mul(Q[h:h2, :, a:a2], scale * LOG2E, out=qbuf[: M * r * d].view(M, g, a2 - a, d))
             qs = qs.view(M, r, d)
             l = lbuf[: M * r].view(M, r)
             acc = _tile(abuf, M, r, dv)
@@ -298,8 +302,11 @@ def _fwd_job(Q, K, V, off, causal, scale, kmask, O_out, L_out, workers):
                     _mask_scores(S, mask, kfin, (M, g, a2 - a, c2 - c))
                 bm = S.amax(-1)
                 m_new = bm if mx is None else torch.maximum(mx, bm)
-                m_safe = m_new.masked_fill(m_new == NEG_INF, 0.0)  # rows with nothing read yet
-                S.sub_(m_safe.unsqueeze(-1)).exp_()  # S is now P, unnormalized
+                if mask is None and mx is not None:  # an unmasked block: every row max is finite
+                    m_safe = m_new
+                else:  # rows with nothing read yet subtract 0 (their scores are all -inf)
+                    m_safe = m_new.masked_fill(m_new == NEG_INF, 0.0)
+                S.sub_(m_safe.unsqueeze(-1)).exp2_()  # S is now P, unnormalized
                 flag = None if vflags is None else vflags[c // bk]
                 if mx is None:
                     torch.sum(S, -1, out=l)
@@ -308,7 +315,7 @@ def _fwd_job(Q, K, V, off, causal, scale, kmask, O_out, L_out, workers):
                     else:
                         _acc(acc.zero_(), S, V[h:h2, c:c2], V0[h:h2, c:c2], flag, True)
                 else:  # rescale what earlier key blocks accumulated
-                    alpha = torch.exp(mx - m_safe)
+                    alpha = torch.exp2(mx - m_safe)
                     l.mul_(alpha).add_(S.sum(-1))
                     acc.mul_(alpha.unsqueeze(-1))
                     _acc(acc, S, V[h:h2, c:c2], V0[h:h2, c:c2], flag, mask is not None)
@@ -320,7 +327,7 @@ def _fwd_job(Q, K, V, off, causal, scale, kmask, O_out, L_out, workers):
             empty = l == 0
             acc.div_(l.masked_fill(empty, 1.0).unsqueeze(-1))
             O_out[h:h2, :, a:a2] = acc.view(M, g, a2 - a, dv)
-            lse = torch.log(l).add_(mx.masked_fill(empty, 0.0)).masked_fill_(empty, NEG_INF)
+            lse = torch.log2(l).add_(mx.masked_fill(empty, 0.0)).mul_(LN2).masked_fill_(empty, NEG_INF)
             L_out[h:h2, :, a:a2] = lse.view(M, g, a2 - a)
 
     _parallel(tasks, run, workers)
@@ -394,7 +401,7 @@ def _bwd_job(Q, K, V, dO, LSE, D, off, causal, scale, kmask, dQ_out, dK, dV, wor
     _, vflags = _finite(V, bk)
     cache = {"dtype": dt}
     blocks = list(range(0, m, bq))
-    qs, qs0, qfl, do, do0, dfl, lse, Dr, dfin = ([] for _ in range(9))
+    qs, q2, qs0, qfl, do, do0, dfl, lse, Dr, dfin = ([] for _ in range(10))
     for a in blocks:
         a2 = min(m, a + bq)
         r = g * (a2 - a)
@@ -403,13 +410,14 @@ def _bwd_job(Q, K, V, dO, LSE, D, off, causal, scale, kmask, dQ_out, dK, dV, wor
         y = _stack(dO[:, :, a:a2].contiguous(), N, r)
         y0, yf = _finite(y.transpose(0, 1), r)
         qs.append(x)
+        q2.append(x * LOG2E)  # base-2 scores for P
         qs0.append(x0.transpose(0, 1))
         qfl.append(None if xf is None else xf[0])
         do.append(y)
         do0.append(y0.transpose(0, 1))
         dfl.append(None if yf is None else yf[0])
         L = _stack(LSE[:, :, a:a2].unsqueeze(-1), N, r)
-        lse.append(L.masked_fill(L == NEG_INF, float("inf")))  # rows with no key: P = 0
+        lse.append(L.masked_fill(L == NEG_INF, float("inf")).mul_(LOG2E))  # no key: P = 0
         Dr.append(_stack(D[:, :, a:a2].unsqueeze(-1), N, r))
         # dS = P ∘ (dP - D) is 0 at blocked entries unless dP or D is non-finite there
         dfin.append(yf is None and bool(torch.isfinite(Dr[-1]).all()))
@@ -442,10 +450,10 @@ def _bwd_job(Q, K, V, dO, LSE, D, off, causal, scale, kmask, dQ_out, dK, dV, wor
                 r = g * (a2 - a)
                 masked = mask is not None
                 shape = (M, g, a2 - a, w)
-                S = torch.bmm(qs[ai][h:h2], Kc.transpose(1, 2), out=_tile(bufS, M, r, w))
+                S = torch.bmm(q2[ai][h:h2], Kc.transpose(1, 2), out=_tile(bufS, M, r, w))
                 if masked:
                     _mask_scores(S, mask, kflag is None or not kflag, shape)
-                P = S.sub_(lse[ai][h:h2]).exp_()
+                P = S.sub_(lse[ai][h:h2]).exp2_()
                 dS = torch.bmm(do[ai][h:h2], Vc.transpose(1, 2), out=_tile(bufP, M, r, w))
                 dS.sub_(Dr[ai][h:h2]).mul_(P)  # dS = P ∘ (dP - D)
                 if masked and not (vfin and dfin[ai]):  # P is 0 there, dP or D is not finite
