@@ -302,3 +302,23 @@ def test_bad_cu_seqlens():
     q2, k2, v2 = _inputs(2, 2, 2, 6, 6, 8, 8)
     with pytest.raises(ValueError, match=r"cu_seqlens.*\(1, H, T, d\)"):
         attention(q2, k2, v2, cu_seqlens=[0, 6], engine="tiled")
+
+
+def test_nan_query_row_leaves_other_rows_and_later_keys_bit_identical():
+    """A NaN query row i (every head) changes nothing that row i does not read or produce."""
+    q, k, v = _inputs(1, 48, 48, 40, 40, 8, 8, dtype=torch.float32, seed=29)
+    out, grads = _grads_with(q, k, v, slice(None))
+    qn = q.clone()
+    qn[:, :, 5] = float("nan")
+    out2, (dq2, dk2, dv2) = _grads_with(qn, k, v, slice(None))
+    others = [i for i in range(40) if i != 5]
+    assert torch.equal(out[:, :, others], out2[:, :, others])
+    assert torch.equal(grads[0][:, :, others], dq2[:, :, others])
+    assert torch.equal(grads[1][:, :, 6:], dk2[:, :, 6:]) and torch.equal(grads[2][:, :, 6:], dv2[:, :, 6:])
+
+
+def test_non_contiguous_inputs():
+    """(B, T, H, d) tensors transposed to (B, H, T, d), as a model's projections give them."""
+    g = torch.Generator().manual_seed(31)
+    q, k, v = (torch.randn(2, 300, 4, 16, generator=g, dtype=F64).transpose(1, 2) for _ in range(3))
+    _assert_matches_reference(q, k[:, :2], v[:, :2], lengths=[300, 123])

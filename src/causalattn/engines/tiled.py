@@ -401,23 +401,24 @@ def _bwd_job(Q, K, V, dO, LSE, D, off, causal, scale, kmask, dQ_out, dK, dV, wor
     _, vflags = _finite(V, bk)
     cache = {"dtype": dt}
     blocks = list(range(0, m, bq))
-    qs, q2, qs0, qfl, do, do0, dfl, lse, Dr, dfin = ([] for _ in range(10))
+    qs, q2, qs0, qfl, do, do0, dfl, lse, lnan, Dr, dfin = ([] for _ in range(11))
     for a in blocks:
         a2 = min(m, a + bq)
         r = g * (a2 - a)
         x = _stack(Q[:, :, a:a2] * scale, N, r)
-        x0, xf = _finite(x.transpose(0, 1), r)  # blocks over the batch dim: one flag
+        x0, xf = _finite(x, r)  # one block: one flag for the whole query block
         y = _stack(dO[:, :, a:a2].contiguous(), N, r)
-        y0, yf = _finite(y.transpose(0, 1), r)
+        y0, yf = _finite(y, r)
         qs.append(x)
         q2.append(x * LOG2E)  # base-2 scores for P
-        qs0.append(x0.transpose(0, 1))
+        qs0.append(x0)
         qfl.append(None if xf is None else xf[0])
         do.append(y)
-        do0.append(y0.transpose(0, 1))
+        do0.append(y0)
         dfl.append(None if yf is None else yf[0])
         L = _stack(LSE[:, :, a:a2].unsqueeze(-1), N, r)
         lse.append(L.masked_fill(L == NEG_INF, float("inf")).mul_(LOG2E))  # no key: P = 0
+        lnan.append(bool(torch.isnan(L).any()))
         Dr.append(_stack(D[:, :, a:a2].unsqueeze(-1), N, r))
         # dS = P ∘ (dP - D) is 0 at blocked entries unless dP or D is non-finite there
         dfin.append(yf is None and bool(torch.isfinite(Dr[-1]).all()))
@@ -451,9 +452,14 @@ def _bwd_job(Q, K, V, dO, LSE, D, off, causal, scale, kmask, dQ_out, dK, dV, wor
                 masked = mask is not None
                 shape = (M, g, a2 - a, w)
                 S = torch.bmm(q2[ai][h:h2], Kc.transpose(1, 2), out=_tile(bufS, M, r, w))
-                if masked:
-                    _mask_scores(S, mask, kflag is None or not kflag, shape)
+                # P mixes rows into dV: its blocked entries must be exactly 0, even where a
+                # query row, a key or the given lse is NaN (then the mask goes on P itself)
+                fast = not kflag and not qfl[ai] and not lnan[ai]
+                if masked and fast:
+                    _mask_scores(S, mask, True, shape)
                 P = S.sub_(lse[ai][h:h2]).exp2_()
+                if masked and not fast:
+                    P.view(shape).masked_fill_(~mask[0], 0.0)
                 dS = torch.bmm(do[ai][h:h2], Vc.transpose(1, 2), out=_tile(bufP, M, r, w))
                 dS.sub_(Dr[ai][h:h2]).mul_(P)  # dS = P ∘ (dP - D)
                 if masked and not (vfin and dfin[ai]):  # P is 0 there, dP or D is not finite
@@ -494,8 +500,8 @@ def bwd(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dl
         D = D - dlse.detach().to(cd).unsqueeze(-1)
     jobs = _jobs(p)
     dq = (torch.empty if _covers_all(jobs, B, Tq) else torch.zeros)(q.shape, dtype=cd)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
+    dk = torch.zeros(k.shape, dtype=cd)  # contiguous whatever k's layout: written through views
+    dv = torch.zeros(v.shape, dtype=cd)
     workers = _workers(p)
     with torch.no_grad():
         for j in jobs:
