@@ -401,16 +401,15 @@ def _bwd_job(Q, K, V, dO, LSE, D, off, causal, scale, kmask, dQ_out, dK, dV, wor
     _, vflags = _finite(V, bk)
     cache = {"dtype": dt}
     blocks = list(range(0, m, bq))
-    qs, q2, qs0, qfl, do, do0, dfl, lse, lnan, Dr, dfin = ([] for _ in range(11))
+    qs, qs0, qfl, do, do0, dfl, lse, lnan, Dr, dfin = ([] for _ in range(10))
     for a in blocks:
         a2 = min(m, a + bq)
         r = g * (a2 - a)
-        x = _stack(Q[:, :, a:a2] * scale, N, r)
+        x = _stack(Q[:, :, a:a2] * (scale * LOG2E), N, r)  # base-2 scores for P; dK·ln2 at the end
         x0, xf = _finite(x, r)  # one block: one flag for the whole query block
         y = _stack(dO[:, :, a:a2].contiguous(), N, r)
         y0, yf = _finite(y, r)
         qs.append(x)
-        q2.append(x * LOG2E)  # base-2 scores for P
         qs0.append(x0)
         qfl.append(None if xf is None else xf[0])
         do.append(y)
@@ -451,7 +450,7 @@ def _bwd_job(Q, K, V, dO, LSE, D, off, causal, scale, kmask, dQ_out, dK, dV, wor
                 r = g * (a2 - a)
                 masked = mask is not None
                 shape = (M, g, a2 - a, w)
-                S = torch.bmm(q2[ai][h:h2], Kc.transpose(1, 2), out=_tile(bufS, M, r, w))
+                S = torch.bmm(qs[ai][h:h2], Kc.transpose(1, 2), out=_tile(bufS, M, r, w))
                 # P mixes rows into dV: its blocked entries must be exactly 0, even where a
                 # query row, a key or the given lse is NaN (then the mask goes on P itself)
                 fast = not kflag and not qfl[ai] and not lnan[ai]
@@ -468,7 +467,7 @@ def _bwd_job(Q, K, V, dO, LSE, D, off, causal, scale, kmask, dQ_out, dK, dV, wor
                 _acc(dvb, Pt, do[ai][h:h2], do0[ai][h:h2], dfl[ai], masked)
                 _acc(dk, dSt, qs[ai][h:h2], qs0[ai][h:h2], qfl[ai], masked)
                 _acc(dq[ai][h:h2], dS, Kc, K0c, kflag, masked)
-            dK[h:h2, c:c2] = dk
+            torch.mul(dk, LN2, out=dK[h:h2, c:c2])
             dV[h:h2, c:c2] = dvb
         return dq
 
