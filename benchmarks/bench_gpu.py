@@ -50,16 +50,15 @@ CANDIDATES = {
         ("dq", dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=5)),
     ],
     1024: [
+        ("fwd", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=256, num_warps=8, num_stages=3)),
         ("fwd", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=256, num_warps=8, num_stages=2)),
         ("fwd", dict(BLOCK_M=128, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=128, num_warps=8, num_stages=2)),
-        ("fwd", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=256, num_warps=8, num_stages=3)),
-        ("fwd", dict(BLOCK_M=128, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=256, num_warps=8, num_stages=2)),
-        ("dkdv", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=128, num_warps=8, num_stages=2)),
-        ("dkdv", dict(BLOCK_M=32, BLOCK_N=128, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=128, num_warps=8, num_stages=2)),
         ("dkdv", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=256, num_warps=8, num_stages=1)),
-        ("dq", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=128, num_warps=8, num_stages=2)),
-        ("dq", dict(BLOCK_M=128, BLOCK_N=32, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=128, num_warps=8, num_stages=2)),
+        ("dkdv", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=128, BLOCK_C=256, num_warps=8, num_stages=2)),
+        ("dkdv", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=128, num_warps=8, num_stages=2)),
         ("dq", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=256, num_warps=8, num_stages=2)),
+        ("dq", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=128, BLOCK_C=256, num_warps=8, num_stages=2)),
+        ("dq", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=128, num_warps=8, num_stages=2)),
     ],
 }
 TUNE_SHAPE = {128: (4, 32, 4096, 128), 1024: (1, 8, 8192, 1000)}
@@ -174,13 +173,14 @@ def tune(cls, deadline):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--no-tune", action="store_true")
+    ap.add_argument("--tune-classes", default="128,1024", help="head-size classes to tune")
     ap.add_argument("--quick", action="store_true", help="smallest shapes only")
     args = ap.parse_args()
     t0 = time.time()
     print(f"# {torch.cuda.get_device_name()} · torch {torch.__version__} · bf16 · causal")
     best = {}
     if not args.no_tune:
-        for cls in (128, 1024):
+        for cls in (int(c) for c in args.tune_classes.split(",")):
             best[cls] = tune(cls, deadline=t0 + 100)
     shapes = SHAPES[:1] + SHAPES[5:6] if args.quick else SHAPES
     print("\n| (B, H, T, d) | triton fwd TF/s | SDPA fwd TF/s (backend) | fwd ratio "
@@ -226,14 +226,9 @@ def main():
         verdict = "met" if min(r_f, r_b) >= bar else "MISSED"
         print(f"  ({B}, {H}, {T}, {d}): fwd {r_f:.2f}× vs {be_f}, fwd+bwd {r_b:.2f}× vs {be_b}; "
               f"bar {bar}× {verdict}")
-    table = {}
-    for cls in (128, 1024):
-        rows = sorted((T, r_b) for (B, H, T, d), (_, r_b, _, _) in ratios.items()
-                      if (d <= 128) == (cls == 128))
-        wins = [T for i, (T, _) in enumerate(rows) if all(r >= 1.0 for _, r in rows[i:])]
-        table[cls] = min(wins) if wins else None
-    print(f"\nprefers table for engines/triton.py (fwd+bwd ratio >= 1 from this T on): "
-          f"_PREFERS = {{128: {table[128]}, 256: None, 1024: {table[1024]}}}  "
+    table = {cls: {T: round(r_b, 2) for (B, H, T, d), (_, r_b, _, _) in ratios.items()
+                   if (d <= 128) == (cls == 128)} for cls in (128, 1024)}
+    print(f"\nprefers table for engines/triton.py (fwd+bwd ratios): _RATIOS = {table}  "
           f"# {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
     print(f"\ntotal {time.time() - t0:.0f} s")
 

@@ -20,6 +20,8 @@ this module's kernels are first imported; that is how the tests run them without
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .problem import Problem
@@ -90,10 +92,10 @@ def _pow2(n: int) -> int:
 
 
 def _configs(d_k: int, d_v: int, dtype: torch.dtype, interpret: bool) -> dict:
-    """Tile sizes for the three kernels. Chosen without a GPU so far: they compile for sm_90
-    with wgmma, pipelined loads, no register spills and shared memory within the limit
-    (``benchmarks/compile_check.py``); ``benchmarks/bench_gpu.py`` tries alternatives on a
-    GPU. fp32 tiles are smaller (twice the bytes, dots without tensor cores)."""
+    """Tile sizes for the three kernels. bf16/fp16: the fastest of ``benchmarks/bench_gpu.py``'s
+    candidates on an H200 (2026-11-29; d <= 128 tuned at (4, 32, 4096, 128), wider heads at
+    (1, 8, 8192, 1000)); ``benchmarks/compile_check.py`` shows what they compile to. fp32
+    tiles are smaller (twice the bytes, dots without tensor cores) and were not timed."""
     pk, pv = _pow2(d_k), _pow2(d_v)
     big = max(pk, pv)
     if interpret:  # small tiles: several of them even at tiny T, and a fast interpreter
@@ -113,16 +115,16 @@ def _configs(d_k: int, d_v: int, dtype: torch.dtype, interpret: bool) -> dict:
         else:
             # 256 output columns a program (4 for d = 1000: Q Kᵀ computed 4 times); 128 rows
             # with them would spill registers (benchmarks/compile_check.py)
-            fwd = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=256, num_warps=8, num_stages=2)
+            fwd = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=256, num_warps=8, num_stages=3)
         if big <= 128:
-            dkdv = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_DK=pk, BLOCK_DV=pv, BLOCK_C=big,
+            dkdv = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_DK=pk, BLOCK_DV=pv, BLOCK_C=big,
                         num_warps=8 if big >= 128 else 4, num_stages=2)
-            dq = dict(BLOCK_M=128, BLOCK_N=32, BLOCK_DK=pk, BLOCK_DV=pv, BLOCK_C=big,
+            dq = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_DK=pk, BLOCK_DV=pv, BLOCK_C=big,
                       num_warps=8 if big >= 128 else 4, num_stages=2)
         else:
-            dkdv = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=128,
-                        num_warps=8, num_stages=2)
-            dq = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=128,
+            dkdv = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=256,
+                        num_warps=8, num_stages=1)
+            dq = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=256,
                       num_warps=8, num_stages=2)
         cfg = {"fwd": fwd, "dkdv": dkdv, "dq": dq}
     else:
@@ -144,26 +146,31 @@ def _configs(d_k: int, d_v: int, dtype: torch.dtype, interpret: bool) -> dict:
 
 
 # -- where the engine beats SDPA --------------------------------------------------------
-# Filled from benchmarks/bench_gpu.py (bf16, causal, forward+backward), which prints this
-# table ready to paste: largest head size of a class -> smallest T_k from which the Triton
-# engine beat SDPA on every measured T (None: it never did, or not measured).
-MEASURED = "not measured yet: no GPU was available when this engine was written (2026-11-29)"
-_PREFERS: dict[int, int | None] = {128: None, 256: None, 1024: None}
+# Measured by benchmarks/bench_gpu.py on an NVIDIA H200 (torch 2.11, triton 3.6), 2026-11-29:
+# SDPA time / Triton time for forward+backward, bf16, causal, per head-size class and T.
+# d <= 128 is (4, 32, T, 128) against SDPA's flash backend; d <= 1024 is (1, 1, 2048, 1000)
+# and (1, 8, 16384, 1000) against its memory-efficient backend (flash stops at 256).
+MEASURED = "NVIDIA H200, torch 2.11 + triton 3.6, 2026-11-29, bf16 causal forward+backward"
+_RATIOS: dict[int, dict[int, float]] = {
+    128: {1024: 0.72, 2048: 0.92, 4096: 1.00, 8192: 1.02, 16384: 1.05},
+    1024: {2048: 3.29, 16384: 0.66},
+}
 
 
 def prefers(p: Problem) -> bool:
-    """Whether "auto" should run this problem on the Triton engine rather than SDPA (CUDA).
-
-    Only where the table above says it measured faster; unmeasured classes stay with SDPA.
-    """
+    """Whether "auto" should run this problem on the Triton engine rather than SDPA (CUDA):
+    where the measured ratio at the nearest measured T (log scale) of the head-size class
+    is above 1. Classes never measured (129..256) stay with SDPA."""
     if triton is None or p.q.device.type != "cuda" or p.q.dtype == torch.float64:
         return False
     d = max(p.q.shape[-1], p.v.shape[-1])
-    for d_max in sorted(_PREFERS):
-        if d <= d_max:
-            t_min = _PREFERS[d_max]
-            return t_min is not None and p.k.shape[2] >= t_min
-    return False
+    cls = 128 if d <= 128 else 1024 if d > 256 else None
+    if cls is None:
+        return False
+    T = max(1, p.k.shape[2])
+    ratios = _RATIOS[cls]
+    nearest = min(ratios, key=lambda t: abs(math.log2(t) - math.log2(T)))
+    return ratios[nearest] > 1.0
 
 
 # -- host side ---------------------------------------------------------------------------
