@@ -11,6 +11,25 @@ import torch
 from .problem import Problem
 
 
+def _weighted_values(A: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """H = A v without 0·NaN: a non-finite value at an unreadable key must not reach a row.
+
+    Non-finite value rows are zeroed for the product; the query rows that really read one
+    are recomputed over their readable keys only (the same rule as the NumPy reference).
+    """
+    finite = torch.isfinite(v).all(dim=-1)  # (B, H, T_k)
+    H = A @ v.masked_fill(~finite[..., None], 0.0)
+    if bool(finite.all()):
+        return H
+    reads_bad = (allowed & ~finite[..., None, :]).any(dim=-1)  # (B, H, T_q)
+    H = H.clone()
+    al = allowed.expand(A.shape)
+    for b, h, i in reads_bad.nonzero().tolist():
+        cols = al[b, h, i]
+        H[b, h, i] = A[b, h, i, cols] @ v[b, h, cols]
+    return H
+
+
 def forward(p: Problem, return_lse: bool = False):
     q, k, v = (t.to(torch.float64) for t in (p.q, p.k, p.v))
     if p.group > 1:  # grouped-query: query head h reads key/value head h // group
@@ -24,7 +43,7 @@ def forward(p: Problem, return_lse: bool = False):
     E = torch.exp(Z - m)  # exactly 0 where blocked
     denom = E.sum(dim=-1, keepdim=True)
     A = E / torch.where(has_key, denom, torch.ones_like(denom))
-    out = (A @ v).to(p.q.dtype)
+    out = _weighted_values(A, v, allowed).to(p.q.dtype)
     if not return_lse:
         return out
     lse = (m + torch.log(denom)).squeeze(-1).masked_fill(~has_key.squeeze(-1), float("-inf"))

@@ -18,6 +18,12 @@ def forward(p: Problem, return_lse: bool = False):
     if plain_causal:
         return F.scaled_dot_product_attention(p.q, p.k, p.v, is_causal=True, scale=p.scale, enable_gqa=gqa)
     allowed = p.allowed()
-    out = F.scaled_dot_product_attention(p.q, p.k, p.v, attn_mask=allowed, scale=p.scale, enable_gqa=gqa)
+    # SDPA multiplies zero weights by the values, so 0·NaN at a padding key would reach
+    # real rows: keys no query may read are zeroed first (causal future keys are a peer
+    # limitation: SDPA itself gives no bit-for-bit guarantee there).
+    readable = allowed.any(dim=2, keepdim=True).transpose(-1, -2)  # (B, 1, T_k, 1)
+    k = p.k.masked_fill(~readable, 0.0)
+    v = p.v.masked_fill(~readable, 0.0)
+    out = F.scaled_dot_product_attention(p.q, k, v, attn_mask=allowed, scale=p.scale, enable_gqa=gqa)
     # SDPA gives NaN (or a uniform average) on rows with no readable key; ours are zero.
     return out.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)
