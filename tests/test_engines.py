@@ -46,3 +46,16 @@ def test_unknown_engine_is_named():
     q = torch.randn(1, 1, 3, 4)
     with pytest.raises(ValueError, match="unknown engine 'fast'"):
         ca.attention(q, q, q, engine="fast")
+
+
+def test_trace_with_heads_reads_mask_axes_by_x_and_refuses_extra_ones():
+    import numpy as np
+
+    X = np.random.default_rng(0).normal(size=(4, 6))
+    W = np.eye(6)
+    with pytest.raises(ValueError, match="mask: with n_heads=2"):
+        ca.trace(X, W, W, W, n_heads=2, mask=np.ones((3, 2, 4, 4), bool))
+    per_head = np.ones((2, 4, 4), bool)
+    per_head[1] = ca.masks.causal(4)
+    tr = ca.trace(X, W, W, W, n_heads=2, mask=per_head)  # X has no batch axis: (h, T, T)
+    assert tr.A.shape == (2, 4, 4) and tr.A[0, 0, 3] > 0 and tr.A[1, 0, 3] == 0

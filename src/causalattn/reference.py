@@ -161,6 +161,12 @@ def trace(
             raise ValueError(f"mask: must end in T×T = {T}×{T}, got shape {allowed.shape}")
         if n_heads is not None and allowed.ndim == X.ndim:
             allowed = np.expand_dims(allowed, -3)  # (..., T, T) -> (..., 1, T, T) over heads
+        elif n_heads is not None and allowed.ndim not in (2, X.ndim + 1):
+            # a (B, T, T) mask with a single T×d_model X would silently be read per head
+            raise ValueError(
+                f"mask: with n_heads={n_heads} and X of shape {X.shape}, give T×T, X's leading "
+                f"axes + T×T, or X's leading axes + (h, T, T); got shape {allowed.shape}"
+            )
     try:
         np.broadcast_shapes(allowed.shape, S.shape)
     except ValueError as exc:
