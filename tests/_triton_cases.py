@@ -8,6 +8,7 @@ hence the subprocess in test_triton.py). Shapes are tiny because the interpreter
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -218,3 +219,6 @@ def test_errors_and_choice():
         with pytest.raises(ValueError, match="not installed"):
             tri.forward(p)
         assert not tri.prefers(p)
+        on_cuda = SimpleNamespace(q=SimpleNamespace(device=SimpleNamespace(type="cuda")))
+        assert pick_engine(on_cuda) == "sdpa"  # "auto" without triton: SDPA, never an error
+        assert pick_engine(on_cuda, return_lse=True) == "reference"

@@ -31,8 +31,10 @@ def pick_engine(p: Problem, return_lse: bool = False) -> str:
     """The engine "auto" runs for this problem."""
     if p.q.device.type == "cuda":
         try:
-            from .triton import prefers
+            from .triton import available, prefers
         except ImportError:
+            available = None
+        if available is None or not available():  # triton (the `.[gpu]` extra) missing
             return "sdpa" if not return_lse else "reference"
         return "triton" if prefers(p) or return_lse else "sdpa"
     return "tiled"
