@@ -96,7 +96,8 @@ def launches(dtype, T: int, d: int, lengths: bool, causal: bool, kpm: bool, over
     tri._kernels = lambda: rec
     try:
         o, lse = tri._launch_fwd(q, k, v, rows, p.scale, cfg)
-        tri._launch_bwd(q, k, v, q, lse, lse, rows, p.scale, cfg)
+        D = tri._launch_preprocess(o, o, lse, None, cfg)
+        tri._launch_bwd(q, k, v, o, lse, D, rows, p.scale, cfg)
     finally:
         tri._kernels = orig
     return rec.calls

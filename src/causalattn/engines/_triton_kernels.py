@@ -14,7 +14,7 @@ BLOCK_DK (loaded inside the loop), and the output columns are split over a grid 
 (BLOCK_DV columns per program), each program recomputing the scores for its columns:
 the accumulator of a 1024-wide head never fits registers, recomputing ``Q Kᵀ`` does.
 Scores are in log2 units (``qk_scale = scale · log2 e``); the saved log-sum-exp is in
-natural units (+inf for an empty row, so that the backward's ``exp2(s - lse)`` is 0).
+natural units, -inf for an empty row (the backward reads it as +inf: ``exp2(s - lse)`` = 0).
 """
 
 import triton
@@ -214,7 +214,7 @@ def fwd_kernel(Q, K, V, O, LSE, LO, HI, KPM,
              mask=row_ok[:, None] & dv_ok[None, :])
     if pid_c == 0:
         lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634,
-                       float("inf"))
+                       float("-inf"))
         tl.store(LSE + pid_bh.to(tl.int64) * T_q + offs_m, lse, mask=row_ok)
 
 
@@ -239,7 +239,8 @@ def _dkdv_tile(acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, offs_
     else:
         sT = _dot_rows_cols(Kb, Qb, offs_n, offs_m, k_ok, m_ok, skt, skd, sqt, sqd, D_K,
                             BLOCK_N, BLOCK_M, BLOCK_DK, NUM_DK, PREC)
-    lse = tl.load(LSEb + offs_m, mask=m_ok, other=float("inf")) * 1.4426950408889634
+    lse = tl.load(LSEb + offs_m, mask=m_ok, other=float("-inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # empty: P = 0
     pT = tl.math.exp2(sT * qk_scale - lse[None, :])
     if MASKED:
         lo, hi = _row_interval(LOb, HIb, offs_m, m_ok, T_k, OFF, ROWS, CAUSAL)
@@ -442,8 +443,8 @@ def dq_kernel(Q, K, V, DO, LSE, DD, DQ, LO, HI, KPM,
     lo, hi, live, n_lo, n_hi, start, u1, u2 = _row_bounds(
         LO + b64 * T_q, HI + b64 * T_q, offs_m, T_q, T_k, OFF, BLOCK_N, HAS_KPM, ROWS, CAUSAL)
     row_ok = offs_m < T_q
-    lse = tl.load(LSE + pid_bh.to(tl.int64) * T_q + offs_m, mask=row_ok, other=float("inf"))
-    lse = lse * 1.4426950408889634
+    lse = tl.load(LSE + pid_bh.to(tl.int64) * T_q + offs_m, mask=row_ok, other=float("-inf"))
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634  # empty: P = 0
     Di = tl.load(DD + pid_bh.to(tl.int64) * T_q + offs_m, mask=row_ok, other=0.0)
     if NUM_DK == 1:
         offs_d = tl.arange(0, BLOCK_DK)
@@ -479,3 +480,24 @@ def dq_kernel(Q, K, V, DO, LSE, DD, DQ, LO, HI, KPM,
     DQb = DQ + b64 * sdqb + h.to(tl.int64) * sdqh
     tl.store(DQb + offs_m[:, None] * sdqt + offs_c[None, :] * sdqd, dq.to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def bwd_preprocess(O, DO, LSE, DLSE, DD, N_ROWS, D_V: tl.constexpr, HAS_DLSE: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr):
+    """D = rowsum(dH ∘ H) in fp32 (minus the lse gradient; 0 on empty rows), for the
+    rows of contiguous (B·H_q·T_q, d_v) views of H and dH."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < N_ROWS
+    rows = offs_m.to(tl.int64) * D_V
+    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for c in range(NUM_DV):
+        offs_d = c * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        ok = row_ok[:, None] & (offs_d[None, :] < D_V)
+        o = tl.load(O + rows[:, None] + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+        do = tl.load(DO + rows[:, None] + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+        acc += tl.sum(o * do, axis=1)
+    if HAS_DLSE:  # d lse / d S = A, so a gradient on lse shifts D
+        acc -= tl.load(DLSE + offs_m, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + offs_m, mask=row_ok, other=0.0)
+    tl.store(DD + offs_m, tl.where(lse == float("-inf"), 0.0, acc), mask=row_ok)

@@ -258,6 +258,23 @@ def _launch_fwd(q, k, v, rows: _Rows, scale: float, cfg: dict):
     return o, lse
 
 
+def _launch_preprocess(out, dout, lse, dlse, cfg: dict):
+    """D = rowsum(dH ∘ H) - dlse (fp32, (B, H_q, T_q)); 0 on rows with no readable key."""
+    kern = _kernels()
+    d_v = out.shape[-1]
+    D = torch.empty_like(lse)
+    n_rows = lse.numel()
+    block_dv = min(_pow2(d_v), 128)
+    block_m = cfg["dq"]["BLOCK_M"]
+    has_dlse = dlse is not None
+    dlse = dlse.float().contiguous() if has_dlse else lse
+    kern.bwd_preprocess[(triton.cdiv(n_rows, block_m),)](
+        out, dout, lse, dlse, D, n_rows, D_V=d_v, HAS_DLSE=has_dlse, BLOCK_M=block_m,
+        BLOCK_DV=block_dv, NUM_DV=triton.cdiv(d_v, block_dv),
+    )
+    return D
+
+
 def _launch_bwd(q, k, v, do, lse, D, rows: _Rows, scale: float, cfg: dict):
     kern = _kernels()
     B, H_q, T_q, d_k = q.shape
@@ -296,20 +313,16 @@ def _launch_bwd(q, k, v, do, lse, D, rows: _Rows, scale: float, cfg: dict):
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rows, scale, cfg):
-        out, lse = _launch_fwd(q, k, v, rows, scale, cfg)  # lse: +inf on empty rows
+        out, lse = _launch_fwd(q, k, v, rows, scale, cfg)  # lse: -inf on empty rows
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.rows, ctx.scale, ctx.cfg = rows, scale, cfg
-        return out, torch.where(lse == float("inf"), float("-inf"), lse)
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dout = dout.contiguous()
-        empty = lse == float("inf")
-        D = (dout.float() * out.float()).sum(-1)  # rowsum(dH ∘ H): the softmax Jacobian's term
-        if dlse is not None:  # d lse / d S = A, so a gradient on lse shifts D
-            D = D - dlse.float()
-        D = torch.where(empty, 0.0, D).contiguous()
+        D = _launch_preprocess(out, dout, lse, dlse, ctx.cfg)
         dq, dk, dv = _launch_bwd(q, k, v, dout, lse, D, ctx.rows, ctx.scale, ctx.cfg)
         return dq, dk, dv, None, None, None
 
