@@ -106,7 +106,7 @@ def launches(dtype, T: int, d: int, lengths: bool, causal: bool, kpm: bool, over
 def compile_launch(name, args, kw, arch=90):
     """Compile one recorded launch for sm_<arch> -> triton's CompiledKernel (no GPU needed)."""
     kw = dict(kw)
-    opts = dict(num_warps=kw.pop("num_warps"), num_stages=kw.pop("num_stages"))
+    opts = dict(num_warps=kw.pop("num_warps", 4), num_stages=kw.pop("num_stages", 3))
     return triton.compile(_source(getattr(K, name), args, kw), target=GPUTarget("cuda", arch, 32),
                           options=opts)
 
@@ -123,7 +123,7 @@ def check(name, args, kw, arch):
         return f"FAILED {type(exc).__name__}: ...{str(exc)[-700:]}"
     smem = k.metadata.shared
     ttgir = k.asm["ttgir"]
-    opts = {"num_warps": kw["num_warps"], "num_stages": kw["num_stages"]}
+    opts = {"num_warps": kw.get("num_warps", 4), "num_stages": kw.get("num_stages", 3)}
     tiles = {a: kw[a] for a in ("BLOCK_M", "BLOCK_N") if a in kw} | opts
     return (f"smem {smem} B{' OVER LIMIT' if smem > SMEM_LIMIT else ''}, {_ptxas(k.asm['ptx'], arch)}, "
             f"wgmma {'yes' if 'warp_group_dot' in ttgir else 'no'}, "

@@ -38,8 +38,9 @@ if not INTERPRETED:
         for name, args, kw in cc.launches(dtype, 256, d, lengths, True, kpm):
             k = cc.compile_launch(name, args, kw)
             assert k.metadata.shared <= cc.SMEM_LIMIT, (name, k.metadata.shared)
-            assert "warp_group_dot" in k.asm["ttgir"], f"{name}: no wgmma"
-            assert cc.pipelined(k), f"{name}: loads not pipelined"
+            if name != "bwd_preprocess":  # the attention kernels: tensor cores, async loads
+                assert "warp_group_dot" in k.asm["ttgir"], f"{name}: no wgmma"
+                assert cc.pipelined(k), f"{name}: loads not pipelined"
 
 if not INTERPRETED and not torch.cuda.is_available():
 
