@@ -331,6 +331,8 @@ def render(rows: list[dict], console=None) -> None:
             fmt(r["ms"], ".1f"), fmt(r["gflops"], ".1f"), fmt(r["vs_sdpa"], ".2f"),
             fmt(r["vs_gemm"], ".0%"), fmt(r["peak_extra_mib"], ".1f"),
         )
+    if not console.is_terminal:  # a pipe or file gets the whole table, not 80 squeezed columns
+        console.width = max(console.width, 150)
     console.print(t)
     notes = sorted({(r["case"], r["note"]) for r in rows if r["note"]})
     for case, note in notes:
