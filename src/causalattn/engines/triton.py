@@ -151,8 +151,8 @@ def _configs(d_k: int, d_v: int, dtype: torch.dtype, interpret: bool) -> dict:
 # and (1, 8, 16384, 1000) against its memory-efficient backend (flash stops at 256).
 MEASURED = "NVIDIA H200, torch 2.11 + triton 3.6, 2026-11-29, bf16 causal forward+backward"
 _RATIOS: dict[int, dict[int, float]] = {
-    128: {1024: 0.81, 2048: 0.91, 4096: 1.00, 8192: 1.02, 16384: 1.07},
-    1024: {2048: 3.74, 16384: 0.88},
+    128: {1024: 0.97, 2048: 1.06, 4096: 1.10, 8192: 1.05, 16384: 1.07},
+    1024: {2048: 3.77, 16384: 0.87},
 }
 
 
