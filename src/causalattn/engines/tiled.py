@@ -1,12 +1,15 @@
-"""The tiled CPU engine: FlashAttention-2's algorithm out of large batched matrix products.
+"""The tiled CPU engine: FlashAttention-2's algorithm out of batched matrix products.
 
 Each query block reads only the key blocks it may read: blocks above the causal diagonal,
 keys past a sequence's length and other packed sequences are never touched; only blocks
-that cut the diagonal or a padding edge are masked. All heads of a job share one batched
-product (B·H fused into the batch dim) so BLAS runs near its peak; grouped-query heads
-are stacked as extra query rows of their key/value head, which also sums dK, dV over the
-group for free. Softmax is online in fp32 (fp64 for fp64 inputs): a running row max m,
-row sum l and accumulator rescaled per key block, so extra memory is
+that cut the diagonal or a padding edge are masked. A tile is (a chunk of heads, a query
+block, a key block): B·H is fused into the batch dim of each product, as many heads per
+tile as keep its scores in cache (see :func:`_plan`); grouped-query heads are stacked as
+extra query rows of their key/value head, which also sums dK, dV over the group for
+free. Independent tiles run on torch.get_num_threads() Python threads, each with
+single-threaded torch ops (no OpenMP fork-join per small op). Softmax is online in fp32
+(fp64 for fp64 inputs) and in base 2 (exp2 is the fast exponential here): a running row
+max, row sum and accumulator rescaled per key block, so extra memory is
 O(B·H·(block² + T·d)), never O(T_q·T_k).
 
 Raw functions (no autograd), used by the ring-attention helper as well:
@@ -16,8 +19,9 @@ Raw functions (no autograd), used by the ring-attention helper as well:
 - ``bwd(p, out, lse, dout) -> (dq, dk, dv)``: recomputation from the GIVEN out and lse
   (D = rowsum(dout·out)), so a block pair can be differentiated against a global softmax.
 
-Causality is a guarantee: products whose zero weights meet unreadable (possibly NaN or
-inf) rows never multiply 0·NaN; see :func:`_mm_zero_safe`.
+Causality is a guarantee: in masked tiles, blocked weights are exactly 0 and never meet
+a NaN/inf row of the other operand (0·NaN = NaN would leak an unreadable value into a
+readable row); see :func:`_acc` and :func:`_nonfinite_terms`.
 """
 
 from __future__ import annotations
