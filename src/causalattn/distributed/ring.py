@@ -205,8 +205,8 @@ class _Config:
 
 def _kernels(device: torch.device):
     """The block kernels, with the contract ``fwd(p) -> (out, lse)`` and
-    ``bwd(p, out, lse, dout) -> (dq, dk, dv)``: the tiled engine on CPU; on CUDA the triton
-    engine once it exposes that pair (the tiled engine allocates on the CPU)."""
+    ``bwd(p, out, lse, dout) -> (dq, dk, dv)``: the tiled engine on CPU, the triton engine
+    on CUDA (the tiled engine allocates on the CPU)."""
     if device.type == "cpu":
         return importlib.import_module("causalattn.engines.tiled")
     if device.type == "cuda":
@@ -218,8 +218,7 @@ def _kernels(device: torch.device):
             return mod
     raise ValueError(
         f"ring_attention: no block kernels for {device.type} tensors here: the tiled engine runs "
-        "on CPU only, and CUDA needs causalattn.engines.triton to provide fwd(p) and "
-        "bwd(p, out, lse, dout); move q, k, v to the CPU (gloo) for now"
+        "on CPU only, and CUDA tensors need the triton engine (pip install 'causalattn[gpu]')"
     )
 
 

@@ -327,8 +327,8 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def forward(p: Problem, return_lse: bool = False):
-    """H ``(B, H_q, T_q, d_v)`` (and the fp32 log-sum-exp ``(B, H_q, T_q)``) on the GPU."""
+def _prepare(p: Problem):
+    """Check what the kernels can run; ``None`` when there is nothing to compute."""
     if triton is None:
         raise ValueError("engine 'triton': the triton package is not installed (pip install '.[gpu]')")
     q, k, v = p.q, p.k, p.v
@@ -344,13 +344,50 @@ def forward(p: Problem, return_lse: bool = False):
         raise ValueError(f"engine 'triton': head sizes d_k={d_k}, d_v={d_v} must lie in 1..1024")
     B, H_q, T_q, _ = q.shape
     if B * H_q * T_q == 0 or k.shape[2] == 0:
-        out = q.new_zeros(B, H_q, T_q, d_v)
-        lse = torch.full((B, H_q, T_q), float("-inf"), dtype=torch.float32, device=q.device)
-        return (out, lse) if return_lse else out
-    cfg = _configs(d_k, d_v, q.dtype, _interpreting())
-    rows = _Rows(p)
-    out, lse = _Attention.apply(q.contiguous(), k.contiguous(), v.contiguous(), rows, p.scale, cfg)
+        return None
+    return _configs(d_k, d_v, q.dtype, _interpreting()), _Rows(p)
+
+
+def _empty(p: Problem):
+    B, H_q, T_q, _ = p.q.shape
+    out = p.q.new_zeros(B, H_q, T_q, p.v.shape[-1])
+    lse = torch.full((B, H_q, T_q), float("-inf"), dtype=torch.float32, device=p.q.device)
+    return out, lse
+
+
+def forward(p: Problem, return_lse: bool = False):
+    """H ``(B, H_q, T_q, d_v)`` (and the fp32 log-sum-exp ``(B, H_q, T_q)``) on the GPU."""
+    prep = _prepare(p)
+    if prep is None:
+        out, lse = _empty(p)
+    else:
+        cfg, rows = prep
+        out, lse = _Attention.apply(p.q.contiguous(), p.k.contiguous(), p.v.contiguous(), rows, p.scale, cfg)
     return (out, lse) if return_lse else out
+
+
+def fwd(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """The raw forward (no autograd): ``(out, lse)`` as :func:`causalattn.engines.tiled.fwd`."""
+    prep = _prepare(p)
+    if prep is None:
+        return _empty(p)
+    cfg, rows = prep
+    with torch.no_grad():
+        return _launch_fwd(p.q.contiguous(), p.k.contiguous(), p.v.contiguous(), rows, p.scale, cfg)
+
+
+def bwd(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
+    """The raw backward from a GIVEN (e.g. ring-merged, global) ``out`` and ``lse``:
+    ``(dq, dk, dv)`` as :func:`causalattn.engines.tiled.bwd`, dk/dv summed over GQA groups."""
+    prep = _prepare(p)
+    if prep is None:
+        return torch.zeros_like(p.q), torch.zeros_like(p.k), torch.zeros_like(p.v)
+    cfg, rows = prep
+    with torch.no_grad():
+        dout = dout.contiguous()
+        lse = lse.float().contiguous()
+        D = _launch_preprocess(out.contiguous(), dout, lse, None, cfg)
+        return _launch_bwd(p.q.contiguous(), p.k.contiguous(), p.v.contiguous(), dout, lse, D, rows, p.scale, cfg)
 
 
 def flops(B: int, H: int, T: int, d: int, causal: bool = True, backward: bool = False) -> float:
