@@ -116,6 +116,8 @@ def render(rows: list[dict], console=None) -> None:
             f"{r['ms']:.1f}", f"{r['gflops']:.1f}", f"{r['vs_sdpa']:.2f}",
             "-" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.1f}", str(r["reps"]),
         )
+    if not console.is_terminal:  # as bench/cpu.py: a pipe or file gets the whole table
+        console.width = max(console.width, 150)
     console.print(t)
     if rows:
         console.print(
