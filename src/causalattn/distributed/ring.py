@@ -252,6 +252,18 @@ def _count(cfg: _Config, pair: _Pair, q, v, factor=1.0) -> None:
     cfg.stats.kernel_calls += 1
 
 
+def _block_problems(cfg: _Config, q, kc, vc, src: int):
+    """(pair, Problem) for each block pair of the local queries against rank src's k, v
+    block that has a readable key: the same pairs in the forward and the backward."""
+    kv_pos = cfg.kv_positions(src, q.device) if cfg.lengths is not None else None
+    for pair in cfg.pairs(src):
+        skip, kpm = cfg.key_mask(pair, kv_pos)
+        if skip:
+            continue
+        yield pair, make_problem(q[:, :, pair.qs], kc[:, :, pair.ks], vc[:, :, pair.ks],
+                                 causal=pair.causal, key_padding_mask=kpm, scale=cfg.scale)
+
+
 def _forward(q, k, v, cfg: _Config):
     kern = _kernels(q.device)
     B, H_q, T, _ = q.shape
@@ -268,13 +280,7 @@ def _forward(q, k, v, cfg: _Config):
                 bufs[(step + 1) % 2] = torch.empty_like(cur)
             pending = cfg.exchange(cur, bufs[(step + 1) % 2], _TAG_KV, "the k, v block", "forward", step)
         kc, vc = _unpack(cur, k.shape, v.shape)
-        kv_pos = cfg.kv_positions(src, q.device) if cfg.lengths is not None else None
-        for pair in cfg.pairs(src):
-            skip, kpm = cfg.key_mask(pair, kv_pos)
-            if skip:
-                continue
-            p = make_problem(q[:, :, pair.qs], kc[:, :, pair.ks], vc[:, :, pair.ks],
-                             causal=pair.causal, key_padding_mask=kpm, scale=cfg.scale)
+        for pair, p in _block_problems(cfg, q, kc, vc, src):
             o, l = kern.fwd(p)
             _merge(out[:, :, pair.qs], lse[:, :, pair.qs], o, l)
             _count(cfg, pair, q, v)
@@ -318,13 +324,7 @@ def _backward(dout, q, k, v, out, lse, cfg: _Config):
         else:
             mine.zero_()
         dk_p, dv_p = _unpack(mine, k.shape, v.shape)
-        kv_pos = cfg.kv_positions(src, q.device) if cfg.lengths is not None else None
-        for pair in cfg.pairs(src):
-            skip, kpm = cfg.key_mask(pair, kv_pos)
-            if skip:
-                continue
-            p = make_problem(q[:, :, pair.qs], kc[:, :, pair.ks], vc[:, :, pair.ks],
-                             causal=pair.causal, key_padding_mask=kpm, scale=cfg.scale)
+        for pair, p in _block_problems(cfg, q, kc, vc, src):
             dq_i, dk_j, dv_j = kern.bwd(p, out[:, :, pair.qs], lse[:, :, pair.qs], dout[:, :, pair.qs])
             dq[:, :, pair.qs] += dq_i
             dk_p[:, :, pair.ks] += dk_j
