@@ -24,8 +24,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from causalattn.bench.timing import pin_malloc
 from causalattn.distributed import RingStats, ring_attention
-from causalattn.distributed.demo import PeakMemory, exact_cpu_peaks
+from causalattn.distributed.demo import PeakMemory
 
 
 def _free_port() -> int:
@@ -37,7 +38,7 @@ def _free_port() -> int:
 def _worker(rank, P, port, layout, a, out_q):
     try:
         torch.set_num_threads(1)
-        exact_cpu_peaks()
+        pin_malloc()
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=P, timeout=timedelta(seconds=300))
         T_local = a.T // P

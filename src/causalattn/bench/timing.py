@@ -23,7 +23,7 @@ from collections.abc import Callable
 _MALLOC_PINNED = False
 
 
-def _pin_malloc() -> None:
+def pin_malloc() -> None:
     """Make glibc map large blocks directly (and unmap them on free), once per process."""
     global _MALLOC_PINNED
     if _MALLOC_PINNED:
@@ -37,7 +37,8 @@ def _pin_malloc() -> None:
         pass
 
 
-def _status_kib(field: str) -> int | None:
+def status_kib(field: str) -> int | None:
+    """A field of /proc/self/status in KiB (VmRSS, VmHWM), or None where it cannot be read."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -50,15 +51,15 @@ def _status_kib(field: str) -> int | None:
 
 def peak_extra_mib(fn: Callable[[], object]) -> tuple[float | None, object]:
     """Run ``fn`` once; return (peak resident memory above the start, in MiB, or None; its result)."""
-    _pin_malloc()
+    pin_malloc()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # reset VmHWM to the current RSS
     except OSError:
         return None, fn()
-    base = _status_kib("VmRSS")
+    base = status_kib("VmRSS")
     result = fn()
-    peak = _status_kib("VmHWM")
+    peak = status_kib("VmHWM")
     if base is None or peak is None:
         return None, result
     return max(0.0, (peak - base) / 1024.0), result

@@ -20,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..bench.timing import pin_malloc, status_kib
 from .layout import LAYOUTS, shard, unshard
 from .ring import RingStats, _kernels, ring_attention
 
@@ -46,7 +47,7 @@ class PeakMemory:
                     f.write("5")  # reset VmHWM to the current RSS
             except OSError:
                 pass
-            self.base = _status_kb("VmRSS") * 1024
+            self.base = (status_kib("VmRSS") or 0) * 1024
         return self
 
     def __exit__(self, *exc):
@@ -54,31 +55,9 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
-            peak = _status_kb("VmHWM") * 1024 or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            peak = (status_kib("VmHWM") or 0) * 1024 or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         self.bytes = max(0, peak - self.base)
         return False
-
-
-def exact_cpu_peaks() -> None:
-    """Make glibc return big freed buffers to the OS at once (fixed mmap threshold), so the
-    resident set's high-water mark follows the live tensors instead of malloc's reuse."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD = 64 KiB
-    except (OSError, AttributeError):
-        pass
-
-
-def _status_kb(key: str) -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def _free_port() -> int:
@@ -106,7 +85,7 @@ def _setup(timeout_s: float) -> torch.device:
         backend = "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-        exact_cpu_peaks()
+        pin_malloc()
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
