@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 import causalattn
 from causalattn import masks
-from causalattn.audit import AuditInputError, audit
+from causalattn.check import AuditInputError, audit
 from causalattn.cli import app
 
 T, D, DK = 6, 4, 3

@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from causalattn import diagnose
+from causalattn.check import CATALOGUE
 from causalattn.cli import app
-from causalattn.diagnose import CATALOGUE
 
 sys.path.insert(0, str(Path(__file__).parent))
 from faulty import numpy_qkv, torch_qkv, xweights  # noqa: E402

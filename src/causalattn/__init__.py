@@ -4,8 +4,7 @@
 """
 
 from . import masks, shapes, text, viz
-from .audit import AuditInputError, Report, audit
-from .diagnose import Diagnosis, diagnose
+from .check import AuditInputError, Diagnosis, Report, audit, diagnose
 from .engines import KVCache, attention
 from .layer import CausalSelfAttention
 from .reference import trace

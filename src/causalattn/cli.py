@@ -406,7 +406,7 @@ def demo(
 ) -> None:
     """The seed's four sentences end to end, then the chapter's four-token trace."""
     from . import text
-    from .audit import audit
+    from .check import audit
     from .reference import trace as run_trace
 
     with _library_errors():
@@ -516,7 +516,7 @@ def audit_cmd(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Check named arrays in dependency order. Exit 0 clean, 1 a check fails, 2 unusable input."""
-    from .audit import audit
+    from .check import audit
 
     try:
         report = audit(file, max_bytes=max_bytes)
@@ -541,7 +541,7 @@ def diagnose_cmd(
 
     The target file is EXECUTED, in a subprocess stopped after --timeout seconds.
     """
-    from .diagnose import diagnose
+    from .check import diagnose
 
     if ":" not in target:
         _fail(f"expected path/to/file.py:function_or_class, got {target!r}")

@@ -1,0 +1,68 @@
+"""The in-order audit: check an attention computation stage by stage, as the seed says.
+
+    projections -> scores (shape, 1/√d_k) -> mask -> softmax row sums -> forbidden zeros
+    -> finite rows -> H = A V -> Σ_j C[i, j] = H_i -> O = H W_O
+
+``audit(trace | mapping | path)`` returns a :class:`Report`: every check in dependency
+order, the first failing stage with its evidence (which sequence/head, rows, columns, how
+far off) and a plain-English hint. Missing stages are recomputed from the ones present
+when possible (Q from X and W_Q, S from Q and K, A from S and the mask ...), and the
+report says which. Rows with no readable key are listed in ``report.empty_rows``, not
+failed (their weights and output must be zero, never NaN).
+
+Arrays are ``(..., T, d)`` with any leading batch/head axes, like a :class:`Trace`.
+Names in a mapping or file are matched case-insensitively against aliases (see
+:data:`ALIASES`); TransformerLens hook names (``blocks.0.attn.hook_q`` ...) are read in
+their ``(batch, pos, head, d)`` layout and moved to ours, ``(batch, head, pos, d)``.
+Choices where names are ambiguous:
+
+* ``Z`` (upper case, as :meth:`Trace.save` writes it) is our Z = S + M; lower-case
+  ``z`` / ``hook_z`` is TransformerLens's per-head output, i.e. our H.
+* ``hook_attn_scores`` is Z (TransformerLens masks before that hook); ``scores`` /
+  ``attn_scores`` are S (if they carry -inf above the diagonal they are read as Z).
+* ``out`` / ``output`` is O when W_O is given, else H. ``hook_result`` (per-head
+  outputs after W_O) is summed over heads into O.
+* ``mask`` / ``allowed`` / ``attention_mask``: boolean or 0/1 integers mean True = may
+  read; floating point means the additive M (0 / -inf or a large negative fill).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from ..trace import Trace
+from .inputs import DEFAULT_MAX_BYTES, _from_mapping, _from_trace, load_arrays
+from .report import AuditInputError, Report
+from .stages import _Auditor
+
+__all__ = ["audit"]
+
+
+def audit(obj, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Report:
+    """Check an attention computation in dependency order (see the module docstring).
+
+    ``obj``: a :class:`Trace`, a mapping of named arrays (NumPy or torch; aliases and
+    TransformerLens hook names accepted) or a path to a .npz / .npy / folder of .npy /
+    .safetensors file. Unusable input raises :class:`AuditInputError` (a ValueError).
+    """
+    if isinstance(obj, Trace):
+        inp = _from_trace(obj)
+    elif isinstance(obj, (str, Path)):
+        data = load_arrays(obj, max_bytes=max_bytes)
+        inp = _from_mapping(data)
+    elif isinstance(obj, Mapping):
+        inp = _from_mapping(obj)
+    else:
+        raise AuditInputError(f"audit: expected a Trace, a mapping of arrays or a path, got "
+                              f"{type(obj).__name__}")
+    try:
+        with np.errstate(all="ignore"):  # NaN/inf in the user's arrays are findings, not warnings
+            return _Auditor(inp).run()
+    except AuditInputError:
+        raise
+    except ValueError as exc:  # shapes that do not fit together in a way no check foresaw
+        raise AuditInputError(f"audit: the arrays do not fit together ({exc})") from None
+

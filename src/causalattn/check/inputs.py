@@ -1,0 +1,262 @@
+"""Reading what the audit is given: files (.npz, .npy, folders, .safetensors), mappings,
+aliases and TransformerLens hook names -> arrays in our layouts."""
+
+from __future__ import annotations
+
+import json
+import zipfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..trace import Trace
+from .report import STAGE_ORDER, AuditInputError
+
+DEFAULT_MAX_BYTES = 2 * 2**30
+
+# alias (lower case) -> stage name. TransformerLens names are listed with their hook_ prefix.
+ALIASES: dict[str, str] = {
+    **{a: "X" for a in ("x", "input", "inputs", "hidden_states", "embeddings")},
+    **{a: "W_q" for a in ("w_q", "wq", "w_query", "q_weight")},
+    **{a: "W_k" for a in ("w_k", "wk", "w_key", "k_weight")},
+    **{a: "W_v" for a in ("w_v", "wv", "w_value", "v_weight")},
+    **{a: "W_o" for a in ("w_o", "wo", "w_out", "o_weight")},
+    **{a: "Q" for a in ("q", "query", "queries", "hook_q")},
+    **{a: "K" for a in ("k", "key", "keys", "hook_k")},
+    **{a: "V" for a in ("v", "value", "values", "hook_v")},
+    **{a: "S" for a in ("s", "scores", "attn_scores", "scaled_scores")},
+    **{a: "Z" for a in ("hook_attn_scores", "masked_scores", "logits")},
+    **{a: "M" for a in ("m", "additive_mask", "attn_bias", "bias_mask")},
+    **{a: "A" for a in ("a", "weights", "attn_weights", "pattern", "probs", "attn",
+                        "attention", "attn_probs", "hook_pattern")},
+    **{a: "H" for a in ("h", "z", "hook_z", "heads")},
+    **{a: "C" for a in ("c", "contributions")},
+    **{a: "O" for a in ("o", "attn_out", "hook_attn_out", "hook_result")},
+    **{a: "out?" for a in ("out", "output")},
+    **{a: "allowed" for a in ("allowed", "mask", "attention_mask", "attn_mask", "causal_mask")},
+    "lengths": "lengths",
+    "key_padding_mask": "key_padding_mask",
+    "scale": "scale",
+    "n_heads": "n_heads",
+}
+_TL_POS_HEAD = {"hook_q", "hook_k", "hook_v", "hook_z", "hook_result"}  # (batch, pos, head, d)
+_META = {"allowed", "lengths", "key_padding_mask", "scale", "n_heads"}
+
+# -- reading inputs ----------------------------------------------------------------------
+def _npy_header(fh) -> tuple[tuple[int, ...], np.dtype]:
+    version = np.lib.format.read_magic(fh)
+    if version == (1, 0):
+        shape, _, dtype = np.lib.format.read_array_header_1_0(fh)
+    else:
+        shape, _, dtype = np.lib.format.read_array_header_2_0(fh)
+    return shape, dtype
+
+
+def _check_size(name: str, shape, dtype, max_bytes: int) -> None:
+    if np.dtype(dtype).hasobject:
+        raise AuditInputError(f"{name}: holds Python objects (a pickle); only numeric arrays "
+                              "are read (allow_pickle=False)")
+    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if n > max_bytes:
+        raise AuditInputError(f"{name}: {shape} {np.dtype(dtype)} is {n / 2**30:.2f} GiB, above "
+                              f"the limit of {max_bytes / 2**30:.2f} GiB (raise it with max_bytes)")
+
+
+def load_arrays(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, np.ndarray]:
+    """Named arrays from a .npz, a .npy, a folder of .npy files or a .safetensors file.
+
+    Nothing is executed (``allow_pickle=False``); arrays above ``max_bytes`` are refused
+    before they are read.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise AuditInputError(f"{p}: no such file or folder")
+    try:
+        if p.is_dir():
+            files = sorted(p.glob("*.npy"))
+            if not files:
+                raise AuditInputError(f"{p}: folder holds no .npy files")
+            out = {}
+            for f in files:
+                with open(f, "rb") as fh:
+                    _check_size(f.name, *_npy_header(fh), max_bytes)
+                out[f.stem] = np.load(f, allow_pickle=False)
+            return out
+        suffix = p.suffix.lower()
+        if suffix == ".npy":
+            with open(p, "rb") as fh:
+                _check_size(p.name, *_npy_header(fh), max_bytes)
+            return {p.stem: np.load(p, allow_pickle=False)}
+        if suffix == ".safetensors":
+            return _load_safetensors(p, max_bytes)
+        with zipfile.ZipFile(p) as zf:
+            for info in zf.infolist():
+                if info.filename.endswith(".npy"):
+                    with zf.open(info) as fh:
+                        _check_size(info.filename[:-4], *_npy_header(fh), max_bytes)
+        with np.load(p, allow_pickle=False) as f:
+            return {k: f[k] for k in f.files}
+    except AuditInputError:
+        raise
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as exc:
+        raise AuditInputError(f"{p}: cannot be read as named arrays ({type(exc).__name__}: {exc})"
+                              ) from None
+
+
+def _load_safetensors(p: Path, max_bytes: int) -> dict[str, np.ndarray]:
+    try:
+        from safetensors.numpy import load_file
+    except ImportError:
+        raise AuditInputError(f"{p}: reading .safetensors needs the 'safetensors' package "
+                              "(pip install 'causalattn[hf]')") from None
+    with open(p, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        if n <= 0 or n > 100 * 2**20:
+            raise AuditInputError(f"{p}: not a .safetensors file (header length {n})")
+        header = json.loads(fh.read(n))
+    for name, info in header.items():
+        if name != "__metadata__":
+            lo, hi = info["data_offsets"]
+            if hi - lo > max_bytes:
+                raise AuditInputError(f"{name}: {hi - lo} bytes is above the limit of {max_bytes}")
+    try:
+        return load_file(str(p))
+    except Exception as exc:  # dtypes NumPy lacks (bf16), corrupt data
+        raise AuditInputError(f"{p}: cannot be read ({exc})") from None
+
+
+def _canon(key: str) -> tuple[str, str, str | None]:
+    """key -> (stage or meta name, base alias, layer prefix)."""
+    if key in ("Z",):
+        return "Z", "Z", None
+    if key in ("W_q", "W_k", "W_v", "W_o", "X", "Q", "K", "V", "S", "M", "A", "H", "C", "O"):
+        return key, key.lower(), None
+    parts = key.split(".")
+    base = parts[-1].lower()
+    prefix = ".".join(parts[:-1]) or None
+    if base in ALIASES:
+        return ALIASES[base], base, prefix
+    return "", base, prefix
+
+
+def _to_numpy(name: str, a) -> np.ndarray:
+    if type(a).__module__.startswith("torch"):
+        a = a.detach().cpu()
+        if str(a.dtype) == "torch.bfloat16":
+            a = a.float()
+        a = a.numpy()
+    try:
+        arr = np.asarray(a)
+    except Exception as exc:
+        raise AuditInputError(f"{name}: not an array ({exc})") from None
+    if arr.dtype.hasobject or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
+        raise AuditInputError(f"{name}: must be a numeric array, got dtype {arr.dtype}")
+    if np.issubdtype(arr.dtype, np.complexfloating):
+        raise AuditInputError(f"{name}: complex values cannot be attention stages")
+    return arr
+
+
+@dataclass
+class _Inputs:
+    arrays: dict[str, np.ndarray]  # float64, our layouts
+    eps: dict[str, float]  # each stage's source precision
+    allowed: np.ndarray | None = None
+    lengths: np.ndarray | None = None
+    key_padding: np.ndarray | None = None
+    scale: float | None = None
+    n_heads: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _eps(dtype: np.dtype) -> float:
+    return float(np.finfo(dtype).eps) if np.issubdtype(dtype, np.floating) else 0.0
+
+
+def _from_mapping(data: Mapping[str, Any]) -> _Inputs:
+    raw: dict[str, tuple[np.ndarray, str]] = {}
+    notes: list[str] = []
+    ignored = []
+    layers = {_canon(str(k))[2] for k in data if _canon(str(k))[0] not in ("", *_META)}
+    if len(layers - {None}) > 1:
+        raise AuditInputError(f"arrays from several layers ({', '.join(sorted(layers - {None}))}); "
+                              "audit one layer at a time")
+    for key, val in data.items():
+        stage, base, prefix = _canon(str(key))
+        if not stage:
+            ignored.append(str(key))
+            continue
+        if stage in raw:
+            raise AuditInputError(f"{key}: names the same stage ({stage}) as another entry")
+        raw[stage] = (_to_numpy(str(key), val), base)
+    if ignored:
+        notes.append(f"ignored entries: {', '.join(sorted(ignored))}")
+
+    inp = _Inputs(arrays={}, eps={}, notes=notes)
+    if "scale" in raw:
+        inp.scale = float(np.asarray(raw.pop("scale")[0]).reshape(-1)[0])
+    if "n_heads" in raw:
+        inp.n_heads = int(np.asarray(raw.pop("n_heads")[0]).reshape(-1)[0])
+    if "lengths" in raw:
+        inp.lengths = raw.pop("lengths")[0].astype(np.int64)
+    if "key_padding_mask" in raw:
+        inp.key_padding = raw.pop("key_padding_mask")[0].astype(bool)
+    if "allowed" in raw:
+        m, _ = raw.pop("allowed")
+        if m.dtype == np.bool_ or (np.issubdtype(m.dtype, np.integer) and np.isin(m, (0, 1)).all()):
+            inp.allowed = m.astype(bool)
+        elif "M" not in raw:
+            raw["M"] = (m, "mask")
+        else:
+            raise AuditInputError("mask: a floating mask is the additive M, but M is also given")
+    if "out?" in raw:
+        a, base = raw.pop("out?")
+        target = "O" if "W_o" in raw else "H"
+        if target in raw:
+            target = "O" if target == "H" else "H"
+        raw[target] = (a, base)
+        notes.append(f"'{base}' read as {target} ({'W_O is given' if target == 'O' else 'no W_O'})")
+
+    for stage, (a, base) in raw.items():
+        if a.size == 0:
+            raise AuditInputError(f"{stage}: '{base}' is empty, shape {a.shape}")
+        a64 = a.astype(np.float64)
+        if stage.startswith("W_"):
+            if a64.ndim == 3:  # TransformerLens (h, d_model, d_head) / W_O (h, d_head, d_model)
+                a64 = (a64.reshape(-1, a64.shape[-1]) if stage == "W_o"
+                       else np.moveaxis(a64, 0, 1).reshape(a64.shape[1], -1))
+                if inp.n_heads is None:
+                    inp.n_heads = a.shape[0]
+            elif a64.ndim != 2:
+                raise AuditInputError(f"{stage}: weights must be 2-D (d_model×d_k), got {a.shape}")
+        else:
+            need = 3 if stage == "C" else 2
+            if a64.ndim < need:
+                raise AuditInputError(f"{stage}: needs at least {need} axes (T×d), got {a.shape}")
+            if base in _TL_POS_HEAD and a64.ndim == 4:
+                a64 = np.moveaxis(a64, -2, -3)  # (batch, pos, head, d) -> (batch, head, pos, d)
+                if base == "hook_result":
+                    a64 = a64.sum(axis=-3)
+                    notes.append("hook_result summed over heads into O")
+        if np.isnan(a64).all():
+            raise AuditInputError(f"{stage}: every value is NaN; nothing to audit")
+        inp.arrays[stage] = a64
+        inp.eps[stage] = _eps(a.dtype)
+    if not any(s in inp.arrays for s in STAGE_ORDER + ("Z",)) or set(inp.arrays) <= {
+        "W_q", "W_k", "W_v", "W_o"
+    }:
+        raise AuditInputError(
+            "no attention stages found; give any of X, Q, K, V, S, M, A, H, O (aliases: "
+            "scores, weights/pattern/probs, out/z/output, TransformerLens hook names)")
+    return inp
+
+
+def _from_trace(tr: Trace) -> _Inputs:
+    inp = _from_mapping({n: tr[n] for n in tr.names})
+    inp.allowed = tr.allowed
+    inp.scale = tr.scale
+    inp.n_heads = tr.n_heads
+    return inp
+

@@ -1,0 +1,249 @@
+"""White-box recording: the ops the user's code runs (torch and NumPy) -> facts, file:line."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import numpy as np
+
+from .faults import _BY_ID
+
+_SCORED = {"softmax", "log_softmax", "exp", "matmul", "__matmul__", "bmm", "einsum", "linear",
+           "masked_fill", "masked_fill_", "where", "add", "__add__", "__iadd__", "__radd__", "add_",
+           "div", "__truediv__", "__itruediv__", "div_", "mul", "__mul__", "__rmul__", "mul_",
+           "transpose", "permute", "t", "scaled_dot_product_attention", "baddbmm", "sum"}
+
+
+def _record(call, probe):
+    """Run ``call(probe)`` under a TorchFunctionMode; a list of op events in call order."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.abspath(__file__)
+    events: list[dict] = []
+
+    def where():
+        for fr in reversed(traceback.extract_stack()[:-2]):  # less where() and the handler
+            f = os.path.abspath(fr.filename)
+            if f.startswith(torch_dir) or f == here or "contextlib" in f or f.startswith("<"):
+                continue
+            return f"{fr.filename}:{fr.lineno}", (fr.line or "").strip()
+        return None, ""
+
+    def neg_fill(x):
+        if isinstance(x, (int, float)):
+            return x <= -1e4
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
+            return bool((x <= -1e4).any())
+        return False
+
+    class Rec(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            name = getattr(func, "__name__", "")
+            if name == "__get__":
+                name = getattr(getattr(func, "__self__", None), "__name__", "")
+                if name in ("T", "mT"):
+                    name = "transpose"
+            if name not in _SCORED:
+                return out
+            ev = {"op": name}
+            if name in ("softmax", "log_softmax"):
+                dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
+                nd = args[0].ndim
+                ev["dim"] = dim
+                ev["last"] = dim is not None and dim % nd == nd - 1
+                if not any("weights" in e for e in events) and isinstance(out, torch.Tensor):
+                    t = out.detach().cpu()
+                    ev["weights"] = (t.float() if t.dtype == torch.bfloat16 else t).numpy().copy()
+            elif name == "sum":
+                ev["axis"] = kwargs.get("dim", args[1] if len(args) > 1 else None)
+                ev["ndim"] = args[0].ndim if isinstance(args[0], torch.Tensor) else None
+            elif name in ("masked_fill", "masked_fill_"):
+                ev["kind"] = "mask"
+                ev["value"] = float(args[2] if len(args) > 2 else kwargs.get("value", 0))
+            elif name == "where":
+                if any(neg_fill(a) for a in args[1:]):
+                    ev["kind"] = "mask"
+                elif len(args) > 2 and any(isinstance(a, (int, float)) and a == 0 for a in args[1:]):
+                    ev["kind"] = "guard"  # where(cond, A, 0): often a guard for empty rows
+            elif name in ("add", "__add__", "__iadd__", "__radd__", "add_"):
+                if any(neg_fill(a) for a in args):
+                    ev["kind"] = "mask"
+            elif name in ("div", "__truediv__", "__itruediv__", "div_", "mul", "__mul__",
+                          "__rmul__", "mul_"):
+                sc = [a for a in args[1:] if isinstance(a, (int, float))]
+                if sc:
+                    ev["scalar"] = float(sc[0])
+                    ev["kind"] = "scale"
+                elif any(isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args):
+                    ev["kind"] = "zero"  # A * mask
+            if isinstance(out, torch.Tensor):
+                ev["shape"] = tuple(out.shape)
+            ev["at"], ev["code"] = where()
+            events.append(ev)
+            return out
+
+    with Rec():
+        call(probe)
+    return events
+
+
+def _record_numpy(caller, probe):
+    """Run the NumPy ``caller(probe)`` with inputs viewed as a recording ndarray subclass
+    (``__array_ufunc__`` / ``__array_function__``); op events in call order, as _record."""
+    np_dir = os.path.dirname(np.__file__)
+    here = os.path.abspath(__file__)
+    events: list[dict] = []
+
+    def where():
+        for fr in reversed(traceback.extract_stack()[:-2]):  # less where() and the hook
+            f = os.path.abspath(fr.filename)
+            if f.startswith(np_dir) or f == here or f.startswith("<"):
+                continue
+            return f"{fr.filename}:{fr.lineno}", (fr.line or "").strip()
+        return None, ""
+
+    def plain(x):
+        if isinstance(x, Rec):
+            return x.view(np.ndarray)
+        if isinstance(x, (tuple, list)):
+            return type(x)(plain(v) for v in x)
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return x
+
+    def wrap(x):
+        if isinstance(x, np.ndarray) and not isinstance(x, Rec):
+            return x.view(Rec)
+        if isinstance(x, tuple):
+            return tuple(wrap(v) for v in x)
+        return x
+
+    def scalar(a):
+        return np.ndim(a) == 0 and isinstance(a, (int, float, np.number, np.ndarray))
+
+    def neg_fill(a):
+        a = np.asarray(a)
+        return a.dtype.kind == "f" and a.size > 0 and bool((a <= -1e4).any())
+
+    class Rec(np.ndarray):
+        def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+            inputs, kwargs = plain(inputs), plain(kwargs)
+            out = getattr(ufunc, method)(*inputs, **kwargs)
+            name, ev = ufunc.__name__, None
+            if method == "__call__":
+                if name == "exp":
+                    ev = {"op": "exp"}
+                elif name == "matmul":
+                    ev = {"op": "matmul", "shape": np.shape(out)}
+                elif name in ("add", "subtract") and any(neg_fill(a) for a in inputs):
+                    ev = {"op": "add", "kind": "mask"}
+                elif name in ("divide", "true_divide", "multiply"):
+                    op = "mul" if name == "multiply" else "div"
+                    sc = [a for a in (inputs if op == "mul" else inputs[1:]) if scalar(a)]
+                    if sc:
+                        ev = {"op": op, "kind": "scale", "scalar": float(sc[0])}
+                    elif any(np.asarray(a).dtype == bool for a in inputs):
+                        ev = {"op": op, "kind": "zero"}
+            elif method == "reduce" and name == "add":
+                ev = {"op": "sum", "axis": kwargs.get("axis"), "ndim": np.ndim(inputs[0])}
+            if ev is not None:
+                ev["at"], ev["code"] = where()
+                events.append(ev)
+            return wrap(out)
+
+        def __array_function__(self, func, types, args, kwargs):
+            args, kwargs = plain(args), plain(kwargs)
+            out = func(*args, **kwargs)
+            if func.__name__ == "where" and len(args) == 3:
+                kind = ("mask" if any(neg_fill(a) for a in args[1:]) else
+                        "guard" if any(scalar(a) and a == 0 for a in args[1:]) else None)
+                if kind:
+                    ev = {"op": "where", "kind": kind}
+                    ev["at"], ev["code"] = where()
+                    events.append(ev)
+            return wrap(out)
+
+    caller.wrap = lambda a: a.view(Rec)
+    try:
+        with np.errstate(all="ignore"):
+            caller(probe)
+    finally:
+        caller.wrap = None
+    return events
+
+
+def _whitebox(events: list[dict], fault: str | None) -> tuple[str | None, str, dict]:
+    """(location, code, facts) for the fault from the recorded ops."""
+    sm = [i for i, e in enumerate(events) if e["op"] in ("softmax", "log_softmax")]
+    exp = [i for i, e in enumerate(events) if e["op"] == "exp"]
+    maskops = [i for i, e in enumerate(events) if e.get("kind") == "mask"]
+    zeroing = [i for i, e in enumerate(events) if e.get("kind") == "zero"]
+    scores = [i for i, e in enumerate(events)
+              if e["op"] in ("matmul", "__matmul__", "bmm", "einsum", "baddbmm")
+              and len(e.get("shape", ())) >= 2 and e["shape"][-1] == e["shape"][-2]]
+    sdpa = [i for i, e in enumerate(events) if e["op"] == "scaled_dot_product_attention"]
+    norm_at = sm[0] if sm else (exp[0] if exp else (sdpa[0] if sdpa else None))
+    facts: dict = {}
+    if sm:
+        facts["softmax dim"] = events[sm[0]]["dim"]
+        facts["softmax over the key axis"] = events[sm[0]]["last"]
+    elif exp:
+        facts["softmax"] = "written by hand (exp)"
+        norm = [e for e in events[exp[0]:] if e["op"] == "sum"]
+        if norm:
+            ax, nd = norm[0].get("axis"), norm[0].get("ndim")
+            facts["normalized over axis"] = ax
+            if isinstance(ax, int) and nd:
+                facts["softmax over the key axis"] = ax % nd == nd - 1
+    elif sdpa:
+        facts["softmax"] = "inside scaled_dot_product_attention"
+    if norm_at is not None and not (sdpa and norm_at == sdpa[0]):
+        before = [i for i in maskops if i < norm_at]
+        after = [i for i in maskops + zeroing if i > norm_at]
+        facts["mask before softmax"] = bool(before)
+        if after:
+            facts["mask after softmax"] = True
+    scales = [e["scalar"] for i, e in enumerate(events) if e.get("kind") == "scale"
+              and (norm_at is None or i < norm_at)]
+    if scales:
+        facts["scale op"] = scales[0]
+
+    def at(i):
+        return (events[i]["at"], events[i]["code"]) if i is not None and 0 <= i < len(events) else (None, "")
+
+    pick = None
+    stage = _BY_ID[fault].stage if fault in _BY_ID else None
+    if fault in ("softmax-query-axis", "softmax-all-entries"):
+        norm = [i for i in range(norm_at or 0, len(events)) if events[i]["op"] == "sum"]
+        pick = norm[0] if not sm and norm else norm_at  # a hand-written softmax: its sum
+    elif fault == "unstable-softmax":
+        pick = norm_at
+    elif fault == "mask-after-softmax":
+        guards = [i for i, e in enumerate(events) if e.get("kind") == "guard"]
+        after = sorted(i for i in maskops + zeroing + guards if norm_at is not None and i > norm_at)
+        pick = after[0] if after else norm_at
+    elif fault == "no-mask":
+        pick = norm_at  # no causal mask reaches this softmax
+    elif fault == "nan-on-empty-rows":
+        pick = norm_at  # the softmax that divides 0 by 0 on a row of -inf
+    elif stage == "M":
+        before = [i for i in maskops if norm_at is None or i < norm_at]
+        # the second finite minimum is where the overflow happens: point at the last mask op
+        pick = (before[-1] if fault == "finite-min-added-twice" else before[0]) if before else norm_at
+    elif fault in ("missing-scale", "scale-by-dk", "k-not-transposed"):
+        sc = [i for i, e in enumerate(events) if e.get("kind") == "scale"
+              and (norm_at is None or i < norm_at)]
+        pick = sc[0] if sc and fault == "scale-by-dk" else (scores[0] if scores else norm_at)
+    elif stage == "O":
+        mm = [i for i, e in enumerate(events) if e["op"] in ("matmul", "__matmul__", "linear")]
+        pick = mm[-1] if mm and (norm_at is None or mm[-1] > norm_at) else None
+        if pick is None and events:
+            pick = len(events) - 1
+    loc, code = at(pick)
+    return loc, code, facts
+
