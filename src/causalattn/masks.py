@@ -1,25 +1,497 @@
-"""Boolean attention masks: True = the query (row) may read the key (column).
+"""The one definition of M: who may read whom, and with what bias.
 
 The seeds write the causal mask additively, M_ij = 0 for j <= i and -inf for j > i.
-We build masks as booleans and derive that additive view only at the end
-(:func:`additive`), because booleans combine safely with logical AND, while adding
-two finite minimums overflows to -inf in fp16/fp32 and can hand weight to a
-forbidden key.
+Real models use more rules (sliding windows, chunks, packed documents, prefixes, padding,
+an explicit mask) and score modifiers (softcap, ALiBi, sinks). :class:`Pattern` holds
+all of them; every engine, the reference, the trace, the audit, diagnose, the layer, ring
+attention, the pictures and the Hugging Face function take their mask from it.
 
-Shapes use the seeds' notation: a causal mask is ``T_q×T_k``; padding masks are
-``(B, T)``; :func:`combine` broadcasts them together, e.g. to ``(B, T, T)``.
+We build masks as booleans (True = may read) and derive the seeds' additive view only at
+the end (:func:`additive`), because booleans combine safely with logical AND, while adding
+two finite minimums overflows to -inf in fp16/fp32 and can hand weight to a forbidden key.
+
+Positions: query i sits at key position ``pos(i) = i + T_k - T_q`` (bottom-right, the
+decoding case). With that, for batch row b:
+
+- ``causal``: j <= pos(i);
+- ``window=w``: pos(i) - w < j (the last w positions, itself included; HF ``sliding_window``);
+- ``chunk=c``: j and pos(i) in the same chunk of c positions (counted from the start of
+  their document when ``cu_seqlens`` packs several);
+- ``prefix_lengths`` (B,): inside sequence b's prefix (j < P_b and pos(i) < P_b) queries
+  read the whole prefix, both ways — the rules above do not apply there;
+- ``lengths`` (B,): keys j < L_b; query rows with pos(i) >= L_b are padding and read nothing;
+- ``key_padding_mask`` (B, T_k) bool: blocks keys only;
+- ``cu_seqlens`` (n+1,): packed documents (B == 1), a key is read only within its document;
+- ``mask`` (B|1, H|1, T_q, T_k) bool: the general fallback, ANDed with the rest.
+
+Score modifiers, in this order, on S = Q Kᵀ·scale before M (:meth:`Pattern.modify_scores`):
+``softcap=c``: S -> c·tanh(S/c); ``alibi_slopes`` (H,) or (B, H): S_ij - slope_h·|pos(i) - j|.
+``sinks`` (H,): one logit per head that joins each row's softmax denominator and takes no
+value. A row with no readable key gives zero weights whatever the sinks.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
-__all__ = ["causal", "key_padding", "query_padding", "combine", "additive"]
+__all__ = [
+    "Pattern", "REASONS", "READABLE", "causal", "key_padding", "query_padding", "combine",
+    "additive",
+]
+
+# Why a cell is blocked: the first reason in this order (0 = readable).
+READABLE, PADDING, DOCUMENT, FUTURE, WINDOW, CHUNK, MASK = range(7)
+REASONS = {
+    READABLE: "readable", PADDING: "padding", DOCUMENT: "document", FUTURE: "future",
+    WINDOW: "window", CHUNK: "chunk", MASK: "mask",
+}
 
 
-def _check_len(name: str, value: int) -> int:
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _shape(x) -> str:
+    return "(" + ", ".join(str(int(s)) for s in x.shape) + ")"
+
+
+def _numpy(x) -> np.ndarray:
+    """Host NumPy copy of a small array argument (lengths, offsets, slopes)."""
+    if _is_torch(x):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"mask: {name} must be a positive integer, got {value!r}")
+    if value < 1:
+        raise ValueError(f"mask: {name} must be >= 1, got {value}")
+    return int(value)
+
+
+def _int_vector(name: str, value) -> np.ndarray:
+    arr = _numpy(value) if not isinstance(value, (list, tuple)) else np.asarray(value)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_:
+        raise ValueError(
+            f"mask: {name} must be a 1-D integer array, got shape {arr.shape} and dtype {arr.dtype}"
+        )
+    return arr.astype(np.int64)
+
+
+def _float_array(name: str, value, ndims: tuple[int, ...]):
+    if _is_torch(value):
+        ok = value.dtype.is_floating_point
+        if ok and value.dim() in ndims and value.numel() and not value.device.type == "meta":
+            if not bool(value.detach().isfinite().all()):
+                raise ValueError(f"mask: {name} must be finite, got non-finite entries")
+        arr = value
+    else:
+        arr = np.asarray(value)
+        ok = np.issubdtype(arr.dtype, np.floating) or (
+            np.issubdtype(arr.dtype, np.integer) and arr.dtype != np.bool_
+        )
+        if ok and arr.ndim in ndims and not np.isfinite(arr.astype(np.float64)).all():
+            raise ValueError(f"mask: {name} must be finite, got non-finite entries")
+        arr = arr.astype(np.float64) if ok else arr
+    if not ok or arr.ndim not in ndims:
+        raise ValueError(
+            f"mask: {name} must be a real array with {' or '.join(map(str, ndims))} axes, "
+            f"got shape {tuple(arr.shape)} and dtype {arr.dtype}"
+        )
+    return arr
+
+
+@dataclass(frozen=True, eq=False)
+class Pattern:
+    """Who may read whom, and with what bias: the seed's M, in general. See the module doc."""
+
+    causal: bool = True
+    window: int | None = None
+    chunk: int | None = None
+    lengths: object = None  # (B,) int
+    key_padding_mask: object = None  # (B, T_k) bool
+    cu_seqlens: object = None  # (n+1,) int
+    prefix_lengths: object = None  # (B,) int
+    mask: object = None  # (B|1, H|1, T_q, T_k) bool
+    alibi_slopes: object = None  # (H,) or (B, H) float
+    softcap: float | None = None
+    sinks: object = None  # (H,) float, may be a learned torch Parameter
+
+    def __post_init__(self):
+        set_ = object.__setattr__
+        if not isinstance(self.causal, (bool, np.bool_)):
+            raise ValueError(f"mask: causal must be True or False, got {self.causal!r}")
+        set_(self, "causal", bool(self.causal))
+        if self.window is not None:
+            set_(self, "window", _positive_int("window", self.window))
+        if self.chunk is not None:
+            set_(self, "chunk", _positive_int("chunk", self.chunk))
+        for name in ("lengths", "prefix_lengths", "cu_seqlens"):
+            v = getattr(self, name)
+            if v is not None:
+                arr = _int_vector(name, v)
+                if arr.size and arr.min() < 0:
+                    raise ValueError(f"mask: {name} must be >= 0, got {arr.tolist()[:8]}")
+                set_(self, name, arr)
+        if self.cu_seqlens is not None:
+            cu = self.cu_seqlens
+            if cu.size < 2 or cu[0] != 0 or (np.diff(cu) < 0).any():
+                raise ValueError(
+                    f"cu_seqlens: must have >= 2 entries, start at 0 and never decrease; "
+                    f"got {cu.tolist()[:8]}"
+                )
+            if self.lengths is not None or self.key_padding_mask is not None:
+                raise ValueError(
+                    "cu_seqlens: give either packed sequences or lengths/key_padding_mask, not both"
+                )
+            if self.mask is not None:
+                raise ValueError("cu_seqlens: a dense mask and packed sequences contradict; "
+                                 "give the document rule inside the mask, or cu_seqlens alone")
+            if self.prefix_lengths is not None:
+                raise ValueError("cu_seqlens: prefix_lengths per packed document is not supported")
+        for name, ndim in (("key_padding_mask", (2,)), ("mask", (2, 3, 4))):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if not _is_torch(v):
+                v = np.asarray(v)
+                set_(self, name, v)
+            is_bool = (str(v.dtype) in ("torch.bool", "bool"))
+            if not is_bool or v.ndim not in ndim:
+                raise ValueError(
+                    f"mask: {name} must be boolean (True = may read) with "
+                    f"{' or '.join(map(str, ndim))} axes, got shape {tuple(v.shape)} "
+                    f"and dtype {v.dtype}"
+                )
+        if self.alibi_slopes is not None:
+            set_(self, "alibi_slopes", _float_array("alibi_slopes", self.alibi_slopes, (1, 2)))
+        if self.sinks is not None:
+            set_(self, "sinks", _float_array("sinks", self.sinks, (1,)))
+        if self.softcap is not None:
+            c = self.softcap
+            if isinstance(c, bool) or not isinstance(c, (int, float, np.floating, np.integer)):
+                raise ValueError(f"mask: softcap must be a positive number, got {c!r}")
+            if not (math.isfinite(float(c)) and c > 0):
+                raise ValueError(f"mask: softcap must be finite and > 0, got {c}")
+            set_(self, "softcap", float(c))
+
+    # ---- summaries -------------------------------------------------------------------
+    @property
+    def is_plain_causal(self) -> bool:
+        """Causal and nothing else (the seeds' M)."""
+        return self.causal and self.describe() == "causal"
+
+    @property
+    def has_modifiers(self) -> bool:
+        return self.softcap is not None or self.alibi_slopes is not None or self.sinks is not None
+
+    @property
+    def per_batch(self) -> bool:
+        """Whether the readable set differs between batch rows."""
+        return any(
+            getattr(self, n) is not None for n in ("lengths", "key_padding_mask", "prefix_lengths")
+        ) or (self.mask is not None and self.mask.ndim >= 3 and self.mask.shape[0] > 1)
+
+    @property
+    def per_head(self) -> bool:
+        return self.mask is not None and self.mask.ndim == 4 and self.mask.shape[1] > 1
+
+    def describe(self) -> str:
+        """A short human name, e.g. ``causal + window 3 + padding``."""
+        parts = ["causal"] if self.causal else ["bidirectional"]
+        if self.window is not None:
+            parts.append(f"window {self.window}")
+        if self.chunk is not None:
+            parts.append(f"chunk {self.chunk}")
+        if self.prefix_lengths is not None:
+            parts.append("prefix")
+        if self.lengths is not None or self.key_padding_mask is not None:
+            parts.append("padding")
+        if self.cu_seqlens is not None:
+            parts.append("documents")
+        if self.mask is not None:
+            parts.append("mask")
+        if self.softcap is not None:
+            parts.append(f"softcap {self.softcap:g}")
+        if self.alibi_slopes is not None:
+            parts.append("ALiBi")
+        if self.sinks is not None:
+            parts.append("sinks")
+        return " + ".join(parts)
+
+    # ---- shapes ----------------------------------------------------------------------
+    def check(self, B: int, H: int, T_q: int, T_k: int) -> None:
+        """Raise ValueError, naming the argument and the shapes, where the pattern does not
+        fit queries (B, H, T_q) against keys (B, ·, T_k)."""
+        if T_q > T_k:
+            raise ValueError(
+                f"mask: T_q={T_q} queries but only T_k={T_k} keys; queries are the last T_q "
+                "positions, so T_q must be <= T_k"
+            )
+        for name in ("lengths", "prefix_lengths"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if v.shape != (B,):
+                raise ValueError(f"{name}: expected shape (B,) = ({B},), got {_shape(v)}")
+            if v.size and v.max() > T_k:
+                raise ValueError(f"{name}: each must lie in [0, T_k={T_k}], got {v.tolist()[:8]}")
+        if self.prefix_lengths is not None and self.lengths is not None:
+            if (self.prefix_lengths > self.lengths).any():
+                raise ValueError(
+                    f"prefix_lengths: each must lie in [0, length]; got prefix "
+                    f"{self.prefix_lengths.tolist()[:8]} for lengths {self.lengths.tolist()[:8]}"
+                )
+        kpm = self.key_padding_mask
+        if kpm is not None and tuple(kpm.shape) != (B, T_k):
+            raise ValueError(
+                f"key_padding_mask: expected a bool array (B, T_k) = ({B}, {T_k}), True = may "
+                f"read; got shape {_shape(kpm)}"
+            )
+        cu = self.cu_seqlens
+        if cu is not None:
+            if cu[-1] != T_k:
+                raise ValueError(f"cu_seqlens: must end at T={T_k}; got {cu.tolist()[:8]}...")
+            if B != 1 or T_q != T_k:
+                raise ValueError(
+                    f"cu_seqlens: packed sequences need B = 1 and T_q = T_k; got B={B}, "
+                    f"T_q={T_q}, T_k={T_k}"
+                )
+        m = self.mask
+        if m is not None:
+            full = (1,) * (4 - m.ndim) + tuple(m.shape)
+            if (full[2:] != (T_q, T_k) or full[0] not in (1, B) or full[1] not in (1, H)):
+                raise ValueError(
+                    f"mask: expected a bool array (B|1, H|1, T_q, T_k) with B={B}, H={H}, "
+                    f"T_q={T_q}, T_k={T_k}; got shape {_shape(m)}"
+                )
+        a = self.alibi_slopes
+        if a is not None and tuple(a.shape) not in ((H,), (B, H)):
+            raise ValueError(f"alibi_slopes: expected shape (H,) = ({H},) or (B, H) = ({B}, {H}), "
+                             f"got {_shape(a)}")
+        s = self.sinks
+        if s is not None and tuple(s.shape) != (H,):
+            raise ValueError(f"sinks: expected one logit per head, shape (H,) = ({H},), "
+                             f"got {_shape(s)}")
+
+    # ---- the dense forms ---------------------------------------------------------------
+    def _rules(self, xp, b, q0, q1, k0, k1, T_q, T_k, dev):
+        """Each rule's readable set for rows b (index array), queries q0:q1, keys k0:k1:
+        a dict name -> bool array broadcastable to (len(b) or 1, 1 or H, rows, cols)."""
+
+        def ar(lo, hi):
+            return xp.arange(lo, hi, device=dev) if xp is not np else np.arange(lo, hi)
+
+        def host(a):  # small int vector to xp
+            return a if xp is np else xp.as_tensor(a, device=dev)
+
+        pos = (ar(q0, q1) + (T_k - T_q))[:, None]  # (rows, 1) key position of each query
+        j = ar(k0, k1)[None, :]  # (1, cols)
+        out = {}
+        cu = self.cu_seqlens
+        if cu is not None:
+            starts = host(cu[1:-1]) if cu.size > 2 else None
+            if starts is not None:
+                if xp is np:
+                    dq = np.searchsorted(starts, pos, side="right")
+                    dk = np.searchsorted(starts, j, side="right")
+                else:
+                    dq = xp.bucketize(pos, starts, right=True)
+                    dk = xp.bucketize(j, starts, right=True)
+                out[DOCUMENT] = dq == dk
+                local_q, local_k = pos - host(cu)[dq], j - host(cu)[dk]
+            else:
+                local_q, local_k = pos, j
+        else:
+            local_q, local_k = pos, j
+        if self.causal:
+            out[FUTURE] = j <= pos
+        if self.window is not None:
+            out[WINDOW] = j > pos - self.window
+        if self.chunk is not None:
+            out[CHUNK] = (local_k // self.chunk) == (local_q // self.chunk)
+        if self.prefix_lengths is not None:
+            P = host(self.prefix_lengths[b])[:, None, None, None]
+            inside = (j < P) & (pos < P)  # (nb, 1, rows, cols)
+            for r in (FUTURE, WINDOW, CHUNK):
+                if r in out:
+                    out[r] = out[r] | inside
+        pad = None
+        if self.lengths is not None:
+            L = host(self.lengths[b])[:, None, None, None]
+            pad = (j < L) & (pos < L)
+        kpm = self.key_padding_mask
+        if kpm is not None:
+            if xp is np:
+                k = _numpy(kpm)[b]
+            else:
+                k = kpm if _is_torch(kpm) else xp.as_tensor(np.asarray(kpm))
+                k = k.to(dev)[xp.as_tensor(b, device=dev)]
+            kp = k[:, None, None, k0:k1]
+            pad = kp if pad is None else pad & kp
+        if pad is not None:
+            out[PADDING] = pad
+        m = self.mask
+        if m is not None:
+            if xp is np:
+                m = _numpy(m)
+            else:
+                m = (m if _is_torch(m) else xp.as_tensor(np.asarray(m))).to(dev)
+            m = m.reshape((1,) * (4 - m.ndim) + tuple(m.shape))
+            if m.shape[0] > 1:
+                m = m[b] if xp is np else m[xp.as_tensor(b, device=dev)]
+            out[MASK] = m[:, :, q0:q1, k0:k1]
+        return out
+
+    def _frame(self, B, like):
+        """(array module, device, batch rows as a NumPy index array)."""
+        xp, dev = np, None
+        if like is not None and _is_torch(like):
+            import torch
+
+            xp, dev = torch, like.device
+        return xp, dev, np.arange(B) if self.per_batch else np.arange(min(B, 1))
+
+    def tile(self, B, H, T_q, T_k, q0=0, q1=None, k0=0, k1=None, *, like=None, batch=None):
+        """Dense bool (B', H', q1-q0, k1-k0) for queries q0:q1 and keys k0:k1; True = may read.
+
+        B' is B (or len(batch)) when the pattern differs by batch row, else 1; H' is H when
+        the dense mask differs by head, else 1. NumPy, or torch on ``like``'s device.
+        """
+        q1 = T_q if q1 is None else q1
+        k1 = T_k if k1 is None else k1
+        xp, dev, b = self._frame(B, like)
+        if batch is not None and self.per_batch:
+            b = np.asarray(batch)
+        shape = (len(b) if self.per_batch else 1, 1, q1 - q0, k1 - k0)
+        if xp is np:
+            out = np.ones(shape, dtype=bool)
+        else:
+            out = xp.ones(shape, dtype=xp.bool, device=dev)
+        for r in self._rules(xp, b, q0, q1, k0, k1, T_q, T_k, dev).values():
+            out = out & r
+        return out
+
+    def allowed(self, B, H, T_q, T_k, like=None):
+        """The whole dense mask (B', H', T_q, T_k), True = may read (see :meth:`tile`)."""
+        self.check(B, H, T_q, T_k)
+        return self.tile(B, H, T_q, T_k, like=like)
+
+    def reasons(self, B, H, T_q, T_k) -> np.ndarray:
+        """NumPy uint8 (B', H', T_q, T_k): 0 where readable, else the first reason the cell is
+        blocked, in the order of :data:`REASONS` (padding, document, future, window, chunk,
+        mask)."""
+        self.check(B, H, T_q, T_k)
+        _, _, b = self._frame(B, None)
+        rules = self._rules(np, b, 0, T_q, 0, T_k, T_q, T_k, None)
+        shape = np.broadcast_shapes((len(b) if self.per_batch else 1, 1, T_q, T_k),
+                                    *(r.shape for r in rules.values()))
+        out = np.zeros(shape, dtype=np.uint8)
+        for code in sorted(rules, reverse=True):  # the first reason is written last
+            out[~np.broadcast_to(rules[code], shape)] = code
+        return out
+
+    def key_range(self, b: int, q0: int, q1: int, T_q: int, T_k: int) -> tuple[int, int]:
+        """Keys [lo, hi) that queries q0:q1 of batch row b may read at most; everything
+        outside is unreadable for all of them (lo == hi: nothing to read). Cheap: no dense
+        mask is formed except for an explicit ``mask``."""
+        if q1 <= q0:
+            return 0, 0
+        off = T_k - T_q
+        p0, p1 = q0 + off, q1 - 1 + off  # first and last query position
+        lo, hi = 0, T_k
+        P = int(self.prefix_lengths[b]) if self.prefix_lengths is not None else 0
+        in_prefix = p0 < P  # some query of the block reads the whole prefix
+        if self.causal:
+            hi = min(hi, max(p1 + 1, P if in_prefix else 0))
+        if self.window is not None and not in_prefix:
+            lo = max(lo, p0 - self.window + 1)
+        cu = self.cu_seqlens
+        if cu is not None:
+            d0 = int(np.searchsorted(cu[1:-1], p0, side="right"))
+            d1 = int(np.searchsorted(cu[1:-1], p1, side="right"))
+            lo, hi = max(lo, int(cu[d0])), min(hi, int(cu[d1 + 1]))
+        if self.chunk is not None and not in_prefix:
+            base = int(cu[d0]) if cu is not None else 0
+            base1 = int(cu[d1]) if cu is not None else 0
+            lo = max(lo, base + (p0 - base) // self.chunk * self.chunk)
+            hi = min(hi, base1 + ((p1 - base1) // self.chunk + 1) * self.chunk)
+        if self.lengths is not None:
+            L = int(self.lengths[b])
+            hi = min(hi, L)
+            if p0 >= L:
+                return 0, 0
+        kpm = self.key_padding_mask
+        if kpm is not None:
+            idx = np.flatnonzero(_numpy(kpm[b]))
+            if idx.size == 0:
+                return 0, 0
+            lo, hi = max(lo, int(idx[0])), min(hi, int(idx[-1]) + 1)
+        if self.mask is not None:
+            m = _numpy(self.mask)
+            m = m.reshape((1,) * (4 - m.ndim) + m.shape)
+            cols = np.flatnonzero(m[b if m.shape[0] > 1 else 0][:, q0:q1].any(axis=(0, 1)))
+            if cols.size == 0:
+                return 0, 0
+            lo, hi = max(lo, int(cols[0])), min(hi, int(cols[-1]) + 1)
+        return (lo, hi) if lo < hi else (0, 0)
+
+    def block_kind(self, b, q0, q1, k0, k1, T_q, T_k, H=1) -> Literal["skip", "full", "partial"]:
+        """Whether the tile (queries q0:q1, keys k0:k1) of batch row b is skipped, fully
+        readable, or partly readable (and must be masked with :meth:`tile`)."""
+        lo, hi = self.key_range(b, q0, q1, T_q, T_k)
+        if hi <= k0 or lo >= k1 or lo == hi:
+            return "skip"
+        B = (len(self.lengths) if self.lengths is not None
+             else len(self.prefix_lengths) if self.prefix_lengths is not None
+             else self.key_padding_mask.shape[0] if self.key_padding_mask is not None
+             else b + 1)
+        t = self.tile(max(B, b + 1), H, T_q, T_k, q0, q1, k0, k1, batch=[b])
+        if t.all():
+            return "full"
+        return "partial" if t.any() else "skip"
+
+    # ---- score modifiers ---------------------------------------------------------------
+    def modify_scores(self, S, q0: int = 0, k0: int = 0, T_q=None, T_k=None, batch=None):
+        """softcap, then ALiBi, on scores S (B, H, rows, cols) (NumPy or torch); returns a new
+        array. q0/k0 place a tile; T_q/T_k default to S's last two axes; ``batch`` picks the
+        rows of (B, H) slopes."""
+        if self.softcap is not None:
+            c = self.softcap
+            S = c * (S / c).tanh() if _is_torch(S) else c * np.tanh(S / c)
+        a = self.alibi_slopes
+        if a is not None:
+            rows, cols = S.shape[-2:]
+            T_q = rows if T_q is None else T_q
+            T_k = cols if T_k is None else T_k
+            if _is_torch(S):
+                import torch
+
+                pos = torch.arange(q0, q0 + rows, device=S.device) + (T_k - T_q)
+                j = torch.arange(k0, k0 + cols, device=S.device)
+                dist = (pos[:, None] - j[None, :]).abs().to(S.dtype)
+                sl = a if _is_torch(a) else torch.as_tensor(a)
+                sl = sl.to(device=S.device, dtype=S.dtype)
+            else:
+                pos = np.arange(q0, q0 + rows) + (T_k - T_q)
+                j = np.arange(k0, k0 + cols)
+                dist = np.abs(pos[:, None] - j[None, :]).astype(S.dtype)
+                sl = _numpy(a).astype(S.dtype)
+            if sl.ndim == 2 and batch is not None:
+                sl = sl[batch]
+            sl = sl[None] if sl.ndim == 1 else sl  # (1|B, H)
+            S = S - sl[..., None, None] * dist
+        return S
+
+
+# ---- the seeds' building blocks, on the one definition ----------------------------------
+
+def _check_len(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"mask: {name} must be an integer, got {type(value).__name__}")
     if value < 0:
@@ -41,12 +513,10 @@ def causal(T_q: int, T_k: int | None = None) -> np.ndarray:
             f"causal mask: T_q={T_q} queries but only T_k={T_k} keys; with bottom-right "
             "alignment T_q must be <= T_k"
         )
-    i = np.arange(T_q)[:, None]
-    j = np.arange(T_k)[None, :]
-    return j <= i + (T_k - T_q)
+    return Pattern().tile(1, 1, T_q, T_k)[0, 0]
 
 
-def _lengths(lengths, T: int, what: str) -> np.ndarray:
+def _padding(lengths, T: int, what: str) -> np.ndarray:
     T = _check_len("T", T)
     arr = np.asarray(lengths)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
@@ -56,13 +526,13 @@ def _lengths(lengths, T: int, what: str) -> np.ndarray:
         )
     if arr.size and (arr.min() < 0 or arr.max() > T):
         raise ValueError(f"{what}: lengths must lie in [0, T={T}], got {arr.tolist()}")
-    return arr
+    # keys j < L_b: the padding rule of a bidirectional pattern, read along the key axis
+    return Pattern(causal=False, lengths=arr).tile(len(arr), 1, T, T, 0, 1)[:, 0, 0, :]
 
 
 def key_padding(lengths, T: int) -> np.ndarray:
     """Key-padding mask ``(B, T)``: key j of sequence b may be read when j < lengths[b]."""
-    arr = _lengths(lengths, T, "key padding mask")
-    return np.arange(T)[None, :] < arr[:, None]
+    return _padding(lengths, T, "key padding mask")
 
 
 def query_padding(lengths, T: int) -> np.ndarray:
@@ -71,8 +541,7 @@ def query_padding(lengths, T: int) -> np.ndarray:
     Combined with a ``(B, T, T)`` mask it is broadcast over the key axis, so a padding
     query row has no readable key (its output row is zero, never NaN).
     """
-    arr = _lengths(lengths, T, "query padding mask")
-    return np.arange(T)[None, :] < arr[:, None]
+    return _padding(lengths, T, "query padding mask")  # same positions, the query axis
 
 
 def combine(*masks):
@@ -83,33 +552,19 @@ def combine(*masks):
     """
     if not masks:
         raise ValueError("combine: at least one mask is required")
-    is_torch = [type(m).__module__.startswith("torch") for m in masks]
-    if any(is_torch):
-        import torch
-
-        if not all(is_torch):
-            raise ValueError("combine: masks must be all NumPy or all torch, not mixed")
-        out = masks[0]
-        for m in masks:
-            if m.dtype != torch.bool:
-                raise ValueError(f"combine: masks must be boolean (True = may read), got {m.dtype}")
-        try:
-            for m in masks[1:]:
-                out = torch.logical_and(out, m)
-        except RuntimeError as exc:
-            shapes = " and ".join(str(tuple(m.shape)) for m in masks)
-            raise ValueError(f"combine: masks of shapes {shapes} do not broadcast") from exc
-        return out
-    arrs = [np.asarray(m) for m in masks]
+    is_torch = [_is_torch(m) for m in masks]
+    if any(is_torch) and not all(is_torch):
+        raise ValueError("combine: masks must be all NumPy or all torch, not mixed")
+    arrs = list(masks) if all(is_torch) else [np.asarray(m) for m in masks]
     for a in arrs:
-        if a.dtype != np.bool_:
+        if str(a.dtype) not in ("bool", "torch.bool"):
             raise ValueError(f"combine: masks must be boolean (True = may read), got {a.dtype}")
+    out = arrs[0]
     try:
-        out = arrs[0]
         for a in arrs[1:]:
-            out = np.logical_and(out, a)
-    except ValueError as exc:
-        shapes = " and ".join(str(a.shape) for a in arrs)
+            out = out & a
+    except (ValueError, RuntimeError) as exc:
+        shapes = " and ".join(str(tuple(a.shape)) for a in arrs)
         raise ValueError(f"combine: masks of shapes {shapes} do not broadcast") from exc
     return out
 

@@ -1,0 +1,86 @@
+"""Attention dropout from a counter: the pattern is a pure function of (seed, offset, b, h, i, j).
+
+Dropout acts on the weights A after the softmax (after M and every modifier): a kept
+weight is scaled by 1/(1-p), a dropped one is 0, as in SDPA and FlashAttention-2. The
+keep/drop decision of cell (b, h, i, j) — i and j *global* query and key positions — is a
+hash of those integers and of (seed, offset), not a draw from a stream. So every engine,
+block size, thread count, work split and ring rank draws the same pattern, and the backward
+regenerates it instead of storing a T×T mask (memory stays O(T)). The Triton kernels write
+the same hash with the same 32-bit integer arithmetic.
+
+The hash is MurmurHash3's 32-bit finalizer (fmix32), applied in three levels: a key for
+(seed, offset, b, h), then a key per row i, then one mix per cell of (row key XOR column key).
+The top 24 bits of the cell's hash, compared with round(p·2²⁴), decide: dropped when smaller.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["check_p", "seed_from", "keep_mask", "apply", "M32"]
+
+M32 = 0xFFFFFFFF
+_C1, _C2 = 0x85EBCA6B, 0xC2B2AE35  # fmix32's multipliers
+_GOLD = 0x9E3779B9  # spreads consecutive integers before mixing
+_ROW, _COL = 0x632BE5AB, 0x1B873593
+
+
+def check_p(dropout_p, where: str = "attention") -> float:
+    """dropout_p as a float in [0, 1], or a ValueError naming the argument."""
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise ValueError(f"{where}: dropout_p must be a float in [0, 1], got {dropout_p!r}")
+    p = float(dropout_p)
+    if not (0.0 <= p <= 1.0) or math.isnan(p):
+        raise ValueError(f"{where}: dropout_p must lie in [0, 1], got {dropout_p}")
+    return p
+
+
+def seed_from(generator: torch.Generator | None = None) -> tuple[int, int]:
+    """(seed, offset), two 31-bit integers drawn from torch's CPU RNG (or ``generator``),
+    so ``torch.manual_seed(s)`` makes a call reproducible."""
+    r = torch.randint(0, 2**31 - 1, (2,), generator=generator, device="cpu")
+    return int(r[0]), int(r[1])
+
+
+def _fmix(x: torch.Tensor) -> torch.Tensor:
+    """fmix32 on int64 tensors holding uint32 values (products wrap mod 2⁶⁴: low bits exact)."""
+    x = x ^ (x >> 16)
+    x = (x * _C1) & M32
+    x = x ^ (x >> 13)
+    x = (x * _C2) & M32
+    return x ^ (x >> 16)
+
+
+def _int(x, device) -> torch.Tensor:
+    return torch.as_tensor(x, dtype=torch.int64, device=device)
+
+
+def threshold(p: float) -> int:
+    """Cells whose 24-bit hash is below this are dropped."""
+    return int(round(p * (1 << 24)))
+
+
+def keep_mask(seed: int, offset: int, b, h, i, j, p: float, device=None) -> torch.Tensor:
+    """Bool (..., rows, cols): True where cell (b, h, i, j) is kept.
+
+    ``b`` and ``h`` are ints or int tensors broadcastable together (e.g. (nb, 1) and (1, nh));
+    ``i`` (rows,) global query positions, ``j`` (cols,) global key positions. The result has
+    b's and h's broadcast shape followed by (rows, cols).
+    """
+    dev = device if device is not None else (i.device if isinstance(i, torch.Tensor) else None)
+    b, h, i, j = (_int(x, dev) for x in (b, h, i, j))
+    head = _fmix((b * _GOLD + h + offset * 0x27D4EB2F) & M32)
+    head = _fmix(head ^ (seed & M32))  # (...)
+    row = _fmix(head[..., None] ^ ((i * _GOLD + _ROW) & M32))  # (..., rows)
+    col = _fmix((j * _GOLD + _COL) & M32)  # (cols,)
+    cell = _fmix(row[..., :, None] ^ col)  # (..., rows, cols)
+    return (cell >> 8) >= threshold(p)
+
+
+def apply(A: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """Dropped weights to exactly 0, kept ones scaled by 1/(1-p) (p = 1: all zero)."""
+    if p >= 1.0:
+        return torch.zeros_like(A)
+    return torch.where(keep, A * (1.0 / (1.0 - p)), torch.zeros((), dtype=A.dtype, device=A.device))

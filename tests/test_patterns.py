@@ -1,0 +1,186 @@
+"""The one M (causalattn.masks.Pattern) against a cell-by-cell statement of each rule."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from causalattn import masks
+from causalattn.masks import Pattern
+
+
+def brute(B, H, T_q, T_k, *, causal=True, window=None, chunk=None, lengths=None, kpm=None,
+          cu=None, prefix=None, mask=None):
+    """Cell by cell, in plain Python: the rules exactly as the module doc states them."""
+    out = np.zeros((B, H, T_q, T_k), bool)
+    for b in range(B):
+        for h in range(H):
+            for i in range(T_q):
+                p = i + T_k - T_q
+                for j in range(T_k):
+                    if cu is not None:
+                        dq = max(d for d in range(len(cu) - 1) if cu[d] <= p and p < cu[d + 1])
+                        dk = max(d for d in range(len(cu) - 1) if cu[d] <= j and j < cu[d + 1])
+                        if dq != dk:
+                            continue
+                        base = cu[dq]
+                    else:
+                        base = 0
+                    ok = True
+                    if causal and j > p:
+                        ok = False
+                    if window is not None and j <= p - window:
+                        ok = False
+                    if chunk is not None and (j - base) // chunk != (p - base) // chunk:
+                        ok = False
+                    if prefix is not None and j < prefix[b] and p < prefix[b]:
+                        ok = True
+                    if lengths is not None and not (j < lengths[b] and p < lengths[b]):
+                        ok = False
+                    if kpm is not None and not kpm[b][j]:
+                        ok = False
+                    if mask is not None and not mask[b if mask.shape[0] > 1 else 0,
+                                                     h if mask.shape[1] > 1 else 0, i, j]:
+                        ok = False
+                    out[b, h, i, j] = ok
+    return out
+
+
+@st.composite
+def patterns(draw):
+    B = draw(st.integers(1, 3))
+    H = draw(st.integers(1, 2))
+    T_k = draw(st.integers(1, 12))
+    T_q = draw(st.integers(1, T_k))
+    kw = {"causal": draw(st.booleans())}
+    if draw(st.booleans()):
+        kw["window"] = draw(st.integers(1, 6))
+    if draw(st.booleans()):
+        kw["chunk"] = draw(st.integers(1, 5))
+    use_cu = B == 1 and T_q == T_k and draw(st.booleans())
+    if use_cu:
+        cuts = sorted(draw(st.lists(st.integers(0, T_k), max_size=3)))
+        kw["cu_seqlens"] = [0, *cuts, T_k]
+    else:
+        if draw(st.booleans()):
+            kw["lengths"] = draw(st.lists(st.integers(0, T_k), min_size=B, max_size=B))
+        if draw(st.booleans()):
+            kw["key_padding_mask"] = np.array(
+                draw(st.lists(st.lists(st.booleans(), min_size=T_k, max_size=T_k),
+                              min_size=B, max_size=B)))
+        if draw(st.booleans()):
+            top = kw.get("lengths", [T_k] * B)
+            kw["prefix_lengths"] = [draw(st.integers(0, t)) for t in top]
+        if draw(st.booleans()):
+            bb, hh = draw(st.sampled_from([1, B])), draw(st.sampled_from([1, H]))
+            kw["mask"] = np.array(draw(st.lists(st.booleans(), min_size=bb * hh * T_q * T_k,
+                                                max_size=bb * hh * T_q * T_k))
+                                  ).reshape(bb, hh, T_q, T_k)
+    return B, H, T_q, T_k, kw
+
+
+def _brute_kw(kw):
+    return dict(causal=kw["causal"], window=kw.get("window"), chunk=kw.get("chunk"),
+                lengths=kw.get("lengths"), kpm=kw.get("key_padding_mask"),
+                cu=kw.get("cu_seqlens"), prefix=kw.get("prefix_lengths"), mask=kw.get("mask"))
+
+
+@settings(max_examples=150, deadline=None)
+@given(patterns())
+def test_every_form_of_M_agrees_with_the_rules_cell_by_cell(case):
+    B, H, T_q, T_k, kw = case
+    pat = Pattern(**kw)
+    want = brute(B, H, T_q, T_k, **_brute_kw(kw))
+    got = np.broadcast_to(pat.allowed(B, H, T_q, T_k), want.shape)
+    assert (got == want).all()
+    t = pat.allowed(B, H, T_q, T_k, like=torch.zeros(1)).numpy()
+    assert (np.broadcast_to(t, want.shape) == want).all()
+    assert (np.broadcast_to(pat.reasons(B, H, T_q, T_k) == 0, want.shape) == want).all()
+    # key_range covers every readable key of the block; block_kind agrees with the cells
+    for b in range(B):
+        for q0 in range(0, T_q, 3):
+            q1 = min(T_q, q0 + 3)
+            lo, hi = pat.key_range(b, q0, q1, T_q, T_k)
+            cols = np.flatnonzero(want[b, :, q0:q1].any(axis=(0, 1)))
+            if cols.size:
+                assert lo <= cols[0] and cols[-1] < hi
+            for k0 in range(0, T_k, 4):
+                k1 = min(T_k, k0 + 4)
+                cells = want[b, :, q0:q1, k0:k1]
+                kind = pat.block_kind(b, q0, q1, k0, k1, T_q, T_k, H=H)
+                assert kind == ("full" if cells.all() else "partial" if cells.any() else "skip")
+
+
+def test_reasons_name_why_a_cell_is_blocked():
+    pat = Pattern(window=2, lengths=[3])
+    r = pat.reasons(1, 1, 4, 4)[0, 0]
+    names = [[masks.REASONS[c] for c in row] for row in r]
+    assert names[0] == ["readable", "future", "future", "padding"]
+    assert names[2] == ["window", "readable", "readable", "padding"]
+    assert names[3] == ["padding"] * 4
+    docs = Pattern(cu_seqlens=[0, 2, 4]).reasons(1, 1, 4, 4)[0, 0]
+    assert masks.REASONS[docs[2, 0]] == "document" and masks.REASONS[docs[1, 3]] == "document"
+
+
+def test_modifiers_softcap_then_alibi():
+    S = np.array([[[[0.0, 5.0], [100.0, -3.0]]]])
+    pat = Pattern(softcap=10.0, alibi_slopes=[0.5])
+    out = pat.modify_scores(S)
+    expect = 10 * np.tanh(S / 10) - 0.5 * np.abs(np.subtract.outer(np.arange(2), np.arange(2)))
+    assert np.allclose(out, expect)
+    tout = pat.modify_scores(torch.tensor(S))
+    assert np.allclose(tout.numpy(), expect)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"window": 0}, "window"), ({"chunk": -1}, "chunk"), ({"window": 2.5}, "window"),
+    ({"softcap": 0.0}, "softcap"), ({"softcap": float("inf")}, "softcap"),
+    ({"causal": None}, "causal"), ({"alibi_slopes": [float("nan")]}, "alibi_slopes"),
+    ({"mask": np.ones((2, 2), dtype=np.int64)}, "mask"),
+    ({"cu_seqlens": [0, 2], "lengths": [2]}, "cu_seqlens"),
+    ({"cu_seqlens": [0, 2], "mask": np.ones((2, 2), bool)}, "cu_seqlens"),
+    ({"lengths": [1.5]}, "lengths"),
+])
+def test_bad_patterns_are_refused_by_name(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        Pattern(**kw)
+
+
+@pytest.mark.parametrize("kw, shape, msg", [
+    ({"lengths": [1, 2]}, (1, 1, 3, 3), "lengths"),
+    ({"prefix_lengths": [3]}, (1, 1, 3, 3), None),
+    ({"prefix_lengths": [3], "lengths": [2]}, (1, 1, 3, 3), "prefix_lengths"),
+    ({"sinks": [0.0, 1.0]}, (1, 3, 3, 3), "sinks"),
+    ({"alibi_slopes": [[0.1]]}, (2, 1, 3, 3), "alibi_slopes"),
+    ({"mask": np.ones((1, 1, 3, 4), bool)}, (1, 1, 3, 3), "mask"),
+    ({"cu_seqlens": [0, 2]}, (1, 1, 3, 3), "cu_seqlens"),
+])
+def test_shapes_are_checked_against_the_problem(kw, shape, msg):
+    pat = Pattern(**kw)
+    if msg is None:
+        pat.check(*shape)
+    else:
+        with pytest.raises(ValueError, match=msg):
+            pat.check(*shape)
+
+
+def test_dropout_pattern_is_a_function_of_global_positions():
+    from causalattn import dropout
+
+    full = dropout.keep_mask(7, 3, torch.arange(2)[:, None], torch.arange(3)[None, :],
+                             torch.arange(64), torch.arange(64), 0.25)
+    assert full.shape == (2, 3, 64, 64)
+    part = dropout.keep_mask(7, 3, 1, 2, torch.arange(10, 20), torch.arange(30, 50), 0.25)
+    assert torch.equal(part, full[1, 2, 10:20, 30:50])
+    n = full.numel()
+    dropped = (~full).sum().item() / n  # binomial: 4 standard deviations
+    assert abs(dropped - 0.25) < 4 * (0.25 * 0.75 / n) ** 0.5
+    assert not torch.equal(full, dropout.keep_mask(8, 3, torch.arange(2)[:, None],
+                                                   torch.arange(3)[None, :],
+                                                   torch.arange(64), torch.arange(64), 0.25))
+    assert dropout.keep_mask(1, 1, 0, 0, torch.arange(5), torch.arange(5), 0.0).all()
+    with pytest.raises(ValueError, match="dropout_p"):
+        dropout.check_p(1.5)
+    with pytest.raises(ValueError, match="dropout_p"):
+        dropout.check_p("0.1")
