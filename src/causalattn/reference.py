@@ -11,6 +11,8 @@ readable output.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from . import masks as _masks
@@ -38,20 +40,25 @@ def _as_float(name: str, stage: str, a, min_ndim: int, exact_ndim: int | None = 
     return arr.astype(np.float64)
 
 
-def softmax_last(Z: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+def softmax_last(Z: np.ndarray, allowed: np.ndarray, sinks=None) -> np.ndarray:
     """Stable softmax over the last (key) axis, restricted to ``allowed`` entries.
 
     The row maximum is taken over readable entries only, so neither a finite fill nor a
     NaN at a blocked position can move it; blocked entries are set to exactly 0, and a
-    row with no readable key gives a zero row.
+    row with no readable key gives a zero row. ``sinks``, broadcastable to Z's rows
+    ``(..., T_q, 1)``, are logits that join each row's denominator and take no value.
     """
     allowed = np.broadcast_to(allowed, Z.shape)
     has_key = allowed.any(axis=-1, keepdims=True)
     Zr = np.where(allowed, Z, -np.inf)
     m = np.where(has_key, Zr.max(axis=-1, keepdims=True, initial=-np.inf), 0.0)
+    if sinks is not None:
+        m = np.where(has_key, np.maximum(m, sinks), 0.0)
     with np.errstate(invalid="ignore", over="ignore"):
         E = np.where(allowed, np.exp(Zr - m), 0.0)
     denom = E.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + np.exp(np.minimum(sinks - m, 0.0))
     return np.where(has_key, E / np.where(has_key, denom, 1.0), 0.0)
 
 
@@ -99,20 +106,40 @@ def trace(
     W_v,
     W_o=None,
     *,
+    causal: bool | None = None,
+    window: int | None = None,
+    lengths=None,
+    key_padding_mask=None,
+    cu_seqlens=None,
+    prefix_lengths=None,
+    chunk: int | None = None,
     mask=None,
+    alibi_slopes=None,
+    softcap: float | None = None,
+    sinks=None,
     scale: float | None = None,
     n_heads: int | None = None,
     fill: str = "-inf",
     tokens: list[str] | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: tuple[int, int] | None = None,
 ) -> Trace:
     """Run causal self-attention in float64 with every stage kept.
 
     X: ``(..., T, d_model)``; W_q, W_k: ``d_model×(h·d_k)``; W_v: ``d_model×(h·d_v)``;
-    W_o: ``(h·d_v)×d_model'``. ``mask`` is the boolean mask (True = may read),
-    broadcastable to ``(..., T, T)``; default :func:`causalattn.masks.causal`.
-    ``scale`` defaults to 1/√d_k. ``n_heads`` splits the projections into heads; each
-    head's stages then carry a head axis before T. ``fill`` chooses M's blocked value
-    ('-inf' or 'finite'); weights are the same either way.
+    W_o: ``(h·d_v)×d_model'``. The pattern keywords are those of
+    :func:`causalattn.attention` (see :class:`causalattn.masks.Pattern`): per-sequence ones
+    (``lengths``, ``key_padding_mask``, ``prefix_lengths``, a per-sequence ``mask``) need X
+    of shape ``(B, T, d_model)``. ``mask`` may also be any boolean array broadcastable to
+    S ``(..., [h,] T, T)``; it is ANDed with the rest. ``causal`` defaults to True, except
+    that a ``mask`` given alone is the whole M (as in the first release: the mask of
+    :func:`causalattn.encode` already holds the causal rule). ``scale`` defaults to 1/√d_k.
+    ``n_heads`` splits the projections into heads; each head's stages then carry a head
+    axis before T. ``fill`` chooses M's blocked value ('-inf' or 'finite'); weights are the
+    same either way. Modifiers are stages of their own: ``S_cap`` (softcap) and ``E``
+    (ALiBi). With ``dropout_p`` > 0 the stage ``A_drop`` (A with the dropout pattern of
+    :mod:`causalattn.dropout` for ``dropout_seed`` = (seed, offset), drawn from torch's
+    RNG when None) follows A, and H = A_drop V.
     """
     X = _as_float("X", "projections", X, min_ndim=2)
     W = {
@@ -148,12 +175,25 @@ def trace(
 
     if scale is None:
         scale = 1.0 / np.sqrt(d_k)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.number)) or not (
+        np.isfinite(scale)
+    ):
+        raise ValueError(f"scores: scale must be a finite number, got {scale!r}")
     with np.errstate(invalid="ignore", over="ignore"):
         S = (Q @ np.swapaxes(K, -1, -2)) * scale
 
-    if mask is None:
-        allowed = _masks.causal(T)
-    else:
+    if causal is None:  # a mask given with no other rule is the whole M
+        rules = (window, chunk, lengths, key_padding_mask, cu_seqlens, prefix_lengths)
+        causal = mask is None or any(r is not None for r in rules)
+    pattern = _masks.Pattern(
+        causal=causal, window=window, chunk=chunk, lengths=lengths,
+        key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, prefix_lengths=prefix_lengths,
+        mask=mask if _is_pattern_mask(mask, X.ndim, n_heads) else None,
+        alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
+    )
+    reasons, lay = _pattern_cells(pattern, X.shape[:-2], n_heads, T)
+
+    if mask is not None and pattern.mask is None:  # a general broadcastable mask, ANDed
         allowed = np.asarray(mask)
         if allowed.dtype != np.bool_:
             raise ValueError(f"mask: must be boolean (True = may read), got dtype {allowed.dtype}")
@@ -167,22 +207,48 @@ def trace(
                 f"mask: with n_heads={n_heads} and X of shape {X.shape}, give T×T, X's leading "
                 f"axes + T×T, or X's leading axes + (h, T, T); got shape {allowed.shape}"
             )
-    try:
-        np.broadcast_shapes(allowed.shape, S.shape)
-    except ValueError as exc:
-        raise ValueError(f"mask: shape {allowed.shape} does not broadcast to S {S.shape}") from exc
+        try:
+            shape = np.broadcast_shapes(allowed.shape, reasons.shape, S.shape)
+        except ValueError as exc:
+            raise ValueError(f"mask: shape {allowed.shape} does not broadcast to S {S.shape}") from exc
+        reasons = np.where(np.broadcast_to(allowed, shape), np.broadcast_to(reasons, shape),
+                           np.where(np.broadcast_to(reasons, shape) == 0, _masks.MASK,
+                                    np.broadcast_to(reasons, shape))).astype(np.uint8)
+    allowed = reasons == 0
 
-    M = np.broadcast_to(_masks.additive(allowed, fill=fill), S.shape)
+    stages: dict[str, np.ndarray] = {}
+    Sm = S
+    if pattern.softcap is not None:
+        with np.errstate(invalid="ignore", over="ignore"):
+            Sm = stages["S_cap"] = replace(pattern, alibi_slopes=None).modify_scores(S)
+    if pattern.alibi_slopes is not None:
+        bias = replace(pattern, softcap=None).modify_scores(np.zeros(lay + (T, T)))
+        stages["E"] = bias = bias.reshape(_lead_shape(bias.shape, X.shape[:-2], n_heads))
+        with np.errstate(invalid="ignore", over="ignore"):
+            Sm = Sm + bias
+    M = np.broadcast_to(_masks.additive(allowed, fill=fill), np.broadcast_shapes(allowed.shape, S.shape))
     with np.errstate(invalid="ignore"):
-        Z = S + M
-    A = softmax_last(Z, allowed)
-    H = weighted_values(A, V, allowed)
+        Z = Sm + M
+    sink_logits = None
+    if pattern.sinks is not None:
+        sk = _masks._numpy(pattern.sinks).astype(np.float64)
+        sink_logits = sk[:, None, None] if n_heads is not None else sk.reshape(())
+    A = softmax_last(Z, allowed, sinks=sink_logits)
+    A_read = A
+    if dropout_p:
+        from . import dropout as _dropout
 
-    arrays = {"X": X, **W, "Q": Q, "K": K, "V": V, "S": S, "M": M, "Z": Z, "A": A, "H": H}
+        p = _dropout.check_p(dropout_p, "dropout")
+        keep = _keep_cells(dropout_seed, A.shape, X.shape[:-2], n_heads, p)
+        A_read = stages["A_drop"] = np.where(keep, A / (1.0 - p) if p < 1 else 0.0, 0.0)
+    H = weighted_values(A_read, V, allowed)
+
+    arrays = {"X": X, **W, "Q": Q, "K": K, "V": V, "S": S, **stages, "M": M, "Z": Z, "A": A,
+              "H": H}
     if A.size * V.shape[-1] * 8 <= C_LIMIT_BYTES:
         al = np.broadcast_to(allowed, A.shape)[..., None]
         with np.errstate(invalid="ignore"):
-            arrays["C"] = np.where(al, A[..., None] * V[..., None, :, :], 0.0)
+            arrays["C"] = np.where(al, A_read[..., None] * V[..., None, :, :], 0.0)
     if W_o is not None:
         Wo = _as_float("W_o", "output projection", W_o, 2, exact_ndim=2)
         H_cat = H if n_heads is None else np.moveaxis(H, -3, -2).reshape(*H.shape[:-3], T, -1)
@@ -193,4 +259,60 @@ def trace(
             )
         arrays["W_o"] = Wo
         arrays["O"] = H_cat @ Wo
-    return Trace(arrays, allowed=allowed, scale=float(scale), n_heads=n_heads, tokens=tokens)
+    return Trace(arrays, allowed=allowed, scale=float(scale), n_heads=n_heads, tokens=tokens,
+                 pattern=pattern, reasons=reasons)
+
+
+def _is_pattern_mask(mask, x_ndim: int, n_heads) -> bool:
+    """Whether a given mask is the Pattern's (B|1, H|1, T, T) form rather than a general
+    array broadcast against S: only a 4-D mask beside a batched, multi-head X."""
+    return mask is not None and np.ndim(mask) == 4 and x_ndim == 3 and n_heads is not None
+
+
+def _lead_shape(shape4, lead: tuple, n_heads) -> tuple:
+    """(B', H', T, T) from the Pattern -> the layout of S: lead axes, [h,] T, T."""
+    Bp, Hp = shape4[:2]
+    tail = ((Hp,) if n_heads is not None else ()) + tuple(shape4[2:])
+    if len(lead) == 1:
+        return (Bp,) + tail
+    return (1,) * len(lead) + tail if Bp == 1 else (Bp,) + tail
+
+
+def _pattern_cells(pattern, lead: tuple, n_heads, T: int):
+    """The Pattern's blocked-reason codes laid out like S, and the (B, H) it was built for."""
+    B = lead[0] if len(lead) == 1 else 1
+    if pattern.per_batch and len(lead) != 1:
+        raise ValueError(
+            f"mask: lengths, key_padding_mask, prefix_lengths or a per-sequence mask need X of "
+            f"shape (B, T, d_model); got leading axes {lead}"
+        )
+    H = n_heads or 1
+    pattern.check(B, H, T, T)
+    codes = pattern.reasons(B, H, T, T)
+    if n_heads is None and codes.shape[1] != 1:
+        raise ValueError("mask: a per-head mask needs n_heads")
+    cells = codes if n_heads is not None else codes[:, 0]
+    out = cells.reshape(_lead_shape(codes.shape, lead, n_heads))
+    Bs = B if pattern.alibi_slopes is not None and np.ndim(pattern.alibi_slopes) == 2 else 1
+    return out, (Bs, H)
+
+
+def _keep_cells(seed, shape, lead: tuple, n_heads, p: float) -> np.ndarray:
+    """The dropout keep pattern laid out like A (global positions: b, h, i, j)."""
+    import torch
+
+    from . import dropout as _dropout
+
+    if seed is None:
+        seed = _dropout.seed_from()
+    s, off = seed
+    T = shape[-1]
+    B = lead[0] if len(lead) == 1 else 1
+    H = n_heads or 1
+    b = torch.arange(B)[:, None]
+    h = torch.arange(H)[None, :]
+    pos = torch.arange(T)
+    keep = _dropout.keep_mask(s, off, b, h, pos, pos, p).numpy()  # (B, H, T, T)
+    cells = keep if n_heads is not None else keep[:, 0]
+    keep = cells.reshape(_lead_shape(keep.shape, lead, n_heads))
+    return np.broadcast_to(keep, shape)

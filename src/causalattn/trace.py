@@ -29,9 +29,12 @@ STAGES: dict[str, tuple[str, str, str]] = {
     "K": ("K", "K = X W_K", "T×d_k"),
     "V": ("V", "V = X W_V", "T×d_v"),
     "S": ("S", "S = Q Kᵀ / √d_k", "T×T"),
+    "S_cap": ("S_cap", "S_cap = c·tanh(S / c) (softcap)", "T×T"),
+    "E": ("E", "E_ij = -slope_h·|i - j| (ALiBi)", "T×T"),
     "M": ("M", "M_ij = 0 if j may be read, -∞ otherwise", "T×T"),
-    "Z": ("Z", "Z = S + M", "T×T"),
-    "A": ("A", "A = softmax_last(Z)", "T×T"),
+    "Z": ("Z", "Z = S + M (S_cap for S with softcap; + E with ALiBi)", "T×T"),
+    "A": ("A", "A = softmax_last(Z) (sinks join the denominator)", "T×T"),
+    "A_drop": ("A_drop", "A with dropout: kept A_ij / (1 - p), dropped 0", "T×T"),
     "H": ("H", "H = A V", "T×d_v"),
     "C": ("C", "C[i, j] = A_ij v_j", "T×T×d_v"),
     "W_o": ("W_O", "output weights", "h·d_v×d_model"),
@@ -77,6 +80,12 @@ class Explanation:
     rank_weight: np.ndarray
     rank_norm: np.ndarray
     h: np.ndarray  # (d_v,) = sum_j contribution[j]
+    blocked_by: tuple[str, ...] = ()  # per key: "" if readable, else why (future, window, ...)
+
+    def _why(self, j: int) -> str:
+        if self.readable[j]:
+            return ""
+        return self.blocked_by[j] if self.blocked_by else "blocked"
 
     def rows(self) -> list[dict]:
         """One dict per key j, for tables and JSON."""
@@ -86,6 +95,7 @@ class Explanation:
                 {
                     "key": j,
                     "readable": bool(self.readable[j]),
+                    "blocked_by": self._why(j),
                     "score": float(self.score[j]),
                     "weight": float(self.weight[j]),
                     "value": self.value[j].tolist(),
@@ -103,7 +113,7 @@ class Explanation:
         lines.append("  j  S_ij      A_ij     ‖A_ij v_j‖  ranks(S,A,‖·‖)  v_j")
         for r in self.rows():
             if not r["readable"]:
-                lines.append(f"{r['key']:>3}  (blocked: weight exactly 0)")
+                lines.append(f"{r['key']:>3}  (blocked: {r['blocked_by']}; weight exactly 0)")
                 continue
             lines.append(
                 f"{r['key']:>3}  {r['score']:>8.3f}  {r['weight']:>7.3f}  {r['norm']:>10.3f}"
@@ -128,7 +138,9 @@ class Trace:
     ``arrays`` maps stage names (keys of :data:`STAGES`) to arrays; any subset may be
     present. ``allowed`` is the boolean mask (True = may read) the stages were built
     with; ``scale`` the factor applied to Q Kᵀ; ``n_heads`` is set when the arrays carry
-    a head axis; ``tokens`` optionally labels the T positions.
+    a head axis; ``tokens`` optionally labels the T positions. ``pattern`` is the declared
+    :class:`causalattn.masks.Pattern` and ``reasons`` (uint8, shaped like ``allowed``) says
+    why each blocked cell is blocked (:data:`causalattn.masks.REASONS`).
     """
 
     def __init__(
@@ -139,6 +151,8 @@ class Trace:
         scale: float | None = None,
         n_heads: int | None = None,
         tokens: list[str] | None = None,
+        pattern=None,
+        reasons: np.ndarray | None = None,
     ):
         unknown = set(arrays) - set(STAGES)
         if unknown:
@@ -148,6 +162,8 @@ class Trace:
         self.scale = scale
         self.n_heads = n_heads
         self.tokens = None if tokens is None else [str(t) for t in tokens]
+        self.pattern = pattern
+        self.reasons = None if reasons is None else np.asarray(reasons, dtype=np.uint8)
 
     # -- access -----------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -203,14 +219,17 @@ class Trace:
                 arrays[name] = a[index]
                 continue
             arrays[name] = a[index]
-        allowed = None
-        if self.allowed is not None:
-            want = (lead if lead is not None else n) + 2
-            al = self.allowed.reshape((1,) * (want - self.allowed.ndim) + self.allowed.shape)
-            al = al[tuple(0 if al.shape[k] == 1 else i for k, i in enumerate(index))]
-            allowed = al
+        want = (lead if lead is not None else n) + 2
+
+        def pick(a):  # index the leading axes of a mask-shaped array, broadcasting 1s
+            if a is None:
+                return None
+            a = a.reshape((1,) * (want - a.ndim) + a.shape)
+            return a[tuple(0 if a.shape[k] == 1 else i for k, i in enumerate(index))]
+
         n_heads = None if head_pick or self.n_heads is None else self.n_heads
-        return Trace(arrays, allowed=allowed, scale=self.scale, n_heads=n_heads, tokens=self.tokens)
+        return Trace(arrays, allowed=pick(self.allowed), scale=self.scale, n_heads=n_heads,
+                     tokens=self.tokens, pattern=self.pattern, reasons=pick(self.reasons))
 
     @property
     def heads(self) -> list[Trace]:
@@ -227,6 +246,8 @@ class Trace:
 
         Works on a single sequence and head; use :meth:`select` first otherwise.
         """
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise ValueError(f"explain: query i must be an integer, got {i!r}")
         A, V, S = self["A"], self["V"], self["S"]
         if A.ndim != 2:
             raise ValueError(
@@ -239,7 +260,14 @@ class Trace:
         readable = (
             np.ones(A.shape[1], bool) if self.allowed is None else np.broadcast_to(self.allowed, A.shape)[i]
         )
-        contribution = np.where(readable[:, None], A[i][:, None] * V, 0.0)
+        weights = self["A_drop"] if "A_drop" in self else A  # what H really read
+        contribution = np.where(readable[:, None], weights[i][:, None] * V, 0.0)
+        why = ()
+        if self.reasons is not None:
+            from .masks import REASONS
+
+            codes = np.broadcast_to(self.reasons, A.shape)[i]
+            why = tuple("" if c == 0 else REASONS[int(c)] for c in codes)
         norm = np.linalg.norm(contribution, axis=-1)
         score = np.where(readable, S[i], np.nan)
         return Explanation(
@@ -254,6 +282,7 @@ class Trace:
             rank_weight=_rank(A[i], readable),
             rank_norm=_rank(norm, readable),
             h=contribution.sum(axis=0),
+            blocked_by=why,
         )
 
     def _repr_html_(self) -> str | None:
@@ -271,6 +300,8 @@ class Trace:
         extra: dict[str, np.ndarray] = {}
         if self.allowed is not None:
             extra["allowed"] = self.allowed
+        if self.reasons is not None:
+            extra["reasons"] = self.reasons
         if self.scale is not None:
             extra["scale"] = np.asarray(self.scale, dtype=np.float64)
         if self.n_heads is not None:
@@ -291,6 +322,7 @@ class Trace:
         return cls(
             arrays,
             allowed=data.get("allowed"),
+            reasons=data.get("reasons"),
             scale=float(data["scale"]) if "scale" in data else None,
             n_heads=int(data["n_heads"]) if "n_heads" in data else None,
             tokens=data["tokens"].tolist() if "tokens" in data else None,
