@@ -184,3 +184,26 @@ def test_dropout_pattern_is_a_function_of_global_positions():
         dropout.check_p(1.5)
     with pytest.raises(ValueError, match="dropout_p"):
         dropout.check_p("0.1")
+
+
+@settings(max_examples=80, deadline=None)
+@given(patterns(), st.data())
+def test_a_placed_block_of_queries_and_keys_reads_as_the_whole_sequence_does(case, data):
+    """Ring attention's block pairs: queries qa:qb against keys ka:kb, in global positions."""
+    B, H, _, T, kw = case
+    kw.pop("mask", None)
+    whole = Pattern(**kw).allowed(B, H, T, T)
+    qa = data.draw(st.integers(0, T - 1))
+    qb = data.draw(st.integers(qa + 1, T))
+    ka = data.draw(st.integers(0, T - 1))
+    kb = data.draw(st.integers(ka + 1, T))
+    if kw.get("key_padding_mask") is not None:
+        kw["key_padding_mask"] = kw["key_padding_mask"][:, ka:kb]
+    pat = Pattern(**kw, q_start=qa, k_start=ka)
+    part = np.broadcast_to(pat.allowed(B, H, qb - qa, kb - ka), (B, 1, qb - qa, kb - ka))
+    assert (part == np.broadcast_to(whole, (B, 1, T, T))[:, :, qa:qb, ka:kb]).all()
+    for b in range(B):
+        lo, hi = pat.key_range(b, 0, qb - qa, qb - qa, kb - ka)
+        cols = np.flatnonzero(part[b].any(axis=(0, 1)))
+        if cols.size:
+            assert lo <= cols[0] and cols[-1] < hi

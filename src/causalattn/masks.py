@@ -121,12 +121,27 @@ class Pattern:
     alibi_slopes: object = None  # (H,) or (B, H) float
     softcap: float | None = None
     sinks: object = None  # (H,) float, may be a learned torch Parameter
+    # Where this problem's queries and keys sit in the whole sequence (ring attention's block
+    # pairs, a decoding step): query i at q_start + i, key j at k_start + j. q_start=None
+    # means bottom-right: k_start + i + T_k - T_q. Every rule and the dropout pattern use
+    # these global positions; lengths, prefix_lengths and cu_seqlens are global too.
+    q_start: int | None = None
+    k_start: int = 0
+
+    def query_start(self, T_q: int, T_k: int) -> int:
+        """Global position of query 0."""
+        return self.k_start + T_k - T_q if self.q_start is None else self.q_start
 
     def __post_init__(self):
         set_ = object.__setattr__
         if not isinstance(self.causal, (bool, np.bool_)):
             raise ValueError(f"mask: causal must be True or False, got {self.causal!r}")
         set_(self, "causal", bool(self.causal))
+        for name in ("q_start", "k_start"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
+                                  or v < 0):
+                raise ValueError(f"mask: {name} must be a non-negative integer, got {v!r}")
         if self.window is not None:
             set_(self, "window", _positive_int("window", self.window))
         if self.chunk is not None:
@@ -228,7 +243,9 @@ class Pattern:
     def check(self, B: int, H: int, T_q: int, T_k: int) -> None:
         """Raise ValueError, naming the argument and the shapes, where the pattern does not
         fit queries (B, H, T_q) against keys (B, ·, T_k)."""
-        if T_q > T_k:
+        placed = self.q_start is not None or self.k_start != 0
+        T_all = max(T_k + self.k_start, T_q + self.query_start(T_q, T_k))  # whole sequence
+        if T_q > T_k and not placed:
             raise ValueError(
                 f"mask: T_q={T_q} queries but only T_k={T_k} keys; queries are the last T_q "
                 "positions, so T_q must be <= T_k"
@@ -239,7 +256,7 @@ class Pattern:
                 continue
             if v.shape != (B,):
                 raise ValueError(f"{name}: expected shape (B,) = ({B},), got {_shape(v)}")
-            if v.size and v.max() > T_k:
+            if v.size and v.max() > T_all and not placed:
                 raise ValueError(f"{name}: each must lie in [0, T_k={T_k}], got {v.tolist()[:8]}")
         if self.prefix_lengths is not None and self.lengths is not None:
             if (self.prefix_lengths > self.lengths).any():
@@ -255,9 +272,9 @@ class Pattern:
             )
         cu = self.cu_seqlens
         if cu is not None:
-            if cu[-1] != T_k:
+            if (cu[-1] != T_k and not placed) or cu[-1] < T_all:
                 raise ValueError(f"cu_seqlens: must end at T={T_k}; got {cu.tolist()[:8]}...")
-            if B != 1 or T_q != T_k:
+            if B != 1 or (T_q != T_k and not placed):
                 raise ValueError(
                     f"cu_seqlens: packed sequences need B = 1 and T_q = T_k; got B={B}, "
                     f"T_q={T_q}, T_k={T_k}"
@@ -290,8 +307,8 @@ class Pattern:
         def host(a):  # small int vector to xp
             return a if xp is np else xp.as_tensor(a, device=dev)
 
-        pos = (ar(q0, q1) + (T_k - T_q))[:, None]  # (rows, 1) key position of each query
-        j = ar(k0, k1)[None, :]  # (1, cols)
+        pos = (ar(q0, q1) + self.query_start(T_q, T_k))[:, None]  # (rows, 1) global positions
+        j = (ar(k0, k1) + self.k_start)[None, :]  # (1, cols)
         out = {}
         cu = self.cu_seqlens
         if cu is not None:
@@ -402,9 +419,9 @@ class Pattern:
         mask is formed except for an explicit ``mask``."""
         if q1 <= q0:
             return 0, 0
-        off = T_k - T_q
-        p0, p1 = q0 + off, q1 - 1 + off  # first and last query position
-        lo, hi = 0, T_k
+        qs, ks = self.query_start(T_q, T_k), self.k_start
+        p0, p1 = q0 + qs, q1 - 1 + qs  # first and last query position (global)
+        lo, hi = ks, ks + T_k  # global key positions from here on
         P = int(self.prefix_lengths[b]) if self.prefix_lengths is not None else 0
         in_prefix = p0 < P  # some query of the block reads the whole prefix
         if self.causal:
@@ -428,7 +445,7 @@ class Pattern:
                 return 0, 0
         kpm = self.key_padding_mask
         if kpm is not None:
-            idx = np.flatnonzero(_numpy(kpm[b]))
+            idx = np.flatnonzero(_numpy(kpm[b])) + ks
             if idx.size == 0:
                 return 0, 0
             lo, hi = max(lo, int(idx[0])), min(hi, int(idx[-1]) + 1)
@@ -438,7 +455,8 @@ class Pattern:
             cols = np.flatnonzero(m[b if m.shape[0] > 1 else 0][:, q0:q1].any(axis=(0, 1)))
             if cols.size == 0:
                 return 0, 0
-            lo, hi = max(lo, int(cols[0])), min(hi, int(cols[-1]) + 1)
+            lo, hi = max(lo, int(cols[0]) + ks), min(hi, int(cols[-1]) + 1 + ks)
+        lo, hi = max(lo - ks, 0), min(hi - ks, T_k)  # back to this problem's key indices
         return (lo, hi) if lo < hi else (0, 0)
 
     def block_kind(self, b, q0, q1, k0, k1, T_q, T_k, H=1) -> Literal["skip", "full", "partial"]:
@@ -472,14 +490,14 @@ class Pattern:
             if _is_torch(S):
                 import torch
 
-                pos = torch.arange(q0, q0 + rows, device=S.device) + (T_k - T_q)
-                j = torch.arange(k0, k0 + cols, device=S.device)
+                pos = torch.arange(q0, q0 + rows, device=S.device) + self.query_start(T_q, T_k)
+                j = torch.arange(k0, k0 + cols, device=S.device) + self.k_start
                 dist = (pos[:, None] - j[None, :]).abs().to(S.dtype)
                 sl = a if _is_torch(a) else torch.as_tensor(a)
                 sl = sl.to(device=S.device, dtype=S.dtype)
             else:
-                pos = np.arange(q0, q0 + rows) + (T_k - T_q)
-                j = np.arange(k0, k0 + cols)
+                pos = np.arange(q0, q0 + rows) + self.query_start(T_q, T_k)
+                j = np.arange(k0, k0 + cols) + self.k_start
                 dist = np.abs(pos[:, None] - j[None, :]).astype(S.dtype)
                 sl = _numpy(a).astype(S.dtype)
             if sl.ndim == 2 and batch is not None:
