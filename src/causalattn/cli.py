@@ -505,6 +505,10 @@ def demo(
     console.print(f"weighted values     h_4 = {_fmt(chapter.H[3])}", markup=False)
     console.print("explain(3), 0-based as in Python (i = 3 is the chapter's h_4):")
     console.print(str(ex), markup=False)
+    console.print()
+    console.print("Learn it by doing: `causalattn learn` asks the chapter's check questions; "
+                  "`causalattn learn --exercise attention` writes an exercise to grade.",
+                  markup=False)
     if not report.ok:
         raise typer.Exit(1)
 
@@ -555,6 +559,55 @@ def diagnose_cmd(
         raise typer.Exit(2)
     if not d.ok:
         raise typer.Exit(1)
+
+
+# -- causalattn learn -------------------------------------------------------------------
+
+
+@app.command()
+def learn(
+    seed: int = typer.Option(0, "--seed", help="Seed of the question set (hand out the same one)."),
+    n: int = typer.Option(None, "--n", "-n", help="Number of questions (default: one per kind)."),
+    exercise: str = typer.Option(
+        None, "--exercise", help="Write a scaffold: scores | mask | softmax | attention | multihead."
+    ),
+    output: Path = typer.Option(None, "--output", "-o", help="Scaffold path (default NAME.py)."),
+    framework: str = typer.Option("numpy", "--framework", help="numpy | torch (the scaffold's)."),
+    force: bool = typer.Option(False, "--force", help="Write the scaffold over an existing file."),
+    check: Path = typer.Option(None, "--check", help="Grade a filled-in exercise (EXECUTES it)."),
+    timeout: float = typer.Option(60.0, "--timeout", help="Seconds before --check stops the file."),
+    as_json: bool = typer.Option(False, "--json", help="The question bank (or the grade) as JSON."),
+) -> None:
+    """Check questions (answers from stdin or the keyboard), scaffolds, graded exercises.
+
+    --check exits 0 when every stage is right, 1 when a stage is wrong, 2 when it could not run.
+    """
+    from .learn import exercises, grade, questions, session
+
+    if check is not None:
+        with _library_errors():
+            g = grade.check(check, exercise, timeout=timeout)
+        if as_json:
+            _print_json(g.to_dict())
+        else:
+            session.render_grade(g, _console())
+        raise typer.Exit(g.exit_code)
+    if exercise is not None:
+        with _library_errors():
+            p = exercises.write(exercise, output, framework, force=force)
+        if as_json:
+            _print_json({"exercise": exercise, "framework": framework, "output": str(p)})
+            return
+        typer.echo(f"wrote {p}: fill in the function, then run `causalattn learn --check {p}`")
+        return
+    with _library_errors():
+        qs = questions(seed=seed, n=n)
+    if as_json:
+        _print_json(qs)
+        return
+    console = _console()
+    console.rule(f"causalattn learn: {len(qs)} question{'s' * (len(qs) != 1)} (seed {seed})")
+    session.run_quiz(qs, console, session.stdin_reader(console=console))
 
 
 # -- causalattn explore -----------------------------------------------------------------

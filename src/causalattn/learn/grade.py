@@ -1,0 +1,457 @@
+"""Grade a filled-in exercise stage by stage with :func:`causalattn.diagnose`.
+
+    check("attention.py") -> Grade      # runs the file in a subprocess, with a timeout
+    grade_namespace(ns, "attention.py") # the same in this process (ns: the file's globals)
+
+The learner's function is placed inside the reference pipeline (the stages it does not
+cover are the library's: :mod:`causalattn.masks`, :func:`causalattn.reference.softmax_last`),
+so the composite is an ordinary attention function that ``diagnose`` probes and compares
+with its catalogue of faults. Before that, one call on a small input checks the shape the
+function returns against :func:`causalattn.shapes.shape_table`. A :class:`Grade` lists
+every stage of the exercise (right / wrong / not graded yet), names the first wrong one with
+a hint, and for the mask shows the learner's M against the expected one. Never a solution.
+
+Exit codes (``Grade.exit_code``): 0 every stage right, 1 a stage is wrong, 2 the file could
+not run (it does not load, raises, or does not finish within the timeout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .. import masks
+from ..reference import softmax_last
+from ..shapes import shape_table
+from .exercises import EXERCISES, MARK, Exercise
+
+__all__ = ["Grade", "check", "grade_namespace", "STAGE_NAMES", "HINTS"]
+
+_MARKER = "@@causalattn-learn-grade@@"
+
+STAGE_NAMES = {
+    "shape": "the shape of what it returns",
+    "S": "scores S = Q Kᵀ / √d_k",
+    "M": "mask M (0 readable, -∞ blocked)",
+    "A": "weights A = softmax_last(S + M)",
+    "H": "output H = A V",
+    "O": "O = [H_1 … H_h] W_O",
+}
+
+# One hint per catalogued fault: where to look, never what to write.
+HINTS = {
+    "k-not-transposed": "S[i, j] must compare query row i with key row j over their d_k "
+    "entries. With T = d_k your product runs but pairs the wrong axes; try T ≠ d_k and "
+    "watch the shapes.",
+    "missing-scale": "Your scores are too large by a constant factor that depends on d_k. In "
+    "the chapter (d_k = 2) the last query's scores are [-0.707, 0.707, 0, 1.414].",
+    "scale-by-dk": "Your scores are too small. With d_k = 4, should the scores be halved or "
+    "quartered?",
+    "diagonal-blocked": "Look at the diagonal of M: may a token read itself?",
+    "no-mask": "Your queries read keys in their future: nothing blocks j > i.",
+    "anti-causal-mask": "Your mask lets query i read the keys after it and blocks the ones "
+    "before. Which side of the diagonal is the past?",
+    "padding-ignored": "Positions at or after `length` are <PAD>: a real query must not read "
+    "them, and a padding query reads nothing.",
+    "padding-queries-only": "Padding must block key columns too, not only query rows.",
+    "finite-min-added-twice": "Two finite minimums added together overflow to -inf, and a row "
+    "with no readable key then spreads its weight over forbidden keys. Build each blocked "
+    "entry once.",
+    "softmax-query-axis": "Your weights sum to 1 down each column. A row is one query: along "
+    "which axis are its keys?",
+    "softmax-all-entries": "Your weights sum to 1 over the whole matrix. Each query needs a "
+    "distribution of its own.",
+    "mask-after-softmax": "Your rows of A sum to less than 1: the future keys took part in the "
+    "softmax before being zeroed. Where must M enter?",
+    "unstable-softmax": "With large scores exp overflows (inf / inf is NaN). A softmax does "
+    "not change when one number is subtracted from a whole row: which number keeps every "
+    "exp at most 1?",
+    "nan-on-empty-rows": "A padding query's row is -∞ everywhere, and 0 / 0 is NaN. Such a "
+    "row reads nothing: its weights must be 0.",
+    "output-projection-missing": "Your O is the heads' output itself: W_O never enters.",
+    "output-projection-transposed": "W_O is (h·d_v)×d_model and is used as X W is: which of "
+    "its axes meets the columns of [H_1 … H_h]?",
+}
+_STAGE_HINTS = {
+    "shape": "Write the shapes of every intermediate next to the code, in the seed's "
+    "notation (T×d_k, T×T, ...), and compare with the docstring.",
+    "S": "Check S by hand on a tiny case: S[i, j] = q_i · k_j / √d_k.",
+    "M": "Print your M for T = 4 and length = 3 and compare it cell by cell with the rule in "
+    "the docstring.",
+    "A": "Each row of A must sum to 1 over the readable keys and be exactly 0 at -∞ entries.",
+    "H": "h_i = Σ_j A_ij v_j: a T×T by T×d_v product.",
+    "O": "Check the head split (which columns belong to head n), the order of the heads "
+    "side by side, then the product with W_O.",
+}
+
+
+@dataclass
+class Grade:
+    """The grade of one file: ``status`` right | wrong | error; ``stages`` one dict per
+    stage of the exercise (stage, name, status right | wrong | not graded); ``stage``: the
+    first wrong one; ``pattern``: the learner's M against the expected one (mask stage)."""
+
+    file: str
+    exercise: str | None
+    status: str
+    message: str
+    framework: str | None = None
+    stage: str | None = None
+    fault: str | None = None
+    hint: str | None = None
+    stages: list = field(default_factory=list)
+    location: str | None = None
+    pattern: dict | None = None
+    diagnosis: dict | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return {"right": 0, "wrong": 1}.get(self.status, 2)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "right"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "exit_code": self.exit_code}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Grade:
+        return cls(**{k: v for k, v in d.items() if k != "exit_code"})
+
+    def __str__(self) -> str:
+        mark = {"right": "✓", "wrong": "✗", "not graded": "·"}
+        lines = [f"exercise {self.exercise or '?'} ({self.file}): {self.status}"]
+        for st in self.stages:
+            lines.append(f"  {mark.get(st['status'], '?')} {st['stage']:<5} {st['name']:<36}"
+                         f" {st['status']}")
+        lines.append(f"  {self.message}")
+        if self.location:
+            lines.append(f"  at {self.location}")
+        if self.pattern:
+            lines.append(f"  {self.pattern['what']}: yours | expected")
+            for a, b in zip(self.pattern["measured"], self.pattern["expected"]):
+                lines.append(f"    {' '.join(f'{c:>2}' for c in a)}   |   "
+                             f"{' '.join(f'{c:>2}' for c in b)}")
+        if self.hint:
+            lines.append(f"  hint: {self.hint}")
+        return "\n".join(lines)
+
+
+# -- calling the learner's function ------------------------------------------------------------
+def _framework(ns: dict) -> str:
+    """torch when the file imported torch (or anything from it), else numpy."""
+    for v in ns.values():
+        mod = v.__name__ if type(v).__name__ == "module" else getattr(v, "__module__", "")
+        if isinstance(mod, str) and (mod == "torch" or mod.startswith("torch.")):
+            return "torch"
+    return "numpy"
+
+
+class _Learner:
+    """The learner's function, called with float64 arrays of its framework; NumPy back."""
+
+    def __init__(self, fn, framework: str, ex: Exercise):
+        self.fn, self.framework, self.ex = fn, framework, ex
+
+    def _in(self, a):
+        a = np.array(a, dtype=np.float64)
+        if self.framework == "torch":
+            import torch
+
+            return torch.from_numpy(a)
+        return a
+
+    def __call__(self, *arrays, ints=()):
+        out = self.fn(*(self._in(a) for a in arrays), *ints)
+        if type(out).__module__.startswith("torch"):
+            out = out.detach().cpu().double().numpy()
+        try:
+            arr = np.asarray(out, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{self.ex.function}() returned {type(out).__name__}, not an array "
+                             f"of numbers ({exc})") from None
+        return arr
+
+    def checked(self, shape, *arrays, ints=()):
+        out = self(*arrays, ints=ints)
+        if out.shape != tuple(shape):
+            raise ValueError(f"{self.ex.function}() returned shape {out.shape}, expected "
+                             f"{'×'.join(map(str, shape))}")
+        return out
+
+
+def _rows(lengths, T: int, B: int):
+    return [T] * B if lengths is None else [int(L) for L in np.asarray(lengths).ravel()]
+
+
+def _float64_only(a) -> None:
+    """The learner's stage runs in float64; half-precision probes (optional in diagnose) are
+    declined, since a float64 stage cannot show their rounding."""
+    if np.asarray(a).dtype == np.float16:
+        raise ValueError("learn: the exercises run in float64, not float16")
+
+
+def _composite(ex: Exercise, user: _Learner):
+    """An attention function for diagnose: the learner's stage inside the reference."""
+    def scores_ref(q, k):
+        return q @ k.T / np.sqrt(q.shape[-1])
+
+    def allowed_for(T, L):
+        return masks.combine(masks.causal(T), masks.key_padding([L], T)[0][None, :],
+                             masks.query_padding([L], T)[0][:, None])
+
+    if ex.name == "scores":
+        def attention(q, k, v):
+            _float64_only(q)
+            T = q.shape[-2]
+            S = user.checked((T, T), q, k)
+            allowed = masks.causal(T)
+            return softmax_last(np.where(allowed, S, -np.inf), allowed) @ np.asarray(v, float)
+        return attention
+
+    if ex.name in ("mask", "softmax"):
+        def attention(q, k, v, lengths=None):
+            _float64_only(q)
+            q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+            one = q.ndim == 2
+            q, k, v = (a[None] if one else a for a in (q, k, v))
+            T = q.shape[-2]
+            out = []
+            for b, L in enumerate(_rows(lengths, T, q.shape[0])):
+                S = scores_ref(q[b], k[b])
+                if ex.name == "mask":
+                    M = user.checked((T, T), ints=(T, L))
+                    with np.errstate(invalid="ignore"):
+                        Z = S + M
+                    A = softmax_last(Z, Z != -np.inf)  # -∞ blocks; a row of -∞ reads nothing
+                else:
+                    allowed = allowed_for(T, L)
+                    A = user.checked((T, T), np.where(allowed, S, -np.inf))
+                out.append(A @ v[b])
+            H = np.stack(out)
+            return H[0] if one else H
+        return attention
+
+    if ex.name == "attention":  # the learner's own function: diagnose records its lines too
+        return user.fn
+
+    import torch
+
+    class MultiHead(torch.nn.Module):
+        """Holds W_Q, W_K, W_V, W_O (X W layout) so diagnose can set its probe weights."""
+
+        n_heads = 2
+
+        def __init__(self, d_model=8):
+            super().__init__()
+            for name in ("w_q", "w_k", "w_v", "w_o"):
+                setattr(self, name, torch.nn.Parameter(
+                    torch.zeros(d_model, d_model, dtype=torch.float64), requires_grad=False))
+
+        def forward(self, x):
+            W = [getattr(self, n).detach().cpu().numpy() for n in ("w_q", "w_k", "w_v", "w_o")]
+            xs = x.detach().cpu().double().numpy()
+            O = np.stack([user.checked(xs[b].shape, xs[b], *W, ints=(self.n_heads,))
+                          for b in range(xs.shape[0])])
+            return torch.from_numpy(O).to(x.dtype)
+
+    return MultiHead()
+
+
+# -- the shape check: one small call before diagnose ---------------------------------------------
+def _shape_probe(ex: Exercise):
+    """(arguments, ints, expected shape) from the seeds' table, T = 5."""
+    rng = np.random.default_rng(7)
+    T, d_k, d_v, L = 5, 3, 2, 3
+    rows = {r.symbol: r.shape for r in shape_table(T, d_k, 1, d_k, d_v)}
+    if ex.name == "scores":
+        return [rng.normal(size=(T, d_k)) for _ in range(2)], (), rows["QKᵀ"]
+    if ex.name == "mask":
+        return [], (T, L), rows["M"]
+    if ex.name == "softmax":
+        allowed = masks.causal(T)
+        return [np.where(allowed, rng.normal(size=(T, T)), -np.inf)], (), rows["A"]
+    if ex.name == "attention":
+        return [rng.normal(size=(T, n)) for n in (d_k, d_k, d_v)], (), rows["H"]
+    h, D = 2, 6
+    rows = {r.symbol: r.shape for r in shape_table(T, D, h)}
+    O = (T, rows["W_O"][1])
+    ws = [rng.normal(size=rows[s]) for s in ("W_Q", "W_K", "W_V", "W_O")]
+    return [rng.normal(size=(T, D)), *ws], (h,), O
+
+
+def _mask_picture(user: _Learner, T: int = 6, L: int = 4) -> dict | None:
+    """The learner's M against the expected one (0 / -∞; '?' for anything else)."""
+    try:
+        M = user(ints=(T, L))
+    except Exception:
+        return None
+    want = masks.additive(masks.combine(masks.causal(T), masks.key_padding([L], T)[0][None, :],
+                                        masks.query_padding([L], T)[0][:, None]))
+
+    def cells(a):
+        return [["0" if x == 0 else "-∞" if x == -np.inf else "?" for x in row] for row in a]
+
+    if M.shape != want.shape or np.array_equal(M, want):
+        return None
+    return {"what": f"M for T = {T}, length = {L}", "measured": cells(M),
+            "expected": cells(want)}
+
+
+# -- grading ------------------------------------------------------------------------------------
+def _find_exercise(ns: dict, path: str, exercise: str | None) -> Exercise:
+    if exercise is not None:
+        if exercise not in EXERCISES:
+            raise ValueError(f"learn: unknown exercise {exercise!r}; choose one of "
+                             f"{list(EXERCISES)}")
+        return EXERCISES[exercise]
+    try:
+        first = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()[:1]
+    except OSError:
+        first = []
+    if first and first[0].startswith(MARK):
+        name = first[0][len(MARK):].split()[0] if first[0][len(MARK):].split() else ""
+        if name in EXERCISES:
+            return EXERCISES[name]
+    found = [ex for ex in EXERCISES.values() if callable(ns.get(ex.function))]
+    if len(found) == 1:
+        return found[0]
+    raise ValueError(f"learn: cannot tell which exercise {path} is (no '{MARK} NAME' first "
+                     f"line, and {len(found)} of the functions {list(EXERCISES)}); pass "
+                     "--exercise NAME")
+
+
+def _stages(ex: Exercise, wrong: str | None, known: bool) -> list[dict]:
+    """Every stage right, or: before the wrong one right (known fault) or unconfirmed."""
+    out, seen = [], False
+    for st in ("shape",) + ex.stages:
+        if wrong is None:
+            status = "right"
+        elif st == wrong:
+            status, seen = "wrong", True
+        elif seen:
+            status = "not graded"
+        else:
+            status = "right" if known or st == "shape" else "not graded"
+        out.append({"stage": st, "name": STAGE_NAMES[st], "status": status})
+    return out
+
+
+def _error(path, ex, message, framework=None) -> Grade:
+    return Grade(str(path), ex.name if ex else None, "error", message, framework)
+
+
+def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> Grade:
+    """Grade the exercise whose module globals are ``ns`` (loaded from ``path``)."""
+    from .. import diagnose
+
+    path = str(path)
+    try:
+        ex = _find_exercise(ns, path, exercise)
+    except ValueError as exc:
+        return _error(path, None, str(exc))
+    fn = ns.get(ex.function)
+    if not callable(fn):
+        return _error(path, ex, f"{path} defines no function {ex.function}()")
+    fw = _framework(ns)
+    user = _Learner(fn, fw, ex)
+
+    # one call on a small T ≠ d_k input: its shape (a crash here may still be a known fault)
+    args, ints, want = _shape_probe(ex)
+    raised = None
+    try:
+        with np.errstate(all="ignore"):
+            got = user(*args, ints=ints)
+    except NotImplementedError:
+        return _error(path, ex, f"{ex.function}() is not written yet (it raises "
+                                "NotImplementedError): fill it in, then check again", fw)
+    except Exception as exc:
+        raised = f"{ex.function}() raised {type(exc).__name__}: {exc}"
+    if raised is None and got.shape != tuple(want):
+        msg = (f"{ex.function}() returned shape {'×'.join(map(str, got.shape)) or 'a scalar'} "
+               f"for T = 5, d_k = 3, d_v = 2; expected {'×'.join(map(str, want))}")
+        return Grade(path, ex.name, "wrong", msg, fw, "shape", None, _STAGE_HINTS["shape"],
+                     _stages(ex, "shape", True))
+
+    try:
+        d = diagnose(_composite(ex, user), timeout=60.0)
+    except ValueError as exc:
+        return _error(path, ex, f"diagnose: {exc}", fw)
+    dd = d.to_dict()
+    if d.status in ("error", "timeout", "crashed"):
+        return Grade(path, ex.name, "error", raised or d.message, fw, diagnosis=dd)
+    if raised is not None and d.status != "fault":
+        return Grade(path, ex.name, "wrong", f"{raised} (on T = 5, d_k = 3, d_v = 2)", fw,
+                     "shape", None, _STAGE_HINTS["shape"], _stages(ex, "shape", True),
+                     diagnosis=dd)
+    if d.ok:
+        return Grade(path, ex.name, "right", "every stage matches the reference on every probe",
+                     fw, stages=_stages(ex, None, True), diagnosis=dd)
+    stage = d.stage if d.stage in ex.stages else ex.stages[-1 if d.stage in ("H", "O") else 0]
+    known = d.status == "fault"
+    hint = HINTS.get(d.fault) if known else None
+    msg = (f"stage {stage} is wrong: {d.message}" if known else
+           f"stage {stage} looks wrong: the output matches neither the reference nor any "
+           "catalogued mistake")
+    location = d.location if d.location and d.location.startswith(str(Path(path).resolve())) \
+        else None
+    pattern = _mask_picture(user) if stage == "M" and ex.name == "mask" else None
+    return Grade(path, ex.name, "wrong", msg, fw, stage, d.fault if known else None,
+                 hint or _STAGE_HINTS[stage], _stages(ex, stage, known), location, pattern, dd)
+
+
+def grade_file(path: str | Path, exercise: str | None = None) -> Grade:
+    """Load ``path`` (EXECUTES it) and grade it, in this process."""
+    p = Path(path)
+    if not p.is_file():
+        return _error(path, None, f"{path}: no such file")
+    try:
+        ns = runpy.run_path(str(p.resolve()), run_name="__learner__")
+    except BaseException as exc:  # a syntax error, an import, even sys.exit in the file
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        return _error(path, None, f"{path} does not run: {type(exc).__name__}: {exc}")
+    return grade_namespace(ns, path, exercise)
+
+
+def _worker() -> None:
+    path, exercise = sys.argv[1], (None if sys.argv[2] == "-" else sys.argv[2])
+    try:
+        g = grade_file(path, exercise)
+    except BaseException as exc:
+        g = _error(path, None, f"the grader stopped: {type(exc).__name__}: {exc}")
+    sys.stdout.flush()
+    print(_MARKER + json.dumps(g.to_dict(), default=str))
+
+
+def check(path: str | Path, exercise: str | None = None, timeout: float = 60.0) -> Grade:
+    """Grade ``path`` in a subprocess stopped after ``timeout`` seconds (the file is
+    EXECUTED there), so a hang or a crash in it becomes a grade (status "error"), not ours."""
+    if not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"learn: timeout must be a positive number of seconds, got {timeout!r}")
+    if not Path(path).is_file():
+        return _error(path, None, f"{path}: no such file")
+    cmd = [sys.executable, "-c", "from causalattn.learn.grade import _worker; _worker()",
+           str(path), exercise or "-"]
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])  # so the child imports this causalattn
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
+                             stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return _error(path, None, f"{path} did not finish within {timeout:g} s (a hang?); it "
+                                  "was stopped")
+    for line in reversed(res.stdout.splitlines()):
+        if line.startswith(_MARKER):
+            return Grade.from_dict(json.loads(line[len(_MARKER):]))
+    tail = " | ".join((res.stderr or res.stdout).strip().splitlines()[-3:])
+    return _error(path, None, f"{path} crashed the grader (exit code {res.returncode}): {tail}")
