@@ -16,6 +16,7 @@ import torch
 from causalattn.engines import attention, make_problem, pick_engine
 from causalattn.engines import reference as ref_engine
 from causalattn.engines import triton as tri
+from causalattn.masks import Pattern
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
 DEV = "cuda" if ON_GPU else "cpu"
@@ -219,7 +220,8 @@ def test_errors_and_choice():
         with pytest.raises(ValueError, match="not installed"):
             tri.forward(p)
         assert not tri.prefers(p)
-        on_cuda = SimpleNamespace(q=SimpleNamespace(device=SimpleNamespace(type="cuda")))
+        on_cuda = SimpleNamespace(q=SimpleNamespace(device=SimpleNamespace(type="cuda")),
+                                  pattern=Pattern(), dropout_p=0.0)
         assert pick_engine(on_cuda) == "sdpa"  # "auto" without triton: SDPA, never an error
         assert pick_engine(on_cuda, return_lse=True) == "reference"
 

@@ -56,7 +56,7 @@ def _is_torch(x) -> bool:
 
 
 def _shape(x) -> str:
-    return "(" + ", ".join(str(int(s)) for s in x.shape) + ")"
+    return str(tuple(int(s) for s in x.shape))  # (3,) for one axis, as Python writes it
 
 
 def _numpy(x) -> np.ndarray:

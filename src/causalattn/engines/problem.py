@@ -2,16 +2,15 @@
 
 Every engine takes a :class:`Problem` and returns ``H`` ``(B, H_q, T_q, d_v)`` and, when
 asked, the fp32 log-sum-exp of each query row ``(B, H_q, T_q)`` (-inf for a row with
-no readable key). What a query may read:
+no readable key; with sinks the sink's term is part of it). Who may read whom, and the
+score modifiers (softcap, ALiBi, sinks), is ``p.pattern``, a :class:`causalattn.masks.Pattern`
+validated against the shapes here; see :mod:`causalattn.masks` for each rule.
 
-- ``causal``: query i (the last T_q positions when T_q < T_k) reads keys j <= i + T_k - T_q;
-- ``lengths`` ``(B,)``: sequence b has lengths[b] real positions; keys past it are blocked
-  and queries past it are padding rows (no readable key, zero output) — the seed's
-  combined causal + padding mask;
-- ``key_padding_mask`` ``(B, T_k)`` bool, True = may read: blocks keys only (as in SDPA
-  and Hugging Face);
-- ``cu_seqlens`` ``(n+1,)``: several sequences packed along T (B must be 1), each
-  causal on its own, as in FlashAttention's varlen API.
+Dropout on the weights A (after the softmax) with probability ``dropout_p``: the keep
+pattern of cell (b, h, i, j) is :func:`causalattn.dropout.keep_mask` of ``dropout_seed``
+(drawn once per call) and the cell's global row and column (:meth:`Problem.dropout_rows`,
+:meth:`Problem.dropout_cols`), so every engine and every split of the work draws the same
+pattern, and a backward regenerates it.
 """
 
 from __future__ import annotations
@@ -19,13 +18,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from .. import dropout as _dropout
+from ..masks import Pattern
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
+# make_problem's pattern keywords, as on causalattn.attention
+PATTERN_KEYS = (
+    "causal", "window", "chunk", "lengths", "key_padding_mask", "cu_seqlens", "prefix_lengths",
+    "mask", "alibi_slopes", "softcap", "sinks",
+)
 
-def _shape(t: torch.Tensor) -> str:
-    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+def _shape(t) -> str:
+    return "(" + ", ".join(str(int(s)) for s in t.shape) + ")"
 
 
 @dataclass
@@ -33,11 +42,13 @@ class Problem:
     q: torch.Tensor  # (B, H_q, T_q, d_k)
     k: torch.Tensor  # (B, H_kv, T_k, d_k)
     v: torch.Tensor  # (B, H_kv, T_k, d_v)
-    causal: bool
     scale: float
-    lengths: torch.Tensor | None = None  # (B,) int64
-    key_padding_mask: torch.Tensor | None = None  # (B, T_k) bool
-    cu_seqlens: torch.Tensor | None = None  # (n+1,) int64
+    pattern: Pattern  # M and the score modifiers, checked against (B, H_q, T_q, T_k)
+    dropout_p: float = 0.0
+    dropout_seed: tuple[int, int] | None = None  # (seed, offset); set iff dropout_p > 0
+    # global position of each query row / key column for the dropout hash; None: pos(i), j
+    row_pos: torch.Tensor | None = None  # (T_q,) int64
+    col_pos: torch.Tensor | None = None  # (T_k,) int64
 
     @property
     def group(self) -> int:
@@ -46,45 +57,83 @@ class Problem:
 
     @property
     def offset(self) -> int:
-        """Bottom-right causal alignment: query i sits at key position i + offset."""
+        """Bottom-right alignment: query i sits at key position i + offset."""
         return self.k.shape[2] - self.q.shape[2]
 
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        """(B, H_q, T_q, T_k): the shape the pattern is read at."""
+        B, H, T_q, _ = self.q.shape
+        return B, H, T_q, self.k.shape[2]
+
     def allowed(self) -> torch.Tensor:
-        """The dense boolean mask ``(B, 1, T_q, T_k)``, True = may read.
+        """The dense boolean mask ``(B', H', T_q, T_k)`` on q's device, True = may read
+        (B' in {1, B}, H' in {1, H_q}). O(T_q·T_k): only materializing engines call it."""
+        return self.pattern.allowed(*self.dims, like=self.q)
 
-        Only the materializing engines (reference, sdpa) call this: it is O(T_q·T_k).
-        """
-        B, _, T_q, _ = self.q.shape
-        T_k = self.k.shape[2]
-        dev = self.q.device
-        i = torch.arange(T_q, device=dev)[:, None] + self.offset  # query positions
-        j = torch.arange(T_k, device=dev)[None, :]
-        m = torch.ones(B, 1, T_q, T_k, dtype=torch.bool, device=dev)
-        if self.causal:
-            m = m & (j <= i)
-        if self.lengths is not None:
-            L = self.lengths.to(dev)[:, None, None, None]
-            m = m & (j < L) & (i < L)
-        if self.key_padding_mask is not None:
-            m = m & self.key_padding_mask.to(dev)[:, None, None, :]
-        if self.cu_seqlens is not None:
-            seq = torch.bucketize(torch.arange(T_k, device=dev), self.cu_seqlens.to(dev)[1:], right=True)
-            m = m & (seq[:, None] == seq[None, :])
-        return m
+    # ---- dropout -------------------------------------------------------------------
+    def dropout_rows(self, i0: int = 0, i1: int | None = None) -> torch.Tensor:
+        """Global positions (int64, CPU) of query rows i0:i1 for the dropout hash."""
+        i1 = self.q.shape[2] if i1 is None else i1
+        if self.row_pos is not None:
+            return self.row_pos[i0:i1].cpu()
+        return torch.arange(i0, i1) + self.offset
+
+    def dropout_cols(self, j0: int = 0, j1: int | None = None) -> torch.Tensor:
+        """Global positions (int64, CPU) of key columns j0:j1 for the dropout hash."""
+        j1 = self.k.shape[2] if j1 is None else j1
+        if self.col_pos is not None:
+            return self.col_pos[j0:j1].cpu()
+        return torch.arange(j0, j1)
+
+    def keep(self, b, h, i0: int = 0, i1: int | None = None, j0: int = 0, j1: int | None = None):
+        """Bool keep pattern for batch rows b, query heads h (ints or broadcastable int
+        tensors), rows i0:i1, columns j0:j1: shape (b·h broadcast, rows, cols), on CPU."""
+        seed, off = self.dropout_seed
+        return _dropout.keep_mask(seed, off, b, h, self.dropout_rows(i0, i1),
+                                  self.dropout_cols(j0, j1), self.dropout_p)
+
+    # ---- the legacy view (engines not yet on the pattern: triton, ring) ----------------
+    @property
+    def causal(self) -> bool:
+        return self.pattern.causal
+
+    @property
+    def lengths(self) -> torch.Tensor | None:
+        L = self.pattern.lengths
+        return None if L is None else torch.as_tensor(L, device=self.q.device)
+
+    @property
+    def key_padding_mask(self) -> torch.Tensor | None:
+        m = self.pattern.key_padding_mask
+        return None if m is None else torch.as_tensor(m, device=self.q.device)
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor | None:
+        cu = self.pattern.cu_seqlens
+        return None if cu is None else torch.as_tensor(cu, device=self.q.device)
+
+    @property
+    def is_legacy(self) -> bool:
+        """Whether causal, lengths, key_padding_mask and cu_seqlens say everything (no
+        window, chunk, prefix, dense mask, modifier or dropout)."""
+        pt = self.pattern
+        return (self.dropout_p == 0 and not pt.has_modifiers and pt.window is None
+                and pt.chunk is None and pt.prefix_lengths is None and pt.mask is None)
 
 
-def make_problem(
-    q, k, v, *, causal=True, key_padding_mask=None, lengths=None, cu_seqlens=None, scale=None
-) -> Problem:
-    """Check inputs and build a :class:`Problem`; every error names the argument and shapes."""
+def _check_tensors(q, k, v) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"attention: {name} must be a torch.Tensor (B, H, T, d), got {type(t).__name__}")
+            raise ValueError(
+                f"attention: {name} must be a torch.Tensor (B, H, T, d), got {type(t).__name__}"
+            )
         if t.dim() != 4:
             raise ValueError(f"attention: {name} must be 4-D (B, H, T, d), got shape {_shape(t)}")
         if t.dtype not in FLOAT_DTYPES:
             raise ValueError(
-                f"attention: {name} {_shape(t)} has dtype {t.dtype}; expected one of fp64, fp32, bf16, fp16"
+                f"attention: {name} {_shape(t)} has dtype {t.dtype}; expected one of fp64, fp32, "
+                "bf16, fp16"
             )
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"attention: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
@@ -115,49 +164,56 @@ def make_problem(
             f"attention: q has T_q={T_q} positions but k has T_k={T_k}; queries are the "
             "last T_q positions, so T_q must be <= T_k"
         )
+
+
+def make_problem(
+    q, k, v, *, causal=True, window=None, lengths=None, key_padding_mask=None, cu_seqlens=None,
+    prefix_lengths=None, chunk=None, mask=None, alibi_slopes=None, softcap=None, sinks=None,
+    scale=None, dropout_p=0.0, generator=None, pattern: Pattern | None = None,
+) -> Problem:
+    """Check inputs and build a :class:`Problem`; every error names the argument and shapes.
+
+    ``pattern``: a ready :class:`Pattern` instead of the pattern keywords (not both).
+    """
+    _check_tensors(q, k, v)
+    B, H_q, T_q, d_k = q.shape
+    T_k = k.shape[2]
+    given = {n: x for n, x in (
+        ("window", window), ("lengths", lengths), ("key_padding_mask", key_padding_mask),
+        ("cu_seqlens", cu_seqlens), ("prefix_lengths", prefix_lengths), ("chunk", chunk),
+        ("mask", mask), ("alibi_slopes", alibi_slopes), ("softcap", softcap), ("sinks", sinks),
+    ) if x is not None}
+    if pattern is not None:
+        if given or causal is not True:
+            raise ValueError(
+                f"attention: give either pattern= or the mask keywords, not both (got "
+                f"{', '.join(given) or 'causal'})"
+            )
+        if not isinstance(pattern, Pattern):
+            raise ValueError(
+                f"attention: pattern must be a causalattn.masks.Pattern, got {type(pattern).__name__}"
+            )
+    else:
+        pattern = Pattern(causal=causal, **given)
+    if pattern.cu_seqlens is not None and (B != 1 or T_q != T_k):
+        raise ValueError(
+            f"cu_seqlens: packed sequences need q, k, v of shape (1, H, T, d) with one T; "
+            f"got q {_shape(q)}, k {_shape(k)}"
+        )
+    pattern.check(B, H_q, T_q, T_k)
     if scale is None:
         scale = 1.0 / math.sqrt(d_k) if d_k else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise ValueError(f"attention: scale must be a number, got {scale!r}")
     scale = float(scale)
-
-    if lengths is not None:
-        lengths = torch.as_tensor(lengths, device=q.device)
-        if lengths.dim() != 1 or lengths.shape[0] != B or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-            raise ValueError(
-                f"lengths: expected an integer tensor of shape (B,) = ({B},), got shape "
-                f"{_shape(lengths)} and dtype {lengths.dtype}"
-            )
-        lengths = lengths.to(torch.int64)
-        if B and (int(lengths.min()) < 0 or int(lengths.max()) > T_k):
-            raise ValueError(
-                f"lengths: each length must lie in [0, T_k={T_k}], got {lengths.tolist()}"
-            )
-    if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, torch.Tensor):
-            key_padding_mask = torch.as_tensor(key_padding_mask)
-        if key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (B, T_k):
-            raise ValueError(
-                f"key_padding_mask: expected a bool tensor (B, T_k) = ({B}, {T_k}), True = may "
-                f"read; got shape {_shape(key_padding_mask)} and dtype {key_padding_mask.dtype}"
-            )
-        key_padding_mask = key_padding_mask.to(q.device)
-    if cu_seqlens is not None:
-        cu_seqlens = torch.as_tensor(cu_seqlens, device=q.device)
-        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.numel() < 2:
-            raise ValueError(
-                f"cu_seqlens: expected a 1-D integer tensor (n+1,), got shape {_shape(cu_seqlens)} "
-                f"and dtype {cu_seqlens.dtype}"
-            )
-        cu_seqlens = cu_seqlens.to(torch.int64)
-        cu = cu_seqlens.tolist()
-        if cu[0] != 0 or cu[-1] != T_k or any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError(
-                f"cu_seqlens: must start at 0, never decrease and end at T={T_k}; got {cu}"
-            )
-        if B != 1 or T_q != T_k:
-            raise ValueError(
-                f"cu_seqlens: packed sequences need q, k, v of shape (1, H, T, d) with one T; "
-                f"got q {_shape(q)}, k {_shape(k)}"
-            )
-        if lengths is not None or key_padding_mask is not None:
-            raise ValueError("cu_seqlens: give either packed sequences or lengths/key_padding_mask, not both")
-    return Problem(q, k, v, bool(causal), scale, lengths, key_padding_mask, cu_seqlens)
+    if not math.isfinite(scale):
+        raise ValueError(f"attention: scale must be finite, got {scale}")
+    p = _dropout.check_p(dropout_p)
+    if generator is not None and (not isinstance(generator, torch.Generator)
+                                  or generator.device.type != "cpu"):
+        raise ValueError(
+            f"attention: generator must be a CPU torch.Generator (the dropout seed is drawn "
+            f"on the host), got {generator!r}"
+        )
+    seed = _dropout.seed_from(generator) if p > 0 else None
+    return Problem(q, k, v, scale, pattern, p, seed)

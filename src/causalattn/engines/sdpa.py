@@ -1,29 +1,62 @@
-"""PyTorch's scaled_dot_product_attention as an engine: the peer our engines are measured against."""
+"""PyTorch's scaled_dot_product_attention as an engine: the peer our engines are measured against.
+
+The pattern goes in as SDPA's dense mask: a bool mask, or a float bias where ALiBi adds
+finite entries (0 or -slope·|i-j| where readable, -inf where not). SDPA cannot express
+softcap (a function of the scores, not an addition) or sinks (an extra denominator term):
+those raise a ValueError rather than approximate. Dropout is SDPA's own ``dropout_p``,
+drawn from torch's global RNG: its pattern differs from :mod:`causalattn.dropout`'s (the
+other engines'), so only its statistics can be compared.
+"""
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 
 from .problem import Problem
 
 
-def forward(p: Problem, return_lse: bool = False):
+def _refusal(p: Problem, return_lse: bool) -> str | None:
     if return_lse:
-        raise ValueError("engine 'sdpa': PyTorch's SDPA does not return the log-sum-exp; use 'tiled'")
-    plain_causal = (
-        p.causal and p.lengths is None and p.key_padding_mask is None
-        and p.cu_seqlens is None and p.q.shape[2] == p.k.shape[2]
-    )
+        return "return_lse: PyTorch's SDPA does not return the log-sum-exp; use 'tiled'"
+    if p.pattern.sinks is not None:
+        return "sinks: PyTorch's SDPA has no sink term in its softmax; use 'tiled'"
+    if p.pattern.softcap is not None:
+        return "softcap: PyTorch's SDPA cannot cap scores (not an additive bias); use 'tiled'"
+    return None
+
+
+def supports(p: Problem, return_lse: bool = False) -> bool:
+    return _refusal(p, return_lse) is None
+
+
+def forward(p: Problem, return_lse: bool = False):
+    why = _refusal(p, return_lse)
+    if why:
+        raise ValueError(f"engine 'sdpa': {why}")
     gqa = p.group > 1
-    if plain_causal:
-        return F.scaled_dot_product_attention(p.q, p.k, p.v, is_causal=True, scale=p.scale, enable_gqa=gqa)
-    allowed = p.allowed()
+    pt = p.pattern
+    drop = p.dropout_p
+    if pt.is_plain_causal and p.q.shape[2] == p.k.shape[2]:
+        return F.scaled_dot_product_attention(
+            p.q, p.k, p.v, is_causal=True, scale=p.scale, enable_gqa=gqa, dropout_p=drop
+        )
+    allowed = p.allowed()  # (B', H', T_q, T_k)
     # SDPA multiplies zero weights by the values, so 0·NaN at a padding key would reach
     # real rows: keys no query may read are zeroed first (causal future keys are a peer
     # limitation: SDPA itself gives no bit-for-bit guarantee there).
-    readable = allowed.any(dim=2, keepdim=True).transpose(-1, -2)  # (B, 1, T_k, 1)
+    readable = allowed.any(dim=2).any(dim=1)[:, None, :, None]  # (B', 1, T_k, 1)
     k = p.k.masked_fill(~readable, 0.0)
     v = p.v.masked_fill(~readable, 0.0)
-    out = F.scaled_dot_product_attention(p.q, k, v, attn_mask=allowed, scale=p.scale, enable_gqa=gqa)
+    mask = allowed
+    if pt.alibi_slopes is not None:  # a float bias: ALiBi where readable, -inf elsewhere
+        B, H, T_q, T_k = p.dims
+        bdt = torch.float64 if p.q.dtype == torch.float64 else torch.float32
+        zero = torch.zeros(1, H, T_q, T_k, dtype=bdt, device=p.q.device)
+        bias = pt.modify_scores(zero)
+        mask = bias.masked_fill(~allowed, float("-inf")).to(p.q.dtype)
+    out = F.scaled_dot_product_attention(
+        p.q, k, v, attn_mask=mask, scale=p.scale, enable_gqa=gqa, dropout_p=drop
+    )
     # SDPA gives NaN (or a uniform average) on rows with no readable key; ours are zero.
     return out.masked_fill(~allowed.any(dim=-1, keepdim=True), 0.0)

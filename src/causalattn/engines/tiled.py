@@ -536,8 +536,17 @@ class _TiledAttention(torch.autograd.Function):
         return dq, dk, dv, None
 
 
+def supports(p: Problem, return_lse: bool = False) -> bool:
+    return p.is_legacy
+
+
 def forward(p: Problem, return_lse: bool = False):
     """Engine entry: differentiable in q, k, v."""
+    if not supports(p, return_lse):
+        raise ValueError(
+            f"engine 'tiled': {p.pattern.describe()} (dropout_p={p.dropout_p}) is not supported "
+            "yet; use engine='reference'"
+        )
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v))
     if needs_grad:
         out, lse = _TiledAttention.apply(p.q, p.k, p.v, p)

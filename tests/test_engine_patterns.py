@@ -1,0 +1,218 @@
+"""Every pattern of M and every score modifier on the engines, against a row-by-row statement
+of the definition and against each other; the bad inputs of issues 11 and 12."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from causalattn import dropout
+from causalattn.engines import attention, make_problem, reference
+
+F64 = torch.float64
+
+
+def _inputs(B, Hq, Hkv, Tq, Tk, d, dv, dtype=F64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, Hq, Tq, d, generator=g).to(dtype)
+    k = torch.randn(B, Hkv, Tk, d, generator=g).to(dtype)
+    v = torch.randn(B, Hkv, Tk, dv, generator=g).to(dtype)
+    return q, k, v
+
+
+def by_rows(q, k, v, kw, keep=None, p=0.0):
+    """The definition one query row at a time, float64: scores, softcap, ALiBi, M, softmax
+    with the sink in the denominator, dropout (``keep`` (B, H, T_q, T_k)) and the sum."""
+    B, H, Tq, _ = q.shape
+    Tk = k.shape[2]
+    g = H // k.shape[1]
+    pk = {n: x for n, x in kw.items() if n not in ("scale",)}
+    allowed = make_problem(q, k, v, **pk).allowed().expand(B, H, Tq, Tk)
+    scale = kw.get("scale") or 1 / math.sqrt(q.shape[-1])
+    out = torch.zeros(B, H, Tq, v.shape[-1], dtype=F64)
+    for b in range(B):
+        for h in range(H):
+            for i in range(Tq):
+                cols = allowed[b, h, i].nonzero().flatten()
+                if cols.numel() == 0:
+                    continue
+                s = (k[b, h // g, cols].double() @ q[b, h, i].double()) * scale
+                if kw.get("softcap") is not None:
+                    c = kw["softcap"]
+                    s = c * torch.tanh(s / c)
+                if kw.get("alibi_slopes") is not None:
+                    sl = torch.as_tensor(kw["alibi_slopes"], dtype=F64)
+                    sl = sl[h] if sl.dim() == 1 else sl[b, h]
+                    s = s - sl * (i + Tk - Tq - cols).abs().double()
+                terms = s
+                if kw.get("sinks") is not None:
+                    terms = torch.cat([s, torch.as_tensor(kw["sinks"], dtype=F64)[h:h + 1]])
+                a = torch.exp(s - terms.max()) / torch.exp(terms - terms.max()).sum()
+                if p > 0:
+                    a = torch.where(keep[b, h, i, cols], a / (1 - p), 0.0) if p < 1 else a * 0
+                out[b, h, i] = a @ v[b, h // g, cols].double()
+    return out
+
+
+@st.composite
+def cases(draw, modifiers=True, max_T=24):
+    B = draw(st.integers(1, 2))
+    Hkv = draw(st.integers(1, 2))
+    Hq = Hkv * draw(st.sampled_from([1, 2]))
+    Tk = draw(st.integers(1, max_T))
+    Tq = draw(st.one_of(st.just(Tk), st.integers(1, Tk)))
+    kw = {"causal": draw(st.booleans())}
+    if draw(st.booleans()):
+        kw["window"] = draw(st.integers(1, 8))
+    if draw(st.booleans()):
+        kw["chunk"] = draw(st.integers(1, 7))
+    if B == 1 and Tq == Tk and draw(st.booleans()):
+        kw["cu_seqlens"] = [0, *sorted(draw(st.lists(st.integers(0, Tk), max_size=3))), Tk]
+    else:
+        if draw(st.booleans()):
+            kw["lengths"] = draw(st.lists(st.integers(0, Tk), min_size=B, max_size=B))
+        if draw(st.booleans()):
+            kw["key_padding_mask"] = torch.tensor(draw(st.lists(
+                st.booleans(), min_size=B * Tk, max_size=B * Tk))).view(B, Tk)
+        if draw(st.booleans()):
+            top = kw.get("lengths", [Tk] * B)
+            kw["prefix_lengths"] = [draw(st.integers(0, t)) for t in top]
+        if draw(st.booleans()):
+            bb, hh = draw(st.sampled_from([1, B])), draw(st.sampled_from([1, Hq]))
+            kw["mask"] = torch.tensor(draw(st.lists(
+                st.booleans(), min_size=bb * hh * Tq * Tk, max_size=bb * hh * Tq * Tk))
+            ).view(bb, hh, Tq, Tk)
+    if modifiers:
+        if draw(st.booleans()):
+            kw["softcap"] = draw(st.sampled_from([0.5, 2.0, 30.0]))
+        if draw(st.booleans()):
+            shape = draw(st.sampled_from([(Hq,), (B, Hq)]))
+            kw["alibi_slopes"] = torch.rand(shape, generator=torch.Generator().manual_seed(3),
+                                            dtype=F64)
+        if draw(st.booleans()):
+            kw["sinks"] = torch.randn(Hq, generator=torch.Generator().manual_seed(4), dtype=F64)
+    d = draw(st.integers(1, 9))
+    dv = draw(st.one_of(st.just(d), st.integers(1, 6)))
+    seed = draw(st.integers(0, 2**16))
+    return _inputs(B, Hq, Hkv, Tq, Tk, d, dv, seed=seed), kw
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases(), st.sampled_from([0.0, 0.3]))
+def test_reference_is_the_definition_row_by_row(case, p):
+    (q, k, v), kw = case
+    gen = torch.Generator().manual_seed(5)
+    out, lse = attention(q, k, v, engine="reference", return_lse=True, dropout_p=p,
+                         generator=gen, **kw)
+    prob = make_problem(q, k, v, dropout_p=p, generator=torch.Generator().manual_seed(5), **kw)
+    keep = reference.dropout_mask(prob)
+    want = by_rows(q, k, v, kw, keep, p)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-10)
+    empty = ~prob.allowed().expand(lse.shape + (k.shape[2],)).any(-1)
+    assert torch.equal(torch.isneginf(lse), empty)  # -inf exactly on rows that read nothing
+    assert torch.equal(out[empty], torch.zeros_like(out[empty]))
+
+
+@settings(max_examples=30, deadline=None)
+@given(cases())
+def test_sdpa_matches_reference_where_it_can_express_the_pattern(case):
+    (q, k, v), kw = case
+    if kw.get("sinks") is not None or kw.get("softcap") is not None:
+        with pytest.raises(ValueError, match="sinks|softcap"):
+            attention(q, k, v, engine="sdpa", **kw)
+        return
+    ref = attention(q, k, v, engine="reference", **kw)
+    got = attention(q, k, v, engine="sdpa", **kw)
+    torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
+
+
+def test_sinks_gradient_reaches_a_learned_parameter():
+    q, k, v = _inputs(1, 2, 2, 5, 5, 4, 4)
+    sinks = torch.nn.Parameter(torch.tensor([0.5, -1.0], dtype=F64))
+    out = attention(q, k, v, sinks=sinks, window=2, engine="reference")
+    (g,) = torch.autograd.grad(out.sum(), (sinks,))
+    assert g.shape == (2,) and (g != 0).all()
+    assert torch.autograd.gradcheck(
+        lambda s: attention(q, k, v, sinks=s, window=2, engine="reference"),
+        (sinks.detach().clone().requires_grad_(),))
+
+
+def test_reference_dropout_explicit_pattern_and_inspection():
+    q, k, v = _inputs(2, 2, 1, 6, 6, 4, 4, seed=2)
+    p = make_problem(q, k, v, window=3, dropout_p=0.4, generator=torch.Generator().manual_seed(1))
+    keep = reference.dropout_mask(p)
+    assert keep.shape == (2, 2, 6, 6) and keep.dtype == torch.bool
+    again = dropout.keep_mask(*p.dropout_seed, 1, 0, torch.arange(6), torch.arange(6), 0.4)
+    assert torch.equal(keep[1, 0], again)  # the pattern is the hash of global positions
+    assert torch.equal(reference.attend(p, keep=keep), reference.forward(p))
+    other = ~keep
+    assert not torch.equal(reference.attend(p, keep=other), reference.forward(p))
+    torch.testing.assert_close(reference.attend(p, keep=other),
+                               by_rows(q, k, v, {"window": 3}, other, 0.4))
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"window": 0}, ["window", ">= 1"]),
+    ({"chunk": -2}, ["chunk"]),
+    ({"window": 2.5}, ["window"]),
+    ({"prefix_lengths": [7, 1]}, ["prefix_lengths", "T_k=6"]),
+    ({"prefix_lengths": [3, 4], "lengths": [6, 2]}, ["prefix_lengths", "length"]),
+    ({"prefix_lengths": [1]}, ["prefix_lengths", "(2,)", "(1,)"]),
+    ({"alibi_slopes": torch.ones(3)}, ["alibi_slopes", "(4,)", "(3,)"]),
+    ({"alibi_slopes": [float("nan")] * 4}, ["alibi_slopes", "finite"]),
+    ({"softcap": 0.0}, ["softcap"]),
+    ({"softcap": float("inf")}, ["softcap"]),
+    ({"sinks": torch.zeros(2)}, ["sinks", "(4,)", "(2,)"]),
+    ({"mask": torch.ones(2, 1, 6, 5, dtype=torch.bool)}, ["mask", "(2, 1, 6, 5)"]),
+    ({"mask": torch.ones(2, 1, 6, 6)}, ["mask", "bool"]),
+    ({"mask": torch.ones(1, 6, 6, dtype=torch.bool), "cu_seqlens": [0, 6]}, ["cu_seqlens"]),
+    ({"dropout_p": 1.5}, ["dropout_p", "[0, 1]"]),
+    ({"dropout_p": -0.1}, ["dropout_p"]),
+    ({"dropout_p": "0.1"}, ["dropout_p"]),
+    ({"dropout_p": float("nan")}, ["dropout_p"]),
+    ({"dropout_p": 0.1, "generator": 3}, ["generator"]),
+    ({"scale": "x"}, ["scale"]),
+])
+@pytest.mark.parametrize("engine", ["reference", "sdpa", "tiled"])
+def test_bad_input_is_refused_by_name(kw, words, engine):
+    q, k, v = _inputs(2, 4, 2, 6, 6, 8, 8)
+    with pytest.raises(ValueError) as e:
+        attention(q, k, v, engine=engine, **kw)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_sdpa_refuses_what_it_cannot_express():
+    q, k, v = _inputs(1, 2, 2, 4, 4, 8, 8)
+    for kw, word in (({"sinks": torch.zeros(2)}, "sinks"), ({"softcap": 5.0}, "softcap")):
+        with pytest.raises(ValueError, match=f"engine 'sdpa': {word}"):
+            attention(q, k, v, engine="sdpa", **kw)
+    with pytest.raises(ValueError, match="return_lse"):
+        attention(q, k, v, engine="sdpa", return_lse=True)
+
+
+def test_sdpa_dropout_is_its_own_but_unbiased_in_shape():
+    q, k, v = _inputs(1, 2, 2, 8, 8, 4, 4, dtype=torch.float32)
+    torch.manual_seed(0)
+    a = attention(q, k, v, engine="sdpa", dropout_p=0.5, window=4)
+    assert a.shape == q.shape and torch.isfinite(a).all()
+    assert not torch.equal(a, attention(q, k, v, engine="sdpa", window=4))
+    assert torch.equal(attention(q, k, v, engine="sdpa", dropout_p=0.0, window=4),
+                       attention(q, k, v, engine="sdpa", window=4))
+
+
+def test_problem_fields():
+    q, k, v = _inputs(2, 4, 2, 6, 6, 8, 8)
+    p = make_problem(q, k, v, window=3, dropout_p=0.25)
+    assert p.pattern.window == 3 and p.dropout_p == 0.25 and len(p.dropout_seed) == 2
+    assert make_problem(q, k, v).dropout_seed is None
+    torch.manual_seed(9)
+    s1 = make_problem(q, k, v, dropout_p=0.1).dropout_seed
+    torch.manual_seed(9)
+    assert make_problem(q, k, v, dropout_p=0.1).dropout_seed == s1
+    assert np.array_equal(p.allowed().numpy(), p.pattern.allowed(2, 4, 6, 6))
