@@ -187,6 +187,10 @@ def test_check_in_a_subprocess_broken_and_hanging_files(tmp_path):
     bad.write_text(f"{exercises.MARK} attention (numpy)\ndef attention(q, k, v):\n    return (\n")
     g = grade.check(bad)
     assert g.status == "error" and g.exit_code == 2 and "SyntaxError" in g.message
+    boom = tmp_path / "boom.py"
+    boom.write_text("raise SystemExit(3)\n")
+    g = grade.grade_file(boom)  # what the subprocess runs: the file's own exit is caught
+    assert g.exit_code == 2 and "SystemExit" in g.message
     hang = tmp_path / "hang.py"
     hang.write_text("import time\n\ndef attention(q, k, v):\n    while True:\n"
                     "        time.sleep(0.1)\n")

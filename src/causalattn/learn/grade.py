@@ -439,6 +439,10 @@ def check(path: str | Path, exercise: str | None = None, timeout: float = 60.0) 
         raise ValueError(f"learn: timeout must be a positive number of seconds, got {timeout!r}")
     if not Path(path).is_file():
         return _error(path, None, f"{path}: no such file")
+    try:  # compiling runs nothing: a syntax error needs no subprocess
+        compile(Path(path).read_bytes(), str(path), "exec")
+    except (SyntaxError, ValueError) as exc:
+        return _error(path, None, f"{path} does not run: {type(exc).__name__}: {exc}")
     cmd = [sys.executable, "-c", "from causalattn.learn.grade import _worker; _worker()",
            str(path), exercise or "-"]
     env = dict(os.environ)
