@@ -7,7 +7,6 @@ diagnose fault is planted into one of them by a textual change, as a learner wou
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,11 +25,9 @@ SOL = Path(__file__).parent / "learn_solutions"
 
 
 def _catalogue():
-    """The diagnose catalogue, wherever the check package keeps it."""
-    try:
-        from causalattn.check.diagnose import CATALOGUE
-    except ImportError:
-        CATALOGUE = sys.modules["causalattn.diagnose"].CATALOGUE
+    """The diagnose catalogue: fault id -> stage."""
+    from causalattn.check import CATALOGUE
+
     return {f.id: f.stage for f in CATALOGUE}
 
 
