@@ -257,6 +257,12 @@ def _recomputed(q):
                 (True, True): "both"}[(bool(future), bool(padded))]
         from causalattn.learn.questions import _CELL
         return _CELL[name]
+    if kind == "window-row":  # HF sliding_window: the last w positions, the query's included
+        i, w = d["i"], d["window"]
+        return f"keys {i - w + 2}–{i + 1}"
+    if kind == "window-count":
+        T, w = d["T"], d["window"]
+        return str((T - w) * (T - w + 1) // 2)
     if kind == "shape":
         rows = {r.symbol: r for r in ca.shape_table(d["seq_len"], d["d_model"], d["n_heads"])}
         return rows[d["symbol"]].notation

@@ -192,6 +192,11 @@ def _rows(lengths, T: int, B: int):
     return [T] * B if lengths is None else [int(L) for L in np.asarray(lengths).ravel()]
 
 
+def _padded(T: int, L: int) -> np.ndarray:
+    """T×T: causal, the first L positions real (the seed's right padding), from the one M."""
+    return np.asarray(masks.Pattern(lengths=[L]).allowed(1, 1, T, T))[0, 0]
+
+
 def _float64_only(a) -> None:
     """The learner's stage runs in float64; half-precision probes (optional in diagnose) are
     declined, since a float64 stage cannot show their rounding."""
@@ -204,9 +209,6 @@ def _composite(ex: Exercise, user: _Learner):
     def scores_ref(q, k):
         return q @ k.T / np.sqrt(q.shape[-1])
 
-    def allowed_for(T, L):
-        return masks.combine(masks.causal(T), masks.key_padding([L], T)[0][None, :],
-                             masks.query_padding([L], T)[0][:, None])
 
     if ex.name == "scores":
         def attention(q, k, v):
@@ -233,7 +235,7 @@ def _composite(ex: Exercise, user: _Learner):
                         Z = S + M
                     A = softmax_last(Z, Z != -np.inf)  # -∞ blocks; a row of -∞ reads nothing
                 else:
-                    allowed = allowed_for(T, L)
+                    allowed = _padded(T, L)
                     A = user.checked((T, T), np.where(allowed, S, -np.inf))
                 out.append(A @ v[b])
             H = np.stack(out)
@@ -294,8 +296,7 @@ def _mask_picture(user: _Learner, T: int = 6, L: int = 4) -> dict | None:
         M = user(ints=(T, L))
     except Exception:
         return None
-    want = masks.additive(masks.combine(masks.causal(T), masks.key_padding([L], T)[0][None, :],
-                                        masks.query_padding([L], T)[0][:, None]))
+    want = masks.additive(_padded(T, L))
 
     def cells(a):
         return [["0" if x == 0 else "-∞" if x == -np.inf else "?" for x in row] for row in a]

@@ -95,7 +95,7 @@ def _q(i: int, tokens) -> str:
 # -- the chapter's Q1 ---------------------------------------------------------------------------
 def _softmax_axis(rng):
     tr, data = _small_trace(rng, 5)
-    allowed = masks.causal(5)
+    allowed = _dense(masks.Pattern(), 5)
     Z = np.where(allowed, tr.S, -np.inf)
     with np.errstate(invalid="ignore"):
         by = {
@@ -126,14 +126,20 @@ def _softmax_axis(rng):
 
 
 # -- the seed corpus' masks ---------------------------------------------------------------------
+def _dense(pattern: masks.Pattern, T: int) -> np.ndarray:
+    """One sequence's T×T boolean mask (True = may read) from the one M."""
+    return np.asarray(pattern.allowed(1, 1, T, T))[0, 0]
+
+
 def _seed_masks(b: int):
     """Sentence b's (0-based) causal, padding-only and combined masks, N×N, and its tokens."""
     batch = text.encode(list(text.SEED_SENTENCES))
     L, N = int(batch.lengths[b]), batch.N
-    causal = masks.causal(N)
-    padding = masks.combine(masks.key_padding([L], N)[:, None, :],
-                            masks.query_padding([L], N)[:, :, None])[0]
-    return batch.tokens[b], L, N, causal, padding, batch.mask[b]
+    causal = _dense(masks.Pattern(), N)
+    padding = _dense(masks.Pattern(causal=False, lengths=[L]), N)
+    combined = _dense(masks.Pattern(lengths=[L]), N)
+    assert np.array_equal(combined, batch.mask[b])  # the batch's mask is the same M
+    return batch.tokens[b], L, N, causal, padding, combined
 
 
 _CELL = {
@@ -291,7 +297,7 @@ def _mask_after_softmax(rng):
     T = int(rng.integers(4, 7))
     tr, data = _small_trace(rng, T)
     i = int(rng.integers(0, T - 1))  # a query with future keys
-    allowed = masks.causal(T)[i]
+    allowed = _dense(masks.Pattern(), T)[i]
     after = softmax_last(tr.S[i], np.ones(T, bool)) * allowed
     s = float(after.sum())
     wrong = [_f(1.0), _f(1 - s), _f((i + 1) / T)]
@@ -338,6 +344,44 @@ def _shape(rng):
     )
 
 
+# -- what a sliding window changes in M ------------------------------------------------------
+def _window_row(rng):
+    T, w = 8, int(rng.integers(2, 5))
+    i = int(rng.integers(w + 1, T))  # far enough in that the window cuts something
+    rows = {k: np.flatnonzero(_dense(masks.Pattern(window=k), T)[i]) for k in (w, w + 1, w - 1)}
+    causal = np.flatnonzero(_dense(masks.Pattern(), T)[i])
+    return _pack(
+        rng, "window-row",
+        f"A sliding window of w = {w} (masks.Pattern(window={w}), Hugging Face's "
+        f"sliding_window) is added to the causal mask of T = {T} positions. Which keys may "
+        f"query {i + 1} read?",
+        f"keys {_span(rows[w])}", [f"keys {_span(rows[w + 1])}", f"keys {_span(rows[w - 1])}",
+                                   f"keys {_span(causal)}"],
+        "The window keeps the last w positions, the query's own included.",
+        f"Query {i + 1} reads the last {w} positions, itself included: keys {_span(rows[w])}. "
+        f"The causal mask alone would let it read keys {_span(causal)}; the window blocks "
+        f"{len(causal) - len(rows[w])} of them, and every row's cost stops growing with T.",
+        {"matrix": "M", "cells": [[i, int(j)] for j in rows[w]], "pattern": {"window": w}},
+        {"T": T, "window": w, "i": i},
+    )
+
+
+def _window_count(rng):
+    T, w = int(rng.integers(6, 11)), int(rng.integers(2, 5))
+    causal = int(_dense(masks.Pattern(), T).sum())
+    blocked = {k: causal - int(_dense(masks.Pattern(window=k), T).sum()) for k in (w - 1, w, w + 1)}
+    return _pack(
+        rng, "window-count",
+        f"Of the {T}×{T} causal mask's {causal} readable cells, how many does a sliding window "
+        f"of w = {w} block (masks.Pattern(window={w}))?",
+        str(blocked[w]), [str(blocked[w - 1]), str(blocked[w + 1]), str(causal - blocked[w])],
+        "Row i keeps min(i + 1, w) keys; the rest of its causal keys are blocked.",
+        f"{blocked[w]}: row i keeps min(i + 1, {w}) of its i + 1 causal keys, so "
+        f"{causal - blocked[w]} cells stay readable out of {causal}.",
+        {"matrix": "M", "axis": "all", "pattern": {"window": w}}, {"T": T, "window": w},
+    )
+
+
 KINDS = {
     "softmax-axis": _softmax_axis,
     "mask-cell": _mask_cell,
@@ -348,6 +392,8 @@ KINDS = {
     "mask-after-softmax": _mask_after_softmax,
     "mask-count": _mask_count,
     "padding-rows": _padding_rows,
+    "window-row": _window_row,
+    "window-count": _window_count,
 }
 
 
