@@ -149,7 +149,7 @@ def test_masks_file_json(tmp_path):
 def test_masks_truncation_is_reported():
     res = run("masks", "a b c d", "--max-len", "2", "--json")
     assert "truncated to max_len=2" in res.stderr
-    assert json.loads(res.stdout)["truncated"] == [0]
+    assert json.loads(res.stdout)["truncated"] == [1]  # sentence 1: positions are 1-based
 
 
 @pytest.mark.parametrize(

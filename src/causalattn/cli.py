@@ -1,25 +1,91 @@
 """The `causalattn` command: a thin shell over the library (typer + rich).
 
 Every command takes ``--json`` for machine-readable output. Positions on the command
-line are 1-based, as in the chapter (h_1 … h_T); the Python API is 0-based.
+line and in its output (text and JSON) are 1-based, as in the chapter (h_1 … h_T); the
+Python API is 0-based. Every failure is one ``error: ...`` line on stderr and exit 2
+(usage errors too, followed by a hint to ``--help``); nothing prints a traceback.
+Commands that would build large arrays refuse past ``--max-bytes`` (1 GiB by default)
+with the size they would need.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 import warnings
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
 import typer
+from typer import _click as click  # the click typer vendors: its exceptions are these
+from typer.core import TyperGroup
+from typer.exceptions import Abort
+
+
+class _OneLineErrors(TyperGroup):
+    """typer's group, but every failure is one leading ``error: ...`` line and exit 2.
+
+    Usage errors (unknown option, missing argument, bad value) keep click's exit 2 and
+    add a ``Try ... --help`` line; anything unexpected becomes ``error: internal error``
+    instead of a traceback (``CAUSALATTN_DEBUG=1`` shows the traceback).
+    """
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
+                              standalone_mode=False, **extra)
+        except click.exceptions.NoArgsIsHelpError as exc:
+            click.echo(exc.ctx.get_help())
+            rv = 2
+        except click.exceptions.UsageError as exc:
+            click.echo(f"error: {exc.format_message()}", err=True)
+            cmd = exc.ctx.command_path if exc.ctx is not None else "causalattn"
+            click.echo(f"Try '{cmd} --help' for help.", err=True)
+            rv = 2
+        except click.exceptions.ClickException as exc:
+            click.echo(f"error: {exc.format_message()}", err=True)
+            rv = 2
+        except Abort as exc:
+            cause = exc.__cause__
+            if isinstance(cause, KeyboardInterrupt) or cause is None:
+                click.echo("error: interrupted", err=True)
+                rv = 130
+            else:
+                click.echo(f"error: unexpected end of input ({type(cause).__name__})", err=True)
+                rv = 2
+        except MemoryError:
+            click.echo("error: out of memory; lower --max-bytes or the input size", err=True)
+            rv = 2
+        except RecursionError:
+            click.echo("error: input nested too deeply", err=True)
+            rv = 2
+        except Exception as exc:  # a bug: still one line, unless debugging
+            if os.environ.get("CAUSALATTN_DEBUG"):
+                raise
+            msg = str(exc).splitlines()[0] if str(exc) else ""
+            click.echo(f"error: internal error: {type(exc).__name__}: {msg} (CAUSALATTN_DEBUG=1 "
+                       "shows the traceback; please report it)", err=True)
+            rv = 2
+        if not standalone_mode:
+            return rv
+        sys.exit(rv if isinstance(rv, int) else 0)
+
 
 app = typer.Typer(
+    cls=_OneLineErrors,
     add_completion=False,
     no_args_is_help=True,
     help="Causal self-attention in matrix form: H = softmax_last(Q Kᵀ/√d_k + M) V.",
 )
+
+# Arrays past this many bytes are refused (--max-bytes raises it): a 100,000-token
+# sentence's N×N float64 stage alone is 80 GB.
+DEFAULT_MAX_BYTES = 2**30
+_MAX_BYTES_HELP = "Refuse to build arrays larger than this many bytes (default 1 GiB)."
 
 
 # -- shared helpers (every command uses them) --------------------------------------------
@@ -38,13 +104,17 @@ def _library_errors():
         yield
     except (ValueError, OSError) as exc:
         _fail(str(exc))
+    except MemoryError:
+        _fail("out of memory; lower the input size or --max-bytes")
 
 
 def _jsonable(obj):
     """NumPy arrays and scalars -> lists and numbers; non-finite floats -> "inf"/"-inf"/"nan"."""
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
+    if getattr(obj, "dtype", None) is not None and obj.dtype.kind in "biuU":  # NumPy, no floats
+        return obj.tolist()
+    if isinstance(obj, (list, tuple, Sequence)) and not isinstance(obj, str):
         return [_jsonable(v) for v in obj]
     if hasattr(obj, "tolist") and not isinstance(obj, str):
         return _jsonable(obj.tolist())
@@ -76,26 +146,42 @@ def _fmt(a, precision: int = 3) -> str:
     return np.array2string(np.asarray(a), precision=precision, suppress_small=True)
 
 
-def _mask_table(title: str, allowed, rows: list[str], cols: list[str], form: str):
-    """A token-labelled mask: rows are queries, columns keys; form 'additive' (0/-∞) or 'check' (✓/·)."""
+def _mask_table(title: str, allowed, rows: list[str], cols: list[str], form: str,
+                row_pos=None, col_pos=None):
+    """A token-labelled mask: rows are queries, columns keys; form 'additive' (0/-∞) or 'check' (✓/·).
+
+    ``row_pos`` / ``col_pos`` (0-based, default 0, 1, ...) label a summarized mask's
+    corner cells with their positions (shown 1-based); a gap between two shown positions
+    gets a ``⋮`` row or a ``…`` column.
+    """
     from rich.table import Table
     from rich.text import Text
 
+    row_pos = list(range(len(rows))) if row_pos is None else list(row_pos)
+    col_pos = list(range(len(cols))) if col_pos is None else list(col_pos)
+    gap_c = [k for k in range(1, len(col_pos)) if col_pos[k] != col_pos[k - 1] + 1]
     on, off = ("0", "-∞") if form == "additive" else ("✓", "·")
     t = Table(title=title, box=None, pad_edge=False, padding=(0, 1), title_justify="left")
     t.add_column("query \\ key", style="bold", no_wrap=True)
-    for j, c in enumerate(cols):  # Text, not markup: tokens are user data
+    for k, (j, c) in enumerate(zip(col_pos, cols)):  # Text, not markup: tokens are user data
+        if k in gap_c:
+            t.add_column("…", justify="center", no_wrap=True)
         t.add_column(Text(f"{j + 1}\n{c[:5]}"), justify="center", no_wrap=True)
-    for i, r in enumerate(rows):
-        cells = [Text(on, style="green") if a else Text(off, style="dim") for a in allowed[i]]
+    for k, (i, r) in enumerate(zip(row_pos, rows)):
+        if k and i != row_pos[k - 1] + 1:
+            t.add_row("⋮", *(["⋮"] * (len(cols) + len(gap_c))))
+        cells = [Text(on, style="green") if a else Text(off, style="dim") for a in allowed[k]]
+        for g in reversed(gap_c):
+            cells.insert(g, Text("…", style="dim"))
         t.add_row(Text(f"{i + 1} {r}" if len(rows) > 1 else r), *cells)
     return t
 
 
-def _mask_pair(title: str, allowed, rows, cols, form: str) -> list:
+def _mask_pair(title: str, allowed, rows, cols, form: str, row_pos=None, col_pos=None) -> list:
     forms = ["additive", "check"] if form == "both" else [form]
     names = {"additive": "M, 0/-∞", "check": "may read, ✓/·"}
-    return [_mask_table(f"{title}: {names[f]}", allowed, rows, cols, f) for f in forms]
+    return [_mask_table(f"{title}: {names[f]}", allowed, rows, cols, f, row_pos, col_pos)
+            for f in forms]
 
 
 def _print_tables(console, tables: list) -> None:
@@ -105,13 +191,13 @@ def _print_tables(console, tables: list) -> None:
     console.print()
 
 
-def _encode_quiet(sentences, max_len=None):
+def _encode_quiet(sentences, max_len=None, max_bytes=DEFAULT_MAX_BYTES):
     """text.encode, with its truncation warning shown as a note on stderr."""
     from . import text
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        batch = text.encode(sentences, max_len=max_len)
+        batch = text.encode(sentences, max_len=max_len, max_bytes=max_bytes)
     for w in caught:
         typer.echo(f"note: {w.message}", err=True)
     return batch
@@ -196,12 +282,47 @@ def shapes(
 _FORMS = ("both", "additive", "check")
 
 
-def _read_corpus(path: Path) -> list[str]:
+def _read_corpus(path: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> list[str]:
+    """The non-blank lines of a UTF-8 corpus file; a file past --max-bytes is refused."""
     try:
+        size = path.stat().st_size
+        if size > max_bytes:
+            _fail(f"text: corpus file {path} is {_human_bytes(size)} (limit "
+                  f"{_human_bytes(max_bytes)}, --max-bytes)")
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         _fail(f"text: cannot read corpus file {path}: {exc}")
-    return [ln for ln in lines if ln.strip()]
+    corpus = [ln for ln in lines if ln.strip()]
+    if not corpus:
+        _fail(f"text: the corpus file {path} has no sentences")
+    return corpus
+
+
+# Outputs: the folder that holds an output file must exist (no folder is created for
+# -o/--output or --save); --png DIR creates DIR itself, never its parents.
+def _check_out_file(flag: str, path: Path) -> None:
+    if path.is_dir():
+        _fail(f"{flag}: {path} is a folder; give a file name")
+    parent = path.parent
+    if not parent.is_dir():
+        _fail(f"{flag}: the folder {parent} does not exist (create it first)")
+
+
+def _check_out_dir(flag: str, path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        _fail(f"{flag}: {path} exists and is not a folder")
+    if not path.exists() and not path.parent.is_dir():
+        _fail(f"{flag}: the folder {path.parent} does not exist (create it first)")
+
+
+def _progress(items, description: str, quiet: bool):
+    """``items`` with a rich progress bar on stderr when it is a terminal and not --json."""
+    if quiet or not sys.stderr.isatty():
+        return items
+    from rich.console import Console
+    from rich.progress import track
+
+    return track(items, description=description, console=Console(stderr=True), transient=True)
 
 
 def _write_pngs(out_dir: Path, make) -> None:
@@ -212,9 +333,74 @@ def _write_pngs(out_dir: Path, make) -> None:
         _fail("--png needs matplotlib: pip install 'causalattn[viz]'")
     from . import viz
 
+    _check_out_dir("--png", out_dir)
+    try:
+        out_dir.mkdir(exist_ok=True)
+    except OSError as exc:
+        _fail(f"--png: cannot create {out_dir} ({exc.strerror or exc})")
     with _library_errors():
         paths = viz.write_figures(make(viz), out_dir)
     typer.echo(f"wrote {len(paths)} PNG files to {out_dir}", err=True)
+
+
+# A mask is printed cell by cell when N <= 32 and the batch holds at most 2**16 cells
+# (or with --full); otherwise as counts and its first and last _CORNER rows and columns.
+_SHOW_N, _SHOW_CELLS, _CORNER, _SHOW_SENTENCES = 32, 2**16, 4, 20
+
+
+class _MaskView:
+    """What `masks` shows of a batch's masks: every cell, or corners and counts."""
+
+    def __init__(self, batch, full: bool):
+        import numpy as np
+
+        from . import masks as _m
+
+        B, N = batch.B, batch.N
+        self.batch = batch
+        self.dense = full or (N <= _SHOW_N and B * N * N <= _SHOW_CELLS)
+        k = min(_CORNER, N // 2)
+        self.pos = list(range(N)) if self.dense else list(range(k)) + list(range(N - k, N))
+        if self.dense:
+            return
+        # the four corners of every sentence's mask, (B, 2k, 2k), without the N×N rest
+        causal = _m.Pattern(causal=True)
+        self._corners = np.block([[batch.mask_block(r0, r0 + k, c0, c0 + k)
+                                   for c0 in (0, N - k)] for r0 in (0, N - k)])
+        self._causal = np.block([[causal.tile(1, 1, N, N, r0, r0 + k, c0, c0 + k)[0, 0]
+                                  for c0 in (0, N - k)] for r0 in (0, N - k)])
+        self._counts = batch.mask_counts()
+        self._causal_counts = _m.counts(np.array([N]), N)
+
+    def causal(self):
+        return self.batch.causal_mask if self.dense else self._causal
+
+    def combined(self, b: int):
+        return self.batch.sentence_mask(b) if self.dense else self._corners[b]
+
+    def key_padding(self, b: int):
+        return self.batch.key_padding_mask[b][self.pos]
+
+    def counts(self, b: int | None) -> dict:
+        c = self._causal_counts if b is None else self._counts
+        return {k: int(v[0 if b is None else b]) for k, v in c.items()}
+
+    def to_json(self, b: int | None):
+        cells = self.causal() if b is None else self.combined(b)
+        if self.dense:
+            return cells
+        N = self.batch.N
+        pos = [p + 1 for p in self.pos]  # 1-based, as everything on the command line
+        return {"shape": [N, N], "summarized": True, "rows": pos, "cols": pos, "cells": cells,
+                **self.counts(b)}
+
+    def note(self, b: int | None) -> str:
+        if self.dense:
+            return ""
+        c = self.counts(b)
+        return (f"{c['readable']:,} readable, {c['future']:,} blocked (future), "
+                f"{c['padding']:,} blocked (padding); first and last {len(self.pos) // 2} rows "
+                "and columns shown (--full for every cell)")
 
 
 @app.command()
@@ -223,36 +409,50 @@ def masks(
     file: Path = typer.Option(None, "--file", "-f", help="Corpus file, one sentence a line."),
     max_len: int = typer.Option(None, "--max-len", help="Pad/truncate to this many tokens."),
     form: str = typer.Option("both", "--form", help="both | additive (0/-∞) | check (✓/·)."),
+    full: bool = typer.Option(False, "--full", help="Every cell of every mask, however large."),
     png: Path = typer.Option(None, "--png", help="Also draw each sentence's mask into DIR as PNG."),
+    max_bytes: int = typer.Option(DEFAULT_MAX_BYTES, "--max-bytes", help=_MAX_BYTES_HELP),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """Token-labelled causal, padding and combined masks for each sentence."""
+    """Token-labelled causal, padding and combined masks for each sentence (large ones summarized)."""
     from . import text
 
     if form not in _FORMS:
         _fail(f"--form must be one of {', '.join(_FORMS)}, got {form!r}")
     if sentences and file is not None:
         _fail("give sentences or --file, not both")
-    corpus = _read_corpus(file) if file is not None else (sentences or list(text.SEED_SENTENCES))
-    with _library_errors():
-        batch = _encode_quiet(corpus, max_len=max_len)
     if png is not None:
-        _write_pngs(png, lambda viz: {f"mask_sentence{b + 1}": viz.plot_mask(batch.mask[b], batch.tokens[b])
-                                      for b in range(batch.B)})
+        _check_out_dir("--png", png)
+    corpus = _read_corpus(file, max_bytes) if file is not None else (sentences or list(text.SEED_SENTENCES))
+    with _library_errors():
+        batch = _encode_quiet(corpus, max_len=max_len, max_bytes=max_bytes)
+        if full:  # everything below is dense: refuse now rather than half-way
+            text.check_bytes(f"--full: the masks (B, N, N) = ({batch.B}, {batch.N}, {batch.N})",
+                             batch.B * batch.N * batch.N * (60 if as_json else 1), max_bytes,
+                             "drop --full to see them summarized, or raise --max-bytes")
+        view = _MaskView(batch, full)
+    if png is not None:
+        with _library_errors():
+            _write_pngs(png, lambda viz: {f"mask_sentence{b + 1}": viz.plot_mask(
+                batch.sentence_mask(b), batch.tokens[b]) for b in _progress(range(batch.B),
+                                                                          "drawing", as_json)})
     if as_json:
         _print_json(
             {
                 "N": batch.N,
+                "positions": "1-based",
                 "vocab": batch.vocab.tokens,
-                "causal": batch.causal_mask,
-                "truncated": list(batch.truncated),
+                "causal": view.to_json(None),
+                "truncated": [b + 1 for b in batch.truncated],
                 "sentences": [
                     {
                         "tokens": batch.tokens[b],
                         "ids": batch.ids[b],
                         "length": batch.lengths[b],
-                        "key_padding": batch.key_padding_mask[b],
-                        "combined": batch.mask[b],
+                        "key_padding": batch.key_padding_mask[b] if view.dense
+                        else {"shape": [batch.N], "summarized": True,
+                              "cols": [p + 1 for p in view.pos], "cells": view.key_padding(b)},
+                        "combined": view.to_json(b),
                     }
                     for b in range(batch.B)
                 ],
@@ -261,16 +461,32 @@ def masks(
         return
     console = _console()
     longest = batch.tokens[int(batch.lengths.argmax())]
-    _print_tables(console, _mask_pair(f"causal {batch.N}×{batch.N}", batch.causal_mask,
-                                      longest, longest, form))
-    for b in range(batch.B):
+    pos = view.pos
+    _print_tables(console, _mask_pair(f"causal {batch.N}×{batch.N}", view.causal(),
+                                      [longest[p] for p in pos], [longest[p] for p in pos], form,
+                                      pos, pos))
+    if view.note(None):
+        console.print(view.note(None), style="dim", markup=False)
+        console.print()
+    shown = batch.B if full else min(batch.B, _SHOW_SENTENCES)
+    for b in range(shown):
         toks = batch.tokens[b]
+        words = " ".join(toks if full or batch.N <= _SHOW_N else toks[: int(batch.lengths[b])])
+        if len(words) > 400 and not full:
+            words = words[:400] + " …"
         console.print(f"[bold]sentence {b + 1}[/] ({batch.lengths[b]} tokens): "
-                      f"{_markup_escape(' '.join(toks))}")
-        _print_tables(console, _mask_pair("key padding", batch.key_padding_mask[b][None],
-                                          ["keys"], toks, form))
-        _print_tables(console, _mask_pair("combined (causal AND padding)", batch.mask[b],
-                                          toks, toks, form))
+                      f"{_markup_escape(words)}")
+        labels = [toks[p] for p in pos]
+        _print_tables(console, _mask_pair("key padding", view.key_padding(b)[None],
+                                          ["keys"], labels, form, [0], pos))
+        _print_tables(console, _mask_pair("combined (causal AND padding)", view.combined(b),
+                                          labels, labels, form, pos, pos))
+        if view.note(b):
+            console.print(view.note(b), style="dim", markup=False)
+            console.print()
+    if shown < batch.B:
+        console.print(f"… {batch.B - shown:,} more sentences not shown (--full shows every "
+                      "one; --json lists every one)", style="dim", markup=False)
 
 
 # -- causalattn trace -------------------------------------------------------------------
@@ -285,19 +501,45 @@ _TRACE_KEYS = ("X", "W_q", "W_k", "W_v")
 _TRACE_OPTIONAL = ("W_o", "mask", "tokens")
 
 
-def _load_trace_inputs(path: Path) -> dict:
-    """X, W_q, W_k, W_v (optional W_o, mask, tokens) from a .npz or .json file."""
+def _load_trace_inputs(path: Path, max_bytes: int) -> dict:
+    """X, W_q, W_k, W_v (optional W_o, mask, tokens) from a .npz or .json file.
+
+    The format is read off the content (a JSON object starts with ``{``, a .npz is a
+    zip), so a .txt holding JSON works; every problem is one ``error:`` line.
+    """
+    import zipfile
+
     import numpy as np
 
     try:
-        if path.suffix.lower() == ".json":
+        size = path.stat().st_size
+        if path.is_dir():
+            _fail(f"trace input {path}: is a folder; give a .npz or .json file")
+        if size > max_bytes:
+            _fail(f"trace input {path}: the file is {_human_bytes(size)} (limit "
+                  f"{_human_bytes(max_bytes)}, --max-bytes)")
+        with open(path, "rb") as fh:
+            head = fh.read(64).lstrip()
+        if not head:
+            _fail(f"trace input {path}: the file is empty; expected .npz or JSON with keys "
+                  "X, W_q, W_k, W_v")
+        if head[:1] in (b"{", b"["):
             data = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(data, dict):
                 _fail(f"trace input {path}: expected a JSON object with keys X, W_q, W_k, W_v")
-        else:
+        elif head[:2] == b"PK":
             with np.load(path, allow_pickle=False) as f:
                 data = {k: f[k] for k in f.files}
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
+            if not data:
+                _fail(f"trace input {path}: the .npz holds no arrays; expected X, W_q, W_k, W_v")
+        else:
+            _fail(f"trace input {path}: cannot be read as .npz or JSON (it starts with "
+                  f"{head[:12]!r})")
+    except RecursionError:
+        _fail(f"trace input {path}: JSON nested too deeply")
+    except json.JSONDecodeError as exc:
+        _fail(f"trace input {path}: not valid JSON ({exc})")
+    except (OSError, ValueError, EOFError, UnicodeDecodeError, zipfile.BadZipFile) as exc:
         _fail(f"trace input {path}: cannot be read as .npz or JSON ({exc})")
     missing = [k for k in _TRACE_KEYS if k not in data]
     if missing:
@@ -308,15 +550,46 @@ def _load_trace_inputs(path: Path) -> dict:
     unknown = sorted(set(data) - set(_TRACE_KEYS) - set(_TRACE_OPTIONAL))
     if unknown:
         _fail(f"trace input {path}: unknown keys {', '.join(unknown)}")
-    if "mask" in data:
-        data["mask"] = np.asarray(data["mask"])
+    for k in (*_TRACE_KEYS, "W_o", "mask"):
+        if k in data:
+            try:
+                arr = np.asarray(data[k])
+            except (ValueError, TypeError, RecursionError) as exc:
+                _fail(f"trace input {path}: {k} is not a rectangular array ({exc})")
+            if arr.dtype == object or arr.dtype.kind not in "biuf":
+                _fail(f"trace input {path}: {k} must hold numbers"
+                      + (" or booleans" if k == "mask" else "") + f", got dtype {arr.dtype}")
+            if k != "mask" and arr.size and not np.isfinite(arr).all():
+                n = int((~np.isfinite(arr)).sum())
+                typer.echo(f"warning: {k} holds {n} non-finite values (NaN or inf)", err=True)
+            data[k] = arr
     if "tokens" in data:
-        data["tokens"] = [str(t) for t in np.asarray(data["tokens"]).tolist()]
+        toks = data["tokens"]
+        ok = isinstance(toks, (list, np.ndarray)) and np.ndim(toks) == 1
+        if ok:
+            toks = np.asarray(toks).tolist() if isinstance(toks, np.ndarray) else toks
+            ok = all(isinstance(t, (str, int, float)) and not isinstance(t, bool) for t in toks)
+        X = data["X"]
+        if not ok or X.ndim < 1 or len(toks) != X.shape[-2 if X.ndim > 1 else 0]:
+            T = X.shape[-2] if X.ndim > 1 else "T"
+            _fail(f"trace input {path}: tokens must be a list of T = {T} strings, one per row "
+                  f"of X, got {str(data['tokens'])[:60]}")
+        data["tokens"] = [str(t) for t in toks]
+    X = data["X"]
+    if X.ndim >= 2:  # S, M, Z, A (and C, capped) are T×T float64 per sequence and head
+        T, lead = X.shape[-2], int(np.prod(X.shape[:-2]))
+        from .text import check_bytes
+
+        with _library_errors():
+            check_bytes(f"trace: X {X.shape} makes T×T stages that", 6 * 8 * lead * T * T,
+                        max_bytes, "trace a shorter sequence, or raise --max-bytes")
     return data
 
 
 def _explain_json(ex) -> dict:
-    return {"query": ex.query + 1, "h": ex.h, "keys": ex.rows()}
+    """Query and keys 1-based, as every position the command line shows."""
+    rows = [{**r, "key": r["key"] + 1} for r in ex.rows()]
+    return {"query": ex.query + 1, "h": ex.h, "keys": rows}
 
 
 @app.command("trace")
@@ -327,12 +600,19 @@ def trace_cmd(
     query: int = typer.Option(None, "--query", "-q", help="Explain query i (1-based, as h_i)."),
     save: Path = typer.Option(None, "--save", help="Write the whole trace to FILE.npz."),
     png: Path = typer.Option(None, "--png", help="Also draw M, S, A and ‖A_ij v_j‖ into DIR as PNG."),
+    max_bytes: int = typer.Option(DEFAULT_MAX_BYTES, "--max-bytes", help=_MAX_BYTES_HELP),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Every stage of attention in dependency order (default: the chapter's example)."""
-    from .reference import trace as run_trace
+    import numpy as np
 
-    data = _load_trace_inputs(input_file) if input_file is not None else dict(_CHAPTER)
+    from .reference import trace as run_trace
+    from .text import check_bytes
+
+    for flag, out in (("--save", save), ("--png", png)):
+        if out is not None:
+            (_check_out_dir if flag == "--png" else _check_out_file)(flag, out)
+    data = _load_trace_inputs(input_file, max_bytes) if input_file is not None else dict(_CHAPTER)
     with _library_errors():
         tr = run_trace(
             data["X"], data["W_q"], data["W_k"], data["W_v"], data.get("W_o"),
@@ -349,10 +629,18 @@ def trace_cmd(
                 tr.save(save)
             except OSError as exc:
                 _fail(f"--save: cannot write {save} ({exc.strerror or exc})")
+        if as_json:  # about 20 characters a value
+            check_bytes("trace --json: the printed stages", 20 * sum(st.value.size for st in tr),
+                        max_bytes, "use --save for a .npz instead, or raise --max-bytes")
+    readable = np.broadcast_to(tr.A.sum(-1) > 0, tr.H.shape[:-1])
+    if not np.isfinite(tr.H[readable]).all():
+        typer.echo("warning: H holds NaN or inf in rows that read keys: the inputs overflow "
+                   "float64 (values near 1e308?) or hold NaN/inf", err=True)
     if png is not None:
         _write_pngs(png, lambda viz: viz.trace_figures(tr))
     if as_json:
         out = {
+            "positions": "1-based",
             "scale": tr.scale,
             "stages": [
                 {"name": st.name, "symbol": st.symbol, "formula": st.formula,
@@ -374,15 +662,31 @@ def trace_cmd(
             console.print(f"({st.value.size} values: see --json or --save)", style="dim")
         console.print()
     if ex is not None:
-        console.print(f"[bold]The four quantities for query {query} (h_{query}; "
-                      f"0-based i = {query - 1} below):[/]")
-        console.print(str(ex), markup=False)
+        console.print(f"[bold]The four quantities for query {query} (h_{query}):[/]")
+        console.print(ex.format(base=1), markup=False)
     if save is not None:
         saved = save if save.suffix == ".npz" else save.with_name(save.name + ".npz")  # as np.savez
         console.print(f"saved the trace to {saved}", markup=False)
 
 
 # -- causalattn demo --------------------------------------------------------------------
+
+
+def _check_widths(batch, d_model: int, heads: int, max_bytes: int) -> None:
+    """--d-model and --heads of the seeded random weights: valid, and the arrays affordable."""
+    from .text import check_bytes
+
+    if d_model < 1:
+        _fail(f"--d-model must be a positive integer, got {d_model}")
+    if heads < 1:
+        _fail(f"--heads must be a positive integer, got {heads}")
+    if d_model % heads:
+        _fail(f"--d-model {d_model} must be divisible by --heads {heads} (d_k = d_model / h)")
+    N = batch.N
+    # E (vocab×d), four d×d weights, and per sentence X, Q, K, V, H (N×d) and the T×T stages
+    need = 8 * (d_model * (len(batch.vocab) + 4 * d_model + 5 * N) + 8 * heads * N * N)
+    check_bytes(f"the seeded weights (d_model = {d_model}, {heads} heads, N = {N})", need,
+                max_bytes, "lower --d-model or --max-len, or raise --max-bytes")
 
 
 def _seeded_attention(batch, d_model: int, seed: int):
@@ -402,6 +706,7 @@ def _seeded_attention(batch, d_model: int, seed: int):
 def demo(
     d_model: int = typer.Option(8, "--d-model", help="Width of the random embeddings."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random embeddings and weights."),
+    max_bytes: int = typer.Option(DEFAULT_MAX_BYTES, "--max-bytes", help=_MAX_BYTES_HELP),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """The seed's four sentences end to end, then the chapter's four-token trace."""
@@ -411,6 +716,7 @@ def demo(
 
     with _library_errors():
         batch = _encode_quiet(list(text.SEED_SENTENCES))
+        _check_widths(batch, d_model, 1, max_bytes)
         tr = _seeded_attention(batch, d_model, seed)
         report = audit(tr)
         chapter = run_trace(**dict(_CHAPTER))
@@ -503,8 +809,8 @@ def demo(
     console.print(f"scores of query 4   S_4 = {_fmt(chapter.S[3])}", markup=False)
     console.print(f"its weights         A_4 = {_fmt(chapter.A[3])}", markup=False)
     console.print(f"weighted values     h_4 = {_fmt(chapter.H[3])}", markup=False)
-    console.print("explain(3), 0-based as in Python (i = 3 is the chapter's h_4):")
-    console.print(str(ex), markup=False)
+    console.print("The four quantities for query 4 (h_4; explain(3) in Python, 0-based):")
+    console.print(ex.format(base=1), markup=False)
     console.print()
     console.print("Learn it by doing: `causalattn learn` asks the chapter's check questions; "
                   "`causalattn learn --exercise attention` writes an exercise to grade.",
@@ -613,6 +919,18 @@ def learn(
 # -- causalattn explore -----------------------------------------------------------------
 
 
+# The page takes sentences while its estimated size fits --max-page-bytes: each sentence
+# adds Q, K, V and H of every head (float64, base64) and its tokens, so 10,000 sentences
+# would make an 80 MB page that no browser opens comfortably.
+_PAGE_BYTES = 12 * 2**20
+
+
+def _page_sentences(batch, d_model: int, page_bytes: int) -> int:
+    """How many sentences (from the first) fit a page of ``page_bytes``; at least one."""
+    per = batch.N * (43 * d_model + 16)  # 4 arrays × N×d × 8 bytes × 4/3 (base64), + tokens
+    return max(1, min(batch.B, page_bytes // per))
+
+
 @app.command()
 def explore(
     sentences: list[str] = typer.Argument(None, help="Sentences (default: the seed's four)."),
@@ -623,30 +941,54 @@ def explore(
     d_model: int = typer.Option(16, "--d-model", help="Width of the random embeddings."),
     heads: int = typer.Option(2, "--heads", help="Number of heads h."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random embeddings and weights."),
+    max_page_bytes: int = typer.Option(
+        _PAGE_BYTES, "--max-page-bytes",
+        help="Put only the sentences that fit a page of this size (default 12 MiB).",
+    ),
+    max_bytes: int = typer.Option(DEFAULT_MAX_BYTES, "--max-bytes", help=_MAX_BYTES_HELP),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """One self-contained HTML page (no network) to explore masks, S, A and each query's row."""
+    import dataclasses
+
     from . import text, viz
     from .trace import Trace
 
     if sum(x is not None and x != [] for x in (sentences, file, trace_file)) > 1:
         _fail("give sentences, --file or --trace, only one of them")
+    if max_page_bytes < 1:
+        _fail(f"--max-page-bytes must be a positive integer, got {max_page_bytes}")
+    _check_out_file("--output", output)
     with _library_errors():
         if trace_file is not None:
+            if trace_file.is_file() and trace_file.stat().st_size > max_bytes:
+                _fail(f"--trace: {trace_file} is {_human_bytes(trace_file.stat().st_size)} "
+                      f"(limit {_human_bytes(max_bytes)}, --max-bytes)")
             tr = Trace.load(trace_file)
             title = f"causalattn explorer: {trace_file.name}"
             viz.write_explorer(tr, output, title=title)
             n = len(viz.kinds.sequences(tr))
         else:
-            corpus = _read_corpus(file) if file is not None else (sentences or list(text.SEED_SENTENCES))
-            if not corpus:
-                _fail(f"text: the corpus file {file} has no sentences")
-            batch = _encode_quiet(corpus, max_len=max_len)
-            traces = viz.batch_traces(batch, d_model=d_model, n_heads=heads, seed=seed)
-            title = (f"causalattn explorer: {batch.B} sentence(s), seeded random weights "
+            corpus = (_read_corpus(file, max_bytes) if file is not None
+                      else (sentences or list(text.SEED_SENTENCES)))
+            batch = _encode_quiet(corpus, max_len=max_len, max_bytes=max_bytes)
+            _check_widths(batch, d_model, heads, max_bytes)
+            n = _page_sentences(batch, d_model, max_page_bytes)
+            if n < batch.B:
+                typer.echo(f"note: the page shows sentences 1..{n} of {batch.B}, as many as fit "
+                           f"{_human_bytes(max_page_bytes)} (--max-page-bytes to show more)",
+                           err=True)
+            traces = []
+            step = 64  # sentences per call: the same seeded weights every call
+            for b0 in _progress(range(0, n, step), "tracing", as_json):
+                part = slice(b0, min(b0 + step, n))
+                sub = dataclasses.replace(batch, ids=batch.ids[part], lengths=batch.lengths[part],
+                                          tokens=batch.tokens[part], truncated=())
+                traces += viz.batch_traces(sub, d_model=d_model, n_heads=heads, seed=seed)
+            title = (f"causalattn explorer: {n} sentence(s), seeded random weights "
                      f"(d_model = {d_model}, {heads} heads, seed {seed})")
-            viz.write_explorer(traces, output, names=viz.sentence_names(batch), title=title)
-            n = batch.B
+            names = viz.sentence_names(batch)[:n]
+            viz.write_explorer(traces, output, names=names, title=title)
     size = output.stat().st_size
     if as_json:
         _print_json({"output": str(output), "sequences": n, "bytes": size})

@@ -40,7 +40,7 @@ import numpy as np
 
 __all__ = [
     "Pattern", "REASONS", "READABLE", "causal", "key_padding", "query_padding", "combine",
-    "additive",
+    "additive", "counts",
 ]
 
 # Why a cell is blocked: the first reason in this order (0 = readable).
@@ -609,3 +609,20 @@ def additive(
     else:
         raise ValueError(f"additive: fill must be '-inf' or 'finite', got {fill!r}")
     return np.where(a, dt.type(0), dt.type(blocked)).astype(dt)
+
+
+def counts(lengths, T: int) -> dict[str, np.ndarray]:
+    """How many of the T×T entries of the seed's causal AND padding pattern
+    (``Pattern(causal=True, lengths=lengths)``) are of each kind, per sequence.
+
+    ``readable`` (may read), ``future`` (blocked by causality alone) and ``padding`` (query
+    or key is padding), each ``(B,)`` int64, summing to T². Closed form from the lengths:
+    O(B) however long the sequences are, where a dense count of a 100,000-token sentence
+    would walk 10^10 cells.
+    """
+    T = _check_len("T", T)
+    L = _int_vector("lengths", lengths).astype(np.int64)
+    if L.size and (L.min() < 0 or L.max() > T):
+        raise ValueError(f"mask counts: lengths must lie in [0, T={T}], got {L.tolist()}")
+    readable = L * (L + 1) // 2
+    return {"readable": readable, "future": L * L - readable, "padding": T * T - L * L}

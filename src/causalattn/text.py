@@ -9,7 +9,8 @@ says so with a warning)::
     batch = encode(SEED_SENTENCES)       # N = 10
     batch.mask[3]                        # sentence 4's combined causal + padding mask
 
-Every mask comes from :mod:`causalattn.masks` (True = may read).
+Every mask comes from :mod:`causalattn.masks` (True = may read), built when asked for:
+a Batch keeps only ids, lengths and tokens, so a 100,000-word sentence costs O(N).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ import re
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from . import masks as _masks
 
-__all__ = ["PAD", "UNK", "SEED_SENTENCES", "tokenize", "Vocabulary", "Batch", "encode"]
+__all__ = ["PAD", "UNK", "SEED_SENTENCES", "tokenize", "Vocabulary", "Batch", "encode", "MAX_BYTES"]
 
 PAD = "<PAD>"
 UNK = "<UNK>"
@@ -118,24 +120,71 @@ class Vocabulary:
         return f"Vocabulary({len(self)} tokens: {shown})"
 
 
+# Dense masks and ids past this many bytes are refused (ValueError naming the size), unless
+# the caller raises ``max_bytes``: a 100,000-token sentence's N×N mask alone is 10 GB.
+MAX_BYTES = 2**30
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if n < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def check_bytes(what: str, nbytes: int, max_bytes: int | None, hint: str = "") -> None:
+    """Refuse ``nbytes`` above ``max_bytes`` (None: :data:`MAX_BYTES`) with one clear line."""
+    limit = MAX_BYTES if max_bytes is None else int(max_bytes)
+    if nbytes > limit:
+        raise ValueError(
+            f"{what} would take {_human(nbytes)} (limit {_human(limit)}, max_bytes)"
+            + (f"; {hint}" if hint else "")
+        )
+
+
+class _PaddedTokens(Sequence):
+    """B token lists padded with ``<PAD>`` to N on access (B×N strings are never stored)."""
+
+    def __init__(self, toks: list[list[str]], N: int):
+        self._toks, self._N = toks, N
+
+    def __len__(self) -> int:
+        return len(self._toks)
+
+    def __getitem__(self, b):
+        if isinstance(b, slice):
+            return [self[k] for k in range(*b.indices(len(self)))]
+        t = self._toks[b]
+        return t + [PAD] * (self._N - len(t))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and len(other) == len(self) and all(
+            list(a) == list(b) for a, b in zip(self, other))
+
+    def __repr__(self) -> str:
+        return f"<{len(self)} token lists padded to N = {self._N}>"
+
+
 @dataclass(frozen=True, eq=False)
 class Batch:
-    """B sentences padded to N tokens, with their masks (True = may read).
+    """B sentences padded to N tokens; masks built on demand (True = may read).
 
     ids ``(B, N)`` int64 (``<PAD>`` = 0 after each sentence); lengths ``(B,)``;
-    tokens: B lists of N strings (the sentence's own words, then ``<PAD>``);
-    key_padding_mask ``(B, N)``; mask ``(B, N, N)`` = causal AND key padding AND query
-    padding, so a padding query row has no readable key; truncated: indices of the
-    sentences cut to ``max_len``.
+    tokens: B lists of N strings (the sentence's own words, then ``<PAD>``); truncated:
+    indices of the sentences cut to ``max_len``. The mask is the pattern causal AND
+    padding of :mod:`causalattn.masks` given by N and the lengths, so it is kept lazy:
+    ``mask`` ``(B, N, N)`` (a padding query row has no readable key),
+    ``sentence_mask(b)`` ``N×N``, ``mask_block(q0, q1, k0, k1)`` one tile and
+    ``mask_counts()`` closed-form counts; dense ones past ``max_bytes`` raise ValueError.
     """
 
     vocab: Vocabulary
     ids: np.ndarray
     lengths: np.ndarray
-    tokens: list[list[str]]
-    key_padding_mask: np.ndarray
-    mask: np.ndarray
+    tokens: Sequence[list[str]]
     truncated: tuple[int, ...] = ()
+    max_bytes: int | None = None  # None: MAX_BYTES
 
     @property
     def B(self) -> int:
@@ -145,15 +194,66 @@ class Batch:
     def N(self) -> int:
         return int(self.ids.shape[1])
 
+    def _dense(self, what: str, cells: int) -> None:
+        check_bytes(f"text: the dense {what}", cells, self.max_bytes,
+                    "use batch.mask_block(...) or batch.mask_counts(), or raise max_bytes")
+
     @property
-    def causal_mask(self) -> np.ndarray:
-        """The plain ``N×N`` causal mask shared by every sentence."""
-        return _masks.causal(self.N)
+    def key_padding_mask(self) -> np.ndarray:
+        """``(B, N)``: True where the key position holds a real token."""
+        return _masks.key_padding(self.lengths, self.N)
 
     @property
     def query_padding_mask(self) -> np.ndarray:
         """``(B, N)``: True where the query position holds a real token."""
         return _masks.query_padding(self.lengths, self.N)
+
+    @property
+    def causal_mask(self) -> np.ndarray:
+        """The plain ``N×N`` causal mask shared by every sentence."""
+        self._dense(f"causal mask {self.N}×{self.N}", self.N * self.N)
+        return _masks.causal(self.N)
+
+    @property
+    def pattern(self) -> _masks.Pattern:
+        """The seed's mask as a :class:`causalattn.masks.Pattern`: causal AND padding."""
+        return _masks.Pattern(causal=True, lengths=self.lengths)
+
+    def _tile(self, q0: int, q1: int, k0: int, k1: int, b=None) -> np.ndarray:
+        """(B or 1, q1-q0, k1-k0) of the pattern, nothing else materialized."""
+        N = self.N
+        return self.pattern.tile(self.B, 1, N, N, q0, q1, k0, k1, batch=b)[:, 0]
+
+    @cached_property
+    def mask(self) -> np.ndarray:
+        """``(B, N, N)`` = causal AND key padding AND query padding (built on first access)."""
+        B, N = self.B, self.N
+        self._dense(f"mask (B, N, N) = ({B}, {N}, {N})", B * N * N)
+        return self._tile(0, N, 0, N)
+
+    def sentence_mask(self, b: int) -> np.ndarray:
+        """``N×N``: sentence b's causal AND padding mask (0-based b)."""
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not -self.B <= b < self.B:
+            raise ValueError(f"text: sentence index b must be an integer in 0..{self.B - 1}, got {b!r}")
+        self._dense(f"mask {self.N}×{self.N} of sentence {int(b) % self.B + 1}", self.N * self.N)
+        return self._tile(0, self.N, 0, self.N, b=[int(b) % self.B])[0]
+
+    def mask_block(self, q0: int, q1: int, k0: int, k1: int) -> np.ndarray:
+        """``(B, q1-q0, k1-k0)``: queries [q0, q1) × keys [k0, k1) of the mask (0-based)."""
+        for name, v in (("q0", q0), ("q1", q1), ("k0", k0), ("k1", k1)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= self.N:
+                raise ValueError(f"text: mask block {name} must be an integer in 0..N={self.N}, "
+                                 f"got {v!r}")
+        if q1 < q0 or k1 < k0:
+            raise ValueError(f"text: mask block needs q0 <= q1 and k0 <= k1, got [{q0}, {q1}) × "
+                             f"[{k0}, {k1})")
+        self._dense(f"mask block ({self.B}, {q1 - q0}, {k1 - k0})",
+                    self.B * (q1 - q0) * (k1 - k0))
+        return self._tile(q0, q1, k0, k1)
+
+    def mask_counts(self) -> dict[str, np.ndarray]:
+        """Per sentence ``(B,)``: readable, future (causally blocked) and padding entries."""
+        return _masks.counts(self.lengths, self.N)
 
     def _repr_html_(self) -> str:
         """Jupyter shows the explorer inline, over seeded random weights (:mod:`causalattn.viz`)."""
@@ -180,13 +280,21 @@ def _sentences(sentences) -> list[str]:
     return out
 
 
-def encode(sentences, max_len: int | None = None, vocab: Vocabulary | None = None) -> Batch:
+def encode(
+    sentences,
+    max_len: int | None = None,
+    vocab: Vocabulary | None = None,
+    *,
+    max_bytes: int | None = None,
+) -> Batch:
     """Tokenize, build (or use) a vocabulary, pad to N and build the masks.
 
     ``sentences``: a list of strings (one string is one sentence). N is the longest
     sentence, or ``max_len`` when given; longer sentences are then truncated, listed in
     ``batch.truncated`` and reported with a warning. With ``vocab`` given it is used as
     is (unknown tokens -> ``<UNK>``); otherwise one is built from the sentences.
+    ``max_bytes`` (default :data:`MAX_BYTES`) bounds the ids (B×N int64) and every dense
+    mask the batch builds later; past it a ValueError names the size.
     """
     texts = _sentences(sentences)
     toks = [tokenize(s) for s in texts]
@@ -212,18 +320,11 @@ def encode(sentences, max_len: int | None = None, vocab: Vocabulary | None = Non
         toks = [t[:max_len] for t in toks]
     N = max_len if max_len is not None else max(len(t) for t in toks)
     B = len(toks)
+    check_bytes(f"text: ids (B, N) = ({B}, {N}) int64", 8 * B * N, max_bytes,
+                "give a smaller max_len" if max_len is not None else "")
 
     lengths = np.array([len(t) for t in toks], dtype=np.int64)
     ids = np.zeros((B, N), dtype=np.int64)  # <PAD> = 0
-    tokens = []
     for b, t in enumerate(toks):
         ids[b, : len(t)] = vocab.encode(t)
-        tokens.append(t + [PAD] * (N - len(t)))
-
-    key_pad = _masks.key_padding(lengths, N)
-    mask = _masks.combine(
-        _masks.causal(N)[None],  # (1, N, N)
-        key_pad[:, None, :],  # keys beyond the sentence: blocked
-        _masks.query_padding(lengths, N)[:, :, None],  # padding queries: no readable key
-    )
-    return Batch(vocab, ids, lengths, tokens, key_pad, mask, truncated)
+    return Batch(vocab, ids, lengths, _PaddedTokens(toks, N), truncated, max_bytes)

@@ -109,14 +109,18 @@ class Explanation:
         return out
 
     def __str__(self) -> str:
-        lines = [f"query i={self.query}: h_i = {np.array2string(self.h, precision=3)}"]
+        return self.format()
+
+    def format(self, base: int = 0) -> str:
+        """The table as text; positions counted from ``base`` (0 as in Python, 1 as the CLI)."""
+        lines = [f"query i={self.query + base}: h_i = {np.array2string(self.h, precision=3)}"]
         lines.append("  j  S_ij      A_ij     ‖A_ij v_j‖  ranks(S,A,‖·‖)  v_j")
         for r in self.rows():
             if not r["readable"]:
-                lines.append(f"{r['key']:>3}  (blocked: {r['blocked_by']}; weight exactly 0)")
+                lines.append(f"{r['key'] + base:>3}  (blocked: {r['blocked_by']}; weight exactly 0)")
                 continue
             lines.append(
-                f"{r['key']:>3}  {r['score']:>8.3f}  {r['weight']:>7.3f}  {r['norm']:>10.3f}"
+                f"{r['key'] + base:>3}  {r['score']:>8.3f}  {r['weight']:>7.3f}  {r['norm']:>10.3f}"
                 f"  {r['rank_score']:>4} {r['rank_weight']:>3} {r['rank_norm']:>3}"
                 f"     {np.array2string(self.value[r['key']], precision=3)}"
             )
@@ -255,6 +259,9 @@ class Trace:
                 "with trace.select(...)"
             )
         T = A.shape[0]
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+            raise ValueError(f"explain: query i must be an integer 0..{T - 1}, got {i!r}")
+        i = int(i)
         if not (0 <= i < T):
             raise ValueError(f"explain: query i={i} is outside 0..{T - 1} (A is {T}×{A.shape[1]})")
         readable = (
