@@ -173,7 +173,8 @@ def explorer_html(obj, *, names=None, title: str = "causalattn explorer") -> str
 def write_explorer(obj, path, *, names=None, title: str = "causalattn explorer") -> Path:
     """Write :func:`explorer_html` to ``path`` (UTF-8) and return the path."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.parent.is_dir():  # as Trace.save: no folder is created behind the caller's back
+        raise ValueError(f"explorer: the folder {path.parent} does not exist (create it first)")
     path.write_text(explorer_html(obj, names=names, title=title), encoding="utf-8")
     return path
 
@@ -183,15 +184,19 @@ def batch_traces(batch, *, d_model: int = 16, n_heads: int = 2, seed: int = 0) -
 
     The embedding (vocabulary×d_model) and W_Q, W_K, W_V, W_O are drawn from
     ``numpy.random.default_rng(seed)``: the weights are made up, the mask and the
-    arithmetic are real. ``mask=batch.mask[b]`` brings causal and padding together.
+    arithmetic are real. ``batch.sentence_mask(b)`` brings causal and padding together
+    (one N×N at a time: the batch's masks are built on demand).
     """
+    for name, v in (("d_model", d_model), ("n_heads", n_heads)):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"explorer: {name} must be a positive integer, got {v!r}")
     if d_model % n_heads:
         raise ValueError(f"explorer: d_model={d_model} is not divisible by n_heads={n_heads}")
     rng = np.random.default_rng(seed)
     E = rng.normal(size=(len(batch.vocab), d_model))
     W_q, W_k, W_v, W_o = (rng.normal(size=(d_model, d_model)) / np.sqrt(d_model) for _ in range(4))
     return [
-        _trace(E[batch.ids[b]], W_q, W_k, W_v, W_o, mask=batch.mask[b],
+        _trace(E[batch.ids[b]], W_q, W_k, W_v, W_o, mask=batch.sentence_mask(b),
                         n_heads=n_heads, tokens=list(batch.tokens[b]))
         for b in range(batch.ids.shape[0])
     ]
