@@ -632,7 +632,8 @@ def trace_cmd(
         if as_json:  # about 20 characters a value
             check_bytes("trace --json: the printed stages", 20 * sum(st.value.size for st in tr),
                         max_bytes, "use --save for a .npz instead, or raise --max-bytes")
-    readable = np.broadcast_to(tr.A.sum(-1) > 0, tr.H.shape[:-1])
+    allowed = np.ones(tr.A.shape, bool) if tr.allowed is None else tr.allowed
+    readable = np.broadcast_to(allowed, tr.A.shape).any(-1)  # rows that read a key
     if not np.isfinite(tr.H[readable]).all():
         typer.echo("warning: H holds NaN or inf in rows that read keys: the inputs overflow "
                    "float64 (values near 1e308?) or hold NaN/inf", err=True)

@@ -1,0 +1,298 @@
+"""Huge and hostile input: bounded memory, bounded time, one-line errors (issue 16).
+
+Everything that could blow up runs in a subprocess capped with ``resource.setrlimit``
+(address space and CPU seconds) and a wall-clock timeout, so a regression fails the
+test instead of taking the machine down.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+import causalattn as ca
+from causalattn import masks
+from causalattn.cli import app
+
+runner = CliRunner()
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+GiB = 2**30
+
+
+def capped(args: list[str], *, mem: int = 3 * GiB, cpu: int = 60, timeout: float = 120,
+           cwd=None, stdin=None) -> subprocess.CompletedProcess:
+    """Run ``python args`` with address space and CPU time capped; wall clock bounded."""
+
+    def limits():
+        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "COLUMNS": "100"}
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
+                          timeout=timeout, preexec_fn=limits, env=env, cwd=cwd, input=stdin)
+
+
+def cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return capped(["-m", "causalattn.cli", *args], **kw)
+
+
+_BATCH = """
+import json, sys
+from typer.testing import CliRunner
+from causalattn.cli import app
+out = []
+for argv in json.loads(sys.stdin.read()):
+    r = CliRunner().invoke(app, argv)
+    out.append({"returncode": r.exit_code, "stdout": r.stdout, "stderr": r.stderr})
+print(json.dumps(out))
+"""
+
+
+class Result:
+    def __init__(self, d: dict):
+        self.returncode, self.stdout, self.stderr = d["returncode"], d["stdout"], d["stderr"]
+
+
+def cli_many(argvs: list[list[str]], **kw) -> list[Result]:
+    """Several CLI runs in ONE capped subprocess (importing torch once, not per case)."""
+    res = capped(["-c", _BATCH], stdin=json.dumps(argvs), **kw)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return [Result(d) for d in json.loads(res.stdout)]
+
+
+def one_error_line(res, *fragments: str) -> None:
+    """Exit 2, stderr leads with one ``error:`` line, no traceback anywhere."""
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out
+    err = res.stderr
+    assert err.startswith("error: "), err
+    assert "Traceback" not in out, out
+    for f in fragments:
+        assert f in err.splitlines()[0], (f, err)
+
+
+@pytest.fixture(scope="module")
+def huge_sentence(tmp_path_factory) -> Path:
+    rng = np.random.default_rng(0)
+    words = rng.integers(0, 5000, size=100_000)
+    p = tmp_path_factory.mktemp("huge") / "huge.txt"
+    p.write_text(" ".join(f"w{w}" for w in words) + "\n")
+    return p
+
+
+# -- Batch keeps lengths; dense masks only on demand ------------------------------------
+
+
+def test_batch_masks_are_lazy_and_match_the_dense_definition():
+    b = ca.encode(["a b c d e", "f g"], max_len=6)
+    dense = masks.combine(masks.causal(6)[None], masks.key_padding(b.lengths, 6)[:, None, :],
+                          masks.query_padding(b.lengths, 6)[:, :, None])
+    np.testing.assert_array_equal(b.mask, dense)
+    np.testing.assert_array_equal(b.sentence_mask(1), dense[1])
+    np.testing.assert_array_equal(b.mask_block(1, 5, 2, 6), dense[:, 1:5, 2:6])
+    c = b.mask_counts()
+    assert c["readable"].tolist() == [int(m.sum()) for m in dense]
+    assert (c["readable"] + c["future"] + c["padding"]).tolist() == [36, 36]
+    seed = ca.encode(ca.text.SEED_SENTENCES)
+    cs = seed.mask_counts()
+    L = seed.lengths
+    for k in range(seed.B):
+        m = seed.sentence_mask(k)
+        assert cs["readable"][k] == m.sum()
+        real = np.outer(np.arange(10) < L[k], np.arange(10) < L[k])
+        assert cs["padding"][k] == (~real).sum()
+        assert cs["future"][k] == (real & ~m).sum()
+
+
+def test_huge_batch_refuses_dense_masks_but_summarizes():
+    b = ca.encode([" ".join(["w"] * 50_000)])
+    with pytest.raises(ValueError, match=r"mask.*50000.*would take .* GiB.*max_bytes"):
+        _ = b.mask
+    with pytest.raises(ValueError, match="max_bytes"):
+        b.sentence_mask(0)
+    assert b.mask_counts()["readable"].tolist() == [50_000 * 50_001 // 2]
+    assert b.mask_block(49_998, 50_000, 0, 2).tolist() == [[[True, True], [True, True]]]
+    with pytest.raises(ValueError, match=r"ids \(B, N\) = \(1, 1000000000000\).*max_len"):
+        ca.encode(["a b"], max_len=10**12)
+
+
+def test_encode_of_a_100000_word_sentence_is_linear(huge_sentence):
+    code = (f"import causalattn as ca; b = ca.encode([open({str(huge_sentence)!r}).read()]); "
+            "print(b.N, b.mask_counts()['readable'][0])")
+    res = capped(["-c", code], mem=2 * GiB, cpu=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["100000", str(100_000 * 100_001 // 2)]
+
+
+# -- the CLI on huge input ----------------------------------------------------------------
+
+
+def test_huge_sentence_masks_summarized_and_refused_where_dense(huge_sentence, tmp_path):
+    f = str(huge_sentence)
+    js, txt, exp = cli_many([
+        ["masks", "--file", f, "--json"],
+        ["masks", "--file", f, "--form", "check"],
+        ["explore", "--file", f, "-o", str(tmp_path / "e.html")],
+    ], mem=3 * GiB, cpu=120, timeout=300)
+    assert js.returncode == 0, js.stderr
+    d = json.loads(js.stdout)
+    s = d["sentences"][0]["combined"]
+    assert d["N"] == 100_000 and s["summarized"] and s["shape"] == [100_000, 100_000]
+    assert s["rows"] == [1, 2, 3, 4, 99_997, 99_998, 99_999, 100_000] == s["cols"]
+    np.testing.assert_array_equal(np.array(s["cells"]), np.tril(np.ones((8, 8), bool)))
+    assert s["readable"] == 100_000 * 100_001 // 2 and s["padding"] == 0
+    assert len(js.stdout) < 5e6
+    assert txt.returncode == 0, txt.stderr
+    assert "100000" in txt.stdout and "…" in txt.stdout and "⋮" in txt.stdout
+    assert "5,000,050,000 readable" in txt.stdout and "--full" in txt.stdout
+    one_error_line(exp, "would take")
+    assert not (tmp_path / "e.html").exists()
+
+
+OVERSIZED = [
+    (["masks", "a b", "--max-len", "100000", "--full"], ["--full", "max-bytes"]),
+    (["masks", "a b", "--max-len", "1000000000000"], ["would take", "max_len"]),
+    (["explore", "--max-len", "100000", "a b"], ["would take", "--max-len"]),
+    (["demo", "--d-model", "1000000000"], ["d_model = 1000000000", "--max-bytes"]),
+    (["explore", "--heads", "0"], ["--heads must be a positive integer"]),
+    (["explore", "--d-model", "0"], ["--d-model must be a positive integer"]),
+    (["explore", "--d-model", "10", "--heads", "3"], ["divisible"]),
+    (["demo", "--d-model", "-3"], ["--d-model"]),
+]
+
+
+def test_oversized_or_invalid_sizes_are_one_error_line(tmp_path):
+    results = cli_many([a for a, _ in OVERSIZED], mem=2 * GiB, cwd=tmp_path)
+    for (_, fragments), res in zip(OVERSIZED, results):
+        one_error_line(res, *fragments)
+    assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_explore_page_is_capped_with_a_note(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(f"sentence number {k} is here" for k in range(3000)))
+    (res,) = cli_many([["explore", "--file", str(corpus), "-o", str(tmp_path / "e.html"),
+                        "--json", "--max-page-bytes", str(2**20)]])
+    assert res.returncode == 0, res.stderr
+    d = json.loads(res.stdout)
+    assert 1 <= d["sequences"] < 3000 and d["bytes"] < 1.3 * 2**20
+    assert f"sentences 1..{d['sequences']} of 3000" in res.stderr
+    assert "\x1b" not in res.stderr + res.stdout  # no progress bar off a terminal
+
+
+# -- one error line for every failure -----------------------------------------------------
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["masks", "--bogus"], "No such option: --bogus"),
+    (["trace", "-q"], "requires an argument"),
+    (["trace", "-q", "x"], "Invalid value for '--query'"),
+    (["nosuchcommand"], "No such command"),
+    (["audit"], "Missing argument"),
+])
+def test_usage_errors_lead_with_one_error_line(args, fragment):
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2
+    first, *rest = res.stderr.splitlines()
+    assert first.startswith("error: ") and fragment in first, res.stderr
+    assert all("error" not in r for r in rest) and "╭" not in res.stderr
+
+
+def _write(tmp_path, name, content) -> str:
+    p = tmp_path / name
+    p.write_bytes(content) if isinstance(content, bytes) else p.write_text(content)
+    return str(p)
+
+
+GOOD = {"X": [[1, 0], [0, 1]], "W_q": [[1, 0], [0, 1]], "W_k": [[1, 0], [0, 1]],
+        "W_v": [[1, 1], [1, -1]]}
+
+
+TRACE_INPUTS = [
+    ("empty.npz", b"", "the file is empty"),
+    ("x.npz", b"PK\x03\x04garbage", "cannot be read as .npz or JSON"),
+    ("x.json", "{not json", "not valid JSON"),
+    ("deep.json", "[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ("deep2.json", '{"X": ' + "[" * 100_000 + "]" * 100_000 + "}", "nested too deeply"),
+    ("tok.json", json.dumps({**GOOD, "tokens": 5}), "tokens must be a list of T = 2"),
+    ("tok2.json", json.dumps({**GOOD, "tokens": ["a"]}), "tokens must be a list of T = 2"),
+    ("tok3.json", json.dumps({**GOOD, "tokens": [["a"], ["b"]]}), "tokens must be a list"),
+    ("ragged.json", json.dumps({**GOOD, "X": [[1, 0], [1]]}), "X is not a rectangular array"),
+    ("str.json", json.dumps({**GOOD, "X": [["a", "b"], ["c", "d"]]}), "X must hold numbers"),
+    ("dict.json", json.dumps({**GOOD, "W_q": {"a": 1}}), "W_q must hold numbers"),
+]
+
+
+def test_trace_input_problems_are_one_error_line(tmp_path):
+    X = np.zeros((20_000, 2))  # T×T stages of 3 GiB: refused before they are built
+    np.savez(tmp_path / "big.npz", X=X, W_q=np.eye(2), W_k=np.eye(2), W_v=np.eye(2))
+    np.savez(tmp_path / "none.npz")
+    nan = {**GOOD, "X": [[float("nan"), 0], [0, 1]]}
+    big = {**GOOD, "X": [[1e308, 1e308], [1e308, 1e308]]}
+    argvs = [["trace", "-i", _write(tmp_path, n, c)] for n, c, _ in TRACE_INPUTS]
+    argvs += [["trace", "-i", str(tmp_path / "big.npz")],
+              ["trace", "-i", str(tmp_path / "none.npz")],
+              ["trace", "-i", str(tmp_path)],
+              ["trace", "-i", _write(tmp_path, "x.txt", json.dumps(GOOD)), "--json"],
+              ["trace", "-i", _write(tmp_path, "n.json", json.dumps(nan)), "--json"],
+              ["trace", "-i", _write(tmp_path, "b.json", json.dumps(big)), "--json"]]
+    res = cli_many(argvs, mem=2 * GiB)
+    for (_, _, fragment), r in zip(TRACE_INPUTS, res):
+        one_error_line(r, fragment)
+    big_r, none_r, folder_r, txt_r, nan_r, over_r = res[len(TRACE_INPUTS):]
+    one_error_line(big_r, "--max-bytes")
+    one_error_line(none_r, "holds no arrays")
+    one_error_line(folder_r, "is a folder")
+    assert txt_r.returncode == 0, txt_r.stderr  # read by content: a .txt holding JSON works
+    assert nan_r.returncode == 0 and "warning: X holds 1 non-finite" in nan_r.stderr
+    assert over_r.returncode == 0 and "warning: H holds NaN or inf" in over_r.stderr
+
+
+def test_output_folders_are_never_created(tmp_path):
+    missing = tmp_path / "nope" / "deeper"
+    one_error_line(runner_result("explore", "-o", str(missing / "e.html")), "does not exist")
+    one_error_line(runner_result("trace", "--save", str(missing / "t.npz")), "does not exist")
+    one_error_line(runner_result("masks", "--png", str(missing)), "does not exist")
+    assert not (tmp_path / "nope").exists()
+    with pytest.raises(ValueError, match="does not exist"):
+        ca.viz.write_explorer(ca.trace(np.eye(2), np.eye(2), np.eye(2), np.eye(2)),
+                              missing / "e.html")
+
+
+class _Res:
+    def __init__(self, r):
+        self.returncode, self.stdout, self.stderr = r.exit_code, r.stdout, r.stderr
+
+
+def runner_result(*args) -> _Res:
+    return _Res(runner.invoke(app, list(args)))
+
+
+# -- one position convention on the command line: 1-based --------------------------------
+
+
+def test_trace_json_query_and_keys_are_both_1_based():
+    res = runner.invoke(app, ["trace", "-q", "4", "--json"])
+    d = json.loads(res.stdout)
+    assert d["positions"] == "1-based"
+    ex = d["explain"]
+    assert ex["query"] == 4 and [r["key"] for r in ex["keys"]] == [1, 2, 3, 4]
+    out = runner.invoke(app, ["trace", "-q", "2"]).stdout
+    assert "query i=2:" in out and "  3  (blocked" in out and "  4  (blocked" in out
+
+
+def test_explain_in_python_stays_0_based_and_checks_its_argument():
+    tr = ca.trace(np.eye(3), np.eye(3), np.eye(3), np.eye(3))
+    assert tr.explain(2).query == 2 and str(tr.explain(0)).startswith("query i=0")
+    for bad in (1.5, "1", True, None):
+        with pytest.raises(ValueError, match="explain: query i must be an integer"):
+            tr.explain(bad)
