@@ -7,7 +7,7 @@ import inspect
 
 import numpy as np
 
-from .probes import _Probe
+from .probes import Probe, merge_heads
 
 SIGNATURES = ("qkv", "x-weights", "module")
 
@@ -32,6 +32,7 @@ def _framework(fn) -> str:
 
 
 def _pad_kind(fn) -> str | None:
+    """The padding keyword the function accepts (key_padding_mask= or lengths=), if any."""
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -123,7 +124,7 @@ class _ModuleAdapter:
         w = self._get(mod or self.module, role).detach()
         return (w.T if self.found[role][0] == "linear" else w).cpu().numpy()
 
-    def instance(self, p: _Probe):
+    def instance(self, weights: dict):
         torch = self.torch
         mod = copy.deepcopy(self.module).eval()
         with torch.no_grad():
@@ -132,9 +133,9 @@ class _ModuleAdapter:
                     continue
                 if role in "qkv" and "qkv" in self.found:
                     continue
-                self._set(mod, role, p.inputs[key])
+                self._set(mod, role, weights[key])
             if "qkv" in self.found:
-                self._set(mod, "qkv", np.concatenate([p.inputs[k] for k in ("w_q", "w_k", "w_v")], 1))
+                self._set(mod, "qkv", np.concatenate([weights[k] for k in ("w_q", "w_k", "w_v")], 1))
             for sub in mod.modules():  # biases would move every stage: zero them
                 if isinstance(sub, torch.nn.Linear) and sub.bias is not None:
                     sub.bias.zero_()
@@ -147,71 +148,173 @@ class _ModuleAdapter:
         par.copy_(val.to(par.dtype))
 
 
-def _as_array(out, dtype=np.float64):
+def _as_array(out) -> np.ndarray:
     if type(out).__module__.startswith("torch"):
         out = out.detach().cpu().double().numpy()
-    return np.asarray(out, dtype=dtype)
+    arr = np.asarray(out)
+    if arr.dtype == object or not np.issubdtype(arr.dtype, np.number):
+        raise TypeError(f"the function returned {type(out).__name__}, not an array")
+    return arr
 
 
-def _to_numpy(out):
-    """The output H (or O); a tuple's first element (``(out, weights)`` is common)."""
-    return _as_array(out[0] if isinstance(out, (tuple, list)) and out else out)
+def _first(out):
+    """The output H (or O): a tuple's first element (``(out, weights)`` is common)."""
+    return out[0] if isinstance(out, (tuple, list)) and out else out
 
 
-def _returned_weights(out):
-    """A ``(..., T, T)`` second element of a returned tuple: the weights A, or None."""
-    if isinstance(out, (tuple, list)) and len(out) > 1:
-        try:
-            w = _as_array(out[1])
-        except (TypeError, ValueError):
-            return None
-        if w.ndim >= 2 and w.shape[-1] == w.shape[-2]:
-            return w
-    return None
+def _lead_layouts(B: int, H: int) -> list[tuple[int, ...]]:
+    """Leading axes to try for a (B, H) probe: squeezed first, then with unit axes."""
+    if B == 1 and H == 1:
+        return [(), (1,), (1, 1)]
+    if H == 1:
+        return [(B,), (B, 1)]
+    if B == 1:
+        return [(1, H), (H,)]
+    return [(B, H)]
 
 
-class _Caller:
-    """Calls the user's code on a probe, in its framework, with its input layout."""
+class Subject:
+    """The user's code, called on a probe with chosen values V: ``values(probe, V)``
+    returns H per head, (B, H, T_q, n), for V (1|B, H, T_k, n). The input layout
+    (unit axes) and the framework (NumPy or torch) are found on the first call that runs."""
 
     def __init__(self, fn, sig, framework, adapter=None):
         self.fn, self.sig, self.framework, self.adapter = fn, sig, framework, adapter
-        self.lead = 0  # extra leading unit axes the function needs
+        self.layouts: dict = {}  # (B == 1, H == 1) -> leading axes that worked
+        self.out_dtype = None  # the dtype of the function's output (its working precision)
         self.weights = None  # A, when the function returns (out, weights)
         self.wrap = None  # NumPy op recording: a view of each input array
+        self.last = None  # (probe, V) of the last call, for the white-box pass
 
-    def _conv(self, a):
-        if self.framework == "torch":
+    # -- conversion
+    def _conv(self, a, framework=None):
+        if (framework or self.framework) == "torch":
             import torch
 
             return torch.from_numpy(np.ascontiguousarray(a))
         return a if self.wrap is None else self.wrap(a)
 
-    def __call__(self, p: _Probe, lead: int | None = None):
-        lead = self.lead if lead is None else lead
-        if self.sig == "module":
-            mod = self.adapter.instance(p)
-            x = p.inputs["x"]
-            x = x[None] if x.ndim == 2 else x
-            import torch
+    def _raw(self, out):
+        out = _first(out)
+        if type(out).__module__.startswith("torch"):
+            self.out_dtype = np.dtype(str(out.dtype).replace("torch.", "").replace(
+                "bfloat16", "float32"))
+        else:
+            self.out_dtype = np.asarray(out).dtype
+        return _as_array(out).astype(np.float64)
 
-            with torch.no_grad():
-                out = mod(self._conv(x.astype(np.float32)).to(next(mod.parameters()).dtype))
-            return _to_numpy(out)
-        batched = p.pad_kind is not None
-        names = ("q", "k", "v") if self.sig == "qkv" else ("x", "w_q", "w_k", "w_v", "w_o")
-        args = []
-        for n in names:
-            if n not in p.inputs:
-                continue
-            a = p.inputs[n].copy()  # the user's code may write into its inputs
-            if n in ("q", "k", "v", "x"):  # (B, T, d) -> (B, 1, T, d) for (B, H, T, d) code
-                a = (a.reshape(a.shape[:1] + (1,) * (lead - 1) + a.shape[1:]) if batched
-                     else a.reshape((1,) * lead + a.shape))
-            args.append(self._conv(a))
-        kwargs = {}
-        if p.pad_kind is not None:
-            kwargs[p.pad_kind] = self._conv(p.pad.copy())
-        out = self.fn(*args, **kwargs)
+    # -- calls
+    def values(self, p: Probe, V: np.ndarray) -> np.ndarray:
+        self.last = (p, V)
+        if self.sig == "qkv":
+            return self._qkv(p, V)
+        if self.sig == "x-weights":
+            return self._xw(p, V)
+        return self._module(p, V)
+
+    def __call__(self, p: Probe):  # white-box recording replays the last call
+        lp, V = self.last if self.last is not None else (p, None)
+        return self.values(lp, V)
+
+    def _qkv(self, p: Probe, V):
+        B, H = p.B, p.H
+        V = np.broadcast_to(V, (B, H) + V.shape[2:]).astype(p.dtype)
+        n = V.shape[-1]
+        key = (B == 1, H == 1)
+        layouts = [self.layouts[key]] if key in self.layouts else _lead_layouts(B, H)
+        frameworks = [self.framework]
+        if key not in self.layouts and not self.layouts:
+            frameworks.append("numpy" if self.framework == "torch" else "torch")
+        err = None
+        for fw in frameworks:
+            for lead in layouts:
+                try:
+                    args = [self._conv(a.reshape(lead + a.shape[2:]).copy(), fw)
+                            for a in (p.inputs["q"], p.inputs["k"], V)]
+                    kwargs = {k: self._conv(np.asarray(v).copy(), fw) for k, v in p.kwargs.items()}
+                    out = self.fn(*args, **kwargs)
+                    self.weights = _returned_weights(out)
+                    res = self._raw(out)
+                    if res.size != B * H * p.T_q * n:
+                        raise ValueError(f"output has shape {res.shape}, expected "
+                                         f"{lead + (p.T_q, n)}")
+                    self.layouts[key], self.framework = lead, fw
+                    return res.reshape(B, H, p.T_q, n)
+                except Exception as exc:  # the next layout, or the caller reports it
+                    if err is None or fw == self.framework:
+                        err = exc if err is None else err
+                    if key in self.layouts:
+                        raise
+        raise err
+
+    def _xw(self, p: Probe, V):
+        x = p.inputs["x"]
+        B = p.B
+        pinv = np.linalg.pinv(x[0].astype(np.float64))  # (d_model, T): x pinv(x) = I_T
+        w_v = (pinv @ np.asarray(V, np.float64)[0, 0]).astype(p.dtype)
+        n = V.shape[-1]
+        args = [x if B > 1 else x[0], p.inputs["w_q"], p.inputs["w_k"], w_v]
+        if self.adapter_wo():
+            args.append(np.eye(n, dtype=p.dtype))
+        out = self.fn(*[self._conv(np.ascontiguousarray(a).copy()) for a in args])
         self.weights = _returned_weights(out)
-        return _to_numpy(out)
+        res = self._raw(out)
+        if res.size != B * p.T_q * n:
+            raise ValueError(f"output has shape {res.shape}, expected {(B, p.T_q, n)}")
+        return res.reshape(B, 1, p.T_q, n)
 
+    def adapter_wo(self) -> bool:
+        if self.sig == "module":
+            return "o" in self.adapter.found
+        return bool(getattr(self, "has_wo", False))
+
+    def output(self, p: Probe, w_v: np.ndarray, w_o: np.ndarray) -> np.ndarray:
+        """The function's output with chosen W_V and W_O (x-weights, module): (B, T, d_out)."""
+        if self.sig == "x-weights":
+            x = p.inputs["x"]
+            args = [x if p.B > 1 else x[0], p.inputs["w_q"], p.inputs["w_k"], w_v, w_o]
+            out = self.fn(*[self._conv(np.ascontiguousarray(a).copy()) for a in args])
+        else:
+            out = self._run_module(p, w_v, w_o)
+        res = self._raw(out)
+        return res.reshape(p.B, p.T_q, -1)
+
+    def _run_module(self, p: Probe, w_v, w_o):
+        import torch
+
+        mod = self.adapter.instance({"w_q": p.inputs["w_q"], "w_k": p.inputs["w_k"],
+                                     "w_v": w_v, "w_o": w_o})
+        x = p.inputs["x"]
+        dt = next(mod.parameters()).dtype
+        with torch.no_grad():
+            return mod(torch.from_numpy(np.ascontiguousarray(x)).to(dt))
+
+    def _module(self, p: Probe, V):
+        d = self.adapter.dims
+        h, dv, d_out = d["heads"] or 1, d["hd_v"] // (d["heads"] or 1), d["d_out"]
+        x0 = p.inputs["x"][0].astype(np.float64)
+        pinv = np.linalg.pinv(x0)
+        V = np.asarray(V, np.float64)[0]  # (H, T_k, n)
+        n = V.shape[-1]
+        cols = []
+        for c0 in range(0, n, dv):
+            chunk = np.zeros((h, V.shape[1], dv))
+            chunk[..., : min(dv, n - c0)] = V[..., c0:c0 + dv]
+            w_v = merge_heads(pinv @ chunk)  # (d_model, h·d_v)
+            w_o = np.eye(h * dv, d_out) if d["w_o"] else None
+            out = self._raw(self._run_module(p, w_v, w_o))
+            Hc = out.reshape(p.T_q, -1)[:, : h * dv]
+            cols.append(np.moveaxis(Hc.reshape(p.T_q, h, dv), 1, 0)[..., : min(dv, n - c0)])
+        return np.concatenate(cols, -1)[None]
+
+
+def _returned_weights(out):
+    """A ``(..., T_q, T_k)`` second element of a returned tuple: the weights A, or None."""
+    if isinstance(out, (tuple, list)) and len(out) > 1:
+        try:
+            w = _as_array(out[1]).astype(np.float64)
+        except (TypeError, ValueError):
+            return None
+        if w.ndim >= 2:
+            return w
+    return None

@@ -1,87 +1,104 @@
-"""Probe inputs for diagnose."""
+"""Probe inputs for diagnose: queries and keys that separate the faults, and the pattern
+the reference reads on each.
+
+A probe fixes Q (B, H, T_q, d_k) and K (B, H, T_k, d_k); the values are chosen later by
+the measurement (V = I gives A itself). For the ``x-weights`` and ``module`` signatures
+Q and K come from x (T×d_model, the same in every batch row) and random W_Q, W_K, and
+values are reached through W_V = pinv(x)·V, which needs T <= d_model.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from .. import masks
+
+__all__ = ["Probe", "split_heads", "merge_heads", "qkv_probe", "x_probe"]
+
 
 @dataclass
-class _Probe:
+class Probe:
     name: str
-    sig: str
-    inputs: dict  # numpy arrays in our layout
+    Q: np.ndarray  # (B, H, T_q, d_k) float64, as the function sees it (after the dtype cast)
+    K: np.ndarray  # (B, H, T_k, d_k)
     dtype: np.dtype
-    heads: int | None = None
-    pad_kind: str | None = None  # "lengths" | "key_padding_mask"
-    pad: np.ndarray | None = None  # lengths (B,) or key_padding_mask (B, T)
-    optional: bool = False  # the user's fn may refuse it (padding, fp16): then it is dropped
+    pattern: masks.Pattern  # what the reference reads on this probe
+    inputs: dict = field(default_factory=dict)  # x, w_q, w_k (x-weights, module) in dtype
+    kwargs: dict = field(default_factory=dict)  # passed to the function (lengths= ...)
+    optional: bool = True  # the function may refuse it (fp16, T_q < T_k, padding, heads)
+
+    @property
+    def B(self):
+        return self.Q.shape[0]
+
+    @property
+    def H(self):
+        return self.Q.shape[1]
+
+    @property
+    def T_q(self):
+        return self.Q.shape[2]
+
+    @property
+    def T_k(self):
+        return self.K.shape[2]
+
+    @property
+    def d_k(self):
+        return self.Q.shape[3]
+
+    def allowed(self) -> np.ndarray:
+        """The reference's read pattern, (B, H, T_q, T_k)."""
+        a = self.pattern.allowed(self.B, self.H, self.T_q, self.T_k)
+        return np.broadcast_to(a, (self.B, self.H, self.T_q, self.T_k))
+
+    def G(self) -> np.ndarray:
+        """Q Kᵀ in float64, (B, H, T_q, T_k): the raw scores the scale multiplies."""
+        return self.Q @ np.swapaxes(self.K, -1, -2)
+
+    def with_pattern(self, **kw) -> Probe:
+        return replace(self, pattern=masks.Pattern(**{**_fields(self.pattern), **kw}))
 
 
-def _split(Y, h):
-    if h is None:
-        return Y
-    T, hd = Y.shape[-2:]
-    return np.moveaxis(Y.reshape(*Y.shape[:-2], T, h, hd // h), -2, -3)
+def _fields(p: masks.Pattern) -> dict:
+    return {n: getattr(p, n) for n in ("causal", "window", "chunk", "lengths",
+                                        "key_padding_mask", "cu_seqlens", "prefix_lengths",
+                                        "mask", "alibi_slopes", "softcap", "sinks")}
 
 
-def _merge(Y, h):
-    if h is None:
-        return Y
+def split_heads(Y: np.ndarray, h: int) -> np.ndarray:
+    """(..., T, h·d) -> (..., h, T, d)."""
+    *lead, T, hd = Y.shape
+    return np.moveaxis(Y.reshape(*lead, T, h, hd // h), -2, -3)
+
+
+def merge_heads(Y: np.ndarray) -> np.ndarray:
+    """(..., h, T, d) -> (..., T, h·d)."""
     return np.moveaxis(Y, -3, -2).reshape(*Y.shape[:-3], Y.shape[-2], -1)
 
 
-def _rand(rng, shape, scale=1.0):
-    return rng.normal(size=shape) * scale
+def _cast(a, dtype):
+    return np.asarray(a, dtype=np.float64).astype(dtype)
 
 
-def _probes(sig: str, dims: dict, pad_kind: str | None, dtype) -> list[_Probe]:
-    """Inputs that separate the catalogue: T = d_k, T ≠ d_k, large scores, padding, fp16."""
-    rng = np.random.default_rng(1234)
-    out = []
+def qkv_probe(name, rng, *, B=1, H=1, T_q, T_k, d_k, mag, dtype, pattern, kwargs=None):
+    """q, k ~ N(0, mag²), so the scaled scores spread over about ±mag²."""
+    q = _cast(rng.normal(size=(B, H, T_q, d_k)) * mag, dtype)
+    k = _cast(rng.normal(size=(B, H, T_k, d_k)) * mag, dtype)
+    return Probe(name, q.astype(np.float64), k.astype(np.float64), np.dtype(dtype), pattern,
+                 {"q": q, "k": k}, kwargs or {})
 
-    def make(name, T, d_k, d_v, scale=1.0, B=None, pad=None, dt=dtype, optional=False):
-        lead = () if B is None else (B,)
-        if sig == "qkv":
-            inputs = {"q": _rand(rng, lead + (T, d_k), scale), "k": _rand(rng, lead + (T, d_k), scale),
-                      "v": _rand(rng, lead + (T, d_v))}
-            heads = None
-        else:
-            dm, h = dims["d_model"], dims.get("heads")
-            hk, hv = dims["hd_k"], dims["hd_v"]
-            inputs = {"x": _rand(rng, lead + (T, dm)),
-                      "w_q": _rand(rng, (dm, hk), scale / np.sqrt(dm)),
-                      "w_k": _rand(rng, (dm, hk), scale / np.sqrt(dm)),
-                      "w_v": _rand(rng, (dm, hv), 1 / np.sqrt(dm))}
-            if dims.get("w_o"):
-                inputs["w_o"] = _rand(rng, (hv, dims["d_out"]), 1 / np.sqrt(hv))
-            heads = h
-        inputs = {k: v.astype(dt) for k, v in inputs.items()}
-        out.append(_Probe(name, sig, inputs, np.dtype(dt), heads, pad_kind if pad is not None
-                          else None, pad, optional))
 
-    if sig == "qkv":
-        make("T=d_k", 4, 4, 3, 1.3)
-        make("T≠d_k", 6, 3, 5, 1.5)
-        make("large scores", 5, 2, 3, 40.0)
-    else:
-        dk = dims["d_k"]
-        if dk <= 16:
-            make("T=d_k", dk, dk, None, 1.3)
-        make("T≠d_k", dk + 2 if dk < 6 else 5, dk, None, 1.5)
-        make("large scores", 5, dk, None, 40.0 / max(1.0, dk ** 0.25))
-    if pad_kind is None and sig != "module":  # a module keeps its own weights' dtype
-        if sig == "qkv":
-            make("fp16", 6, 3, 5, 1.5, dt=np.float16, optional=True)
-        else:
-            make("fp16", dims["d_k"] + 2, dims["d_k"], None, 1.5, dt=np.float16, optional=True)
-    if pad_kind == "lengths":
-        make("padding", 6, 3, 4, 1.3, B=2, pad=np.array([6, 3]), optional=True)
-        make("padding fp16", 6, 3, 4, 1.3, B=2, pad=np.array([5, 2]), dt=np.float16, optional=True)
-    elif pad_kind == "key_padding_mask":
-        kpm = np.array([[True] * 6, [False, False] + [True] * 4])  # left padding
-        make("padding", 6, 3, 4, 1.3, B=2, pad=kpm, optional=True)
-        make("padding fp16", 6, 3, 4, 1.3, B=2, pad=kpm[::-1].copy(), dt=np.float16, optional=True)
-    return out
-
+def x_probe(name, rng, *, B=1, T, d_model, heads, d_k, mag, dtype, pattern, kwargs=None):
+    """x (B, T, d_model) with the same T×d_model rows in every batch row; W_Q, W_K random."""
+    x0 = rng.normal(size=(T, d_model))
+    x = _cast(np.broadcast_to(x0, (B, T, d_model)), dtype)
+    w_q = _cast(rng.normal(size=(d_model, heads * d_k)) * mag / np.sqrt(d_model), dtype)
+    w_k = _cast(rng.normal(size=(d_model, heads * d_k)) * mag / np.sqrt(d_model), dtype)
+    x64, wq, wk = (a.astype(np.float64) for a in (x, w_q, w_k))
+    Q = split_heads(x64 @ wq, heads)
+    K = split_heads(x64 @ wk, heads)
+    return Probe(name, Q, K, np.dtype(dtype), pattern, {"x": x, "w_q": w_q, "w_k": w_k},
+                 kwargs or {})

@@ -7,7 +7,7 @@ import traceback
 
 import numpy as np
 
-from .faults import _BY_ID
+from .faults import BY_ID as _BY_ID
 
 _SCORED = {"softmax", "log_softmax", "exp", "matmul", "__matmul__", "bmm", "einsum", "linear",
            "masked_fill", "masked_fill_", "where", "add", "__add__", "__iadd__", "__radd__", "add_",

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from enum import Enum
+from typing import Any, Literal
 
 import numpy as np
 
@@ -139,39 +140,96 @@ def _jsonable(x: Any):
 
 
 
+class Status(str, Enum):
+    """A diagnosis' verdict. A str: ``d.status == "clean"`` works."""
+
+    CLEAN = "clean"  # matches the reference on every probe
+    FAULT = "fault"  # differs; a catalogued fault is named
+    UNKNOWN = "unknown"  # differs; the stage is named, no catalogued fault fits
+    ERROR = "error"  # the function raised on the first probe (or could not be loaded)
+    TIMEOUT = "timeout"  # stopped at the deadline
+    CRASHED = "crashed"  # the worker process died (exit, signal, out of memory)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+StatusName = Literal["clean", "fault", "unknown", "error", "timeout", "crashed"]
+
+
 @dataclass
 class Diagnosis:
-    """``fault``: a catalogue id, or None (matches the reference, or nothing fits: see
-    ``status``); ``stage``: the first stage that diverges; ``location``: ``file:line`` of
-    the user's code (torch white-box pass) when found."""
+    """What diagnose found.
+
+    ``status``: a :class:`Status`; ``fault``: a catalogue id (``causalattn.check.CATALOGUE``)
+    or None; ``stage``: the first stage in dependency order that differs from the reference;
+    ``message``: that stage's measurement; ``location``: ``file:line`` in the user's code
+    when the white-box pass found it. Measurements of the main probe: ``pattern`` — the
+    boolean read pattern (T_q, T_k), True where a query reads the key (None when it could
+    not be measured); ``expected`` — the reference's pattern on the same probe; ``scale`` —
+    the factor the function applies to Q Kᵀ (None when not measured); ``d_k`` — the probe's.
+    """
 
     fault: str | None
     stage: str | None
     message: str
     location: str | None = None
-    status: str = "fault"  # clean | fault | unknown | error | timeout | crashed
-    also: list[str] = field(default_factory=list)  # a second fault, or faults that look the same
-    untested: list[str] = field(default_factory=list)  # faults these probes cannot tell apart
+    status: Status = Status.FAULT
+    also: list[str] = field(default_factory=list)  # later faults, or faults that look the same
+    untested: list[str] = field(default_factory=list)  # faults these probes cannot show
     details: dict = field(default_factory=dict)
+    pattern: np.ndarray | None = None
+    expected: np.ndarray | None = None
+    scale: float | None = None
+    d_k: int | None = None
+
+    def __post_init__(self):
+        self.status = Status(self.status)
+        for name in ("pattern", "expected"):
+            v = getattr(self, name)
+            if v is not None:
+                setattr(self, name, np.asarray(v, dtype=bool))
 
     @property
     def ok(self) -> bool:
-        return self.status == "clean"
+        return self.status == Status.CLEAN
 
     def to_dict(self) -> dict:
         return {"fault": self.fault, "stage": self.stage, "message": self.message,
-                "location": self.location, "status": self.status, "also": self.also,
-                "untested": self.untested, "details": self.details}
+                "location": self.location, "status": self.status.value, "also": self.also,
+                "untested": self.untested, "details": _jsonable(self.details),
+                "pattern": None if self.pattern is None else self.pattern.tolist(),
+                "expected": None if self.expected is None else self.expected.tolist(),
+                "scale": self.scale, "d_k": self.d_k}
 
     @classmethod
     def from_dict(cls, d: dict) -> Diagnosis:
+        d = dict(d)
+        wb = d.get("details", {}).get("whitebox")
+        if isinstance(wb, dict):  # JSON made the recorded axes lists; they are tuples
+            d["details"] = {**d["details"], "whitebox": {
+                k: tuple(v) if isinstance(v, list) else v for k, v in wb.items()}}
         return cls(**{k: d[k] for k in ("fault", "stage", "message", "location", "status",
-                                        "also", "untested", "details") if k in d})
+                                        "also", "untested", "details", "pattern", "expected",
+                                        "scale", "d_k") if k in d})
+
+    def grid(self) -> str:
+        """The measured read pattern next to the expected one ('#' reads, '.' does not)."""
+        if self.pattern is None or self.expected is None:
+            return ""
+        P, E = self.pattern, self.expected
+        lines = [f"  {'measured':<{2 * P.shape[1] + 3}}expected"]
+        for i in range(P.shape[0]):
+            row = " ".join("#" if v else "." for v in P[i])
+            exp = " ".join("#" if v else "." for v in E[i])
+            mark = "   <-" if (P[i] != E[i]).any() else ""
+            lines.append(f"  {row}   {exp}{mark}")
+        return "\n".join(lines)
 
     def __str__(self) -> str:
         head = {"clean": "clean", "fault": f"fault {self.fault} (stage {self.stage})",
                 "unknown": f"unknown fault (first diverging stage {self.stage})"}.get(
-            self.status, self.status)
+            self.status.value, self.status.value)
         lines = [f"diagnose: {head}", f"  {self.message}"]
         if self.location:
             lines.append(f"  at {self.location}")
@@ -181,7 +239,13 @@ class Diagnosis:
             lines.append(f"  also: {', '.join(self.also)}")
         if self.untested:
             lines.append(f"  not testable with this signature: {', '.join(self.untested)}")
+        if self.scale is not None:
+            lines.append(f"  measured scale: Q Kᵀ · {self.scale:.4g} (d_k = {self.d_k})")
+        if (self.pattern is not None and self.expected is not None
+                and self.pattern.shape == self.expected.shape
+                and (self.pattern != self.expected).any()):
+            lines.append("  read pattern (rows: queries, columns: keys):")
+            lines.append(self.grid())
         for k, v in self.details.get("whitebox", {}).items():
             lines.append(f"  white-box: {k} = {v}")
         return "\n".join(lines)
-
