@@ -135,14 +135,14 @@ class _Plan:
         return masks.Pattern(**{**self.declared, **extra})
 
     def make(self, name, *, T_q=None, T=6, d_k=4, mag=1.2, dtype=None, B=None, H=None,
-             pattern=None, kwargs=None):
+             pattern=None, kwargs=None, negative=False):
         dtype = dtype or self.dtype
         B = self.B if B is None else B
         T = self.T_fixed or T
         pat = pattern or self.pattern()
         if self.sig == "qkv":
             return qkv_probe(name, self.rng, B=B, H=H or self.H, T_q=T_q or T, T_k=T, d_k=d_k,
-                             mag=mag, dtype=dtype, pattern=pat, kwargs=kwargs)
+                             mag=mag, dtype=dtype, pattern=pat, kwargs=kwargs, negative=negative)
         d = self.dims
         return x_probe(name, self.rng, B=B, T=T, d_model=d["d_model"], heads=d["heads"] or 1,
                        d_k=d["d_k"], mag=mag, dtype=dtype, pattern=pat, kwargs=kwargs)
@@ -391,9 +391,12 @@ class _Measurement:
     def stability(self, base: Probe) -> list[Finding]:
         out: list[Finding] = []
         plan = self.plan
-        for name, mag in (("large-score probe", 40.0), ("huge-score probe", 550.0)):
+        probes = [("large-score probe", 40.0, False), ("huge-score probe", 550.0, False)]
+        if plan.sig == "qkv":
+            probes.append(("negative-score probe", 400.0, True))
+        for name, mag, neg in probes:
             p = plan.make(name, T=base.T_k, d_k=base.d_k, mag=mag / max(1.0, base.d_k ** 0.25),
-                          H=base.H)
+                          H=base.H, negative=neg)
             A = self.try_weights(p)
             if A is None:
                 continue
@@ -531,7 +534,8 @@ class _Measurement:
         plan = self.plan
         if plan.sig != "qkv":
             return
-        if main.H == 1:
+        per_head = "sinks" in plan.declared or "alibi_slopes" in plan.declared
+        if main.H == 1 and not per_head:  # (declared sinks or slopes fix H)
             p = plan.make("two-head probe", T=main.T_k, d_k=main.d_k, H=2)
             A = self.try_weights(p)
             if A is not None:
@@ -625,7 +629,7 @@ class _Measurement:
             return (f"{'head' if len(heads_bad) == 1 else 'heads'} "
                     f"{', '.join(str(h + 1) for h in heads_bad)} of {H}: {top.message}; "
                     f"{'head' if len(ok) == 1 else 'heads'} {', '.join(str(h + 1) for h in ok)}"
-                    " match the reference")
+                    f" {'matches' if len(ok) == 1 else 'match'} the reference")
         return None
 
     def _untested(self, main: Probe) -> list[str]:

@@ -64,20 +64,24 @@ def plain_weights(p: Probe, scale: float, dtype) -> np.ndarray:
     """The same softmax in plain math in ``dtype`` (torch when present, as the accuracy
     rule says; NumPy otherwise): what ordinary code in that precision gets."""
     R = p.allowed()
-    S = p.pattern.modify_scores(p.G() * scale)
+    Z = np.where(R, p.pattern.modify_scores(p.G() * scale), -np.inf)
+    if p.pattern.sinks is not None:  # the sink logit joins the denominator as a column
+        sink = np.broadcast_to(np.asarray(p.pattern.sinks, np.float64)[None, :, None, None],
+                               Z.shape[:3] + (1,))
+        Z = np.concatenate([Z, sink], -1)
     try:
         import torch
 
         tdt = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32}.get(
             np.dtype(dtype), torch.float64)
-        Z = torch.from_numpy(np.where(R, S, -np.inf)).to(tdt)
-        A = torch.softmax(Z, -1).nan_to_num(0.0).double().numpy()
+        A = torch.softmax(torch.from_numpy(Z).to(tdt), -1).double().numpy()
     except ImportError:
-        Z = np.where(R, S, -np.inf).astype(dtype)
+        Zt = Z.astype(dtype)
         with np.errstate(invalid="ignore"):
-            E = np.exp(Z - Z.max(-1, keepdims=True))
-            A = np.nan_to_num(E / E.sum(-1, keepdims=True)).astype(np.float64)
-    return A
+            E = np.exp(Zt - Zt.max(-1, keepdims=True))
+            A = (E / E.sum(-1, keepdims=True)).astype(np.float64)
+    A = A[..., : R.shape[-1]]
+    return np.where(R.any(-1, keepdims=True), np.nan_to_num(A), 0.0)
 
 
 def tolerance(ref: np.ndarray, plain: np.ndarray, dtype) -> float:
@@ -117,6 +121,10 @@ def _keys_text(cols) -> str:
         " ..." if len(cols) > 6 else "")
 
 
+def _verb(rows, one: str, many: str) -> str:
+    return one if len(rows) == 1 else many
+
+
 def describe_difference(P: np.ndarray, E: np.ndarray, T_q: int, T_k: int) -> str:
     """What differs between a measured read pattern P and the expected E (T_q×T_k)."""
     off = T_k - T_q
@@ -126,7 +134,7 @@ def describe_difference(P: np.ndarray, E: np.ndarray, T_q: int, T_k: int) -> str
     own_missing = np.flatnonzero((diag & E & ~P).any(-1))
     if own_missing.size:
         own_ok = np.flatnonzero((diag & E & P).any(-1))
-        s = f"{rows_text(own_missing)} do not read their own key"
+        s = f"{rows_text(own_missing)} {_verb(own_missing, 'does not read its', 'do not read their')} own key"
         if own_ok.size:
             s += f" ({rows_text(own_ok)} {'does' if own_ok.size == 1 else 'do'})"
         parts.append(s)
@@ -136,13 +144,13 @@ def describe_difference(P: np.ndarray, E: np.ndarray, T_q: int, T_k: int) -> str
         i = rows[0]
         fut = extra & ~masks.causal(T_q, T_k)
         kind = "future keys" if fut.any() else "keys they may not"
-        parts.append(f"{rows_text(rows)} read {kind} (row {i + 1} reads "
+        parts.append(f"{rows_text(rows)} {_verb(rows, 'reads', 'read')} {kind} (row {i + 1} reads "
                      f"{_keys_text(np.flatnonzero(extra[i]))})")
     miss = E & ~P & ~diag
     rows = np.flatnonzero(miss.any(-1))
     if rows.size:
         i = rows[0]
-        parts.append(f"{rows_text(rows)} do not read keys they may (row {i + 1} skips "
+        parts.append(f"{rows_text(rows)} {_verb(rows, 'does not read keys it', 'do not read keys they')} may (row {i + 1} skips "
                      f"{_keys_text(np.flatnonzero(miss[i]))})")
     return "; ".join(parts)
 

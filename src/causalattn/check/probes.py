@@ -83,10 +83,20 @@ def _cast(a, dtype):
     return np.asarray(a, dtype=np.float64).astype(dtype)
 
 
-def qkv_probe(name, rng, *, B=1, H=1, T_q, T_k, d_k, mag, dtype, pattern, kwargs=None):
-    """q, k ~ N(0, mag²), so the scaled scores spread over about ±mag²."""
-    q = _cast(rng.normal(size=(B, H, T_q, d_k)) * mag, dtype)
-    k = _cast(rng.normal(size=(B, H, T_k, d_k)) * mag, dtype)
+def qkv_probe(name, rng, *, B=1, H=1, T_q, T_k, d_k, mag, dtype, pattern, kwargs=None,
+              negative=False):
+    """q, k ~ N(0, mag²), so the scaled scores spread over about ±mag². ``negative``: every
+    query points away from every key, so all scores are about -mag²·d_k (below any fill
+    that replaces a blocked score by a constant such as -1e4)."""
+    if negative:
+        u = rng.normal(size=d_k)
+        u /= np.linalg.norm(u)
+        q = -(u + 0.05 * rng.normal(size=(B, H, T_q, d_k))) * mag
+        k = (u + 0.05 * rng.normal(size=(B, H, T_k, d_k))) * mag
+    else:
+        q = rng.normal(size=(B, H, T_q, d_k)) * mag
+        k = rng.normal(size=(B, H, T_k, d_k)) * mag
+    q, k = _cast(q, dtype), _cast(k, dtype)
     return Probe(name, q.astype(np.float64), k.astype(np.float64), np.dtype(dtype), pattern,
                  {"q": q, "k": k}, kwargs or {})
 
