@@ -605,7 +605,7 @@ class _Measurement:
             self.details["pattern_of"] = {"probe": top.probe, "slice": list(top.slice),
                                           "pattern": read_pattern(Ar[top.slice]).tolist(),
                                           "expected": pr.allowed()[top.slice].tolist()}
-        if fault and fault != "some-heads-only" and fault in BY_ID:
+        if fault and fault in BY_ID:
             msg = f"{fault}: {msg}"
         location, code, facts = None, "", {}
         try:
