@@ -107,8 +107,15 @@ def test_reference_solution_passes(path):
     assert g.framework == path.stem.split("_")[1]
 
 
+# Catalogued faults no exercise can hold: decoding (T_q < T_k), declared windows, fills the
+# exercises do not write, multi-head qkv code, widths an exercise fixes, fp16.
+NOT_IN_EXERCISES = {"causal-top-left", "window-off-by-one", "finite-fill-too-weak",
+                    "some-heads-only", "scale-by-sqrt-dv", "scale-by-sqrt-dmodel",
+                    "softmax-fp16-accumulation"}
+
+
 def test_every_catalogued_fault_is_planted():
-    assert set(PLANTS) == set(_catalogue())
+    assert set(PLANTS) | NOT_IN_EXERCISES == set(_catalogue())
 
 
 @pytest.mark.parametrize("fault", sorted(set(PLANTS) - SAME_M))

@@ -199,10 +199,10 @@ def _name_pattern(p: Probe, P, E, b, h) -> str | None:
     if P.all():
         return "no-mask"
     if pat.lengths is not None or pat.key_padding_mask is not None:
-        if (P[~empty] == E[~empty]).all() and P[empty].any():
-            return "finite-min-added-twice"
         if (P == nopad).all():
             return "padding-ignored"
+        if (P[~empty] == E[~empty]).all() and P[empty].any():
+            return "finite-min-added-twice"
         keys = masks.Pattern(causal=False, lengths=pat.lengths,
                              key_padding_mask=pat.key_padding_mask).allowed(
             p.B, 1, T_q, T_k)[b, 0].any(0)  # the keys that are not padding
