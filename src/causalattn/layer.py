@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import dropout as _dropout
 from . import masks as _masks
 from .engines import KVCache, attention
 
@@ -46,7 +47,11 @@ class CausalSelfAttention(nn.Module):
     ``d_k`` and ``d_v`` default to ``d_model // n_heads``; ``n_kv_heads`` (default
     ``n_heads``) enables grouped-query attention; ``scale`` defaults to 1/√d_k.
     ``engine`` is any name :func:`causalattn.attention` takes ("auto", "tiled", "sdpa",
-    "reference", ...).
+    "reference", ...). The pattern (:class:`causalattn.masks.Pattern`): ``window`` (each
+    query reads its last ``window`` positions), ``chunk``, ``alibi`` (fixed ALiBi slopes,
+    :func:`causalattn.masks.alibi_slopes`), ``softcap`` and ``sinks`` (one learned sink
+    logit per head, the parameter ``sinks``). ``attn_dropout`` drops attention weights in
+    ``train()`` mode only, as ``nn.Dropout`` does.
     """
 
     def __init__(
@@ -60,6 +65,12 @@ class CausalSelfAttention(nn.Module):
         bias: bool = False,
         scale: float | None = None,
         engine: str = "auto",
+        window: int | None = None,
+        chunk: int | None = None,
+        alibi: bool = False,
+        softcap: float | None = None,
+        sinks: bool = False,
+        attn_dropout: float = 0.0,
         device=None,
         dtype=None,
     ):
@@ -79,14 +90,29 @@ class CausalSelfAttention(nn.Module):
                 f"CausalSelfAttention: n_heads={n_heads} must be a multiple of "
                 f"n_kv_heads={self.n_kv_heads} (grouped-query attention)"
             )
+        if scale is not None and (
+            isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+        ):
+            raise ValueError(f"CausalSelfAttention: scale must be a finite number, got {scale!r}")
         self.scale = None if scale is None else float(scale)
         self.engine = engine
+        # validated once here, by the one definition of M
+        _masks.Pattern(window=window, chunk=chunk, softcap=softcap)
+        self.window, self.chunk, self.softcap = window, chunk, softcap
+        self.attn_dropout = _dropout.check_p(attn_dropout, "CausalSelfAttention: attn_dropout")
+        for name, flag in (("alibi", alibi), ("sinks", sinks)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"CausalSelfAttention: {name} must be True or False, got {flag!r}")
         f = {"device": device, "dtype": dtype}
         h, g = self.n_heads, self.n_kv_heads
         self.W_q = nn.Parameter(torch.empty(d_model, h * self.d_k, **f))
         self.W_k = nn.Parameter(torch.empty(d_model, g * self.d_k, **f))
         self.W_v = nn.Parameter(torch.empty(d_model, g * self.d_v, **f))
         self.W_o = nn.Parameter(torch.empty(h * self.d_v, d_model, **f))
+        # fixed ALiBi slopes (not saved: they follow from n_heads) and learned sink logits
+        slopes = torch.as_tensor(_masks.alibi_slopes(h), dtype=dtype, device=device) if alibi else None
+        self.register_buffer("alibi_slopes", slopes, persistent=False)
+        self.sinks = nn.Parameter(torch.zeros(h, **f)) if sinks else None
         for name, n in (("b_q", h * self.d_k), ("b_k", g * self.d_k), ("b_v", g * self.d_v), ("b_o", d_model)):
             self.register_parameter(name, nn.Parameter(torch.zeros(n, **f)) if bias else None)
         self.reset_parameters()
@@ -96,7 +122,7 @@ class CausalSelfAttention(nn.Module):
         with torch.no_grad():
             for W in (self.W_q, self.W_k, self.W_v, self.W_o):
                 W.normal_(0.0, 1.0 / math.sqrt(W.shape[0]))
-            for b in (self.b_q, self.b_k, self.b_v, self.b_o):
+            for b in (self.b_q, self.b_k, self.b_v, self.b_o, self.sinks):
                 if b is not None:
                     b.zero_()
 
@@ -104,8 +130,16 @@ class CausalSelfAttention(nn.Module):
         kv = f", n_kv_heads={self.n_kv_heads}" if self.n_kv_heads != self.n_heads else ""
         return (
             f"d_model={self.d_model}, n_heads={self.n_heads}{kv}, d_k={self.d_k}, d_v={self.d_v}, "
-            f"bias={self.b_q is not None}, engine={self.engine!r}"
+            f"bias={self.b_q is not None}, engine={self.engine!r}{self._pattern_repr()}"
         )
+
+    def _pattern_repr(self) -> str:
+        parts = [f"{n}={getattr(self, n)!r}" for n in ("window", "chunk", "softcap")
+                 if getattr(self, n) is not None]
+        parts += [n + "=True" for n in ("alibi_slopes", "sinks") if getattr(self, n) is not None]
+        if self.attn_dropout:
+            parts.append(f"attn_dropout={self.attn_dropout}")
+        return "".join(", " + p for p in parts)
 
     # --- forward -----------------------------------------------------------------------
 
@@ -199,7 +233,9 @@ class CausalSelfAttention(nn.Module):
             kv_cache._causalattn_owner = weakref.ref(self)
         H = attention(
             q, k, v, causal=True, key_padding_mask=key_padding_mask, lengths=lengths,
-            scale=self.scale, engine=self.engine,
+            window=self.window, chunk=self.chunk, alibi_slopes=self.alibi_slopes,
+            softcap=self.softcap, sinks=self.sinks, scale=self.scale, engine=self.engine,
+            dropout_p=self.attn_dropout if self.training else 0.0,
         )  # (B, h, T, d_v)
         H = H.transpose(1, 2).reshape(B, T, self.n_heads * self.d_v)
         O = H @ self.W_o
@@ -232,19 +268,15 @@ class CausalSelfAttention(nn.Module):
                 f"{per_stage / 2**20:.0f} MiB in float64 (limit {TRACE_LIMIT_BYTES // 2**20} MiB); "
                 "trace a shorter slice, e.g. x[..., :256, :]"
             )
-        allowed = _masks.causal(T)
+        per_seq = {}
         if lengths is not None or key_padding_mask is not None:
             if X.ndim == 2:
                 raise ValueError("trace: lengths / key_padding_mask need a batch, x (B, T, d_model)")
             self._check_padding(B, T, key_padding_mask, lengths)
-            allowed = np.broadcast_to(allowed, (B, T, T))
             if lengths is not None:
-                L = np.asarray(torch.as_tensor(lengths).cpu())
-                allowed = _masks.combine(
-                    allowed, _masks.key_padding(L, T)[:, None, :], _masks.query_padding(L, T)[:, :, None]
-                )
+                per_seq["lengths"] = np.asarray(torch.as_tensor(lengths).cpu())
             if key_padding_mask is not None:
-                allowed = _masks.combine(allowed, key_padding_mask.cpu().numpy()[:, None, :])
+                per_seq["key_padding_mask"] = key_padding_mask.cpu().numpy()
 
         def w(p):
             return p.detach().to("cpu", torch.float64).numpy()
@@ -263,7 +295,10 @@ class CausalSelfAttention(nn.Module):
                     b = np.repeat(b.reshape(self.n_kv_heads, -1), g, axis=0).reshape(-1)
                 W[n] = np.concatenate([W[n], b[None, :]], axis=0)
         return _trace(
-            X, W["W_q"], W["W_k"], W["W_v"], w(self.W_o), mask=allowed,
+            X, W["W_q"], W["W_k"], W["W_v"], w(self.W_o), causal=True, **per_seq,
+            window=self.window, chunk=self.chunk, softcap=self.softcap,
+            alibi_slopes=None if self.alibi_slopes is None else w(self.alibi_slopes),
+            sinks=None if self.sinks is None else w(self.sinks),
             scale=self.scale, n_heads=self.n_heads, tokens=tokens,
         )
 

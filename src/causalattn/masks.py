@@ -39,8 +39,8 @@ from typing import Literal
 import numpy as np
 
 __all__ = [
-    "Pattern", "REASONS", "READABLE", "causal", "key_padding", "query_padding", "combine",
-    "additive", "counts",
+    "Pattern", "REASONS", "READABLE", "alibi_slopes", "causal", "key_padding", "query_padding",
+    "combine", "additive", "counts",
 ]
 
 # Why a cell is blocked: the first reason in this order (0 = readable).
@@ -505,6 +505,20 @@ class Pattern:
             sl = sl[None] if sl.ndim == 1 else sl  # (1|B, H)
             S = S - sl[..., None, None] * dist
         return S
+
+
+def alibi_slopes(n_heads: int) -> np.ndarray:
+    """ALiBi's fixed slopes (H,): for H a power of two the geometric sequence 2^(-8h/H),
+    h = 1..H; otherwise those of the next lower power of two, then every other slope of the
+    next higher one (as the ALiBi paper and BLOOM do)."""
+    n = _positive_int("n_heads", n_heads)
+
+    def powers(m):
+        return [2.0 ** (-8.0 * (h + 1) / m) for h in range(m)]
+
+    low = 1 << (n.bit_length() - 1)
+    slopes = powers(low) + powers(2 * low)[0::2][: n - low]
+    return np.asarray(slopes, dtype=np.float64)
 
 
 # ---- the seeds' building blocks, on the one definition ----------------------------------
