@@ -46,7 +46,8 @@ class Problem:
     pattern: Pattern  # M and the score modifiers, checked against (B, H_q, T_q, T_k)
     dropout_p: float = 0.0
     dropout_seed: tuple[int, int] | None = None  # (seed, offset); set iff dropout_p > 0
-    # global position of each query row / key column for the dropout hash; None: pos(i), j
+    # global position of each query row / key column for the dropout hash; None: the
+    # pattern's placement (Pattern.query_start + i, Pattern.k_start + j)
     row_pos: torch.Tensor | None = None  # (T_q,) int64
     col_pos: torch.Tensor | None = None  # (T_k,) int64
 
@@ -77,14 +78,14 @@ class Problem:
         i1 = self.q.shape[2] if i1 is None else i1
         if self.row_pos is not None:
             return self.row_pos[i0:i1].cpu()
-        return torch.arange(i0, i1) + self.offset
+        return torch.arange(i0, i1) + self.pattern.query_start(*self.dims[2:])
 
     def dropout_cols(self, j0: int = 0, j1: int | None = None) -> torch.Tensor:
         """Global positions (int64, CPU) of key columns j0:j1 for the dropout hash."""
         j1 = self.k.shape[2] if j1 is None else j1
         if self.col_pos is not None:
             return self.col_pos[j0:j1].cpu()
-        return torch.arange(j0, j1)
+        return torch.arange(j0, j1) + self.pattern.k_start
 
     def keep(self, b, h, i0: int = 0, i1: int | None = None, j0: int = 0, j1: int | None = None):
         """Bool keep pattern for batch rows b, query heads h (ints or broadcastable int
