@@ -296,3 +296,68 @@ def test_explain_in_python_stays_0_based_and_checks_its_argument():
     for bad in (1.5, "1", True, None):
         with pytest.raises(ValueError, match="explain: query i must be an integer"):
             tr.explain(bad)
+
+
+# -- the Python API: clear ValueErrors or correct results ---------------------------------
+
+
+def _qkv(B=2, H=2, T=8, d=4):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(B, H, T, d, generator=g) for _ in range(3))
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"scale": float("nan")}, "scale"), ({"scale": float("inf")}, "scale"),
+    ({"causal": None}, "causal"), ({"lengths": "8,3"}, "lengths"),
+    ({"lengths": [8.0, 3.0]}, "lengths"),
+])
+def test_attention_refuses_hostile_arguments(kw, match):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=match):
+        ca.attention(q, k, v, **kw)
+
+
+def test_attention_and_layer_shapes_at_zero():
+    import torch
+
+    z = torch.zeros(1, 1, 3, 0)
+    with pytest.raises(ValueError, match="d_k >= 1 and d_v >= 1"):
+        ca.attention(z, z, z)
+    q, k, _ = _qkv(1, 1, 3, 2)
+    with pytest.raises(ValueError, match="d_k >= 1 and d_v >= 1"):
+        ca.attention(q, k, torch.zeros(1, 1, 3, 0))
+    for bias in (False, True):
+        layer = ca.CausalSelfAttention(8, 2, bias=bias)
+        assert layer(torch.zeros(0, 3, 8)).shape == (0, 3, 8)  # B = 0: an empty batch
+        with pytest.raises(ValueError, match="d_model=8"):
+            layer(torch.zeros(2, 3, 0))
+        with pytest.raises(ValueError, match="lengths"):
+            layer(torch.zeros(2, 3, 8), lengths="8,3")
+    for scale in (float("nan"), float("inf"), "x", True):
+        with pytest.raises(ValueError, match="scale must be a finite number"):
+            ca.CausalSelfAttention(8, 2, scale=scale)
+    with pytest.raises(ValueError, match="scale"):
+        ca.trace(np.eye(3), np.eye(3), np.eye(3), np.eye(3), scale=float("nan"))
+
+
+def test_kv_cache_refuses_what_it_cannot_hold_or_would_cast():
+    import torch
+
+    k = torch.zeros(1, 2, 2, 4)
+    for cap in (0, 2.5, "8", True):
+        with pytest.raises(ValueError, match="capacity must be a positive integer"):
+            ca.KVCache(capacity=cap)
+    with pytest.raises(ValueError, match=r"1000000000000 positions.*GiB.*capacity"):
+        ca.KVCache(capacity=10**12).append(k, k)
+    with pytest.raises(ValueError, match="k must be a torch.Tensor.*from_numpy"):
+        ca.KVCache().append(np.zeros((1, 2, 2, 4)), np.zeros((1, 2, 2, 4)))
+    with pytest.raises(ValueError, match="k is torch.float32 .* but v is torch.float64"):
+        ca.KVCache().append(k, k.double())
+    c = ca.KVCache(capacity=2)
+    c.append(k, k)
+    with pytest.raises(ValueError, match="cache is torch.float32"):
+        c.append(k.double(), k.double())
+    K, V = c.append(k + 1, k + 2)  # grows past capacity by doubling
+    assert K.shape == (1, 2, 4, 4) and V[:, :, 2:].eq(2).all() and len(c) == 4

@@ -91,7 +91,8 @@ class CausalSelfAttention(nn.Module):
                 f"n_kv_heads={self.n_kv_heads} (grouped-query attention)"
             )
         if scale is not None and (
-            isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+            isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer))
+            or not math.isfinite(scale)
         ):
             raise ValueError(f"CausalSelfAttention: scale must be a finite number, got {scale!r}")
         self.scale = None if scale is None else float(scale)
@@ -145,8 +146,13 @@ class CausalSelfAttention(nn.Module):
 
     def _project(self, x: torch.Tensor, W: torch.Tensor, b, heads: int) -> torch.Tensor:
         """(B, T, d_model) @ d_model×(heads·d) -> (B, heads, T, d)."""
-        Y = x @ W if b is None else torch.addmm(b, x.reshape(-1, x.shape[-1]), W).view(*x.shape[:-1], -1)
-        return Y.view(x.shape[0], x.shape[1], heads, -1).transpose(1, 2)
+        B, T, _ = x.shape
+        d = W.shape[1] // heads  # explicit, so that B = 0 gives (0, heads, T, d), not an error
+        if b is None:
+            Y = x @ W
+        else:
+            Y = torch.addmm(b, x.reshape(-1, x.shape[-1]), W).view(B, T, W.shape[1])
+        return Y.view(B, T, heads, d).transpose(1, 2)
 
     def _check_x(self, x) -> None:
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
@@ -172,7 +178,12 @@ class CausalSelfAttention(nn.Module):
                     f"read; T_k counts cached positions too), got {got}"
                 )
         if lengths is not None:
-            L = torch.as_tensor(lengths)
+            try:
+                L = torch.as_tensor(lengths)
+            except (TypeError, ValueError, RuntimeError) as exc:
+                raise ValueError(
+                    f"lengths: expected an integer tensor (B,) = ({B},), got {lengths!r:.40} ({exc})"
+                ) from exc
             if L.dim() != 1 or L.shape[0] != B or L.dtype.is_floating_point or L.dtype == torch.bool:
                 raise ValueError(
                     f"lengths: expected an integer tensor (B,) = ({B},), got shape {_shape(L)} "

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import torch
 
+# Keys and values together may take at most this many bytes unless the cache is told
+# otherwise (KVCache(max_bytes=...)): a capacity of 10**12 positions is refused, not tried.
+MAX_BYTES = 16 * 2**30
+
 
 class KVCache:
     """Keys ``(B, H_kv, T, d_k)`` and values ``(B, H_kv, T, d_v)`` grown along T."""
 
-    def __init__(self, capacity: int = 256):
-        if capacity < 1:
-            raise ValueError(f"KVCache: capacity must be >= 1, got {capacity}")
-        self._capacity = int(capacity)
+    def __init__(self, capacity: int = 256, *, max_bytes: int = MAX_BYTES):
+        for name, value in (("capacity", capacity), ("max_bytes", max_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"KVCache: {name} must be a positive integer, got {value!r}")
+        self._capacity = capacity
+        self._max_bytes = max_bytes
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         self._len = 0
@@ -38,6 +44,17 @@ class KVCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Add ``k`` ``(B, H_kv, t, d_k)`` and ``v`` ``(B, H_kv, t, d_v)``; return the whole cache."""
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise ValueError(
+                    f"KVCache.append: {name} must be a torch.Tensor (B, H_kv, t, d), got "
+                    f"{type(t).__name__} (torch.from_numpy(...) converts a NumPy array)"
+                )
+        if k.dtype != v.dtype or k.device != v.device:
+            raise ValueError(
+                f"KVCache.append: k is {k.dtype} on {k.device} but v is {v.dtype} on {v.device}; "
+                "they must match"
+            )
         if k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
             raise ValueError(
                 f"KVCache.append: k and v must be (B, H_kv, t, d) with the same (B, H_kv, t); "
@@ -65,6 +82,14 @@ class KVCache:
             if self._k is not None:
                 cap = max(cap, 2 * self._k.shape[2])
             B, H = k.shape[:2]
+            nbytes = B * H * cap * (k.shape[3] + v.shape[3]) * k.element_size()
+            if nbytes > self._max_bytes:
+                raise ValueError(
+                    f"KVCache: {cap} positions of k (B, H_kv, T, d_k) = ({B}, {H}, {cap}, "
+                    f"{k.shape[3]}) and v (d_v = {v.shape[3]}) in {k.dtype} would take "
+                    f"{nbytes / 2**30:.1f} GiB (max_bytes {self._max_bytes / 2**30:.1f} GiB); "
+                    "give a smaller capacity or a larger max_bytes"
+                )
             nk = k.new_empty(B, H, cap, k.shape[3])
             nv = v.new_empty(B, H, cap, v.shape[3])
             if self._k is not None:

@@ -154,6 +154,11 @@ def _check_tensors(q, k, v) -> None:
         raise ValueError(
             f"attention: k {_shape(k)} and v {_shape(v)} must agree on (B, H_kv, T_k)"
         )
+    if d_k == 0 or v.shape[3] == 0:
+        raise ValueError(
+            f"attention: q {_shape(q)} and v {_shape(v)} need d_k >= 1 and d_v >= 1 (a head "
+            "of width 0 has no scores or values)"
+        )
     H_kv, T_k = k.shape[1], k.shape[2]
     if H_kv == 0 or H_q % H_kv:
         raise ValueError(
