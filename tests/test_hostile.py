@@ -361,3 +361,23 @@ def test_kv_cache_refuses_what_it_cannot_hold_or_would_cast():
         c.append(k.double(), k.double())
     K, V = c.append(k + 1, k + 2)  # grows past capacity by doubling
     assert K.shape == (1, 2, 4, 4) and V[:, :, 2:].eq(2).all() and len(c) == 4
+
+
+def test_audit_evidence_is_1_based_on_the_command_line(tmp_path):
+    tr = ca.trace(np.eye(4)[:, :2] + 0.5, np.eye(2), np.eye(2), np.eye(2))
+    arrays = {n: tr[n] for n in ("X", "W_q", "W_k", "W_v", "Q", "K", "V", "S", "A", "H")}
+    arrays["A"] = arrays["A"].copy()
+    arrays["A"][2, 3] = 0.25  # a future key read by query 2 (0-based): row 3 on the CLI
+    np.savez(tmp_path / "bad.npz", **arrays)
+    py = ca.audit(tmp_path / "bad.npz").first_failure
+    res = runner.invoke(app, ["audit", str(tmp_path / "bad.npz"), "--json"])
+    assert res.exit_code == 1, res.output
+    d = json.loads(res.stdout)
+    cli_ev = d["first_failure"]["evidence"]
+    assert d["positions"] == "1-based" and py.evidence["rows"]
+    assert cli_ev["rows"] == [r + 1 for r in py.evidence["rows"]]
+    if "cols" in py.evidence:
+        assert cli_ev["cols"] == [c + 1 for c in py.evidence["cols"]]
+    assert 2 in py.evidence["rows"] and 3 in cli_ev["rows"]
+    text = runner.invoke(app, ["audit", str(tmp_path / "bad.npz")]).stdout
+    assert f"rows={cli_ev['rows']}" in text

@@ -719,7 +719,7 @@ def demo(
         batch = _encode_quiet(list(text.SEED_SENTENCES))
         _check_widths(batch, d_model, 1, max_bytes)
         tr = _seeded_attention(batch, d_model, seed)
-        report = audit(tr)
+        report = _one_based(audit(tr))
         chapter = run_trace(**dict(_CHAPTER))
         ex = chapter.explain(3)
     last = batch.B - 1
@@ -820,6 +820,26 @@ def demo(
         raise typer.Exit(1)
 
 
+_POSITION_KEYS = ("index", "rows", "cols")  # evidence that names positions (0-based in Python)
+
+
+def _one_based(report):
+    """A copy of an audit Report whose evidence positions count from 1, as the CLI's do."""
+    import dataclasses
+
+    def shift(ev: dict) -> dict:
+        out = dict(ev)
+        for k in _POSITION_KEYS:
+            if k in out and out[k] is not None:
+                v = out[k]
+                out[k] = [int(x) + 1 for x in v] if isinstance(v, (list, tuple)) else int(v) + 1
+        return out
+
+    checks = [dataclasses.replace(c, evidence=shift(c.evidence)) for c in report.checks]
+    return dataclasses.replace(report, checks=checks,
+                               empty_rows=[shift(r) for r in report.empty_rows])
+
+
 @app.command("audit")
 def audit_cmd(
     file: Path = typer.Argument(..., help="A .npz, a .npy, a folder of .npy files or a .safetensors."),
@@ -830,11 +850,11 @@ def audit_cmd(
     from .check import audit
 
     try:
-        report = audit(file, max_bytes=max_bytes)
+        report = _one_based(audit(file, max_bytes=max_bytes))
     except (ValueError, OSError) as exc:
         _fail(str(exc))
     if as_json:
-        _print_json(report.to_dict())
+        _print_json({"positions": "1-based", **report.to_dict()})
     else:
         _console().print(str(report), markup=False)
     if not report.ok:

@@ -15,6 +15,14 @@ _SCORED = {"softmax", "log_softmax", "exp", "matmul", "__matmul__", "bmm", "eins
            "transpose", "permute", "t", "scaled_dot_product_attention", "baddbmm", "sum"}
 
 
+def _shown(path: str) -> str:
+    """A location's file relative to the current directory (as the docs promise)."""
+    try:
+        return os.path.relpath(path)
+    except ValueError:  # another drive (Windows): keep it absolute
+        return path
+
+
 def _record(call, probe):
     """Run ``call(probe)`` under a TorchFunctionMode; a list of op events in call order."""
     import torch
@@ -29,7 +37,7 @@ def _record(call, probe):
             f = os.path.abspath(fr.filename)
             if f.startswith(torch_dir) or f == here or "contextlib" in f or f.startswith("<"):
                 continue
-            return f"{fr.filename}:{fr.lineno}", (fr.line or "").strip()
+            return f"{_shown(f)}:{fr.lineno}", (fr.line or "").strip()
         return None, ""
 
     def neg_fill(x):
@@ -104,7 +112,7 @@ def _record_numpy(caller, probe):
             f = os.path.abspath(fr.filename)
             if f.startswith(np_dir) or f == here or f.startswith("<"):
                 continue
-            return f"{fr.filename}:{fr.lineno}", (fr.line or "").strip()
+            return f"{_shown(f)}:{fr.lineno}", (fr.line or "").strip()
         return None, ""
 
     def plain(x):
