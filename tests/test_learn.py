@@ -230,7 +230,8 @@ def test_cli_writes_scaffolds(tmp_path):
     out = tmp_path / "mine.py"
     r = runner.invoke(app, ["learn", "--exercise", "softmax", "-o", str(out), "--framework",
                             "torch"])
-    assert r.exit_code == 0 and out.read_text() == exercises.scaffold("softmax", "torch")
+    assert r.exit_code == 0 and out.read_text() == exercises.scaffold("softmax", "torch", str(out))
+    assert f"causalattn learn --check {out}" in out.read_text()
     r = runner.invoke(app, ["learn", "--exercise", "softmax", "-o", str(out)])
     assert r.exit_code == 2 and "error:" in r.output
     r = runner.invoke(app, ["learn", "--exercise", "nope", "-o", str(tmp_path / "x.py")])

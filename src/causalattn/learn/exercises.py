@@ -92,14 +92,15 @@ def _check(name: str, framework: str) -> Exercise:
     return EXERCISES[name]
 
 
-def scaffold(name: str, framework: str = "numpy") -> str:
-    """The text of exercise ``name``'s scaffold file for ``framework`` ("numpy" | "torch")."""
+def scaffold(name: str, framework: str = "numpy", filename: str | None = None) -> str:
+    """The text of exercise ``name``'s scaffold file for ``framework`` ("numpy" | "torch");
+    ``filename`` is the path its check command names (default ``NAME.py``)."""
     ex = _check(name, framework)
     doc = ex.doc.format(arr=_ARR[framework])
     return f'''{MARK} {name} ({framework})
 """Fill in `{ex.function}` below, then grade it:
 
-    causalattn learn --check {name}.py
+    causalattn learn --check {filename or f"{name}.py"}
 
 The grader runs your function on its own inputs, inside the rest of the attention
 pipeline, and reports stage by stage what is right, the first stage that is wrong and a
@@ -119,8 +120,8 @@ def write(name: str, path: str | Path | None = None, framework: str = "numpy",
           force: bool = False) -> Path:
     """Write the scaffold to ``path`` (default ``NAME.py`` here); never over a file unless
     ``force``."""
-    text = scaffold(name, framework)
     p = Path(path) if path is not None else Path(f"{name}.py")
+    text = scaffold(name, framework, str(p))
     if p.exists() and not force:
         raise ValueError(f"learn: {p} exists already; choose another -o PATH (or --force)")
     p.write_text(text, encoding="utf-8")

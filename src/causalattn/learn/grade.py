@@ -298,13 +298,40 @@ def _mask_picture(user: _Learner, T: int = 6, L: int = 4) -> dict | None:
         return None
     want = masks.additive(_padded(T, L))
 
-    def cells(a):
+    def cells(a):  # the learner's own values: anything but 0 / -∞ is shown as '?'
         return [["0" if x == 0 else "-∞" if x == -np.inf else "?" for x in row] for row in a]
 
     if M.shape != want.shape or np.array_equal(M, want):
         return None
     return {"what": f"M for T = {T}, length = {L}", "measured": cells(M),
             "expected": cells(want)}
+
+
+def _cells(allowed) -> list[list[str]]:
+    """A boolean pattern in the seed's additive view: 0 where read, -∞ where not."""
+    return [["0" if a else "-∞" for a in row] for row in np.asarray(allowed, bool)]
+
+
+def _read_picture(d) -> dict | None:
+    """diagnose's measured read pattern against the reference's, when it measured one and
+    they differ (``Diagnosis.pattern`` / ``.expected``)."""
+    P, E = getattr(d, "pattern", None), getattr(d, "expected", None)
+    if P is None or E is None:
+        return None
+    P, E = np.asarray(P, bool), np.asarray(E, bool)
+    if P.ndim != 2 or P.shape != E.shape or np.array_equal(P, E):
+        return None
+    return {"what": f"the M your code reads by (T = {P.shape[0]}, measured)",
+            "measured": _cells(P), "expected": _cells(E)}
+
+
+def _measured_scale(d, stage: str) -> str:
+    """The factor diagnose measured on Q Kᵀ, against 1/√d_k, when the scores are wrong."""
+    c, d_k = getattr(d, "scale", None), getattr(d, "d_k", None)
+    if stage != "S" or c is None or not d_k:
+        return ""
+    return (f"; measured: your scores are Q Kᵀ × {c:.4g}, expected × {1 / np.sqrt(d_k):.4g} "
+            f"(d_k = {d_k})")
 
 
 # -- grading ------------------------------------------------------------------------------------
@@ -401,10 +428,11 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
     hint = HINTS.get(d.fault) if known else None
     msg = (f"stage {stage} is wrong: {d.message}" if known else
            f"stage {stage} looks wrong: the output matches neither the reference nor any "
-           "catalogued mistake")
+           f"catalogued mistake ({d.message})")
+    msg += _measured_scale(d, stage)
     location = d.location if d.location and d.location.startswith(str(Path(path).resolve())) \
         else None
-    pattern = _mask_picture(user) if stage == "M" and ex.name == "mask" else None
+    pattern = _mask_picture(user) if stage == "M" and ex.name == "mask" else _read_picture(d)
     return Grade(path, ex.name, "wrong", msg, fw, stage, d.fault if known else None,
                  hint or _STAGE_HINTS[stage], _stages(ex, stage, known), location, pattern, dd)
 
