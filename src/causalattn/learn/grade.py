@@ -43,6 +43,7 @@ STAGE_NAMES = {
     "A": "weights A = softmax_last(S + M)",
     "H": "output H = A V",
     "O": "O = [H_1 … H_h] W_O",
+    "heads": "every head the same way",
 }
 
 # One hint per catalogued fault: where to look, never what to write.
@@ -75,6 +76,19 @@ HINTS = {
     "exp at most 1?",
     "nan-on-empty-rows": "A padding query's row is -∞ everywhere, and 0 / 0 is NaN. Such a "
     "row reads nothing: its weights must be 0.",
+    "scale-by-sqrt-dv": "Your scores are scaled by the width of the values. The factor "
+    "belongs to the axis that Q Kᵀ contracts.",
+    "scale-by-sqrt-dmodel": "Your scores are scaled by the model's width. Each head compares "
+    "vectors of its own width.",
+    "finite-fill-too-weak": "Your blocked entries are not blocked enough: large scores "
+    "overcome a finite fill such as -1e4.",
+    "causal-top-left": "With fewer queries than keys the queries are the last positions: "
+    "where does query 0 sit?",
+    "window-off-by-one": "Count the window: w positions, the query's own included.",
+    "softmax-fp16-accumulation": "Long rows in half precision lose their sums: in which "
+    "precision is the row accumulated?",
+    "some-heads-only": "Some heads are right and others not: what differs between the heads "
+    "in your code?",
     "output-projection-missing": "Your O is the heads' output itself: W_O never enters.",
     "output-projection-transposed": "W_O is (h·d_v)×d_model and is used as X W is: which of "
     "its axes meets the columns of [H_1 … H_h]?",
@@ -89,6 +103,7 @@ _STAGE_HINTS = {
     "H": "h_i = Σ_j A_ij v_j: a T×T by T×d_v product.",
     "O": "Check the head split (which columns belong to head n), the order of the heads "
     "side by side, then the product with W_O.",
+    "heads": "Compare the heads: what does your code do differently for one of them?",
 }
 
 
@@ -325,15 +340,6 @@ def _read_picture(d) -> dict | None:
             "measured": _cells(P), "expected": _cells(E)}
 
 
-def _measured_scale(d, stage: str) -> str:
-    """The factor diagnose measured on Q Kᵀ, against 1/√d_k, when the scores are wrong."""
-    c, d_k = getattr(d, "scale", None), getattr(d, "d_k", None)
-    if stage != "S" or c is None or not d_k:
-        return ""
-    return (f"; measured: your scores are Q Kᵀ × {c:.4g}, expected × {1 / np.sqrt(d_k):.4g} "
-            f"(d_k = {d_k})")
-
-
 # -- grading ------------------------------------------------------------------------------------
 def _find_exercise(ns: dict, path: str, exercise: str | None) -> Exercise:
     if exercise is not None:
@@ -358,9 +364,14 @@ def _find_exercise(ns: dict, path: str, exercise: str | None) -> Exercise:
 
 
 def _stages(ex: Exercise, wrong: str | None, known: bool) -> list[dict]:
-    """Every stage right, or: before the wrong one right (known fault) or unconfirmed."""
+    """Every stage right, or: before the wrong one right (known fault) or unconfirmed. A
+    stage diagnose names outside the exercise's list (e.g. "heads") gets a row of its own,
+    the others none confirmed."""
+    order = ("shape",) + ex.stages
+    if wrong is not None and wrong not in order:
+        order, known = order + (wrong,), False
     out, seen = [], False
-    for st in ("shape",) + ex.stages:
+    for st in order:
         if wrong is None:
             status = "right"
         elif st == wrong:
@@ -369,7 +380,7 @@ def _stages(ex: Exercise, wrong: str | None, known: bool) -> list[dict]:
             status = "not graded"
         else:
             status = "right" if known or st == "shape" else "not graded"
-        out.append({"stage": st, "name": STAGE_NAMES[st], "status": status})
+        out.append({"stage": st, "name": STAGE_NAMES.get(st, st), "status": status})
     return out
 
 
@@ -423,18 +434,25 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
     if d.ok:
         return Grade(path, ex.name, "right", "every stage matches the reference on every probe",
                      fw, stages=_stages(ex, None, True), diagnosis=dd)
-    stage = d.stage if d.stage in ex.stages else ex.stages[-1 if d.stage in ("H", "O") else 0]
+    if d.stage in ex.stages:
+        stage = d.stage
+    elif len(ex.stages) == 1:  # the rest of the pipeline is the library's: the learner's stage
+        stage = ex.stages[0]
+    elif d.stage in ("H", "O"):
+        stage = ex.stages[-1]
+    else:  # e.g. "heads": a row of its own
+        stage = d.stage or ex.stages[0]
     known = d.status == "fault"
     hint = HINTS.get(d.fault) if known else None
     msg = (f"stage {stage} is wrong: {d.message}" if known else
            f"stage {stage} looks wrong: the output matches neither the reference nor any "
            f"catalogued mistake ({d.message})")
-    msg += _measured_scale(d, stage)
     location = d.location if d.location and d.location.startswith(str(Path(path).resolve())) \
         else None
     pattern = _mask_picture(user) if stage == "M" and ex.name == "mask" else _read_picture(d)
-    return Grade(path, ex.name, "wrong", msg, fw, stage, d.fault if known else None,
-                 hint or _STAGE_HINTS[stage], _stages(ex, stage, known), location, pattern, dd)
+    hint = hint or _STAGE_HINTS.get(stage, _STAGE_HINTS["shape"])
+    return Grade(path, ex.name, "wrong", msg, fw, stage, d.fault if known else None, hint,
+                 _stages(ex, stage, known), location, pattern, dd)
 
 
 def grade_file(path: str | Path, exercise: str | None = None) -> Grade:
