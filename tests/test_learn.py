@@ -124,13 +124,14 @@ def test_planted_fault_is_named_at_its_stage(tmp_path, fault):
     planted = _plant(tmp_path, fault)
     g = grade.grade_file(planted)
     assert g.status == "wrong" and g.exit_code == 1, str(g)
-    assert g.fault == fault and g.stage == _catalogue()[fault], str(g)
+    stage = {"some-heads-only": "M"}.get(fault, _catalogue()[fault])  # the planted head's stage
+    assert g.fault == fault and g.stage == stage, str(g)
     assert g.hint == grade.HINTS[fault]
-    states = {s["stage"]: s["status"] for s in g.stages}
+    states = {st["stage"]: st["status"] for st in g.stages}
     assert states[g.stage] == "wrong"
-    order = [s["stage"] for s in g.stages]
-    assert all(states[s] == "right" for s in order[: order.index(g.stage)])
-    assert all(states[s] == "not graded" for s in order[order.index(g.stage) + 1:])
+    order = [st["stage"] for st in g.stages]
+    assert all(states[st] == "right" for st in order[: order.index(g.stage)])
+    assert all(states[st] == "not graded" for st in order[order.index(g.stage) + 1:])
     shown = {s.strip() for s in str(g).splitlines()} | set(_strings(g.to_dict()))
     fixes = _fixes(fault, planted)
     assert fixes and not shown & set(fixes), "a grade never shows the fix"
