@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import causalattn as ca
-from causalattn import text, viz
+from causalattn import masks, text, viz
 
 pytestmark = pytest.mark.browser
 
@@ -167,9 +167,164 @@ def test_sentences_padding_heads_and_screenshot(page, tmp_path):
     page.hover_row("A", 5)
     assert page.side("weight") == [f"{a:.3f}" for a in traces[3].select(1).A[5][:6]] + ["0"] * 4
     page.clean()
+
+
+def window_traces():
+    """The seed's sentences under a sliding window of 3 with their padding: one Pattern each."""
+    batch = text.encode(text.SEED_SENTENCES)
+    rng = np.random.default_rng(0)
+    E = rng.normal(size=(len(batch.vocab), 8))
+    W = [rng.normal(size=(8, 8)) / np.sqrt(8) for _ in range(3)]
+    out = []
+    for b in range(batch.B):
+        pat = masks.Pattern(window=3, lengths=batch.lengths[b:b + 1])
+        tr = ca.trace(E[batch.ids[b]], *W, mask=pat.allowed(1, 1, batch.N, batch.N)[0, 0],
+                      n_heads=2, tokens=batch.tokens[b])
+        tr.pattern = pat
+        out.append(tr)
+    return batch, out
+
+
+def test_window_and_padding_in_one_view_each_kind_named(page, tmp_path):
+    batch, tr = window_traces()
+    path = viz.write_explorer(tr, tmp_path / "window.html", names=viz.sentence_names(batch),
+                              title="causalattn explorer: window 3 + padding")
+    page.open(path)
+    page.page.select_option("[data-role=seq]", index=3)  # 6 tokens, 4 padding
+    legend = page.texts("[data-role=legend] .ca-legend-item")
+    assert legend == [viz.KINDS[c].label for c in (masks.READABLE, masks.PADDING, masks.FUTURE,
+                                                    masks.WINDOW)]
+    colours = page.page.evaluate("""() => {
+        const c = document.querySelector('[data-panel=M] canvas.ca-base');
+        const [ml, mt, cell] = c.nextElementSibling.getAttribute('data-grid').split(',').map(Number);
+        const px = (i, j) => Array.from(c.getContext('2d').getImageData(
+            ml + (j + 0.5) * cell, mt + (i + 0.5) * cell, 1, 1).data).join(',');
+        return [px(4, 3), px(4, 0), px(1, 3), px(8, 8)];  // readable, window, future, padding
+    }""")
+    assert len(set(colours)) == 4, colours
+    page.hover_row("A", 4, 0)
+    assert "blocked: outside the window" in page.page.inner_text("[data-role=cell]")
+    kinds = page.page.locator("[data-role=side] tr[data-kind]").evaluate_all(
+        "rs => rs.map(r => r.getAttribute('data-kind'))")
+    assert kinds == ["window", "window", "future"] + ["padding"] * 4  # row 5: keys 3-5 readable
+    page.clean()
     DOCS_PNG.parent.mkdir(exist_ok=True)
     page.page.screenshot(path=str(DOCS_PNG), full_page=True)
     assert DOCS_PNG.stat().st_size > 10_000
+
+
+def model_layers(L=3, H=2, T=12, seed=0):
+    rng = np.random.default_rng(seed)
+    toks = [f"tok{i}" for i in range(T)]
+    toks[5] = toks[9] = "pizza"
+    out = []
+    for _ in range(L):
+        W = [rng.normal(size=(8, 8)) for _ in range(3)]
+        out.append(ca.trace(rng.normal(size=(T, 8)), *W, n_heads=H, tokens=toks))
+    return out
+
+
+def test_model_view_opens_a_head_and_search_pins_a_query(page, tmp_path):
+    layers = model_layers()
+    path = viz.write_explorer(layers, tmp_path / "model.html")
+    page.open(path)
+    assert page.page.locator("button.ca-thumb").count() == 6  # 3 layers × 2 heads
+    assert page.page.locator("[data-role=head-summary] tr[data-head]").count() == 2
+    page.page.locator("button.ca-thumb[data-layer='2'][data-head='1']").click()
+    assert "layer 3 of 3" in page.page.inner_text("[data-role=summary]")
+    assert page.page.input_value("[data-role=layer]") == "2"
+    assert page.page.input_value("[data-role=head]") == "1"
+    first = page.texts("[data-role=head-summary] tr[data-head='1'] td[data-col=first]")[0]
+    assert first == f"{layers[2].A[1][:, 0].mean():.3f}"
+    page.page.fill("[data-role=search]", "PIZ")
+    assert page.page.inner_text("[data-role=search-count]") == "2 matches"
+    assert page.page.locator("[data-role=tokens] .ca-tok-match").count() == 2
+    page.page.press("[data-role=search]", "Enter")
+    page.page.press("[data-role=search]", "Enter")  # the second match: query 10
+    assert "query i = 10" in page.page.inner_text("[data-role=query-title]")
+    assert page.page.is_checked("[data-role=pin]")
+    page.hover_row("A", 2)  # pinned: hovering another row changes nothing
+    assert "query i = 10" in page.page.inner_text("[data-role=query-title]")
+    page.page.select_option("[data-role=layer]", index=0)  # the pinned query stays
+    shown = [float(w) for w in page.side("weight")[:10]]
+    assert shown == pytest.approx(layers[0].A[1][9][:10], abs=6e-4, rel=1e-2)
+    page.page.uncheck("[data-role=pin]")
+    page.hover_row("A", 2)
+    assert "query i = 3" in page.page.inner_text("[data-role=query-title]")
+    page.clean()
+
+
+QUESTIONS = [  # the shape causalattn.learn.questions() returns
+    {"id": "q1", "prompt": "Along which axis does softmax run?",
+     "choices": ["down each key column", "across each query row", "over all T×T scores"],
+     "answer": 1, "hint": "Each query's weights must sum to 1.",
+     "explanation": "Row i holds query i's scores over keys j.",
+     "highlight": {"matrix": "A", "axis": "row", "row": 2},
+     "data": {"X": [[1, 0], [0, 1], [1, 1], [-1, 1]], "W_q": [[1, 0], [0, 1]],
+              "W_k": [[1, 0], [0, 1]], "W_v": [[1, 1], [1, -1]],
+              "tokens": ["x1", "x2", "<b>x3</b>", "x4"]}},
+    {"id": "q2", "prompt": "Why is cell (8, 2) of sentence 4 blocked?",
+     "choices": ["future", "padding"], "answer": 1, "hint": "Look at row 8's token.",
+     "explanation": "Row 8 is <PAD>.", "highlight": {"matrix": "M", "cells": [[7, 1]]},
+     "sentence": 3},
+]
+
+
+def _learn(page):
+    return {r: page.page.inner_text(f"[data-role=learn-{r}]") for r in ("count", "feedback",
+                                                                          "score")}
+
+
+def test_check_yourself_panel_choose_check_hint_and_the_answer_on_its_matrix(page, tmp_path):
+    path = viz.write_explorer(chapter_trace(), tmp_path / "learn.html", questions=QUESTIONS)
+    page.open(path)
+    assert _learn(page)["count"] == "question 1 of 2"
+    page.page.click("[data-role=learn-check]")  # nothing chosen yet
+    assert "Choose one answer first" in _learn(page)["feedback"]
+    page.page.check("[data-role=learn-choices] input[data-choice='0']")  # the wrong one
+    page.page.click("[data-role=learn-check]")
+    fb = page.page.locator("[data-role=learn-feedback]")
+    assert fb.get_attribute("data-correct") == "0"
+    assert "across each query row" in fb.inner_text()
+    pic = page.page.locator("[data-role=learn-picture]")
+    assert pic.is_visible() and '"row":2' in pic.get_attribute("data-highlight")
+    # the highlighted row is outlined on the picture: its border pixel is the highlight colour
+    edge = page.page.evaluate("""() => {
+        const c = document.querySelector('[data-role=learn-picture]');
+        const [ml, mt, cell] = c.getAttribute('data-grid').split(',').map(Number);
+        const d = window.devicePixelRatio || 1;
+        return Array.from(c.getContext('2d').getImageData(
+            (ml + cell * 1.5) * d, (mt + 2 * cell) * d, 1, 1).data).slice(0, 3);
+    }""")
+    assert edge == [232, 89, 12], edge
+    assert page.page.locator("[data-role=learn-hint-text]").is_hidden()
+    page.page.click("[data-role=learn-hint]")
+    assert "must sum to 1" in page.page.inner_text("[data-role=learn-hint-text]")
+    assert _learn(page)["score"].startswith("score: 0 of 1")
+    page.page.click("[data-role=learn-next]")
+    assert _learn(page)["count"] == "question 2 of 2"
+    assert page.page.locator("[data-role=learn-picture]").is_hidden()
+    page.clean()
+
+
+def test_check_yourself_panel_by_keyboard_only(page, tmp_path):
+    path = viz.write_explorer(chapter_trace(), tmp_path / "learn.html", questions=QUESTIONS)
+    page.open(path)
+    kb = page.page.keyboard
+    page.page.focus("[data-role=learn-choices] input[data-choice='0']")
+    kb.press("ArrowDown")  # moves the choice within the radio group: choice 2
+    assert page.page.is_checked("[data-role=learn-choices] input[data-choice='1']")
+    kb.press("Tab")  # "previous" is disabled on question 1: focus goes to "check"
+    kb.press("Enter")
+    assert page.page.locator("[data-role=learn-feedback]").get_attribute("data-correct") == "1"
+    kb.press("Tab")
+    kb.press("Enter")  # hint
+    assert page.page.locator("[data-role=learn-hint-text]").is_visible()
+    kb.press("Tab")
+    kb.press("Enter")  # next
+    assert _learn(page)["count"] == "question 2 of 2"
+    assert _learn(page)["score"].startswith("score: 1 of 1")
+    page.clean()
 
 
 HOSTILE = [

@@ -11,10 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 import causalattn as ca
-from causalattn import text, viz
+from causalattn import masks, text, viz
 from causalattn.cli import app
 from causalattn.viz import heatmaps
-from causalattn.viz.kinds import ALLOWED, CAUSAL, PADDING
+from causalattn.viz.kinds import FUTURE, KINDS, MASK, PADDING, READABLE, WINDOW
 
 pytest.importorskip("matplotlib")
 
@@ -51,9 +51,53 @@ def test_mask_kinds_follow_causality_and_padding(batch):
     L = int(batch.lengths[3])
     for i in range(batch.N):
         for j in range(batch.N):
-            want = PADDING if (i >= L or j >= L) else (ALLOWED if j <= i else CAUSAL)
+            want = PADDING if (i >= L or j >= L) else (READABLE if j <= i else FUTURE)
             assert kinds[i, j] == want, (i, j)
     assert viz.padding_positions(batch.mask[0]).sum() == 0
+    odd = np.tril(np.ones((4, 4), bool)) & ~np.eye(4, k=-2, dtype=bool)  # a past key blocked
+    assert viz.mask_kinds(odd)[2, 0] == MASK and viz.mask_kinds(odd)[0, 2] == FUTURE
+
+
+def test_kinds_follow_the_pattern_reasons_not_just_the_boolean_mask():
+    pat = masks.Pattern(window=2, lengths=[3, 5])
+    allowed = pat.allowed(2, 1, 5, 5)[:, 0]
+    X = np.random.default_rng(0).normal(size=(2, 5, 4))
+    tr = ca.trace(X, np.eye(4), np.eye(4), np.eye(4), mask=allowed)
+    tr.pattern = pat  # what a Trace carries when it was built from a Pattern
+    kinds = viz.trace_kinds(tr)
+    np.testing.assert_array_equal(kinds, pat.reasons(2, 1, 5, 5)[:, 0])
+    assert kinds[1, 4, 1] == WINDOW and kinds[1, 1, 3] == FUTURE and kinds[0, 4, 0] == PADDING
+    tr.pattern = masks.Pattern(window=3, lengths=[3, 5])  # disagrees with tr.allowed: not used
+    assert (viz.trace_kinds(tr) == WINDOW).sum() == 0
+    # the explorer carries the kinds; without a pattern, a window reads "blocked by the mask"
+    plain = ca.trace(X[1], np.eye(4), np.eye(4), np.eye(4), mask=allowed[1])
+    seq = viz.explorer_data(plain)["sequences"][0]
+    assert _kinds(seq["layers"][0])[4, 1] == MASK
+    plain.pattern = masks.Pattern(window=2)
+    assert _kinds(viz.explorer_data(plain)["sequences"][0]["layers"][0])[4, 1] == WINDOW
+
+
+def test_pattern_pictures_draw_each_kind_distinctly_with_a_legend():
+    fig = viz.plot_mask(masks.Pattern(window=3, lengths=[6]), T=8)
+    ax = fig.axes[0]
+    img = _rgba(fig)
+    cells = {"readable": (5, 4), "window": (5, 1), "future": (2, 4), "padding": (7, 2)}
+    colours = {k: _cell_colour(fig, img, ax, i, j) for k, (i, j) in cells.items()}
+    names = list(colours)
+    for a in range(len(names)):
+        for b in range(a + 1, len(names)):
+            assert np.abs(colours[names[a]] - colours[names[b]]).max() > 40, (names[a], names[b])
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        KINDS[c].label for c in (READABLE, PADDING, FUTURE, WINDOW)]
+    pats = {"causal": masks.Pattern(), "window 3": masks.Pattern(window=3),
+            "chunk 4": masks.Pattern(chunk=4), "documents": masks.Pattern(cu_seqlens=[0, 3, 8]),
+            "prefix 3": masks.Pattern(prefix_lengths=[3])}
+    fig = viz.plot_patterns(pats, 8)
+    assert [ax.get_title() for ax in fig.axes if ax.get_visible()][:5] == list(pats)
+    legend = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert legend == [KINDS[c].label for c in (0, 2, 3, 4, 5)]  # no padding: none in them
+    with pytest.raises(ValueError, match="give T= or tokens="):
+        viz.plot_mask(masks.Pattern(window=3))
 
 
 def test_mask_figure_three_distinct_styles_and_token_ticks(batch):
@@ -65,7 +109,8 @@ def test_mask_figure_three_distinct_styles_and_token_ticks(batch):
         assert np.abs(a - b).max() > 40, (allowed, causal, pad)
     assert [t.get_text() for t in ax.get_xticklabels()] == batch.tokens[3]  # keys: columns
     assert [t.get_text() for t in ax.get_yticklabels()] == batch.tokens[3]  # queries: rows
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(viz.kinds.KIND_NAMES)
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        KINDS[c].label for c in (READABLE, PADDING, FUTURE)]
 
 
 def test_stage_heatmaps_show_the_trace_values_per_head(traces, batch):
@@ -113,9 +158,27 @@ def test_bad_input_names_the_problem(traces):
         viz.plot_mask(np.ones((3, 4), bool))
 
 
+def _kinds(layer: dict) -> np.ndarray:
+    """The T×T kinds of a layer's data (run-length form) back as an array."""
+    codes = _f(layer["kinds"]["codes"], "u1")
+    runs = _f(layer["kinds"]["runs"], "<u4")
+    flat = np.repeat(codes, runs)
+    T = int(np.sqrt(flat.size))
+    return flat.reshape(T, T)
+
+
 def _data(html: str) -> dict:
+    """The page's index with every paged block put back in place (as explorer_data gives)."""
     m = re.search(r'<script type="application/json" class="ca-data">(.*?)</script>', html, re.S)
-    return json.loads(m.group(1))
+    index = json.loads(m.group(1))
+    blocks = {int(k): json.loads(b) for k, b in re.findall(
+        r'<script type="application/json" class="ca-block" data-k="(\d+)">(.*?)</script>',
+        html, re.S)}
+    for s in index["sequences"]:
+        s.update(blocks[s["block"]])
+        for lay in s["layers"]:
+            lay.update(blocks[lay["block"]])
+    return index
 
 
 def _f(b64: str, dtype: str) -> np.ndarray:
@@ -136,21 +199,107 @@ def test_explorer_page_is_self_contained_and_escapes_tokens():
 
 def test_explorer_data_compact_when_recomputable_and_faithful_otherwise(traces, batch):
     seq = viz.explorer_data(traces[3])["sequences"][0]
-    allowed = np.unpackbits(np.frombuffer(base64.b64decode(seq["allowed"]), np.uint8))
-    assert np.array_equal(allowed[: batch.N**2].reshape(batch.N, batch.N), batch.mask[3])
+    layer = seq["layers"][0]
+    assert np.array_equal(_kinds(layer) == READABLE, batch.mask[3])
     assert seq["pad"] == [0] * 6 + [1] * 4
-    assert [h["form"] for h in seq["heads"]] == ["qk", "qk"]
+    assert [h["form"] for h in layer["heads"]] == ["qk", "qk"]
     h1 = traces[3].select(1)
-    np.testing.assert_array_equal(_f(seq["heads"][1]["Q"], "<f8").reshape(h1.Q.shape), h1.Q)
+    np.testing.assert_array_equal(_f(layer["heads"][1]["Q"], "<f8").reshape(h1.Q.shape), h1.Q)
+    assert "H" not in layer["heads"][1]  # H = A V: the page computes it
     # a trace whose A is not softmax_last(S + M) (a recorded bug) is carried as it is
     X = np.array([[1, 0], [0, 1], [1, 1], [-1, 1]], float)
     tr = ca.trace(X, np.eye(2), np.eye(2), np.eye(2))
     arrays = {st.name: st.value for st in tr}
     arrays["A"] = np.tril(np.full((4, 4), 0.5))
     bad = ca.Trace(arrays, allowed=tr.allowed, scale=tr.scale)
-    head = viz.explorer_data(bad)["sequences"][0]["heads"][0]
-    assert head["form"] == "dense"
+    head = viz.explorer_data(bad)["sequences"][0]["layers"][0]["heads"][0]
+    assert head["form"] == "dense" and "H" in head  # its H is not its A V either
     np.testing.assert_allclose(_f(head["A"], "<f4"), arrays["A"][tr.allowed])
+
+
+def _model(L=3, H=2, T=6, dtype=np.float32, seed=0, d=4):
+    """Layers of one model as capture() gives them: heads on a leading axis, shared tokens."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(L):
+        Q, K, V = (rng.normal(size=(H, T, d)).astype(dtype) for _ in range(3))
+        S = (Q @ np.swapaxes(K, -1, -2)) * dtype(0.5)
+        A = ca.reference.softmax_last(S.astype(np.float64), masks.causal(T)).astype(dtype)
+        out.append(ca.Trace({"Q": Q, "K": K, "V": V, "S": S, "A": A, "H": A @ V},
+                            allowed=masks.causal(T), scale=0.5, n_heads=H,
+                            tokens=[f"t{i}" for i in range(T)]))
+    return out
+
+
+def test_a_list_of_layers_gets_a_model_view_with_head_summaries():
+    layers = _model()
+    data = viz.explorer_data(layers)
+    (seq,) = data["sequences"]
+    assert seq["n_layers"] == 3 and [lay["name"] for lay in seq["layers"]] == [
+        "layer 1", "layer 2", "layer 3"]
+    lay = seq["layers"][1]
+    A = layers[1].A.astype(np.float64)
+    rows = np.arange(6)
+    ent = -(np.where(A > 0, A * np.log(np.where(A > 0, A, 1)), 0)).sum(-1).mean(-1)
+    np.testing.assert_allclose(lay["summary"]["entropy"], ent, atol=1e-4)
+    np.testing.assert_allclose(lay["summary"]["first"], A[:, :, 0].mean(-1), atol=1e-4)
+    dist = (A * (rows[:, None] - rows[None, :])).sum(-1).mean(-1)
+    np.testing.assert_allclose(lay["summary"]["distance"], dist, atol=1e-4)
+    th = _f(lay["thumb"]["px"], "u1").reshape(2, 6, 6)  # T <= 48: one pixel per cell
+    assert th[0, 0, 0] == 255 and th[0, 0, 1] == 0  # row 1 reads only itself
+    # float32 Q and K travel as float32, and the page's recomputed A is within 2e-5
+    assert lay["heads"][0]["qprec"] == "f4" and data["notes"][-1].startswith("S and A")
+    # sentences (different tokens) stay sentences; layers= overrides the guess
+    assert viz.explorer_data(layers, layers=False)["sequences"][0]["n_layers"] == 1
+    with pytest.raises(ValueError, match="layers=True needs"):
+        viz.explorer_data(layers + _model(L=1, T=5), layers=True)
+
+
+def test_a_page_that_would_be_too_big_uses_float16_then_keeps_the_first_sequences():
+    layers = _model(L=2, H=2, T=40, dtype=np.float64, d=8)  # 3840 numbers: 41 kB in float64
+    small = viz.explorer_data(layers, max_bytes=15_000)
+    head = small["sequences"][0]["layers"][0]["heads"][0]
+    assert head["qprec"] == "f2" and head["v_shown"] == 4 and head["form"] == "qk"
+    assert any("float16" in n for n in small["notes"])
+    assert len(_f(head["vnorm"], "<f4")) == 40  # exact norms beside the cut V
+    np.testing.assert_allclose(_f(head["vnorm"], "<f4"),
+                               np.linalg.norm(layers[0].V[0], axis=-1), rtol=1e-6)
+    sents = viz.sentence_traces(["a b c d e f g h"] * 30)
+    capped = viz.explorer_data(sents, max_bytes=20_000, layers=False)
+    n = len(capped["sequences"])
+    assert 1 <= n < 30 and f"first {n} of 30 sequences" in capped["notes"][0]
+    with pytest.raises(ValueError, match="max_bytes"):
+        viz.explorer_data(sents, max_bytes=0)
+
+
+QUESTIONS = [  # the shape causalattn.learn.questions() returns
+    {"id": "q1", "kind": "softmax-axis", "prompt": "Along which axis does softmax run?",
+     "choices": ["down each key column", "across each query row", "over all T×T scores"],
+     "answer": 1, "hint": "Each query's weights must sum to 1.",
+     "explanation": "Row i holds query i's scores over keys j.",
+     "highlight": {"matrix": "A", "axis": "row", "row": 2},
+     "data": {"X": [[1, 0], [0, 1], [1, 1], [-1, 1]], "W_q": [[1, 0], [0, 1]],
+              "W_k": [[1, 0], [0, 1]], "W_v": [[1, 1], [1, -1]],
+              "tokens": ["x1", "x2", "x3", "x4"]}},
+    {"id": "q2", "kind": "mask-cell", "prompt": "Why is cell (8, 2) of sentence 4 blocked?",
+     "choices": ["future", "padding"], "answer": 1, "hint": "Look at row 8's token.",
+     "explanation": "Row 8 is <PAD>.", "highlight": {"matrix": "M", "cells": [[7, 1]]},
+     "sentence": 3},
+]
+
+
+def test_questions_travel_with_their_matrix():
+    learn = viz.explorer_data(_model(L=1), questions=QUESTIONS)["learn"]
+    assert [q["answer"] for q in learn] == [1, 1]
+    pic = learn[0]["picture"]
+    tr = ca.trace(np.array(QUESTIONS[0]["data"]["X"], float), np.eye(2), np.eye(2),
+                  np.array([[1, 1], [1, -1]], float))
+    assert pic["matrix"] == "A" and pic["values"][3] == [round(x, 4) for x in tr.A[3]]
+    assert pic["values"][0][1] is None  # blocked: no value
+    m = learn[1]["picture"]
+    assert m["matrix"] == "M" and m["kinds"][7][1] == PADDING and m["tokens"][7] == text.PAD
+    with pytest.raises(ValueError, match="answer 5"):
+        viz.explorer_data(_model(L=1), questions=[dict(QUESTIONS[0], answer=5)])
 
 
 def test_repr_html_for_trace_and_batch(traces, batch):
@@ -158,6 +307,7 @@ def test_repr_html_for_trace_and_batch(traces, batch):
     assert frag.startswith('<div class="ca-explorer"') and "<html" not in frag
     assert "causalattnExplorer(root" in frag
     assert len(_data(batch._repr_html_())["sequences"]) == batch.B
+    assert 'class="ca-block"' in frag
     assert ca.Trace({"X": np.eye(2)})._repr_html_() is None  # partial trace: plain repr
 
 

@@ -2,7 +2,9 @@
 
 Heatmaps (need the ``viz`` extra, matplotlib, imported only when a figure is drawn)::
 
-    plot_mask(allowed, tokens)        # allowed / causally blocked / padding blocked
+    plot_mask(allowed, tokens)        # readable / future / padding (each kind with a legend)
+    plot_mask(masks.Pattern(window=3), T=8)           # a pattern: future, window, padding...
+    plot_patterns({"causal": Pattern(), "window 3": Pattern(window=3)}, T=8)  # side by side
     plot_stage(tr, "A")               # "M", "S", "A" or "norm" (‖A_ij v_j‖), grid of heads
     save(fig, "A.svg")                # PNG or SVG by extension
 
@@ -21,16 +23,20 @@ from .explorer import (
     sentence_traces,
     write_explorer,
 )
-from .heatmaps import plot_mask, plot_stage, save, trace_figures, write_figures
-from .kinds import mask_kinds, padding_positions
+from .heatmaps import plot_mask, plot_patterns, plot_stage, save, trace_figures, write_figures
+from .kinds import KINDS, mask_kinds, padding_positions, pattern_kinds, trace_kinds
 
 __all__ = [
     "plot_mask",
+    "plot_patterns",
     "plot_stage",
     "trace_figures",
     "save",
     "write_figures",
+    "KINDS",
     "mask_kinds",
+    "pattern_kinds",
+    "trace_kinds",
     "padding_positions",
     "explorer_data",
     "explorer_fragment",

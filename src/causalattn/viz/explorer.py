@@ -1,17 +1,30 @@
-"""The offline explorer: one self-contained HTML page (or notebook fragment) per set of traces.
+"""The offline explorer: one self-contained HTML page (or notebook fragment).
 
 All script and style are inline and nothing is fetched: the page works from a file,
-behind a firewall, in an e-mail. The data travel as JSON in a
-``<script type="application/json">`` block, with ``<``, ``>`` and ``&`` escaped, and the
-page's script touches tokens only through ``textContent`` and canvas text, so a token
-is always shown as text. Arrays travel as little-endian floats in base64. When a head's
-S and A are exactly what its Q, K and mask give, the page carries Q and K (T×d_k) and
-recomputes S and the masked softmax, so a 2048-token page stays about a megabyte;
-otherwise it carries S and A themselves (Float32, readable entries only). The canvas,
-not the DOM, draws the cells.
+behind a firewall, in an e-mail. Data travel as JSON in ``<script type="application/json">``
+blocks, with ``<``, ``>`` and ``&`` escaped, and the page's script touches tokens only through
+``textContent`` and canvas text, so a token is always shown as text. The canvas, not the
+DOM, draws the cells.
 
-    html = explorer_html(tr)                         # a Trace (any batch/head axes)
-    write_explorer(sentence_traces(["I love pizza"]), "report.html")
+What is shown: sequences (sentences) × layers × heads. A list of Traces that share their
+tokens is read as the layers of one model (what
+:func:`causalattn.integrations.transformers.capture` returns) and gets a *model view*: a grid
+of layers × heads thumbnails with a summary per head; any other list is read as one sequence
+per Trace (``layers=`` decides explicitly).
+
+Paging: the first block holds the index (names and lengths); each sequence's tokens, mask
+kinds and thumbnails, and each layer's heads, are blocks of their own, parsed only when
+opened, so a page of 10,000 sentences opens as fast as one of ten.
+
+What is stored, per head: when the trace's S and A are what Q, K, the scale and the mask
+give, the page carries Q and K and recomputes S and the masked softmax itself (Q, K are
+T×d_k, far smaller than T×T); otherwise S and A themselves (readable entries only). The
+precision follows the page's size budget (``max_bytes``, the file size aimed at): float64
+while it fits, else float32, else float16 with V cut to its first :data:`V_SHOWN` components plus its exact norms (the side
+panel shows no more). The page says which, and how far its recomputed A is from the
+trace's (measured here, in float64). Thumbnails are max-pooled to at most 48×48. Should
+the sequences still not fit, the page keeps the first ones and says so (one sequence is
+never cut).
 """
 
 from __future__ import annotations
@@ -22,15 +35,26 @@ import json
 import secrets
 from importlib import resources
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from ..reference import softmax_last
 from ..reference import trace as _trace
 from ..trace import Trace
-from .kinds import allowed_2d, heads, padding_positions, sequences, tokens_of
+from .kinds import KINDS, PAD, allowed_2d, heads, pad_of, sequences, tokens_of
+from .summary import head_summary, thumbnail
 
-__all__ = ["explorer_data", "explorer_html", "write_explorer", "sentence_traces", "batch_traces"]
+__all__ = [
+    "explorer_data", "explorer_html", "explorer_fragment", "write_explorer", "sentence_traces",
+    "batch_traces", "sentence_names", "MAX_BYTES", "V_SHOWN",
+]
+
+MAX_BYTES = 18 * 2**20  # the size a page aims at (see the module docstring)
+V_SHOWN = 4  # float16 pages keep v_j's first components (the side panel shows 3, then "…")
+THUMB = 48
+_TOL = {"f8": 1e-9, "f4": 2e-5, "f2": 2e-2}  # largest |A_page - A_trace| accepted per precision
+_DTYPE = {"f8": "<f8", "f4": "<f4", "f2": "<f2"}
 
 
 def _b64(a: np.ndarray, dtype: str = "<f4") -> str:
@@ -41,58 +65,163 @@ def _finite_or_none(x) -> float | None:
     return float(x) if x is not None and np.isfinite(x) else None
 
 
-def _recomputable(h: Trace, allowed: np.ndarray, scale) -> bool:
-    """True when S and A are exactly what Q, K, the scale and the mask give (float64, 1e-9).
+def _rle(codes: np.ndarray) -> dict:
+    """Run-length form of a T×T uint8 array, row-major: {"codes": b64 u8, "runs": b64 u32}."""
+    flat = np.ascontiguousarray(codes, dtype=np.uint8).ravel()
+    cut = np.flatnonzero(flat[1:] != flat[:-1]) + 1
+    starts = np.concatenate([[0], cut])
+    runs = np.diff(np.concatenate([starts, [flat.size]]))
+    return {"codes": _b64(flat[starts], "u1"), "runs": _b64(runs, "<u4")}
 
-    Then the page carries Q and K and recomputes S = Q Kᵀ·scale and the masked row
-    softmax itself, the way :func:`causalattn.reference.softmax_last` does; a trace
-    whose S or A differ (a recorded bug, an edited file) is carried as it is.
-    """
-    if scale is None or not all(n in h for n in ("Q", "K", "S", "A")):
-        return False
-    Q, K, S, A = h["Q"], h["K"], h["S"], h["A"]
-    if Q.ndim != 2 or K.shape != Q.shape or not (np.isfinite(Q).all() and np.isfinite(K).all()):
-        return False
+
+class _Layer(NamedTuple):
+    name: str
+    trace: Trace  # one sequence, heads (if any) on the leading axis
+    kinds: np.ndarray  # T×T uint8
+
+
+class _Seq(NamedTuple):
+    name: str
+    layers: list[_Layer]
+
+
+# -- what a head carries ---------------------------------------------------------------------
+def _src_prec(a: np.ndarray) -> str:
+    return "f8" if a.dtype == np.float64 else "f4" if a.dtype.itemsize >= 4 else "f2"
+
+
+def _narrower(p: str, q: str) -> str:
+    return p if "f8f4f2".index(p) > "f8f4f2".index(q) else q
+
+
+def _cast(a: np.ndarray, prec: str) -> tuple[np.ndarray, str]:
+    """``a`` at precision ``prec`` (never wider than its own), float32 if float16 overflows."""
+    p = _narrower(prec, _src_prec(a))
+    c = a.astype(_DTYPE[p])
+    if p == "f2" and not np.isfinite(c[np.isfinite(a)]).all():
+        p, c = "f4", a.astype("<f4")
+    return c, p
+
+
+def _page_A(Q, K, allowed, scale) -> np.ndarray:
+    """What the page computes: S = Q Kᵀ·scale, then the masked row softmax. The page works
+    in float64; float32 here is as good a check for float32/float16 Q and K (its rounding,
+    ~1e-7, is far below their tolerance) and twice as fast."""
+    dt = np.float64 if Q.dtype == np.float64 and K.dtype == np.float64 else np.float32
     with np.errstate(all="ignore"):
-        S2 = (Q @ K.T) * scale
-        if not np.allclose(S2[allowed], S[allowed], rtol=1e-9, atol=1e-12):
-            return False
-        return bool(np.allclose(softmax_last(S2, allowed), A, rtol=1e-9, atol=1e-12))
+        S = (Q.astype(dt) @ K.astype(dt).T) * dt(scale)
+    return S, softmax_last(S, allowed)
 
 
-def _sequence_data(name: str, tr: Trace) -> dict:
-    hs = heads(tr)
-    allowed = allowed_2d(hs[0])
-    T = allowed.shape[0]
-    for k, h in enumerate(hs[1:], start=2):
+def _head_data(h: Trace, allowed: np.ndarray, scale, prec: str) -> tuple[dict, float | None]:
+    """One head's data at precision ``prec``, and the page's error on A (None: carried as is)."""
+    V = np.asarray(h["V"])
+    d: dict = {"d_v": int(V.shape[-1])}
+    with np.errstate(invalid="ignore", over="ignore"):
+        vnorm = np.linalg.norm(V.astype(np.float64), axis=-1)
+    if prec == "f2" and V.shape[-1] > V_SHOWN:
+        Vc, pv = _cast(V[:, :V_SHOWN], "f2")
+        d.update(V=_b64(Vc, _DTYPE[pv]), vprec=pv, v_shown=V_SHOWN,
+                 vnorm=_b64(vnorm, "<f4"))
+    else:
+        Vc, pv = _cast(V, prec)
+        d.update(V=_b64(Vc, _DTYPE[pv]), vprec=pv, v_shown=int(V.shape[-1]))
+    err = None
+    if scale is not None and all(n in h for n in ("Q", "K", "S", "A")):
+        Q, K, S, A = h["Q"], h["K"], h["S"], h["A"]
+        if (Q.ndim == 2 and K.shape == Q.shape and np.isfinite(Q).all()
+                and np.isfinite(K).all()):
+            Qc, pq = _cast(Q, prec)
+            Kc, pk = _cast(K, prec)
+            S2, A2 = _page_A(Qc, Kc, allowed, scale)
+            with np.errstate(invalid="ignore"):
+                e = float(np.abs(A2 - A).max()) if A.size else 0.0
+                es = float(np.abs(S2[allowed] - S[allowed]).max()) if allowed.any() else 0.0
+            tol = _TOL[_narrower(pq, pk)]
+            if e <= tol and es <= tol * max(1.0, float(np.abs(S[allowed]).max(initial=0))):
+                err = e
+                d.update(form="qk", Q=_b64(Qc, _DTYPE[pq]), K=_b64(Kc, _DTYPE[pk]),
+                         qprec=_narrower(pq, pk), d_k=int(Q.shape[-1]))
+    if err is None:  # readable entries only, row-major
+        Sc, ps = _cast(np.asarray(h["S"])[allowed], _narrower(prec, "f4"))
+        Ac, pa = _cast(np.asarray(h["A"])[allowed], _narrower(prec, "f4"))
+        d.update(form="dense", S=_b64(Sc, _DTYPE[ps]), A=_b64(Ac, _DTYPE[pa]), sprec=ps, aprec=pa)
+    # H travels only when it is not A V (a recorded bug): the page computes A V itself.
+    if "H" in h and d["v_shown"] == d["d_v"]:
+        with np.errstate(all="ignore"):
+            AV = np.where(allowed, h["A"], 0.0) @ np.where(np.isfinite(V), V, 0.0)
+        if not np.allclose(AV, h["H"], rtol=1e-6, atol=1e-9, equal_nan=True):
+            Hc, ph = _cast(np.asarray(h["H"]), _narrower(prec, "f4"))
+            d.update(H=_b64(Hc, _DTYPE[ph]), hprec=ph)
+    return d, err
+
+
+def _elements(seqs: list[_Seq]) -> int:
+    """Numbers per page in the Q/K/V form (the budget's yardstick)."""
+    n = 0
+    for s in seqs:
+        for lay in s.layers:
+            tr = lay.trace
+            H = tr.n_heads or 1
+            T = lay.kinds.shape[0]
+            d_k = tr["Q"].shape[-1] if "Q" in tr else T
+            n += H * T * (2 * d_k + tr["V"].shape[-1])
+    return n
+
+
+def _precision(seqs: list[_Seq], max_bytes: int) -> str:
+    """The widest precision whose matrices, in base64 (4/3), fit in ``max_bytes``."""
+    n = _elements(seqs) * 4 / 3
+    return "f8" if 8 * n <= max_bytes else "f4" if 4 * n <= max_bytes else "f2"
+
+
+def _layer_data(lay: _Layer, prec: str) -> tuple[dict, list[float | None]]:
+    hs = heads(lay.trace)
+    allowed = lay.kinds == 0
+    for k, h in enumerate(hs, start=1):
         if not np.array_equal(allowed_2d(h), allowed):
-            raise ValueError(f"explorer: {name}: head {k} has another mask than head 1; "
-                             "the explorer draws one mask per sequence")
-    has_tokens = tr.tokens is not None and len(tr.tokens) == T
-    pad = padding_positions(allowed, tr.tokens if has_tokens else None)
-    head_data = []
+            raise ValueError(f"explorer: {lay.name}: head {k} has another mask than the "
+                             "sequence's kinds; the explorer draws one mask per layer")
+    out, errs = [], []
     for h in hs:
-        V = h["V"]
-        d = {"V": _b64(V, "<f8"), "H": _b64(h["H"], "<f8") if "H" in h else None,
-             "d_v": int(V.shape[-1])}
-        if _recomputable(h, allowed, tr.scale):  # Q and K are T×d_k: far smaller than T×T
-            d.update(form="qk", Q=_b64(h["Q"], "<f8"), K=_b64(h["K"], "<f8"), d_k=int(h["Q"].shape[-1]))
-        else:  # readable entries only, row-major
-            d.update(form="dense", S=_b64(h["S"][allowed]), A=_b64(h["A"][allowed]))
-        head_data.append(d)
-    return {
-        "name": name,
-        "T": int(T),
-        "tokens": tokens_of(tr, T),
-        "pad": pad.astype(int).tolist(),
-        "allowed": base64.b64encode(np.packbits(allowed.ravel())).decode("ascii"),
-        "scale": _finite_or_none(tr.scale),
-        "heads": head_data,
-    }
+        d, e = _head_data(h, allowed, lay.trace.scale, prec)
+        out.append(d)
+        errs.append(e)
+    return {"scale": _finite_or_none(lay.trace.scale), "heads": out}, errs
 
 
-def _named_sequences(obj, names) -> list[tuple[str, Trace]]:
-    """Accept a Trace, a list of Traces, or a text.Batch; split batches into sequences."""
+def _sequence_meta(seq: _Seq, block_of_layer) -> dict:
+    first = seq.layers[0]
+    T = first.kinds.shape[0]
+    tokens = tokens_of(first.trace, T)
+    pad = pad_of(first.kinds) | np.array([t == PAD for t in tokens], dtype=bool)
+    layers = []
+    model = len(seq.layers) > 1
+    for k, lay in enumerate(seq.layers):
+        d = {"name": lay.name, "n_heads": len(heads(lay.trace)), "kinds": _rle(lay.kinds),
+             "block": block_of_layer(k)}
+        if model:
+            A = np.asarray(lay.trace["A"], dtype=np.float64)
+            A3 = A if A.ndim == 3 else A[None]
+            summ = head_summary(A3, lay.kinds)
+            d["summary"] = {k2: [round(float(x), 4) for x in v] for k2, v in summ.items()}
+            th = np.stack([thumbnail(a, THUMB) for a in A3])
+            d["thumb"] = {"n": int(th.shape[-1]), "px": _b64(th, "u1")}
+        layers.append(d)
+    return {"tokens": tokens, "pad": pad.astype(int).tolist(), "layers": layers}
+
+
+# -- reading what was given ------------------------------------------------------------------
+def _is_model(traces: list[Trace]) -> bool:
+    """A list of Traces is one model's layers when they share tokens and shapes."""
+    if len(traces) < 2 or traces[0].tokens is None or "A" not in traces[0]:
+        return False
+    t0, s0 = traces[0].tokens, traces[0]["A"].shape
+    return all(t.tokens == t0 and "A" in t and t["A"].shape == s0 for t in traces[1:])
+
+
+def _named_sequences(obj, names, layers) -> list[_Seq]:
+    """Accept a Trace, a list of Traces (layers or sequences), or a text.Batch."""
     from ..text import Batch
 
     if isinstance(obj, Batch):
@@ -101,27 +230,102 @@ def _named_sequences(obj, names) -> list[tuple[str, Trace]]:
     traces = [obj] if isinstance(obj, Trace) else list(obj)
     if not traces:
         raise ValueError("explorer: nothing to show; give at least one Trace")
-    out = []
     for k, tr in enumerate(traces):
-        parts = sequences(tr)
-        for name, one in parts:
-            label = name if len(traces) == 1 else f"trace {k + 1}" + (f" {name}" if len(parts) > 1 else "")
-            out.append((label, one))
+        if not isinstance(tr, Trace):
+            raise ValueError(f"explorer: item {k + 1} is a {type(tr).__name__}, not a Trace")
+    as_model = _is_model(traces) if layers is None else bool(layers)
+    if as_model:
+        per_layer = [sequences(tr) for tr in traces]
+        n = len(per_layer[0])
+        shapes = {(len(p), p[0].kinds.shape) for p in per_layer}
+        if len(shapes) != 1:
+            raise ValueError(f"explorer: layers=True needs layers of the same sequences and "
+                             f"length; got (sequences, T×T) {sorted(shapes)}")
+        out = [_Seq(per_layer[0][b].name if n > 1 else "sequence 1",
+                    [_Layer(f"layer {k + 1}", p[b].trace, p[b].kinds)
+                     for k, p in enumerate(per_layer)]) for b in range(n)]
+    else:
+        out = []
+        for k, tr in enumerate(traces):
+            parts = sequences(tr)
+            for part in parts:
+                label = part.name if len(traces) == 1 else (
+                    f"trace {k + 1}" + (f" {part.name}" if len(parts) > 1 else ""))
+                out.append(_Seq(label, [_Layer("layer 1", part.trace, part.kinds)]))
     if names is not None:
         names = [str(n) for n in names]
         if len(names) != len(out):
             raise ValueError(f"explorer: {len(names)} names for {len(out)} sequences")
-        out = [(n, tr) for n, (_, tr) in zip(names, out)]
+        out = [_Seq(n, s.layers) for n, s in zip(names, out)]
     return out
 
 
-def explorer_data(obj, *, names=None, title: str = "causalattn explorer") -> dict:
-    """The JSON-ready data the page draws: sequences, tokens, masks, S, A, V, H per head."""
-    seqs = [_sequence_data(n, tr) for n, tr in _named_sequences(obj, names)]
-    return {"version": 1, "title": str(title), "sequences": seqs}
+# -- the page's data -------------------------------------------------------------------------
+_NOTE_PREC = {
+    "f8": "",
+    "f4": "Q, K and V are stored as float32 to keep the file small",
+    "f2": ("Q and K are stored as float16 and v_j as its first {v} components (float16) with "
+           "its exact norm, to keep the file small"),
+}
 
 
-def _json_for_script(data: dict) -> str:
+def _build(obj, *, names, title, layers, max_bytes, questions):
+    """(index, blocks): the page's first JSON block and its paged blocks, in order."""
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) \
+            or max_bytes < 1:
+        raise ValueError(f"explorer: max_bytes must be a positive integer, got {max_bytes!r}")
+    seqs = _named_sequences(obj, names, layers)
+    prec = _precision(seqs, max_bytes)
+    blocks: list[str] = []
+    index, notes, errs = [], [], []
+    used = 0
+    for s, seq in enumerate(seqs):
+        if used > max_bytes:
+            notes.append(f"Showing the first {s} of {len(seqs)} sequences: the page would "
+                         f"pass its size limit (max_bytes = {max_bytes}). Give fewer, or raise it.")
+            break
+        first = len(blocks) + 1  # the layers' blocks follow the sequence's own block
+        meta = _sequence_meta(seq, lambda k, first=first: first + k)
+        blocks.append(_json_for_script(meta))
+        for lay in seq.layers:
+            data, e = _layer_data(lay, prec)
+            errs += e
+            blocks.append(_json_for_script(data))
+        used += sum(len(b) for b in blocks[first - 1:])
+        T = seq.layers[0].kinds.shape[0]
+        index.append({"name": seq.name, "T": int(T), "n_layers": len(seq.layers),
+                      "block": first - 1})
+    if prec != "f8":
+        notes.append(_NOTE_PREC[prec].format(v=V_SHOWN) + ".")
+    done = [e for e in errs if e is not None]
+    if done and max(done) > 1e-9:
+        notes.append(f"S and A are recomputed in the page from Q and K: at most "
+                     f"{max(done):.1e} from the trace's own A.")
+    data = {
+        "version": 2, "title": str(title), "notes": notes,
+        "kinds": [k._asdict() for k in KINDS.values()],
+        "sequences": index,
+        "learn": None if questions is None else _learn_data(questions),
+    }
+    return data, blocks
+
+
+def explorer_data(obj, *, names=None, title: str = "causalattn explorer", layers=None,
+                  max_bytes: int = MAX_BYTES, questions=None) -> dict:
+    """The JSON-ready data the page draws, every block parsed: ``{"sequences": [{"name", "T",
+    "tokens", "pad", "layers": [{"name", "kinds", "heads": [...], ...}]}], ...}``."""
+    index, blocks = _build(obj, names=names, title=title, layers=layers, max_bytes=max_bytes,
+                           questions=questions)
+    parsed = [json.loads(b) for b in blocks]
+    for s in index["sequences"]:
+        meta = parsed[s["block"]]
+        s.update(tokens=meta["tokens"], pad=meta["pad"], layers=meta["layers"])
+        for lay in s["layers"]:
+            lay.update(parsed[lay["block"]])
+    return index
+
+
+def _json_for_script(data) -> str:
     """JSON that cannot end its <script> element or open a comment: < > & as \\uXXXX."""
     text = json.dumps(data, ensure_ascii=True, separators=(",", ":"), allow_nan=False)
     return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
@@ -134,34 +338,47 @@ def _asset(name: str) -> str:
     return text
 
 
-def explorer_fragment(obj, *, names=None, title: str = "causalattn explorer", nonce: str | None = None) -> str:
+def explorer_fragment(obj, *, names=None, title: str = "causalattn explorer",
+                      nonce: str | None = None, layers=None, max_bytes: int = MAX_BYTES,
+                      questions=None) -> str:
     """A ``<div>`` with its own style, data and script: for notebooks and for the page."""
-    data = explorer_data(obj, names=names, title=title)
+    index, blocks = _build(obj, names=names, title=title, layers=layers, max_bytes=max_bytes,
+                           questions=questions)
     uid = "ca-x-" + secrets.token_hex(6)
     n = f' nonce="{nonce}"' if nonce else ""
-    T = max(s["T"] for s in data["sequences"])
-    summary = html.escape(f"{title}: {len(data['sequences'])} sequence(s), up to {T} tokens", quote=True)
+    T = max(s["T"] for s in index["sequences"])
+    L = max(s["n_layers"] for s in index["sequences"])
+    summary = html.escape(f"{title}: {len(index['sequences'])} sequence(s), up to {T} tokens"
+                          + (f", {L} layers" if L > 1 else ""), quote=True)
+    # The blocks of the first view come before the script, the rest after it: the page
+    # draws while the browser is still reading the other layers and sentences.
+    paged = [f'<script type="application/json" class="ca-block" data-k="{k}">{b}</script>'
+             for k, b in enumerate(blocks)]
+    first = 1 + index["sequences"][0]["n_layers"] if blocks else 0
     return (
         f'<div class="ca-explorer" id="{uid}">'
         f"<style{n}>{_asset('explorer.css')}</style>"
         f'<div class="ca-fallback">{summary} (the explorer needs JavaScript; in Jupyter, trust '
         "the notebook)</div>"
-        f'<script type="application/json" class="ca-data">{_json_for_script(data)}</script>'
-        f"<script{n}>(function () {{\n{_asset('explorer.js')}\n"
+        f'<script type="application/json" class="ca-data">{_json_for_script(index)}</script>'
+        + "".join(paged[:first])
+        + f"<script{n}>(function () {{\n{_asset('explorer.js')}\n"
         f'var root = document.getElementById("{uid}");\n'
         'causalattnExplorer(root, JSON.parse(root.querySelector("script.ca-data").textContent));\n'
-        "})();</script></div>"
+        "})();</script>" + "".join(paged[first:]) + "</div>"
     )
 
 
-def explorer_html(obj, *, names=None, title: str = "causalattn explorer") -> str:
+def explorer_html(obj, *, names=None, title: str = "causalattn explorer", layers=None,
+                  max_bytes: int = MAX_BYTES, questions=None) -> str:
     """A complete, self-contained HTML page; its CSP forbids every network request."""
     nonce = secrets.token_urlsafe(16)
     csp = (
         f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; "
         "img-src data:; connect-src 'none'; base-uri 'none'; form-action 'none'"
     )
-    body = explorer_fragment(obj, names=names, title=title, nonce=nonce)
+    body = explorer_fragment(obj, names=names, title=title, nonce=nonce, layers=layers,
+                             max_bytes=max_bytes, questions=questions)
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
@@ -170,34 +387,100 @@ def explorer_html(obj, *, names=None, title: str = "causalattn explorer") -> str
     )
 
 
-def write_explorer(obj, path, *, names=None, title: str = "causalattn explorer") -> Path:
-    """Write :func:`explorer_html` to ``path`` (UTF-8) and return the path."""
+def write_explorer(traces, path, *, names=None, title: str = "causalattn explorer", layers=None,
+                   max_bytes: int = MAX_BYTES, questions=None) -> Path:
+    """Write the explorer page for ``traces`` to ``path`` (UTF-8) and return the path.
+
+    ``traces``: a Trace (any batch/head axes), a :class:`causalattn.text.Batch`, or a list
+    of Traces: the layers of one model (heads on a leading axis, the same tokens; what
+    ``capture()`` returns) or one Trace per sentence (what ``batch_traces`` returns);
+    ``layers=True/False`` says which when the guess (shared tokens = layers) would be wrong.
+    ``questions``: check questions (``causalattn.learn.questions(...)``) for the page's
+    "check yourself" panel. ``max_bytes``: see the module docstring.
+    """
     path = Path(path)
     if not path.parent.is_dir():  # as Trace.save: no folder is created behind the caller's back
         raise ValueError(f"explorer: the folder {path.parent} does not exist (create it first)")
-    path.write_text(explorer_html(obj, names=names, title=title), encoding="utf-8")
+    path.write_text(explorer_html(traces, names=names, title=title, layers=layers,
+                                  max_bytes=max_bytes, questions=questions), encoding="utf-8")
     return path
 
 
+# -- the check-yourself panel ------------------------------------------------------------------
+def _learn_matrix(q: dict) -> dict | None:
+    """The matrix a question's highlight points at, as the panel draws it (or None)."""
+    hl = q.get("highlight")
+    if not isinstance(hl, dict) or hl.get("matrix") not in ("M", "S", "A"):
+        return None
+    from .. import text
+
+    data = q.get("data") or {}
+    if all(k in data for k in ("X", "W_q", "W_k", "W_v")):
+        tr = _trace(np.asarray(data["X"], float), np.asarray(data["W_q"], float),
+                    np.asarray(data["W_k"], float), np.asarray(data["W_v"], float),
+                    mask=np.asarray(data["mask"], bool) if "mask" in data else None,
+                    tokens=data.get("tokens"))
+        kinds = sequences(tr)[0].kinds
+    elif isinstance(q.get("sentence"), int):
+        batch = text.encode(text.SEED_SENTENCES)
+        b = q["sentence"]
+        if not 0 <= b < batch.B:
+            return None
+        tr = batch_traces(batch)[b].select(0)
+        kinds = sequences(tr)[0].kinds
+    else:
+        return None
+    T = kinds.shape[0]
+    m = hl["matrix"]
+    vals = None
+    if m in ("S", "A"):
+        v = np.where(kinds == 0, tr[m], np.nan)
+        vals = [[None if not np.isfinite(x) else round(float(x), 4) for x in row] for row in v]
+    return {"matrix": m, "T": int(T), "tokens": tokens_of(tr, T),
+            "kinds": kinds.astype(int).tolist(), "values": vals}
+
+
+def _learn_data(questions) -> list[dict]:
+    """The questions as the panel needs them (prompt, choices, answer, hint, explanation,
+    highlight) plus the highlighted matrix computed here."""
+    if isinstance(questions, dict) or not hasattr(questions, "__iter__"):
+        raise ValueError("explorer: questions must be a list of question dicts "
+                         "(causalattn.learn.questions(seed, n))")
+    out = []
+    for k, q in enumerate(questions):
+        need = ("prompt", "choices", "answer")
+        if not isinstance(q, dict) or any(n not in q for n in need):
+            raise ValueError(f"explorer: question {k + 1} must be a dict with {need}")
+        choices = [str(c) for c in q["choices"]]
+        a = q["answer"]
+        if isinstance(a, bool) or not isinstance(a, (int, np.integer)) or not 0 <= a < len(choices):
+            raise ValueError(f"explorer: question {k + 1}: answer {a!r} is not an index of its "
+                             f"{len(choices)} choices")
+        hl = q.get("highlight") if isinstance(q.get("highlight"), dict) else None
+        out.append({"id": str(q.get("id", k + 1)), "prompt": str(q["prompt"]),
+                    "choices": choices, "answer": int(a), "hint": str(q.get("hint") or ""),
+                    "explanation": str(q.get("explanation") or ""),
+                    "highlight": json.loads(json.dumps(hl)) if hl else None,
+                    "picture": _learn_matrix(q)})
+    return out
+
+
+# -- sentences with seeded random weights ---------------------------------------------------
 def batch_traces(batch, *, d_model: int = 16, n_heads: int = 2, seed: int = 0) -> list[Trace]:
     """One Trace per sentence of a :class:`causalattn.text.Batch`, from seeded random weights.
 
     The embedding (vocabulary×d_model) and W_Q, W_K, W_V, W_O are drawn from
     ``numpy.random.default_rng(seed)``: the weights are made up, the mask and the
-    arithmetic are real. ``batch.sentence_mask(b)`` brings causal and padding together
-    (one N×N at a time: the batch's masks are built on demand).
+    arithmetic are real. ``mask=batch.mask[b]`` brings causal and padding together.
     """
-    for name, v in (("d_model", d_model), ("n_heads", n_heads)):
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-            raise ValueError(f"explorer: {name} must be a positive integer, got {v!r}")
     if d_model % n_heads:
         raise ValueError(f"explorer: d_model={d_model} is not divisible by n_heads={n_heads}")
     rng = np.random.default_rng(seed)
     E = rng.normal(size=(len(batch.vocab), d_model))
     W_q, W_k, W_v, W_o = (rng.normal(size=(d_model, d_model)) / np.sqrt(d_model) for _ in range(4))
     return [
-        _trace(E[batch.ids[b]], W_q, W_k, W_v, W_o, mask=batch.sentence_mask(b),
-                        n_heads=n_heads, tokens=list(batch.tokens[b]))
+        _trace(E[batch.ids[b]], W_q, W_k, W_v, W_o, mask=batch.mask[b],
+               n_heads=n_heads, tokens=list(batch.tokens[b]))
         for b in range(batch.ids.shape[0])
     ]
 

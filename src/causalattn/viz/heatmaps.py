@@ -4,7 +4,9 @@ Rows are queries i, columns are keys j, as in the seeds. Figures are built with
 ``matplotlib.figure.Figure`` directly (the Agg canvas, no pyplot state, no display
 needed), and matplotlib is imported only when a figure is drawn: it is the ``viz`` extra.
 
-    fig = plot_mask(batch.mask[3], batch.tokens[3])     # allowed / causal / padding
+    fig = plot_mask(batch.mask[3], batch.tokens[3])     # readable / future / padding
+    fig = plot_mask(masks.Pattern(window=3), T=8)       # each kind of blocked cell
+    fig = plot_patterns({"causal": masks.Pattern(), "window 3": masks.Pattern(window=3)}, 8)
     fig = plot_stage(tr, "A")                           # a grid of heads
     save(fig, "out/A.svg")                              # PNG or SVG by extension
 """
@@ -15,26 +17,24 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import masks
 from ..trace import Trace
 from .kinds import (
-    ALLOWED,
-    CAUSAL,
-    KIND_NAMES,
-    PADDING,
+    KINDS,
+    READABLE,
     allowed_2d,
     contribution_norms,
     heads,
     mask_kinds,
+    pad_of,
     padding_positions,
     sequences,
     tokens_of,
 )
 
-__all__ = ["plot_mask", "plot_stage", "trace_figures", "save", "write_figures", "STAGE_TITLES"]
+__all__ = ["plot_mask", "plot_patterns", "plot_stage", "trace_figures", "save", "write_figures",
+           "STAGE_TITLES"]
 
-# Three mask styles: a solid colour, a light grey, and a dark grey with hatching.
-KIND_COLORS = {ALLOWED: "#2f9e44", CAUSAL: "#e9ecef", PADDING: "#6c757d"}
-BLOCKED_COLORS = {CAUSAL: "#dfe2e6", PADDING: "#8f979e"}  # under S, A and norm heatmaps
 PAD_HATCH = "///"
 STAGE_TITLES = {
     "M": "mask M (rows: queries i, columns: keys j)",
@@ -47,12 +47,12 @@ ANNOTATE_MAX_T = 12  # write numbers in the cells up to this many tokens
 LABEL_MAX_T = 64  # every token as a tick label up to this many
 
 
-def _figure(n_panels: int, T: int, cols: int | None = None):
+def _figure(n_panels: int, T: int, cols: int | None = None, side_max: float = 9.0):
     from matplotlib.figure import Figure
 
     cols = cols or min(n_panels, 4)
     rows = -(-n_panels // cols)
-    side = min(9.0, max(3.2, 0.42 * T + 1.6))
+    side = min(side_max, max(3.2, 0.42 * T + 1.6))
     fig = Figure(figsize=(side * cols + 0.8 * cols, side * rows), layout="constrained")
     axes = fig.subplots(rows, cols, squeeze=False).ravel()
     for ax in axes[n_panels:]:
@@ -80,15 +80,16 @@ def _ticks(ax, tokens: list[str]) -> None:
     ax.tick_params(length=0)
 
 
-def _hatch_padding(ax, kinds: np.ndarray) -> None:
-    """Hatch padding cells, one rectangle per run along a row (few artists, even for big T)."""
-    if kinds.shape[0] > 256 or not (kinds == PADDING).any():
+def _hatch(ax, kinds: np.ndarray) -> None:
+    """Hatch the hatched kinds (padding), one rectangle per run along a row (few artists)."""
+    hatched = np.isin(kinds, [c for c, k in KINDS.items() if k.hatch])
+    if kinds.shape[0] > 256 or not hatched.any():
         return
     from matplotlib.collections import PatchCollection
     from matplotlib.patches import Rectangle
 
     rects = []
-    for i, row in enumerate(kinds == PADDING):
+    for i, row in enumerate(hatched):
         j = 0
         while j < len(row):
             if row[j]:
@@ -104,45 +105,52 @@ def _hatch_padding(ax, kinds: np.ndarray) -> None:
     )
 
 
-def _kind_image(kinds: np.ndarray, colors: dict[int, str], allowed_alpha: float = 1.0):
+def _kind_image(kinds: np.ndarray, muted: bool = False):
+    """RGBA image of the kinds; on value panels (muted) readable cells are transparent."""
     from matplotlib.colors import to_rgba
 
     img = np.zeros(kinds.shape + (4,))
-    for k, c in colors.items():
-        img[kinds == k] = to_rgba(c)
-    if ALLOWED not in colors:
-        img[kinds == ALLOWED, 3] = 0.0
+    for code, k in KINDS.items():
+        img[kinds == code] = to_rgba(k.muted if muted else k.color)
+    if muted:
+        img[kinds == READABLE, 3] = 0.0
     return img
 
 
-def _draw_mask(ax, allowed: np.ndarray, tokens: list[str], pad: np.ndarray, title: str) -> None:
+def kind_legend(ax, kinds: np.ndarray, ncol: int = 1) -> None:
+    """A legend with one entry per kind present in ``kinds`` (readable first)."""
     from matplotlib.patches import Patch
 
-    kinds = mask_kinds(allowed, pad)
-    T = len(tokens)
-    ax.imshow(_kind_image(kinds, KIND_COLORS), interpolation="nearest", aspect="equal")
-    _hatch_padding(ax, kinds)
-    if T <= ANNOTATE_MAX_T:  # the seed's additive form: 0 where allowed, -∞ where blocked
-        for (i, j), k in np.ndenumerate(kinds):
-            ax.text(j, i, "0" if k == ALLOWED else "-∞", ha="center", va="center", fontsize=8,
-                    color="white" if k != CAUSAL else "#495057")
-    _ticks(ax, tokens)
-    ax.set_title(title, fontsize=10)
+    present = [c for c in KINDS if (kinds == c).any()]
     handles = [
-        Patch(facecolor=KIND_COLORS[k], edgecolor="#343a40",
-              hatch=PAD_HATCH if k == PADDING else None, label=KIND_NAMES[k])
-        for k in (ALLOWED, CAUSAL, PADDING)
+        Patch(facecolor=KINDS[c].color, edgecolor="#343a40",
+              hatch=PAD_HATCH if KINDS[c].hatch else None, label=KINDS[c].label)
+        for c in present
     ]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=1,
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=ncol,
               fontsize=8, frameon=False)
 
 
-def _draw_values(fig, ax, stage: str, values: np.ndarray, allowed: np.ndarray,
-                 tokens: list[str], pad: np.ndarray, title: str) -> None:
-    kinds = mask_kinds(allowed, pad)
+def _draw_mask(ax, kinds: np.ndarray, tokens: list[str], title: str) -> None:
     T = len(tokens)
-    ax.imshow(_kind_image(kinds, BLOCKED_COLORS), interpolation="nearest", aspect="equal")
-    _hatch_padding(ax, kinds)
+    ax.imshow(_kind_image(kinds), interpolation="nearest", aspect="equal")
+    _hatch(ax, kinds)
+    if T <= ANNOTATE_MAX_T:  # the seed's additive form: 0 where allowed, -∞ where blocked
+        for (i, j), k in np.ndenumerate(kinds):
+            light = k in (masks.FUTURE, masks.WINDOW, masks.CHUNK, masks.MASK)
+            ax.text(j, i, "0" if k == READABLE else "-∞", ha="center", va="center", fontsize=8,
+                    color="#495057" if light else "white")
+    _ticks(ax, tokens)
+    ax.set_title(title, fontsize=10)
+    kind_legend(ax, kinds)
+
+
+def _draw_values(fig, ax, stage: str, values: np.ndarray, allowed: np.ndarray,
+                 tokens: list[str], kinds: np.ndarray, title: str) -> None:
+    T = len(tokens)
+    pad = pad_of(kinds)
+    ax.imshow(_kind_image(kinds, muted=True), interpolation="nearest", aspect="equal")
+    _hatch(ax, kinds)
     shown = np.ma.masked_where(~allowed | ~np.isfinite(values), values)
     if stage == "S":
         lim = float(np.abs(shown).max()) if shown.count() else 1.0
@@ -168,7 +176,7 @@ def _draw_values(fig, ax, stage: str, values: np.ndarray, allowed: np.ndarray,
     ax.set_title(title, fontsize=10)
 
 
-def _one_sequence(tr: Trace, seq: int | None) -> Trace:
+def _one_sequence(tr: Trace, seq: int | None):
     seqs = sequences(tr)
     if seq is None:
         if len(seqs) > 1:
@@ -179,27 +187,85 @@ def _one_sequence(tr: Trace, seq: int | None) -> Trace:
         seq = 0
     if not 0 <= seq < len(seqs):
         raise ValueError(f"viz: seq={seq} is outside 0..{len(seqs) - 1}")
-    return seqs[seq][1]
+    return seqs[seq]
 
 
-def plot_mask(allowed, tokens=None, *, pad=None, title: str | None = None):
-    """The ``T×T`` mask in three styles: allowed, causally blocked, padding blocked.
+def _pattern_T(T, tokens) -> int:
+    if T is None and tokens is None:
+        raise ValueError("plot_mask: a Pattern needs its length: give T= or tokens=")
+    T = len(tokens) if T is None else T
+    if isinstance(T, bool) or not isinstance(T, (int, np.integer)) or T < 1:
+        raise ValueError(f"plot_mask: T must be a positive integer, got {T!r}")
+    return int(T)
 
-    ``allowed`` is boolean (True = may read). ``pad`` marks padding positions; by default
-    they are the query rows with no readable key and any ``<PAD>`` token.
-    """
-    a = np.asarray(allowed)
+
+def _kinds_of(mask, tokens, pad, T, b):
+    """(kinds, T) for a boolean T×T mask or a masks.Pattern."""
+    if isinstance(mask, masks.Pattern):
+        from .kinds import pattern_kinds
+
+        T = _pattern_T(T, tokens)
+        return pattern_kinds(mask, T, b=b), T
+    a = np.asarray(mask)
     if a.dtype != np.bool_ or a.ndim != 2 or a.shape[0] != a.shape[1]:
         raise ValueError(
-            f"plot_mask: the mask must be a boolean T×T matrix, got dtype {a.dtype} and shape {a.shape}"
+            "plot_mask: the mask must be a boolean T×T matrix or a masks.Pattern, "
+            f"got dtype {a.dtype} and shape {a.shape}"
         )
     T = a.shape[0]
+    toks = None if tokens is None else [str(t) for t in tokens]
+    if toks is not None and len(toks) != T:
+        raise ValueError(f"plot_mask: {len(toks)} tokens for a {T}×{T} mask")
+    pad = padding_positions(a, toks) if pad is None else np.asarray(pad, bool)
+    return mask_kinds(a, pad), T
+
+
+def plot_mask(mask, tokens=None, *, pad=None, title: str | None = None, T: int | None = None,
+              b: int = 0):
+    """The ``T×T`` mask, each kind of cell in its own style, with a legend of the kinds.
+
+    ``mask`` is a boolean ``T×T`` matrix (True = may read): its blocked cells are padding
+    (``pad``, by default the rows with no readable key and any ``<PAD>`` token), future,
+    or "by the mask". Or a :class:`causalattn.masks.Pattern`, drawn for sequence ``b`` at
+    length ``T`` (or ``len(tokens)``): each blocked cell by its first reason (future,
+    window, padding, document, chunk).
+    """
+    kinds, T = _kinds_of(mask, tokens, pad, T, b)
     toks = [str(i + 1) for i in range(T)] if tokens is None else [str(t) for t in tokens]
     if len(toks) != T:
-        raise ValueError(f"plot_mask: {len(toks)} tokens for a {T}×{T} mask")
-    pad = padding_positions(a, toks if tokens is not None else None) if pad is None else np.asarray(pad, bool)
+        raise ValueError(f"plot_mask: {len(toks)} tokens for T = {T}")
     fig, (ax,) = _figure(1, T)
-    _draw_mask(ax, a, toks, pad, title or STAGE_TITLES["M"])
+    _draw_mask(ax, kinds, toks, title or STAGE_TITLES["M"])
+    return fig
+
+
+def plot_patterns(patterns: dict, T: int, *, tokens=None, b: int = 0):
+    """Several patterns side by side, one panel each, one shared legend of kinds.
+
+    ``patterns`` maps titles to :class:`causalattn.masks.Pattern` (or boolean T×T masks)::
+
+        plot_patterns({"causal": masks.Pattern(), "window 3": masks.Pattern(window=3)}, T=8)
+    """
+    if not isinstance(patterns, dict) or not patterns:
+        raise ValueError("plot_patterns: give a non-empty dict {title: Pattern}")
+    toks = [str(i + 1) for i in range(T)] if tokens is None else [str(t) for t in tokens]
+    fig, axes = _figure(len(patterns), T, cols=min(len(patterns), 4), side_max=4.2)
+    every = []
+    for ax, (name, pat) in zip(axes, patterns.items()):
+        kinds, _ = _kinds_of(pat, toks, None, T, b)
+        every.append(kinds)
+        ax.imshow(_kind_image(kinds), interpolation="nearest", aspect="equal")
+        _hatch(ax, kinds)
+        _ticks(ax, toks)
+        ax.set_xlabel("")
+        ax.set_title(str(name), fontsize=10)
+    from matplotlib.patches import Patch
+
+    allk = np.stack(every)
+    handles = [Patch(facecolor=k.color, edgecolor="#343a40", hatch=PAD_HATCH if k.hatch else None,
+                     label=k.label) for c, k in KINDS.items() if (allk == c).any()]
+    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 4),
+               fontsize=9, frameon=False)
     return fig
 
 
@@ -211,7 +277,7 @@ def plot_stage(tr: Trace, stage: str = "A", *, seq: int | None = None, head: int
     """
     if stage not in STAGE_TITLES:
         raise ValueError(f"plot_stage: stage must be one of {list(STAGE_TITLES)}, got {stage!r}")
-    one = _one_sequence(tr, seq)
+    _, one, kinds = _one_sequence(tr, seq)
     hs = heads(one)
     if head is not None:
         if not 0 <= head < len(hs):
@@ -219,20 +285,18 @@ def plot_stage(tr: Trace, stage: str = "A", *, seq: int | None = None, head: int
         hs, labels = [hs[head]], [head]
     else:
         labels = list(range(len(hs)))
-    allowed = allowed_2d(hs[0])
-    T = allowed.shape[0]
+    T = kinds.shape[0]
     tokens = tokens_of(one, T)
-    pad = padding_positions(allowed, one.tokens if one.tokens is not None and len(one.tokens) == T else None)
     if stage == "M":
         fig, (ax,) = _figure(1, T)
-        _draw_mask(ax, allowed, tokens, pad, STAGE_TITLES["M"])
+        _draw_mask(ax, kinds, tokens, STAGE_TITLES["M"])
         return fig
     fig, axes = _figure(len(hs), T)
     multi = one.n_heads is not None
     for ax, h, lab in zip(axes, hs, labels):
         values = contribution_norms(h) if stage == "norm" else h[stage]
         title = STAGE_TITLES[stage] + (f"\nhead {lab + 1}" if multi else "")
-        _draw_values(fig, ax, stage, values, allowed_2d(h), tokens, pad, title)
+        _draw_values(fig, ax, stage, values, allowed_2d(h), tokens, kinds, title)
     return fig
 
 

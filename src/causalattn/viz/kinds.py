@@ -1,23 +1,62 @@
-"""What the pictures share: mask cell kinds, padding positions, one trace per sequence.
+"""What the pictures share: why each cell is blocked, padding positions, one trace per sequence.
 
-A blocked cell is drawn as *padding* when its query or key is a padding position, and
-as *causally blocked* otherwise (the future, or any other rule of the mask). Padding
-positions are read off the mask itself (a padding query has no readable key) and the
-``<PAD>`` token of :mod:`causalattn.text`, so a Trace loaded from a file is drawn the
-same way as one built from sentences.
+Every blocked cell is drawn by its *kind*, the first reason it is blocked, with the codes of
+:data:`causalattn.masks.REASONS` (0 = readable; padding, document, future, window, chunk,
+mask). When a Trace carries its :class:`~causalattn.masks.Pattern` (``trace.pattern``), the
+kinds are the pattern's own :meth:`~causalattn.masks.Pattern.reasons`. A Trace with only a
+boolean mask (a file, an older trace) is read as well as a mask can be: a blocked cell is
+*padding* when its query or key is a padding position (a query with no readable key, or a
+``<PAD>`` token), *future* when the key lies after the query, and *mask* otherwise.
+
+The colours and labels live here, once: the matplotlib heatmaps use them and the explorer
+receives them in its data.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
+from .. import masks
+from ..masks import CHUNK, DOCUMENT, FUTURE, MASK, PADDING, READABLE, REASONS, WINDOW
+from ..text import PAD
 from ..trace import Trace
 
-__all__ = ["ALLOWED", "CAUSAL", "PADDING", "KIND_NAMES", "padding_positions", "mask_kinds", "sequences"]
+__all__ = [
+    "READABLE", "PADDING", "DOCUMENT", "FUTURE", "WINDOW", "CHUNK", "MASK", "KINDS",
+    "Kind", "padding_positions", "mask_kinds", "pattern_kinds", "trace_kinds", "sequences",
+    "Sequence",
+]
 
-ALLOWED, CAUSAL, PADDING = 0, 1, 2
-KIND_NAMES = ("allowed (M = 0)", "blocked: causal (M = -∞)", "blocked: padding (M = -∞)")
-PAD_TOKEN = "<PAD>"  # text.PAD; repeated here so viz does not import text for a constant
+
+class Kind(NamedTuple):
+    """How one kind of cell is drawn: its legend label, colour, muted colour (under the value
+    panels S, A, ‖A_ij v_j‖) and whether it is hatched."""
+
+    code: int
+    name: str
+    label: str
+    color: str
+    muted: str
+    hatch: bool
+
+
+# One entry per masks.REASONS code, in that order. Readable cells are green on the mask;
+# each blocked kind has its own hue, light enough for the value panels to stay readable.
+KINDS: dict[int, Kind] = {
+    k.code: k
+    for k in (
+        Kind(READABLE, "readable", "may read (M = 0)", "#2f9e44", "#ffffff", False),
+        Kind(PADDING, "padding", "blocked: padding (M = −∞)", "#6c757d", "#9aa1a8", True),
+        Kind(DOCUMENT, "document", "blocked: another document", "#9775fa", "#d0bfff", False),
+        Kind(FUTURE, "future", "blocked: future, j after i", "#e9ecef", "#e4e7ea", False),
+        Kind(WINDOW, "window", "blocked: outside the window", "#ffa94d", "#ffe8cc", False),
+        Kind(CHUNK, "chunk", "blocked: another chunk", "#4dabf7", "#d0ebff", False),
+        Kind(MASK, "mask", "blocked: by the mask", "#f783ac", "#fcc2d7", False),
+    )
+}
+assert {c: k.name for c, k in KINDS.items()} == REASONS, "viz.kinds must follow masks.REASONS"
 
 
 def _square(allowed, what: str) -> np.ndarray:
@@ -37,24 +76,89 @@ def padding_positions(allowed, tokens=None) -> np.ndarray:
     if tokens is not None:
         if len(tokens) != a.shape[0]:
             raise ValueError(f"padding: {len(tokens)} tokens for a mask of {a.shape[0]} rows")
-        pad = pad | np.array([t == PAD_TOKEN for t in tokens], dtype=bool)
+        pad = pad | np.array([t == PAD for t in tokens], dtype=bool)
     return pad
 
 
 def mask_kinds(allowed, pad=None) -> np.ndarray:
-    """``T×T`` int8: ALLOWED, CAUSAL (blocked, no padding involved) or PADDING (blocked)."""
+    """``T_q×T_k`` uint8 kinds read off a boolean mask: READABLE, PADDING (blocked, its query or
+    key is padding), FUTURE (blocked, key after the query) or MASK (blocked otherwise).
+
+    Queries sit at key positions ``i + T_k - T_q`` (bottom-right), as in :mod:`masks`.
+    """
     a = _square(allowed, "mask kinds")
-    if a.shape[0] != a.shape[1]:
-        raise ValueError(f"mask kinds: self-attention mask must be T×T, got {a.shape}")
+    T_q, T_k = a.shape
+    if T_q > T_k:
+        raise ValueError(f"mask kinds: T_q={T_q} queries but only T_k={T_k} keys")
     pad = padding_positions(a) if pad is None else np.asarray(pad, dtype=bool)
-    kinds = np.full(a.shape, CAUSAL, dtype=np.int8)
-    kinds[pad[:, None] | pad[None, :]] = PADDING
-    kinds[a] = ALLOWED
+    if pad.shape not in ((T_q,), (T_k,)):
+        raise ValueError(f"mask kinds: pad has shape {pad.shape}, want ({T_k},)")
+    pad_k = pad if pad.shape == (T_k,) else np.concatenate([np.zeros(T_k - T_q, bool), pad])
+    pad_q = pad_k[T_k - T_q:]
+    pos = np.arange(T_q)[:, None] + (T_k - T_q)
+    kinds = np.where(np.arange(T_k)[None, :] > pos, FUTURE, MASK).astype(np.uint8)
+    kinds[pad_q[:, None] | pad_k[None, :]] = PADDING
+    kinds[a] = READABLE
     return kinds
 
 
-def sequences(tr: Trace) -> list[tuple[str, Trace]]:
-    """Split a Trace along its batch axes: ``[(name, trace of one sequence)]``.
+def pattern_kinds(pattern: masks.Pattern, T: int, *, b: int = 0, B: int | None = None):
+    """``T×T`` uint8 kinds of one sequence ``b`` of a :class:`~causalattn.masks.Pattern`
+    (its :meth:`~causalattn.masks.Pattern.reasons`, first head). ``B`` defaults to the
+    pattern's own batch size (its lengths), else 1."""
+    if B is None:
+        B = next((len(v) for v in (pattern.lengths, pattern.prefix_lengths) if v is not None),
+                 pattern.key_padding_mask.shape[0] if pattern.key_padding_mask is not None else 1)
+    r = pattern.reasons(B, 1, T, T)
+    return r[b if r.shape[0] > 1 else 0, 0]
+
+
+def _lead_shape(tr: Trace) -> tuple[int, ...]:
+    A = tr["A"]
+    return A.shape[: A.ndim - 2 - (1 if tr.n_heads is not None else 0)]
+
+
+def trace_kinds(tr: Trace) -> np.ndarray:
+    """Kinds for a Trace: ``lead + (T, T)`` uint8 (lead = its batch axes, heads excluded).
+
+    From ``tr.pattern`` when the trace has one whose readable cells agree with ``tr.allowed``,
+    otherwise from the boolean mask (see the module docstring).
+    """
+    A = tr["A"]
+    lead = _lead_shape(tr)
+    T = A.shape[-1]
+    allowed = (np.ones(A.shape, bool) if tr.allowed is None
+               else np.broadcast_to(tr.allowed, A.shape))
+    if tr.n_heads is not None:
+        allowed = allowed[..., 0, :, :]  # the heads share one mask (checked by the explorer)
+    pat = getattr(tr, "pattern", None)
+    if isinstance(pat, masks.Pattern) and len(lead) <= 1:
+        try:
+            r = pat.reasons(lead[0] if lead else 1, tr.n_heads or 1, T, T)[:, 0]
+        except ValueError:
+            r = None
+        if r is not None:
+            r = np.broadcast_to(r if lead else r[0], lead + (T, T))
+            if np.array_equal(r == READABLE, allowed):
+                return np.ascontiguousarray(r)
+    out = np.empty(lead + (T, T), dtype=np.uint8)
+    has_tokens = tr.tokens is not None and len(tr.tokens) == T
+    for idx in np.ndindex(*lead):
+        pad = padding_positions(allowed[idx], tr.tokens if has_tokens else None)
+        out[idx] = mask_kinds(allowed[idx], pad)
+    return out
+
+
+class Sequence(NamedTuple):
+    """One sequence of a Trace: its name, its Trace (no batch axes) and its ``T×T`` kinds."""
+
+    name: str
+    trace: Trace
+    kinds: np.ndarray
+
+
+def sequences(tr: Trace) -> list[Sequence]:
+    """Split a Trace along its batch axes: ``[Sequence(name, trace, kinds)]``.
 
     Each returned Trace has ``A`` of shape ``T×T``, or ``(h, T, T)`` when it has heads.
     """
@@ -65,13 +169,14 @@ def sequences(tr: Trace) -> list[tuple[str, Trace]]:
             raise ValueError(f"viz: the trace has no stage {name}; it has {tr.names}")
     A = tr["A"]
     head_axes = 1 if tr.n_heads is not None else 0
-    lead = A.shape[: A.ndim - 2 - head_axes]
     if A.ndim < 2 + head_axes or A.shape[-1] != A.shape[-2]:
         raise ValueError(f"viz: A must end in T×T, got shape {A.shape}")
+    lead = _lead_shape(tr)
+    kinds = trace_kinds(tr)
     if not lead:
-        return [("sequence 1", tr)]
+        return [Sequence("sequence 1", tr, kinds)]
     return [
-        ("sequence " + ",".join(str(i + 1) for i in idx), tr.select(*idx))
+        Sequence("sequence " + ",".join(str(i + 1) for i in idx), tr.select(*idx), kinds[idx])
         for idx in np.ndindex(*lead)
     ]
 
@@ -87,6 +192,13 @@ def allowed_2d(tr: Trace) -> np.ndarray:
     if tr.allowed is None:
         return np.ones(A.shape, dtype=bool)
     return np.broadcast_to(tr.allowed, A.shape).astype(bool)
+
+
+def pad_of(kinds: np.ndarray) -> np.ndarray:
+    """``(T,)`` bool padding positions of a ``T×T`` kinds matrix: a query row or key column
+    that is padding everywhere it is blocked, and blocked as padding somewhere."""
+    p = kinds == PADDING
+    return p.all(axis=1) | p.all(axis=0)
 
 
 def tokens_of(tr: Trace, T: int) -> list[str]:
