@@ -177,11 +177,8 @@ def window_traces():
     W = [rng.normal(size=(8, 8)) / np.sqrt(8) for _ in range(3)]
     out = []
     for b in range(batch.B):
-        pat = masks.Pattern(window=3, lengths=batch.lengths[b:b + 1])
-        tr = ca.trace(E[batch.ids[b]], *W, mask=pat.allowed(1, 1, batch.N, batch.N)[0, 0],
-                      n_heads=2, tokens=batch.tokens[b])
-        tr.pattern = pat
-        out.append(tr)
+        out.append(ca.trace(E[batch.ids[b]][None], *W, window=3, lengths=batch.lengths[b:b + 1],
+                            n_heads=2, tokens=batch.tokens[b]))
     return batch, out
 
 

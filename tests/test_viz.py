@@ -60,21 +60,25 @@ def test_mask_kinds_follow_causality_and_padding(batch):
 
 def test_kinds_follow_the_pattern_reasons_not_just_the_boolean_mask():
     pat = masks.Pattern(window=2, lengths=[3, 5])
-    allowed = pat.allowed(2, 1, 5, 5)[:, 0]
     X = np.random.default_rng(0).normal(size=(2, 5, 4))
-    tr = ca.trace(X, np.eye(4), np.eye(4), np.eye(4), mask=allowed)
-    tr.pattern = pat  # what a Trace carries when it was built from a Pattern
-    kinds = viz.trace_kinds(tr)
+    tr = ca.trace(X, np.eye(4), np.eye(4), np.eye(4), window=2, lengths=[3, 5])
+    kinds = viz.trace_kinds(tr)  # the reasons the trace recorded
     np.testing.assert_array_equal(kinds, pat.reasons(2, 1, 5, 5)[:, 0])
     assert kinds[1, 4, 1] == WINDOW and kinds[1, 1, 3] == FUTURE and kinds[0, 4, 0] == PADDING
-    tr.pattern = masks.Pattern(window=3, lengths=[3, 5])  # disagrees with tr.allowed: not used
-    assert (viz.trace_kinds(tr) == WINDOW).sum() == 0
-    # the explorer carries the kinds; without a pattern, a window reads "blocked by the mask"
-    plain = ca.trace(X[1], np.eye(4), np.eye(4), np.eye(4), mask=allowed[1])
+    # a Trace with only its Pattern (no recorded reasons) is drawn from the pattern
+    arrays = {n: tr[n] for n in ("Q", "K", "V", "S", "A")}
+    bare = ca.Trace(arrays, allowed=tr.allowed, scale=tr.scale, pattern=pat)
+    np.testing.assert_array_equal(viz.trace_kinds(bare), kinds)
+    other = ca.Trace(arrays, allowed=tr.allowed, scale=tr.scale,
+                     pattern=masks.Pattern(window=3, lengths=[3, 5]))  # disagrees: not used
+    assert (viz.trace_kinds(other) == WINDOW).sum() == 0
+    # the explorer carries the kinds; with a bare mask, a window reads "blocked by the mask"
+    plain = ca.Trace({n: a[1] for n, a in arrays.items()}, allowed=tr.allowed[1, 0],
+                     scale=tr.scale)
     seq = viz.explorer_data(plain)["sequences"][0]
     assert _kinds(seq["layers"][0])[4, 1] == MASK
-    plain.pattern = masks.Pattern(window=2)
-    assert _kinds(viz.explorer_data(plain)["sequences"][0]["layers"][0])[4, 1] == WINDOW
+    seq = viz.explorer_data(tr)["sequences"][1]
+    assert _kinds(seq["layers"][0])[4, 1] == WINDOW
 
 
 def test_pattern_pictures_draw_each_kind_distinctly_with_a_legend():

@@ -466,23 +466,35 @@ def _learn_data(questions) -> list[dict]:
 
 
 # -- sentences with seeded random weights ---------------------------------------------------
-def batch_traces(batch, *, d_model: int = 16, n_heads: int = 2, seed: int = 0) -> list[Trace]:
+def batch_traces(batch, *, d_model: int = 16, n_heads: int = 2, seed: int = 0,
+                 chunk: int = 512) -> list[Trace]:
     """One Trace per sentence of a :class:`causalattn.text.Batch`, from seeded random weights.
 
     The embedding (vocabulary×d_model) and W_Q, W_K, W_V, W_O are drawn from
-    ``numpy.random.default_rng(seed)``: the weights are made up, the mask and the
-    arithmetic are real. ``mask=batch.mask[b]`` brings causal and padding together.
+    ``numpy.random.default_rng(seed)``: the weights are made up, the pattern (causal, and
+    the padding after each sentence: ``lengths``) and the arithmetic are real. Sentences are
+    traced ``chunk`` at a time (one batched trace each); each returned Trace is one
+    sentence with its own tokens.
     """
+    if isinstance(n_heads, bool) or not isinstance(n_heads, (int, np.integer)) or n_heads < 1:
+        raise ValueError(f"explorer: n_heads must be a positive integer, got {n_heads!r}")
+    if isinstance(d_model, bool) or not isinstance(d_model, (int, np.integer)) or d_model < 1:
+        raise ValueError(f"explorer: d_model must be a positive integer, got {d_model!r}")
     if d_model % n_heads:
         raise ValueError(f"explorer: d_model={d_model} is not divisible by n_heads={n_heads}")
     rng = np.random.default_rng(seed)
     E = rng.normal(size=(len(batch.vocab), d_model))
     W_q, W_k, W_v, W_o = (rng.normal(size=(d_model, d_model)) / np.sqrt(d_model) for _ in range(4))
-    return [
-        _trace(E[batch.ids[b]], W_q, W_k, W_v, W_o, mask=batch.mask[b],
-               n_heads=n_heads, tokens=list(batch.tokens[b]))
-        for b in range(batch.ids.shape[0])
-    ]
+    out = []
+    for b0 in range(0, batch.ids.shape[0], chunk):
+        ids = batch.ids[b0:b0 + chunk]
+        tr = _trace(E[ids], W_q, W_k, W_v, W_o, lengths=np.asarray(batch.lengths[b0:b0 + chunk]),
+                    n_heads=n_heads)
+        for b in range(ids.shape[0]):
+            one = tr.select(b)
+            one.tokens = list(batch.tokens[b0 + b])
+            out.append(one)
+    return out
 
 
 def sentence_traces(sentences, *, max_len: int | None = None, **kw) -> list[Trace]:

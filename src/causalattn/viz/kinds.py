@@ -3,7 +3,8 @@
 Every blocked cell is drawn by its *kind*, the first reason it is blocked, with the codes of
 :data:`causalattn.masks.REASONS` (0 = readable; padding, document, future, window, chunk,
 mask). When a Trace carries its :class:`~causalattn.masks.Pattern` (``trace.pattern``), the
-kinds are the pattern's own :meth:`~causalattn.masks.Pattern.reasons`. A Trace with only a
+kinds are the pattern's own :meth:`~causalattn.masks.Pattern.reasons` (or the ``reasons`` the
+trace recorded). A Trace with only a
 boolean mask (a file, an older trace) is read as well as a mask can be: a blocked cell is
 *padding* when its query or key is a padding position (a query with no readable key, or a
 ``<PAD>`` token), *future* when the key lies after the query, and *mask* otherwise.
@@ -118,35 +119,61 @@ def _lead_shape(tr: Trace) -> tuple[int, ...]:
     return A.shape[: A.ndim - 2 - (1 if tr.n_heads is not None else 0)]
 
 
-def trace_kinds(tr: Trace) -> np.ndarray:
-    """Kinds for a Trace: ``lead + (T, T)`` uint8 (lead = its batch axes, heads excluded).
-
-    From ``tr.pattern`` when the trace has one whose readable cells agree with ``tr.allowed``,
-    otherwise from the boolean mask (see the module docstring).
-    """
-    A = tr["A"]
-    lead = _lead_shape(tr)
-    T = A.shape[-1]
-    allowed = (np.ones(A.shape, bool) if tr.allowed is None
-               else np.broadcast_to(tr.allowed, A.shape))
-    if tr.n_heads is not None:
-        allowed = allowed[..., 0, :, :]  # the heads share one mask (checked by the explorer)
-    pat = getattr(tr, "pattern", None)
-    if isinstance(pat, masks.Pattern) and len(lead) <= 1:
-        try:
-            r = pat.reasons(lead[0] if lead else 1, tr.n_heads or 1, T, T)[:, 0]
-        except ValueError:
-            r = None
-        if r is not None:
-            r = np.broadcast_to(r if lead else r[0], lead + (T, T))
-            if np.array_equal(r == READABLE, allowed):
-                return np.ascontiguousarray(r)
+def _inferred(allowed: np.ndarray, tr: Trace, lead: tuple) -> np.ndarray:
+    """Kinds read off a boolean mask (padding, future, mask), per sequence."""
+    T = allowed.shape[-1]
     out = np.empty(lead + (T, T), dtype=np.uint8)
     has_tokens = tr.tokens is not None and len(tr.tokens) == T
     for idx in np.ndindex(*lead):
         pad = padding_positions(allowed[idx], tr.tokens if has_tokens else None)
         out[idx] = mask_kinds(allowed[idx], pad)
     return out
+
+
+def _declared(tr: Trace, lead: tuple, allowed: np.ndarray) -> np.ndarray | None:
+    """The trace's recorded ``reasons``, else its ``pattern``'s, if they match ``allowed``."""
+    A = tr["A"]
+    T = A.shape[-1]
+    r = getattr(tr, "reasons", None)
+    if r is not None:
+        try:
+            r = np.broadcast_to(r, A.shape)
+            r = r[..., 0, :, :] if tr.n_heads is not None else r
+        except ValueError:
+            r = None
+    pat = getattr(tr, "pattern", None)
+    if r is None and isinstance(pat, masks.Pattern) and len(lead) <= 1:
+        try:
+            r = pat.reasons(lead[0] if lead else 1, tr.n_heads or 1, T, T)[:, 0]
+            r = np.broadcast_to(r if lead else r[0], lead + (T, T))
+        except ValueError:
+            r = None
+    if r is None or not np.array_equal(r == READABLE, allowed):
+        return None
+    return np.array(r, dtype=np.uint8)
+
+
+def trace_kinds(tr: Trace) -> np.ndarray:
+    """Kinds for a Trace: ``lead + (T, T)`` uint8 (lead = its batch axes, heads excluded).
+
+    From ``tr.reasons`` (what :func:`causalattn.trace` records), else from ``tr.pattern``,
+    when their readable cells agree with ``tr.allowed``; cells they can only call "mask" (an
+    explicit boolean mask), and traces with neither, are read off the boolean mask (see the
+    module docstring), so padding given as a mask is still drawn as padding.
+    """
+    A = tr["A"]
+    lead = _lead_shape(tr)
+    allowed = (np.ones(A.shape, bool) if tr.allowed is None
+               else np.broadcast_to(tr.allowed, A.shape))
+    if tr.n_heads is not None:
+        allowed = allowed[..., 0, :, :]  # the heads share one mask (checked by the explorer)
+    r = _declared(tr, lead, allowed)
+    if r is None:
+        return _inferred(allowed, tr, lead)
+    unsure = r == MASK
+    if unsure.any():
+        r[unsure] = _inferred(allowed, tr, lead)[unsure]
+    return r
 
 
 class Sequence(NamedTuple):
