@@ -126,8 +126,8 @@ def _pattern_heads(p: masks.Pattern, h: slice) -> masks.Pattern:
 class _LazyStages(Mapping):
     """The trace's arrays: kept ones as they are, T×T ones computed on each read."""
 
-    def __init__(self, rec: _Record, squeeze: bool):
-        self.rec, self.squeeze = rec, squeeze
+    def __init__(self, rec: _Record, squeeze: bool, stages):
+        self.rec, self.squeeze, self.stages = rec, squeeze, stages
         B, H, T_q, _ = rec.Q.shape
         T_k, d_v = rec.K.shape[2], rec.V.shape[3]
         names = ["Q", "K", "V", "S", "M", "Z", "A", "H"]
@@ -161,12 +161,9 @@ class _LazyStages(Mapping):
         return out
 
     def _computed(self, name):
-        r = self.rec
-        t = {n: torch.from_numpy(np.asarray(a, np.float64))
-             for n, a in (("Q", r.Q), ("K", r.expand(r.K)), ("V", r.expand(r.V)))}
-        st = layer_stages(t["Q"], t["K"], t["V"], r.received, r.scale)
+        st = self.stages()
         if name == "C":
-            A, V = st["A"], t["V"]
+            A, V = st["A"], torch.from_numpy(self.rec.expand(self.rec.V).astype(np.float64))
             return (A[..., None] * V[..., None, :, :]).numpy().astype(np.float32)
         out = st[name]
         if name == "M":
@@ -187,7 +184,7 @@ class CapturedTrace(Trace):
         T_k = rec.K.shape[2]
         squeeze = B == 1
         self._rec = rec
-        self._arrays = _LazyStages(rec, squeeze)
+        self._arrays = _LazyStages(rec, squeeze, lambda: self._stages())
         allowed = rec.declared.allowed(B, H, T_q, T_k)
         self.allowed = allowed[0] if squeeze else allowed  # (1|H, T_q, T_k) or (B|1, ...)
         self.scale = rec.scale
@@ -197,6 +194,13 @@ class CapturedTrace(Trace):
         self.received = rec.received
         self.batch_tokens = tokens
         self.tokens = tokens[0] if tokens is not None and squeeze else None
+
+    def _stages(self) -> dict[str, torch.Tensor]:
+        """This layer's S, M, Z, A, H in float64 (:func:`layer_stages`), computed afresh."""
+        r = self._rec
+        Q, K, V = (torch.from_numpy(np.asarray(a, np.float64))
+                   for a in (r.Q, r.expand(r.K), r.expand(r.V)))
+        return layer_stages(Q, K, V, r.received, r.scale)
 
     def __repr__(self) -> str:
         return f"CapturedTrace(layer {self.layer}, {super().__repr__()})"
