@@ -108,3 +108,26 @@ def model(name: str, seed: int = 0, impl: str = "eager", boldness: float = 8.0, 
             if p.dim() == 2:
                 p.mul_(boldness)
     return m.eval()
+
+
+def _eager_nan_safe(module, query, key, value, attention_mask, *args, **kwargs):
+    """The model's own eager attention with NaN rows zeroed. In float64, finfo.min + a score
+    overflows to -inf on a left-padding row that reads nothing, its softmax is NaN, and
+    0·NaN in the next layer's A V would carry it into real rows."""
+    import sys
+
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    out, weights = eager(module, query, key, value, attention_mask, *args, **kwargs)
+    return out.nan_to_num(0.0), weights.nan_to_num(0.0)
+
+
+EAGER_SAFE = "eager-nan-safe"
+
+
+def register_eager_safe() -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(EAGER_SAFE, _eager_nan_safe)
+    AttentionMaskInterface.register(EAGER_SAFE, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    return EAGER_SAFE

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import sys
 
 import numpy as np
 import pytest
@@ -47,22 +46,8 @@ def batch(pad: str):
     return ids, am
 
 
-def _eager_nan_safe(module, query, key, value, attention_mask, *args, **kwargs):
-    """The model's own eager attention, with NaN rows zeroed: in float64, finfo.min + a
-    score overflows to -inf on a left-padding row that reads nothing, its softmax is NaN,
-    and 0·NaN in the next layer's A V would spread it to real rows."""
-    eager = sys.modules[type(module).__module__].eager_attention_forward
-    out, weights = eager(module, query, key, value, attention_mask, *args, **kwargs)
-    return out.nan_to_num(0.0), weights.nan_to_num(0.0)
-
-
 def eager_attentions(model, ids, am):
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-
-    AttentionInterface.register("eager-nan-safe", _eager_nan_safe)
-    AttentionMaskInterface.register("eager-nan-safe", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
-    model.set_attn_implementation("eager-nan-safe")
+    model.set_attn_implementation(tiny.register_eager_safe())
     pos = (am.cumsum(-1) - 1).clamp(min=0)
     try:
         with torch.no_grad():

@@ -48,20 +48,26 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("causalattn_capture", d
 # ---- the stages of one layer --------------------------------------------------------------
 
 def layer_stages(Q, K, V, pattern: masks.Pattern, scale: float) -> dict[str, torch.Tensor]:
-    """S, M, Z, A and H of one layer, in float64, from what its attention function received.
+    """S, [S_cap, E,] M, Z, A and H of one layer, in float64, from what its attention received.
 
     Q ``(B, H, T_q, d_k)``, K ``(B, H, T_k, d_k)``, V ``(B, H, T_k, d_v)`` (heads expanded),
-    torch float64. S = Q Kᵀ·scale (the seed's S, before modifiers); M the additive mask
-    (0 / -inf, broadcast ``(B|1, H|1, T_q, T_k)``); Z = softcap/ALiBi(S) + M; A the
-    row softmax, with the pattern's sinks in each row's denominator; H = A V. A row with
-    no readable key is zero.
+    torch float64. As :func:`causalattn.trace`: S = Q Kᵀ·scale; S_cap = c·tanh(S/c) with a
+    softcap; E the ALiBi bias; M the additive mask (0 / -inf, ``(B|1, H|1, T_q, T_k)``);
+    Z = S_cap + E + M; A the row softmax with the pattern's sinks in each denominator;
+    H = A V. A row with no readable key is zero.
     """
     B, H, T_q, _ = Q.shape
     T_k = K.shape[-2]
     allowed = pattern.allowed(B, H, T_q, T_k, like=Q)
-    S = (Q @ K.transpose(-1, -2)) * scale
-    M = torch.zeros(allowed.shape, dtype=Q.dtype).masked_fill(~allowed, -math.inf)
-    Z = pattern.modify_scores(S) + M
+    out = {"S": (Q @ K.transpose(-1, -2)) * scale}
+    Sm = out["S"]
+    if pattern.softcap is not None:
+        Sm = out["S_cap"] = replace(pattern, alibi_slopes=None).modify_scores(Sm)
+    if pattern.alibi_slopes is not None:
+        out["E"] = replace(pattern, softcap=None).modify_scores(torch.zeros_like(Sm))
+        Sm = Sm + out["E"]
+    M = out["M"] = torch.zeros(allowed.shape, dtype=Q.dtype).masked_fill(~allowed, -math.inf)
+    Z = out["Z"] = Sm + M
     has_key = allowed.any(-1, keepdim=True)
     m = Z.amax(-1, keepdim=True)
     sinks = None
@@ -74,8 +80,10 @@ def layer_stages(Q, K, V, pattern: masks.Pattern, scale: float) -> dict[str, tor
     denom = E.sum(-1, keepdim=True)
     if sinks is not None:
         denom = denom + torch.exp(sinks - m)
-    A = torch.where(has_key, E / torch.where(has_key, denom, torch.ones_like(denom)), 0.0)
-    return {"S": S, "M": M, "Z": Z, "A": A, "H": A @ V}
+    A = out["A"] = torch.where(has_key, E / torch.where(has_key, denom, torch.ones_like(denom)),
+                               0.0)
+    out["H"] = A @ V
+    return out
 
 
 # ---- one recorded layer -------------------------------------------------------------------
@@ -130,7 +138,10 @@ class _LazyStages(Mapping):
         self.rec, self.squeeze, self.stages = rec, squeeze, stages
         B, H, T_q, _ = rec.Q.shape
         T_k, d_v = rec.K.shape[2], rec.V.shape[3]
-        names = ["Q", "K", "V", "S", "M", "Z", "A", "H"]
+        names = ["Q", "K", "V", "S"]
+        names += ["S_cap"] * (rec.received.softcap is not None)
+        names += ["E"] * (rec.received.alibi_slopes is not None)
+        names += ["M", "Z", "A", "H"]
         if B * H * T_q * T_k * d_v * 8 <= C_LIMIT_BYTES:
             names.append("C")
         if rec.O is not None:
@@ -166,7 +177,7 @@ class _LazyStages(Mapping):
             A, V = st["A"], torch.from_numpy(self.rec.expand(self.rec.V).astype(np.float64))
             return (A[..., None] * V[..., None, :, :]).numpy().astype(np.float32)
         out = st[name]
-        if name == "M":
+        if name in ("M", "E"):
             out = out.expand(st["S"].shape)
         return out.numpy().astype(np.float32)
 
@@ -187,6 +198,8 @@ class CapturedTrace(Trace):
         self._arrays = _LazyStages(rec, squeeze, lambda: self._stages())
         allowed = rec.declared.allowed(B, H, T_q, T_k)
         self.allowed = allowed[0] if squeeze else allowed  # (1|H, T_q, T_k) or (B|1, ...)
+        reasons = rec.declared.reasons(B, H, T_q, T_k)  # why each cell is blocked (uint8)
+        self.reasons = reasons[0] if squeeze else reasons
         self.scale = rec.scale
         self.n_heads = H
         self.layer = rec.layer
@@ -235,7 +248,8 @@ class CapturedTrace(Trace):
         tr = CapturedTrace(sub, tokens)
         if len(index) == 2:  # one head: no head axis
             arrays = {n: tr[n][0] for n in tr.names}
-            return Trace(arrays, allowed=tr.allowed[0], scale=tr.scale, tokens=tr.tokens)
+            return Trace(arrays, allowed=tr.allowed[0], scale=tr.scale, tokens=tr.tokens,
+                         pattern=tr.pattern, reasons=tr.reasons[0])
         return tr
 
 
