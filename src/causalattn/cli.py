@@ -842,13 +842,23 @@ def _one_based(report):
 
 @app.command("audit")
 def audit_cmd(
-    file: Path = typer.Argument(..., help="A .npz, a .npy, a folder of .npy files or a .safetensors."),
+    file: str = typer.Argument(
+        None, help="A .npz, a .npy, a folder of .npy files or a .safetensors; with --model, the text."),
+    model: Path = typer.Option(
+        None, "--model", help="A Hugging Face causal LM folder (save_pretrained): run it on the "
+        "text and audit every layer's attention."),
+    layers: str = typer.Option(None, "--layers", help="With --model: which layers, e.g. '0,3,5-7'."),
     max_bytes: int = typer.Option(2 * 2**30, "--max-bytes", help="Refuse arrays larger than this."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Check named arrays in dependency order. Exit 0 clean, 1 a check fails, 2 unusable input."""
     from .check import audit
 
+    if model is not None:
+        _audit_model(model, file, layers, as_json)
+        return
+    if file is None:
+        _fail("give a file of arrays to audit, or --model DIR \"text\"")
     try:
         report = _one_based(audit(file, max_bytes=max_bytes))
     except (ValueError, OSError) as exc:
@@ -858,6 +868,50 @@ def audit_cmd(
     else:
         _console().print(str(report), markup=False)
     if not report.ok:
+        raise typer.Exit(1)
+
+
+def _captured(model_dir: Path, text: str | None, layers: str | None):
+    """(model, tokens, traces) of a Hugging Face model folder run on one text."""
+    from .integrations import hf_model
+
+    if text is None:
+        _fail("--model needs the text to run the model on, e.g. --model DIR \"The cat sat.\"")
+    with _library_errors():
+        model, tokenizer = hf_model.load(model_dir)
+        ids = hf_model.encode(tokenizer, text, model)
+        from .integrations.hf_capture import capture
+
+        traces = capture(model, ids, layers=hf_model.parse_layers(layers), tokenizer=tokenizer)
+    return model, traces
+
+
+def _audit_model(model_dir: Path, text: str | None, layers: str | None, as_json: bool) -> None:
+    from .integrations import hf_model
+
+    model, traces = _captured(model_dir, text, layers)
+    rows = hf_model.audit_layers(traces)
+    ok = all(r.ok for r in rows)
+    if as_json:
+        _print_json({"model": str(model_dir), "architecture": type(model).__name__,
+                     "tokens": traces[0].tokens, "pattern": [t.pattern.describe() for t in traces],
+                     "ok": ok, "layers": [r.to_dict() for r in rows]})
+    else:  # plain lines, never wrapped: the table stays a table in a narrow terminal
+        out = typer.echo
+        out(f"{type(model).__name__} from {model_dir}: {len(rows)} layer(s) audited on "
+            f"{len(traces[0].tokens)} tokens")
+        out(f"{'layer':>5}  {'heads':>5}  {'pattern':<30}  {'verdict':<12}  "
+            f"{'worst |row sum - 1|':>19}  {'empty rows':>10}")
+        for r, tr in zip(rows, traces):
+            verdict = "ok" if r.ok else f"FAILED at {r.stage}"
+            out(f"{r.layer:>5}  {r.heads:>5}  {tr.pattern.describe():<30}  {verdict:<12}  "
+                f"{r.worst_row_sum_error:>19.3g}  {r.empty_rows:>10}")
+        for r in rows:
+            if not r.ok:
+                out(f"layer {r.layer}, stage {r.stage}: {r.check}: {r.message}"
+                    + (f"\n  hint: {r.hint}" if r.hint else ""))
+        out("audit: ok" if ok else "audit: FAILED")
+    if not ok:
         raise typer.Exit(1)
 
 
@@ -957,6 +1011,10 @@ def explore(
     sentences: list[str] = typer.Argument(None, help="Sentences (default: the seed's four)."),
     file: Path = typer.Option(None, "--file", "-f", help="Corpus file, one sentence a line."),
     trace_file: Path = typer.Option(None, "--trace", help="A trace saved by `trace --save` (.npz)."),
+    model: Path = typer.Option(
+        None, "--model", help="A Hugging Face causal LM folder (save_pretrained): explore its "
+        "layers on the one text given."),
+    layers: str = typer.Option(None, "--layers", help="With --model: which layers, e.g. '0,3,5-7'."),
     output: Path = typer.Option(Path("explorer.html"), "--output", "-o", help="HTML file to write."),
     max_len: int = typer.Option(None, "--max-len", help="Pad/truncate to this many tokens."),
     d_model: int = typer.Option(16, "--d-model", help="Width of the random embeddings."),
@@ -975,6 +1033,24 @@ def explore(
     from . import text, viz
     from .trace import Trace
 
+    if model is not None:
+        if file is not None or trace_file is not None:
+            _fail("--model takes the text as its argument; leave out --file and --trace")
+        if sentences and len(sentences) > 1:
+            _fail(f"--model takes one text (quote it); got {len(sentences)} arguments")
+        lm, traces = _captured(model, sentences[0] if sentences else None, layers)
+        with _library_errors():
+            title = (f"causalattn explorer: {type(lm).__name__} from {model.name}, "
+                     f"{len(traces[0].tokens)} tokens")
+            viz.write_explorer(traces, output, names=[f"layer {t.layer}" for t in traces],
+                               title=title)
+        n = len(traces)
+        if as_json:
+            _print_json({"output": str(output), "layers": n, "bytes": output.stat().st_size})
+        else:
+            _console().print(f"wrote {output} ({_human_bytes(output.stat().st_size)}): "
+                             f"{n} layer(s) of {type(lm).__name__}", markup=False)
+        return
     if sum(x is not None and x != [] for x in (sentences, file, trace_file)) > 1:
         _fail("give sentences, --file or --trace, only one of them")
     if max_page_bytes < 1:
