@@ -328,6 +328,10 @@ def _declared(module, layer: int, received: masks.Pattern, key_padding) -> masks
     if kind == "chunked_attention":
         chunk = getattr(cfg, "attention_chunk_size", None)
     causal = bool(getattr(cfg, "is_causal", True)) and bool(getattr(module, "is_causal", True))
+    if chunk is not None and key_padding is not None and not bool(key_padding[:, 0].all()):
+        # HF counts Llama 4's chunks from each row's first real token, the chunk rule from
+        # position 0: with left padding no Pattern declares it, and the layer's own is taken
+        return received
     return masks.Pattern(causal=causal, window=window, chunk=chunk,
                          key_padding_mask=key_padding, softcap=received.softcap,
                          sinks=received.sinks, alibi_slopes=received.alibi_slopes)
