@@ -104,16 +104,14 @@ def test_softmax_over_queries_fails_at_that_layer_and_stage_a(dirs, monkeypatch)
 
 
 def test_explore_writes_one_offline_page(dirs, tmp_path):
-    from causalattn import viz
-
     page = tmp_path / "report.html"
-    out = run("explore", "--model", dirs["gpt2"], TEXT, "-o", page).stdout
-    assert "2 layer(s)" in out
+    out = run("explore", "--model", dirs["llama"], TEXT, "-o", page).stdout
+    assert "2 layer(s) of LlamaForCausalLM" in out
     html = page.read_text()
-    assert "layer 0" in html and "layer 1" in html and " cat" in html
+    assert "layer 1" in html and "layer 2" in html  # the model view: one row per layer
     assert "http://" not in html.replace("http://www.w3.org", "") and "https://" not in html
-    if not hasattr(viz, "model_view"):
-        pytest.skip("the explorer's model view (grid of layers × heads) has not landed yet")
+    data = json.loads(run("explore", "--model", dirs["llama"], TEXT, "-o", page, "--json").stdout)
+    assert data["layers"] == 2 and data["bytes"] == page.stat().st_size
 
 
 def test_bad_input_is_one_error_line_exit_2(dirs, tmp_path):

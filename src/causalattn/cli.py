@@ -1042,8 +1042,7 @@ def explore(
         with _library_errors():
             title = (f"causalattn explorer: {type(lm).__name__} from {model.name}, "
                      f"{len(traces[0].tokens)} tokens")
-            viz.write_explorer(traces, output, names=[f"layer {t.layer}" for t in traces],
-                               title=title)
+            viz.write_explorer(traces, output, layers=True, title=title)
         n = len(traces)
         if as_json:
             _print_json({"output": str(output), "layers": n, "bytes": output.stat().st_size})
