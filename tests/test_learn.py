@@ -132,6 +132,9 @@ def test_planted_fault_is_named_at_its_stage(tmp_path, fault):
     order = [st["stage"] for st in g.stages]
     assert all(states[st] == "right" for st in order[: order.index(g.stage)])
     assert all(states[st] == "not graded" for st in order[order.index(g.stage) + 1:])
+    found = (g.diagnosis or {}).get("location")  # diagnose's file:line, kept when it is theirs
+    if found and Path(found.rsplit(":", 1)[0]).resolve() == planted.resolve():
+        assert g.location == found
     shown = {s.strip() for s in str(g).splitlines()} | set(_strings(g.to_dict()))
     fixes = _fixes(fault, planted)
     assert fixes and not shown & set(fixes), "a grade never shows the fix"
@@ -146,6 +149,14 @@ def test_padding_queries_only_gives_the_same_mask_with_right_padding(tmp_path):
         for L in range(T + 1):
             assert np.array_equal(ns["mask"](T, L), ref["mask"](T, L))
     assert grade.grade_file(_plant(tmp_path, "padding-queries-only")).ok
+
+
+def test_location_points_into_the_learner_file(tmp_path):
+    planted = _plant(tmp_path, "output-projection-transposed")
+    g = grade.grade_file(planted)
+    file, line = g.location.rsplit(":", 1)
+    assert Path(file).resolve() == planted.resolve()
+    assert "@ w_o.T" in planted.read_text().splitlines()[int(line) - 1]
 
 
 def test_mask_stage_shows_the_learner_pattern(tmp_path):

@@ -336,7 +336,7 @@ def _read_picture(d) -> dict | None:
     P, E = np.asarray(P, bool), np.asarray(E, bool)
     if P.ndim != 2 or P.shape != E.shape or np.array_equal(P, E):
         return None
-    return {"what": f"the M your code reads by (T = {P.shape[0]}, measured)",
+    return {"what": f"M as your code reads it (measured, T = {P.shape[0]})",
             "measured": _cells(P), "expected": _cells(E)}
 
 
@@ -361,6 +361,13 @@ def _find_exercise(ns: dict, path: str, exercise: str | None) -> Exercise:
     raise ValueError(f"learn: cannot tell which exercise {path} is (no '{MARK} NAME' first "
                      f"line, and {len(found)} of the functions {list(EXERCISES)}); pass "
                      "--exercise NAME")
+
+
+def _in_file(location: str | None, path: str) -> bool:
+    """Whether diagnose's ``file:line`` points into the learner's file (not the grader's)."""
+    if not location or ":" not in location:
+        return False
+    return Path(location.rsplit(":", 1)[0]).resolve() == Path(path).resolve()
 
 
 def _stages(ex: Exercise, wrong: str | None, known: bool) -> list[dict]:
@@ -447,8 +454,7 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
     msg = (f"stage {stage} is wrong: {d.message}" if known else
            f"stage {stage} looks wrong: the output matches neither the reference nor any "
            f"catalogued mistake ({d.message})")
-    location = d.location if d.location and d.location.startswith(str(Path(path).resolve())) \
-        else None
+    location = d.location if _in_file(d.location, path) else None
     pattern = _mask_picture(user) if stage == "M" and ex.name == "mask" else _read_picture(d)
     hint = hint or _STAGE_HINTS.get(stage, _STAGE_HINTS["shape"])
     return Grade(path, ex.name, "wrong", msg, fw, stage, d.fault if known else None, hint,

@@ -149,10 +149,11 @@ def render_grade(g, console) -> None:
     if g.location:
         console.print(Text(f"at {g.location}", style="dim"))
     if g.pattern:
+        console.print(Text(g.pattern["what"] + ":"))
         pics = []
         for title, cells in (("yours", g.pattern["measured"]), ("expected", g.pattern["expected"])):
-            t = Table(title=f"{g.pattern['what']}: {title}", box=None, show_header=False,
-                      padding=(0, 1), title_justify="left")
+            t = Table(title=title, box=None, show_header=False, padding=(0, 1),
+                      title_justify="left")
             for row in cells:
                 t.add_row(*(Text(c, style="green" if c == "0" else "dim" if c == "-∞" else "red")
                             for c in row))
