@@ -216,3 +216,155 @@ def test_problem_fields():
     torch.manual_seed(9)
     assert make_problem(q, k, v, dropout_p=0.1).dropout_seed == s1
     assert np.array_equal(p.allowed().numpy(), p.pattern.allowed(2, 4, 6, 6))
+
+
+# ---- the tiled engine against the reference ---------------------------------------------------
+def _grads(engine, q, k, v, kw, p=0.0, seed=5, with_lse=True):
+    """out, lse and the gradients (q, k, v[, sinks]) of sum(out·dO) + sum(lse·dL) over the
+    finite lse; a fresh generator per call, so both engines draw the same dropout seed."""
+    kw = dict(kw)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    if kw.get("sinks") is not None:
+        kw["sinks"] = torch.nn.Parameter(torch.as_tensor(kw["sinks"], dtype=q.dtype).clone())
+        leaves.append(kw["sinks"])
+    out, lse = attention(*leaves[:3], engine=engine, return_lse=True, dropout_p=p,
+                         generator=torch.Generator().manual_seed(seed), **kw)
+    g = torch.Generator().manual_seed(1)
+    dout = torch.randn(out.shape, generator=g, dtype=F64).to(out.dtype)
+    dl = torch.randn(lse.shape, generator=g, dtype=F64).to(lse.dtype)
+    loss = (out * dout).sum()
+    if with_lse:
+        loss = loss + torch.where(torch.isfinite(lse), lse * dl, 0.0).sum()
+    return out.detach(), lse.detach(), torch.autograd.grad(loss, leaves)
+
+
+def _same(q, k, v, kw, p=0.0, tol=1e-9):
+    out, lse, grads = _grads("tiled", q, k, v, kw, p)
+    rout, rlse, rgrads = _grads("reference", q, k, v, kw, p)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(rlse))
+    fin = torch.isfinite(rlse)
+    torch.testing.assert_close(lse[fin], rlse[fin], atol=1e-5, rtol=1e-6)  # fp32 by contract
+    torch.testing.assert_close(out, rout, atol=tol, rtol=tol)
+    for name, a, b in zip(["dq", "dk", "dv", "dsinks"], grads, rgrads):
+        torch.testing.assert_close(a, b, atol=tol * 10, rtol=tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases(max_T=40), st.sampled_from([0.0, 0.0, 0.3]))
+def test_tiled_matches_reference_on_every_pattern(case, p):
+    (q, k, v), kw = case
+    _same(q, k, v, kw, p)
+
+
+@settings(max_examples=15, deadline=None)
+@given(cases(max_T=40), st.sampled_from([(1, 1), (3, 5), (7, 2), (16, 16)]))
+def test_tiled_matches_reference_with_tiny_blocks(case, blocks):
+    """Many tiles per problem: skipping, partial tiles and the online softmax across them."""
+    from causalattn.engines import tiled
+
+    (q, k, v), kw = case
+    old, tiled.BLOCKS = tiled.BLOCKS, blocks
+    try:
+        _same(q, k, v, kw, 0.3)
+    finally:
+        tiled.BLOCKS = old
+
+
+ALIBI = torch.linspace(0.01, 0.2, 2, dtype=F64)
+SINKS = torch.tensor([0.3, -0.7], dtype=F64)
+
+
+@pytest.mark.parametrize("T,kw,p", [
+    (700, {"window": 130}, 0.0),
+    (700, {"window": 300, "softcap": 5.0, "alibi_slopes": ALIBI, "sinks": SINKS}, 0.2),
+    (640, {"chunk": 200, "prefix_lengths": [150]}, 0.0),
+    (900, {"cu_seqlens": [0, 5, 300, 301, 700, 900], "window": 260}, 0.1),
+    (600, {"lengths": [600], "causal": False, "window": 100}, 0.0),
+])
+def test_tiled_matches_reference_across_blocks(T, kw, p):
+    q, k, v = _inputs(1, 2, 1, T, T, 8, 8, seed=T)
+    _same(q, k, v, kw, p)
+
+
+def test_tiled_dense_mask_per_head_across_blocks():
+    q, k, v = _inputs(2, 2, 2, 600, 610, 8, 8, seed=8)
+    mask = torch.rand(1, 2, 600, 610, generator=torch.Generator().manual_seed(2)) > 0.4
+    mask[0, 1, :, 300:] = False  # head 1 never reads the second half: those tiles are skipped
+    _same(q, k, v, {"mask": mask, "causal": False}, 0.25)
+
+
+@pytest.mark.parametrize("kw,p", [
+    ({"window": 2, "softcap": 3.0, "alibi_slopes": ALIBI, "sinks": SINKS}, 0.0),
+    ({"chunk": 3, "prefix_lengths": [2, 4]}, 0.3),
+    ({"mask": torch.rand(1, 2, 5, 7, generator=torch.Generator().manual_seed(0)) > 0.3}, 0.5),
+])
+def test_gradcheck_float64(kw, p):
+    q, k, v = _inputs(2, 2, 1, 5, 7, 3, 3, seed=11)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    kw = dict(kw)
+    if "sinks" in kw:
+        leaves.append(kw.pop("sinks").clone().requires_grad_())
+
+    def f(*xs):
+        s = {"sinks": xs[3]} if len(xs) > 3 else {}
+        return attention(*xs[:3], engine="tiled", dropout_p=p, **kw, **s,  # lse: fp32, no
+                         generator=torch.Generator().manual_seed(3))  # (its grad: _same)
+
+    assert torch.autograd.gradcheck(f, tuple(leaves))
+
+
+@pytest.mark.parametrize("dtype,floor", [(torch.float32, 1e-6), (torch.bfloat16, 1e-3),
+                                         (torch.float16, 1e-4)])
+def test_accuracy_rule_low_precision_with_window_and_modifiers(dtype, floor):
+    """max|tiled - ref64| <= 2·max|plain_t - ref64| + floor, output and gradients; plain_t:
+    the reference's own math run in the low precision (materialized, same modifiers)."""
+    kw = {"window": 90, "softcap": 20.0, "alibi_slopes": ALIBI, "lengths": [300, 211]}
+    q64, k64, v64 = _inputs(2, 2, 1, 300, 300, 32, 32, seed=12)
+    ref, _, rg = _grads("reference", q64, k64, v64, kw, with_lse=False)
+    lo = [t.to(dtype) for t in (q64, k64, v64)]
+    out, _, g = _grads("tiled", *lo, kw, with_lse=False)
+    p = make_problem(*[t.detach().clone().requires_grad_() for t in lo], **kw)
+    kk, vv = (t.repeat_interleave(2, 1) for t in (p.k, p.v))
+    S = p.pattern.modify_scores((p.q @ kk.transpose(-1, -2)) * p.scale)
+    A = torch.softmax(S.masked_fill(~p.allowed(), float("-inf")), -1).nan_to_num(0.0)
+    plain = A @ vv
+    gen = torch.Generator().manual_seed(1)
+    dout = torch.randn(plain.shape, generator=gen, dtype=F64).to(dtype)
+    pg = list(torch.autograd.grad((plain * dout).sum(), (p.q, p.k, p.v)))
+
+    def err(a, b):
+        return (a.double() - b).abs().max().item()
+
+    assert err(out, ref) <= 2 * err(plain, ref) + floor
+    for name, a, pl, r in zip("qkv", g, pg, rg):
+        assert err(a, r) <= 2 * err(pl, r) + floor, f"d{name}: {err(a, r)} vs {err(pl, r)}"
+
+
+def test_unreadable_nan_never_reaches_readable_rows_with_window_and_chunks():
+    """Key t is outside every window of rows >= t + w and outside other chunks: poisoning it
+    (NaN, inf) leaves those rows' outputs and dq bit-identical."""
+    for kw, first in (({"window": 40}, 60 + 40), ({"chunk": 64}, 64)):
+        q, k, v = _inputs(1, 2, 2, 300, 300, 8, 8, dtype=torch.float32, seed=21)
+        kn, vn = k.clone(), v.clone()
+        kn[:, :, 60], vn[:, :, 60] = float("inf"), float("nan")
+        rows = slice(first, None)
+        outs = []
+        for kk, vv in ((k, v), (kn, vn)):
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, kk, vv))
+            out = attention(qq, kk, vv, engine="tiled", **kw)
+            dout = torch.zeros_like(out)
+            dout[:, :, rows] = 1.0
+            (dq,) = torch.autograd.grad((out * dout).sum(), (qq,))
+            outs.append((out.detach()[:, :, rows], dq[:, :, rows]))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_rows_with_no_readable_key_stay_zero_with_sinks():
+    q, k, v = _inputs(1, 2, 2, 6, 6, 4, 4)
+    sinks = torch.nn.Parameter(torch.tensor([3.0, -2.0], dtype=F64))
+    qq = q.clone().requires_grad_()
+    out, lse = attention(qq, k, v, lengths=[3], sinks=sinks, engine="tiled", return_lse=True)
+    assert not out[:, :, 3:].any() and torch.isneginf(lse[:, :, 3:]).all()
+    assert torch.isfinite(lse[:, :, :3]).all()
+    dq, ds = torch.autograd.grad(out.sum(), (qq, sinks))
+    assert not dq[:, :, 3:].any() and torch.isfinite(ds).all()

@@ -8,9 +8,10 @@ validated against the shapes here; see :mod:`causalattn.masks` for each rule.
 
 Dropout on the weights A (after the softmax) with probability ``dropout_p``: the keep
 pattern of cell (b, h, i, j) is :func:`causalattn.dropout.keep_mask` of ``dropout_seed``
-(drawn once per call) and the cell's global row and column (:meth:`Problem.dropout_rows`,
-:meth:`Problem.dropout_cols`), so every engine and every split of the work draws the same
-pattern, and a backward regenerates it.
+(drawn once per call) and the cell's global row and column (the pattern's ``q_start`` /
+``k_start`` placement: :meth:`Problem.dropout_rows`, :meth:`Problem.dropout_cols`), so every
+engine, every split of the work and every ring rank draws the same pattern, and a backward
+regenerates it.
 """
 
 from __future__ import annotations
@@ -46,10 +47,6 @@ class Problem:
     pattern: Pattern  # M and the score modifiers, checked against (B, H_q, T_q, T_k)
     dropout_p: float = 0.0
     dropout_seed: tuple[int, int] | None = None  # (seed, offset); set iff dropout_p > 0
-    # global position of each query row / key column for the dropout hash; None: the
-    # pattern's placement (Pattern.query_start + i, Pattern.k_start + j)
-    row_pos: torch.Tensor | None = None  # (T_q,) int64
-    col_pos: torch.Tensor | None = None  # (T_k,) int64
 
     @property
     def group(self) -> int:
@@ -58,8 +55,9 @@ class Problem:
 
     @property
     def offset(self) -> int:
-        """Bottom-right alignment: query i sits at key position i + offset."""
-        return self.k.shape[2] - self.q.shape[2]
+        """Query i sits at key index i + offset (bottom-right unless the pattern is placed)."""
+        B, H, T_q, T_k = self.dims
+        return self.pattern.query_start(T_q, T_k) - self.pattern.k_start
 
     @property
     def dims(self) -> tuple[int, int, int, int]:
@@ -74,17 +72,15 @@ class Problem:
 
     # ---- dropout -------------------------------------------------------------------
     def dropout_rows(self, i0: int = 0, i1: int | None = None) -> torch.Tensor:
-        """Global positions (int64, CPU) of query rows i0:i1 for the dropout hash."""
-        i1 = self.q.shape[2] if i1 is None else i1
-        if self.row_pos is not None:
-            return self.row_pos[i0:i1].cpu()
-        return torch.arange(i0, i1) + self.pattern.query_start(*self.dims[2:])
+        """Global positions (int64, CPU) of query rows i0:i1 for the dropout hash: the
+        pattern's placement (``q_start``; bottom-right by default)."""
+        B, H, T_q, T_k = self.dims
+        i1 = T_q if i1 is None else i1
+        return torch.arange(i0, i1) + self.pattern.query_start(T_q, T_k)
 
     def dropout_cols(self, j0: int = 0, j1: int | None = None) -> torch.Tensor:
-        """Global positions (int64, CPU) of key columns j0:j1 for the dropout hash."""
+        """Global positions (int64, CPU) of key columns j0:j1 (``k_start`` + j)."""
         j1 = self.k.shape[2] if j1 is None else j1
-        if self.col_pos is not None:
-            return self.col_pos[j0:j1].cpu()
         return torch.arange(j0, j1) + self.pattern.k_start
 
     def keep(self, b, h, i0: int = 0, i1: int | None = None, j0: int = 0, j1: int | None = None):
@@ -120,7 +116,8 @@ class Problem:
         window, chunk, prefix, dense mask, modifier or dropout)."""
         pt = self.pattern
         return (self.dropout_p == 0 and not pt.has_modifiers and pt.window is None
-                and pt.chunk is None and pt.prefix_lengths is None and pt.mask is None)
+                and pt.chunk is None and pt.prefix_lengths is None and pt.mask is None
+                and pt.q_start is None and pt.k_start == 0)
 
 
 def _check_tensors(q, k, v) -> None:
@@ -159,13 +156,17 @@ def _check_tensors(q, k, v) -> None:
             f"attention: q {_shape(q)} and v {_shape(v)} need d_k >= 1 and d_v >= 1 (a head "
             "of width 0 has no scores or values)"
         )
-    H_kv, T_k = k.shape[1], k.shape[2]
+    H_kv = k.shape[1]
     if H_kv == 0 or H_q % H_kv:
         raise ValueError(
             f"attention: q has H_q={H_q} heads and k, v have H_kv={H_kv}; grouped-query "
             "attention needs H_q to be a multiple of H_kv"
         )
-    if T_q > T_k:
+
+
+def _check_lengths(q, k, pattern) -> None:
+    T_q, T_k = q.shape[2], k.shape[2]
+    if T_q > T_k and pattern.q_start is None and pattern.k_start == 0:
         raise ValueError(
             f"attention: q has T_q={T_q} positions but k has T_k={T_k}; queries are the "
             "last T_q positions, so T_q must be <= T_k"
@@ -201,7 +202,9 @@ def make_problem(
             )
     else:
         pattern = Pattern(causal=causal, **given)
-    if pattern.cu_seqlens is not None and (B != 1 or T_q != T_k):
+    _check_lengths(q, k, pattern)
+    placed = pattern.q_start is not None or pattern.k_start != 0
+    if pattern.cu_seqlens is not None and (B != 1 or (T_q != T_k and not placed)):
         raise ValueError(
             f"cu_seqlens: packed sequences need q, k, v of shape (1, H, T, d) with one T; "
             f"got q {_shape(q)}, k {_shape(k)}"

@@ -73,7 +73,9 @@ def attend(p: Problem, keep: torch.Tensor | None = None, return_lse: bool = Fals
     if sink is not None:  # the sink joins the denominator and takes no value
         denom = denom + torch.exp(sink - m).masked_fill(~has_key, 0.0)
     A = E / torch.where(has_key, denom, torch.ones_like(denom))
-    if p.dropout_p > 0:
+    if p.dropout_p >= 1:  # everything dropped; masked_fill keeps the graph (zero gradients)
+        A = A.masked_fill(torch.ones((), dtype=torch.bool, device=A.device), 0.0)
+    elif p.dropout_p > 0:
         if keep is None:
             keep = dropout_mask(p)
         A = _dropout.apply(A, keep.to(A.device), p.dropout_p)

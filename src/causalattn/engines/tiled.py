@@ -39,64 +39,10 @@ NEG_INF = float("-inf")
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
-
-@dataclass
-class _Job:
-    """One independent piece: batch rows ``b0:b1``, queries ``q0:q1`` against keys ``k0:k1``.
-
-    ``off``: query row r (job-local) sits at job-local key position r + off (causal).
-    ``kmask``: (k1-k0,) bool, True = may read, or None when every key in range may be read.
-    """
-
-    b0: int
-    b1: int
-    q0: int
-    q1: int
-    k0: int
-    k1: int
-    off: int
-    kmask: torch.Tensor | None = None
-
-
-def _jobs(p: Problem) -> list[_Job]:
-    """Split the problem into jobs whose keys are a contiguous readable range."""
-    B, _, T_q, _ = p.q.shape
-    T_k = p.k.shape[2]
-    off = T_k - T_q
-    if p.cu_seqlens is not None:  # B == 1, T_q == T_k: each sequence on its own
-        cu = p.cu_seqlens.tolist()
-        return [_Job(0, 1, a, b, a, b, 0) for a, b in zip(cu, cu[1:]) if b > a]
-    if p.lengths is None and p.key_padding_mask is None:
-        return [_Job(0, B, 0, T_q, 0, T_k, off)] if B and T_q and T_k else []
-    lengths = p.lengths.tolist() if p.lengths is not None else [T_k] * B
-    kpm = p.key_padding_mask
-    if kpm is None and all(L == T_k for L in lengths):
-        return [_Job(0, B, 0, T_q, 0, T_k, off)] if B and T_q else []
-    jobs: list[_Job] = []
-    b = 0
-    while b < B:
-        L = lengths[b]
-        km = kpm[b, :L] if kpm is not None else None
-        if km is not None:
-            idx = km.nonzero()
-            if idx.numel() == 0:
-                b += 1
-                continue
-            L = int(idx[-1]) + 1  # keys past the last readable one are never touched
-            km = None if bool(km[:L].all()) else km[:L]
-        n_q = min(T_q, lengths[b] - off)  # query i sits at position i + off; past length = padding
-        e = b + 1
-        if km is None:  # batch rows with the same extent share one batched job
-            while e < B and lengths[e] == lengths[b] and kpm is None:
-                e += 1
-        if n_q > 0 and L > 0:
-            jobs.append(_Job(b, e, 0, n_q, 0, L, off, km))
-        b = e
-    return jobs
-
-
-# Block sizes (tuned on a 2-core AVX2 machine; see _blocks).
+# Block sizes (tuned on a 2-core AVX2 machine; see _plan).
 TILE_ELEMS = 1 << 17  # score elements per tile (all its heads): 512 KiB in fp32, fits L2
+BLOCKS: tuple[int, int] | None = None  # (query block, key block) to force, for tests
+LANES = 4  # backward: dQ partial sums per job, a fixed number whatever the thread count
 
 
 def _plan(N: int, m: int, n: int, d: int, bwd: bool = False) -> tuple[int, int, int]:
@@ -105,17 +51,19 @@ def _plan(N: int, m: int, n: int, d: int, bwd: bool = False) -> tuple[int, int, 
     A tile of about TILE_ELEMS scores stays in cache between the product that writes it,
     the softmax passes and the product that reads it. Per-head products should not be
     tiny (BLAS efficiency), so query blocks have 64 to 128 rows and key blocks 256 to 512
-    columns, and as many heads share a tile as fit. The diagonal block is computed in
-    full and masked, which wastes about bq/T of the work. The backward uses square blocks
-    (its key blocks are shared by many query blocks).
+    columns, and as many heads share a tile as fit. Partly readable tiles are computed in
+    full and masked, which wastes about bq/T of the work under a causal diagonal. The
+    backward uses square blocks (its key blocks are shared by many query blocks).
     """
-    if bwd:
+    if BLOCKS is not None:
+        bq, bk = BLOCKS
+    elif bwd:
         bq = bk = 128 if d <= 128 else 64
     else:
         bq, bk = (128, 256) if d <= 128 else (128, 512)
     bq, bk = max(1, min(m, bq)), max(1, min(n, bk))
     nh = max(1, min(N, TILE_ELEMS // (bq * bk)))
-    if not bwd:  # few query rows (decoding): wider key blocks fill the tile instead
+    if not bwd and BLOCKS is None:  # few query rows (decoding): wider key blocks fill the tile
         bk = max(bk, min(n, TILE_ELEMS // (nh * bq)))
     return nh, bq, bk
 
@@ -123,13 +71,12 @@ def _plan(N: int, m: int, n: int, d: int, bwd: bool = False) -> tuple[int, int, 
 _POOL: ThreadPoolExecutor | None = None
 
 
-def _parallel(tasks: list, run, workers: int) -> list:
-    """Run ``run(part)`` for parts of ``tasks`` on ``workers`` threads; each thread runs
-    single-threaded torch ops. Independent tiles in Python threads (torch releases the
-    GIL) avoid one OpenMP fork-join per small op, which costs dearly on a busy machine."""
+def _parallel(parts: list[list], run, workers: int) -> list:
+    """``[run(part) for part in parts]`` on up to ``workers`` threads, results in part order;
+    each thread runs single-threaded torch ops. Independent tiles in Python threads (torch
+    releases the GIL) avoid one OpenMP fork-join per small op, which costs dearly on a busy
+    machine. A part's result never depends on the number of workers."""
     global _POOL
-    parts = [tasks[i::workers] for i in range(workers)]
-    parts = [p for p in parts if p] or [tasks]
     n_threads = torch.get_num_threads()
 
     def one(part):
@@ -140,40 +87,45 @@ def _parallel(tasks: list, run, workers: int) -> list:
         finally:
             torch.set_num_threads(n_threads)
 
-    if len(parts) == 1:
-        return [one(parts[0])]
-    if _POOL is None or _POOL._max_workers < len(parts):
-        _POOL = ThreadPoolExecutor(len(parts), thread_name_prefix="causalattn-tiled")
+    workers = min(workers, len(parts))
+    if workers <= 1:
+        return [one(p) for p in parts]
+    if _POOL is None or _POOL._max_workers < workers:
+        _POOL = ThreadPoolExecutor(workers, thread_name_prefix="causalattn-tiled")
     return [f.result() for f in [_POOL.submit(one, p) for p in parts]]
 
 
-def _balanced(tasks: list[tuple], cost, workers: int) -> list:
-    """Order tasks so that dealing them round-robin gives each worker similar work."""
+def _balanced(tasks: list[tuple], cost, n: int) -> list[list]:
+    """Deal tasks into ``n`` parts of similar cost (greedy: the next largest task to the
+    least loaded part); deterministic in the tasks, whatever the thread count."""
     tasks = sorted(tasks, key=cost, reverse=True)
-    if workers <= 1:
-        return tasks
-    loads = [0.0] * workers
-    bins: list[list] = [[] for _ in range(workers)]
-    for t in tasks:  # greedy: the next largest task to the least loaded worker
+    n = max(1, min(n, len(tasks)))
+    loads = [0.0] * n
+    bins: list[list] = [[] for _ in range(n)]
+    for t in tasks:
         w = loads.index(min(loads))
         bins[w].append(t)
         loads[w] += cost(t)
-    out = []
-    for i in range(max(len(b) for b in bins)):
-        out.extend(b[i] for b in bins if i < len(b))
-    return out
+    return [b for b in bins if b]
 
 
-def _finite(X: torch.Tensor, bs: int):
-    """(X0, flags): X with non-finite entries zeroed and, per key block of size bs, whether it
-    held one. The common all-finite case costs one read (a sum) and returns (X, None)."""
+# ---- non-finite guards ---------------------------------------------------------------------
+def _finite(X: torch.Tensor):
+    """(X0, bad): X with non-finite entries zeroed and the prefix count of positions along
+    axis 1 holding one ((n+1,) int64), or (X, None) when all is finite (one read: a sum)."""
     if X.numel() == 0 or bool(torch.isfinite(X.sum())):
         return X, None
     bad_pos = ~torch.isfinite(X).all(-1).all(0)  # (n,)
     if not bool(bad_pos.any()):  # the sum overflowed, the entries are finite
         return X, None
-    flags = [bool(bad_pos[c : c + bs].any()) for c in range(0, X.shape[1], bs)]
-    return torch.nan_to_num(X, nan=0.0, posinf=0.0, neginf=0.0), flags
+    cum = torch.zeros(bad_pos.numel() + 1, dtype=torch.int64)
+    torch.cumsum(bad_pos.cpu(), 0, out=cum[1:])
+    return torch.nan_to_num(X, nan=0.0, posinf=0.0, neginf=0.0), cum
+
+
+def _flag(bad, c: int, c2: int) -> bool | None:
+    """None when the whole operand is finite, else whether positions c:c2 hold a non-finite."""
+    return None if bad is None else bool(bad[c2] > bad[c])
 
 
 def _nonfinite_terms(out: torch.Tensor, A: torch.Tensor, X: torch.Tensor) -> None:
@@ -193,61 +145,15 @@ def _nonfinite_terms(out: torch.Tensor, A: torch.Tensor, X: torch.Tensor) -> Non
 
 
 def _acc(out, A, X, X0, flag: bool | None, masked: bool):
-    """out += A @ X; in a masked tile the zero weights must not meet non-finite rows of X.
-
-    ``flag``: None when X is finite everywhere, else whether this block of X holds a
-    non-finite entry (X0 is X with those zeroed)."""
+    """out += A @ X; where A has exact zeros (masked tile, dropout) they must not meet
+    non-finite rows of X. ``flag``: None when X is finite everywhere, else whether this
+    block of X holds a non-finite entry (X0 is X with those zeroed)."""
     if not masked or flag is None:
         out.baddbmm_(A, X)
         return
     out.baddbmm_(A, X0)
     if flag:
         _nonfinite_terms(out, A, X)
-
-
-def _allowed(a: int, a2: int, c: int, c2: int, off: int, causal: bool, kmask, cache: dict):
-    """Mask of query rows a:a2 against keys c:c2: (allowed (bq, bk) bool, additive bias
-    0/-inf of the same shape, whether any entry may be read), or None when all may be.
-
-    Adding the bias is an order of magnitude cheaper than masked_fill, but NaN + -inf is
-    NaN: callers add it only where the key block is finite, and masked_fill elsewhere.
-    Causal-only masks depend on (a + off - c, sizes) alone and are cached.
-    """
-    need_causal = causal and c2 - 1 > a + off
-    km = None if kmask is None else kmask[c:c2]
-    if km is not None and bool(km.all()):
-        km = None
-    if not need_causal and km is None:
-        return None
-    key = (a + off - c, a2 - a, c2 - c) if km is None else None
-    if key is not None and key in cache:
-        return cache[key]
-    if need_causal:
-        dev = kmask.device if kmask is not None else None
-        i = torch.arange(a, a2, device=dev)[:, None] + off
-        j = torch.arange(c, c2, device=dev)[None, :]
-        m = j <= i
-        m = m & km if km is not None else m
-    else:
-        m = km.expand(a2 - a, c2 - c)
-    res = (m, torch.zeros(m.shape, dtype=cache["dtype"]).masked_fill_(~m, NEG_INF), bool(m.any()))
-    if key is not None:
-        cache[key] = res
-    return res
-
-
-def _mask_scores(S: torch.Tensor, mask, finite: bool, shape) -> None:
-    """Blocked scores -> -inf in place (S viewed as ``shape`` = (M, g, bq, bk))."""
-    allowed, bias, _ = mask
-    if finite:
-        S.view(shape).add_(bias)
-    else:
-        S.view(shape).masked_fill_(~allowed, NEG_INF)
-
-
-def _reach(a2: int, n: int, off: int, causal: bool) -> int:
-    """Keys a query block ending at row a2 may reach: 0 .. reach-1."""
-    return max(0, min(n, a2 + off)) if causal else n
 
 
 def _tile(buf: torch.Tensor, N: int, r: int, w: int) -> torch.Tensor:
@@ -260,102 +166,143 @@ def _stack(x: torch.Tensor, N: int, r: int) -> torch.Tensor:
     return x.reshape(N, r, x.shape[-1])
 
 
-def _fwd_job(Q, K, V, off, causal, scale, kmask, O_out, L_out, workers):
-    """Q (N, g, m, d), K (N, n, d), V (N, n, d_v) -> writes O_out (N, g, m, d_v), L_out (N, g, m).
+# ---- which tiles to touch, and their masks (from the one M) ---------------------------------
+@dataclass
+class _Mask:
+    """A partly readable tile: ``allowed`` (H'|1, rows, cols) bool and ``bias`` (0 / -inf,
+    same shape, compute dtype). H' = H_q when the dense mask differs by head."""
 
-    Tasks are (head chunk, query block); each runs its key blocks with the online softmax:
-    one GEMM for the scores, the mask only where the block needs one, the row max, exp in
-    place, the row sum, one GEMM into the accumulator.
+    allowed: torch.Tensor
+    bias: torch.Tensor
+
+    def pick(self, x: torch.Tensor, heads: torch.Tensor | None) -> torch.Tensor:
+        """x (bias or allowed) for a head chunk: (M, g, rows, cols), or (rows, cols)."""
+        return x[0] if heads is None or x.shape[0] == 1 else x[heads]
+
+
+class _Tiles:
+    """The tiles of one job (batch rows b0:b1 sharing one pattern): per query block, its
+    readable key blocks with a mask for the partly readable ones (None = fully readable).
+
+    Only what the pattern allows is listed: key blocks outside ``Pattern.key_range`` are
+    never touched, so a window costs O(T·w) and documents or chunks the sum of their squares.
+    Tiles of patterns that look the same along every diagonal (causal, window) are computed
+    once per offset and shared.
     """
-    N, g, m, d = Q.shape
-    n, dv = K.shape[1], V.shape[2]
-    nh, bq, bk = _plan(N * g, m, n, d)
-    nh = max(1, nh // g)
-    dt = Q.dtype
-    if kmask is not None or (causal and bq > 1):  # some blocks will be masked
-        V0, vflags = _finite(V, bk)
-        _, kflags = _finite(K, bk)
-    else:  # no mask anywhere (decoding, full attention): no zero weights to guard
-        V0, vflags, kflags = V, None, None
-    cache = {"dtype": dt}
-    tasks = [(h, min(N, h + nh), a, min(m, a + bq)) for h in range(0, N, nh) for a in range(0, m, bq)]
-    tasks = _balanced(tasks, lambda t: (t[1] - t[0]) * (t[3] - t[2]) * _reach(t[3], n, off, causal), workers)
 
-    def run(part):
-        # per-worker buffers, reused by every task: fresh allocations would page-fault
-        buf = torch.empty(nh * g * bq * bk, dtype=dt)
-        qbuf = torch.empty(nh * g * bq * d, dtype=dt)
-        abuf = torch.empty(nh * g * bq * dv, dtype=dt)
-        lbuf = torch.empty(nh * g * bq, dtype=dt)
-        for h, h2, a, a2 in part:
-            M, r = h2 - h, g * (a2 - a)
-            qs = torch.mul(Q[h:h2, :, a:a2], scale * LOG2E, out=qbuf[: M * r * d].view(M, g, a2 - a, d))
-            qs = qs.view(M, r, d)
-            l = lbuf[: M * r].view(M, r)
-            acc = _tile(abuf, M, r, dv)
-            mx = None  # running row max; the first block read writes l, acc instead of adding
-            kend = _reach(a2, n, off, causal)
-            for c in range(0, kend, bk):
-                c2 = min(kend, c + bk)
-                mask = _allowed(a, a2, c, c2, off, causal, kmask, cache)
-                if mask is not None and not mask[2]:
-                    continue
-                S = torch.bmm(qs, K[h:h2, c:c2].transpose(1, 2), out=_tile(buf, M, r, c2 - c))
-                if mask is not None:
-                    kfin = kflags is None or not kflags[c // bk]
-                    _mask_scores(S, mask, kfin, (M, g, a2 - a, c2 - c))
-                bm = S.amax(-1)
-                m_new = bm if mx is None else torch.maximum(mx, bm)
-                if mask is None and mx is not None:  # an unmasked block: every row max is finite
-                    m_safe = m_new
-                else:  # rows with nothing read yet subtract 0 (their scores are all -inf)
-                    m_safe = m_new.masked_fill(m_new == NEG_INF, 0.0)
-                S.sub_(m_safe.unsqueeze(-1)).exp2_()  # S is now P, unnormalized
-                flag = None if vflags is None else vflags[c // bk]
-                if mx is None:
-                    torch.sum(S, -1, out=l)
-                    if mask is None or flag is None:
-                        torch.bmm(S, V[h:h2, c:c2], out=acc)
-                    else:
-                        _acc(acc.zero_(), S, V[h:h2, c:c2], V0[h:h2, c:c2], flag, True)
-                else:  # rescale what earlier key blocks accumulated
-                    alpha = torch.exp2(mx - m_safe)
-                    l.mul_(alpha).add_(S.sum(-1))
-                    acc.mul_(alpha.unsqueeze(-1))
-                    _acc(acc, S, V[h:h2, c:c2], V0[h:h2, c:c2], flag, mask is not None)
-                mx = m_new
-            if mx is None:  # no readable key at all
-                l.zero_()
-                acc.zero_()
-                mx = torch.full((M, r), NEG_INF, dtype=dt)
-            empty = l == 0
-            acc.div_(l.masked_fill(empty, 1.0).unsqueeze(-1))
-            O_out[h:h2, :, a:a2] = acc.view(M, g, a2 - a, dv)
-            lse = torch.log2(l).add_(mx.masked_fill(empty, 0.0)).mul_(LN2).masked_fill_(empty, NEG_INF)
-            L_out[h:h2, :, a:a2] = lse.view(M, g, a2 - a)
+    def __init__(self, p: Problem, b: int, bq: int, bk: int, dt: torch.dtype, aligned: bool):
+        pt = p.pattern
+        B, H, T_q, T_k = p.dims
+        self.p, self.b, self.dt = p, b, dt
+        shift = not (pt.per_batch or pt.per_head or pt.mask is not None or pt.chunk
+                     or pt.cu_seqlens is not None or pt.prefix_lengths is not None)
+        cache: dict = {}
+        self.blocks = []  # per query block: (a, a2, [(c, c2, _Mask | None), ...])
+        for a in range(0, T_q, bq):
+            a2 = min(T_q, a + bq)
+            lo, hi = pt.key_range(b, a, a2, T_q, T_k)
+            tiles = []
+            if hi > lo:
+                c = lo // bk * bk if aligned else lo
+                while c < hi:
+                    c2 = min(T_k if aligned else hi, c + bk)
+                    key = (a - c, a2 - a, c2 - c) if shift else None
+                    kind = cache.get(key) if key is not None else None
+                    if kind is None:
+                        kind = self._kind(a, a2, c, c2)
+                        if key is not None:
+                            cache[key] = kind
+                    if kind != "skip":
+                        tiles.append((c, c2, kind))
+                    c = c2
+            self.blocks.append((a, a2, tiles))
 
-    _parallel(tasks, run, workers)
+    def _kind(self, a, a2, c, c2):
+        p = self.p
+        t = p.pattern.tile(*p.dims, a, a2, c, c2, like=_CPU, batch=[self.b])[0]  # (H'|1, r, c)
+        if bool(t.all()):
+            return None
+        if not bool(t.any()):
+            return "skip"
+        bias = torch.zeros(t.shape, dtype=self.dt).masked_fill_(~t, NEG_INF)
+        return _Mask(t, bias)
+
+    def work(self, ai: int) -> int:
+        a, a2, tiles = self.blocks[ai]
+        return (a2 - a) * sum(c2 - c for c, c2, _ in tiles)
+
+
+_CPU = torch.zeros(())
+
+
+def _jobs(p: Problem) -> list[tuple[int, int]]:
+    """Batch row ranges that share one pattern (all rows, unless it differs by row)."""
+    B = p.q.shape[0]
+    if B == 0:
+        return []
+    return [(b, b + 1) for b in range(B)] if p.pattern.per_batch else [(0, B)]
+
+
+class _Heads:
+    """Per head chunk of a job (N = batch rows · H_kv heads, g query heads each): the query
+    head indices, the batch rows, and the per-head modifier constants in base 2."""
+
+    def __init__(self, p: Problem, b0: int, b1: int, dt):
+        B, Hq, _, _ = p.dims
+        Hkv, g = p.k.shape[1], p.group
+        n = torch.arange((b1 - b0) * Hkv)
+        self.qhead = (n % Hkv)[:, None] * g + torch.arange(g)[None, :]  # (N, g)
+        self.batch = (b0 + n // Hkv)[:, None].expand(-1, g)  # (N, g)
+        pt = p.pattern
+        self.slopes = None
+        if pt.alibi_slopes is not None:
+            sl = torch.as_tensor(_np(pt.alibi_slopes), dtype=torch.float64)
+            sl = sl[None].expand(B, Hq) if sl.dim() == 1 else sl
+            self.slopes = (sl[self.batch, self.qhead] * LOG2E).to(dt)  # (N, g)
+        self.sinks = None
+        if pt.sinks is not None:
+            s = torch.as_tensor(_np(pt.sinks), dtype=torch.float64)
+            self.sinks = (s[self.qhead] * LOG2E).to(dt)  # (N, g)
+        self.softcap = None if pt.softcap is None else pt.softcap * LOG2E  # in base-2 units
+
+
+def _np(x):
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
+
+
+def _dist(p: Problem, a: int, a2: int, c: int, c2: int, cache: dict) -> torch.Tensor:
+    """|pos(i) - j| for the tile (rows, cols), float64, from the pattern's ALiBi (unit slope)."""
+    key = (a - c, a2 - a, c2 - c)
+    if key not in cache:
+        unit = replace(p.pattern, softcap=None, sinks=None, alibi_slopes=[1.0])
+        B, H, T_q, T_k = p.dims
+        z = torch.zeros(1, 1, a2 - a, c2 - c, dtype=torch.float64)
+        cache[key] = -unit.modify_scores(z, a, c, T_q, T_k)[0, 0]
+    return cache[key]
+
+
+def _modify(S4: torch.Tensor, hd: _Heads, h: int, h2: int, a, a2, c, c2, p, cache, T=None):
+    """softcap, then ALiBi, in place on base-2 scores S4 (M, g, rows, cols). With softcap and
+    ``T`` (a buffer like S4), T receives tanh(S/c) for the backward."""
+    if hd.softcap is not None:
+        cap = hd.softcap
+        if T is not None:
+            torch.div(S4, cap, out=T).tanh_()
+            torch.mul(T, cap, out=S4)
+        else:
+            S4.div_(cap).tanh_().mul_(cap)
+    if hd.slopes is not None:
+        dist = _dist(p, a, a2, c, c2, cache).to(S4.dtype)
+        S4.sub_(hd.slopes[h:h2, :, None, None] * dist)
+
+
+def _keep(p: Problem, hd: _Heads, h, h2, a, a2, c, c2) -> torch.Tensor:
+    """The dropout keep pattern of one tile, (M, g, rows, cols) bool, from global positions."""
+    return p.keep(hd.batch[h:h2], hd.qhead[h:h2], a, a2, c, c2)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _job_view(t: torch.Tensor, j: _Job, Hkv: int) -> torch.Tensor:
-    """(B, H_q, T_q, e) -> job view (N, g, rows, e) with N = batch rows · H_kv."""
-    x = t[j.b0 : j.b1]
-    nb, H, T, e = x.shape
-    return x.reshape(nb * Hkv, H // Hkv, T, e)[:, :, j.q0 : j.q1]
-
-
-def _kv(t: torch.Tensor, j: _Job) -> torch.Tensor:
-    """(B, H_kv, T_k, e) -> (N, n, e) for the job's batch rows and key range."""
-    x = t[j.b0 : j.b1, :, j.k0 : j.k1]
-    return x.reshape(-1, x.shape[2], x.shape[3])
-
-
-def _covers_all(jobs: list[_Job], B: int, T_q: int) -> bool:
-    return sum((j.b1 - j.b0) * (j.q1 - j.q0) for j in jobs) == B * T_q
 
 
 def _workers(p: Problem) -> int:
@@ -365,123 +312,268 @@ def _workers(p: Problem) -> int:
     return torch.get_num_threads() if work >= (1 << 22) else 1
 
 
+def _lanes(p: Problem) -> int:
+    """dQ partial sums in the backward: fixed by the shape, never by the thread count, so
+    the gradients are the same bits on any machine."""
+    B, H, T_q, d = p.q.shape
+    return LANES if B * H * T_q * p.k.shape[2] * (d + p.v.shape[3]) >= (1 << 22) else 1
+
+
+# ---- forward ---------------------------------------------------------------------------------
+def _fwd_job(p, Q, K, V, hd, b, O_out, L_out, workers):
+    """Q (N, g, m, d), K (N, n, d), V (N, n, d_v) -> writes O_out (N, g, m, d_v), L_out (N, g, m).
+
+    Tasks are (head chunk, query block); each runs its readable key blocks with the online
+    softmax: one GEMM for the scores, the modifiers, the mask only where the tile is partly
+    readable, the row max, exp in place, the row sum, dropout, one GEMM into the accumulator.
+    """
+    N, g, m, d = Q.shape
+    n, dv = K.shape[1], V.shape[2]
+    nh, bq, bk = _plan(N * g, m, n, d)
+    nh = max(1, nh // g)
+    dt = Q.dtype
+    tiles = _Tiles(p, b, bq, bk, dt, aligned=False)
+    masked_any = any(t[2] is not None for _, _, ts in tiles.blocks for t in ts)
+    drop = p.dropout_p
+    if masked_any or drop:  # zero weights will meet V; -inf will meet the scores
+        V0, vbad = _finite(V)
+        _, kbad = _finite(K)
+        _, qbad = _finite(Q.reshape(N * g, m, d))
+    else:  # no zero weight anywhere (decoding, full attention): nothing to guard
+        V0, vbad, kbad, qbad = V, None, None, None
+    dcache: dict = {}
+    tasks = [(h, min(N, h + nh), ai) for h in range(0, N, nh) for ai in range(len(tiles.blocks))]
+    cost = lambda t: (t[1] - t[0]) * tiles.work(t[2])  # noqa: E731
+
+    def run(part):
+        # per-worker buffers, reused by every task: fresh allocations would page-fault
+        buf = torch.empty(nh * g * bq * bk, dtype=dt)
+        qbuf = torch.empty(nh * g * bq * d, dtype=dt)
+        abuf = torch.empty(nh * g * bq * dv, dtype=dt)
+        lbuf = torch.empty(nh * g * bq, dtype=dt)
+        for h, h2, ai in part:
+            a, a2, row_tiles = tiles.blocks[ai]
+            M, r = h2 - h, g * (a2 - a)
+            qs = torch.mul(Q[h:h2, :, a:a2], scale2, out=qbuf[: M * r * d].view(M, g, a2 - a, d))
+            qs = qs.view(M, r, d)
+            l = lbuf[: M * r].view(M, r)  # noqa: E741
+            acc = _tile(abuf, M, r, dv)
+            mx = None  # running row max; the first block read writes l, acc instead of adding
+            heads = hd.qhead[h:h2]
+            for c, c2, mask in row_tiles:
+                S = torch.bmm(qs, K[h:h2, c:c2].transpose(1, 2), out=_tile(buf, M, r, c2 - c))
+                S4 = S.view(M, g, a2 - a, c2 - c)
+                _modify(S4, hd, h, h2, a, a2, c, c2, p, dcache)
+                if mask is not None:
+                    if _flag(kbad, c, c2) or _flag(qbad, a, a2):
+                        S4.masked_fill_(~mask.pick(mask.allowed, heads), NEG_INF)
+                    else:  # adding is far cheaper than masked_fill; NaN + -inf would be NaN
+                        S4.add_(mask.pick(mask.bias, heads))
+                bm = S.amax(-1)
+                m_new = bm if mx is None else torch.maximum(mx, bm)
+                if mask is None and mx is not None:  # an unmasked block: every row max is finite
+                    m_safe = m_new
+                else:  # rows with nothing read yet subtract 0 (their scores are all -inf)
+                    m_safe = m_new.masked_fill(m_new == NEG_INF, 0.0)
+                S.sub_(m_safe.unsqueeze(-1)).exp2_()  # S is now P, unnormalized
+                if mx is None:
+                    torch.sum(S, -1, out=l)
+                else:  # rescale what earlier key blocks accumulated
+                    alpha = torch.exp2(mx - m_safe)
+                    l.mul_(alpha).add_(S.sum(-1))
+                    acc.mul_(alpha.unsqueeze(-1))
+                if drop:  # the row sum counts every weight; the values only the kept ones
+                    S4.masked_fill_(~_keep(p, hd, h, h2, a, a2, c, c2), 0.0)
+                zeros = mask is not None or drop > 0
+                flag = _flag(vbad, c, c2)
+                if mx is None and (not zeros or flag is None):
+                    torch.bmm(S, V[h:h2, c:c2], out=acc)
+                else:
+                    if mx is None:
+                        acc.zero_()
+                    _acc(acc, S, V[h:h2, c:c2], V0[h:h2, c:c2], flag, zeros)
+                mx = m_new
+            if mx is None:  # no readable key at all
+                l.zero_()
+                acc.zero_()
+                mx = torch.full((M, r), NEG_INF, dtype=dt)
+            empty = l == 0
+            if hd.sinks is not None:  # the sink joins the denominator: l·2^mx + 2^s
+                s = hd.sinks[h:h2, :, None].expand(M, g, a2 - a).reshape(M, r)
+                m2 = torch.maximum(mx, s).masked_fill_(empty, 0.0)
+                alpha = torch.exp2(mx - m2)
+                l.mul_(alpha).add_(torch.exp2(s - m2).masked_fill_(empty, 0.0))
+                acc.mul_(alpha.unsqueeze(-1))
+                mx = m2
+            acc.div_(l.masked_fill(empty, 1.0).unsqueeze(-1))
+            if drop:
+                acc.mul_(1.0 / (1.0 - drop) if drop < 1 else 0.0)
+            O_out[h:h2, :, a:a2] = acc.view(M, g, a2 - a, dv)
+            lse = torch.log2(l).add_(mx.masked_fill(empty, 0.0)).mul_(LN2)
+            L_out[h:h2, :, a:a2] = lse.masked_fill_(empty, NEG_INF).view(M, g, a2 - a)
+
+    scale2 = p.scale * LOG2E
+    _parallel(_balanced(tasks, cost, workers), run, workers)
+
+
+def _job_view(t: torch.Tensor, b0: int, b1: int, Hkv: int) -> torch.Tensor:
+    """(B, H_q, T_q, e) -> job view (N, g, T_q, e) with N = batch rows · H_kv."""
+    x = t[b0:b1]
+    nb, H, T, e = x.shape
+    return x.reshape(nb * Hkv, H // Hkv, T, e)
+
+
+def _kv(t: torch.Tensor, b0: int, b1: int) -> torch.Tensor:
+    """(B, H_kv, T_k, e) -> (N, T_k, e) for the job's batch rows."""
+    x = t[b0:b1]
+    return x.reshape(-1, x.shape[2], x.shape[3])
+
+
 def fwd(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward without autograd: ``(out (B, H_q, T_q, d_v) in q's dtype, lse (B, H_q, T_q))``.
 
-    lse is fp32 (fp64 for fp64 inputs); -inf, with a zero out row, where no key is readable.
+    lse is fp32 (fp64 for fp64 inputs), the sink's term included; -inf, with a zero out
+    row, where no key is readable.
     """
     B, Hq, Tq, _ = p.q.shape
     Hkv, dv = p.k.shape[1], p.v.shape[3]
     cd = _compute_dtype(p.q.dtype)
     q, k, v = (t.detach().to(cd) for t in (p.q, p.k, p.v))
-    jobs = _jobs(p)
-    full = _covers_all(jobs, B, Tq)
-    out = (torch.empty if full else torch.zeros)(B, Hq, Tq, dv, dtype=p.q.dtype, device=q.device)
-    lse = torch.empty(B, Hq, Tq, 1, dtype=cd, device=q.device)
-    if not full:
-        lse.fill_(NEG_INF)
+    out = torch.zeros(B, Hq, Tq, dv, dtype=p.q.dtype, device=q.device)
+    lse = torch.full((B, Hq, Tq, 1), NEG_INF, dtype=cd, device=q.device)
     workers = _workers(p)
     with torch.no_grad():
-        for j in jobs:
-            _fwd_job(
-                _job_view(q, j, Hkv), _kv(k, j), _kv(v, j), j.off, p.causal, p.scale, j.kmask,
-                _job_view(out, j, Hkv), _job_view(lse, j, Hkv).squeeze(-1), workers,
-            )
+        for b0, b1 in _jobs(p):
+            hd = _Heads(p, b0, b1, cd)
+            _fwd_job(p, _job_view(q, b0, b1, Hkv), _kv(k, b0, b1), _kv(v, b0, b1), hd, b0,
+                     _job_view(out, b0, b1, Hkv), _job_view(lse, b0, b1, Hkv).squeeze(-1),
+                     workers)
     return out, lse.squeeze(-1)
 
 
-def _bwd_job(Q, K, V, dO, LSE, D, off, causal, scale, kmask, dQ_out, dK, dV, workers):
+# ---- backward --------------------------------------------------------------------------------
+def _bwd_job(p, Q, K, V, dO, LSE, D, hd, b, dQ_out, dK, dV, workers, lanes):
     """Gradients of one job: writes dQ_out (N, g, m, d), dK (N, n, d), dV (N, n, d_v).
 
     Tasks are (head chunk, key block): each accumulates its dK, dV block in a contiguous
-    buffer over the query blocks that reach it; dQ accumulates per worker and is summed.
+    buffer over the query blocks that read it; dQ accumulates per lane (a fixed split of
+    the tasks) and the lanes are summed in order.
     """
     N, g, m, d = Q.shape
     n, dv = K.shape[1], V.shape[2]
     nh, bq, bk = _plan(N * g, m, n, d, bwd=True)
     nh = max(1, nh // g)
     dt = Q.dtype
-    K0, kflags = _finite(K, bk)
-    _, vflags = _finite(V, bk)
-    cache = {"dtype": dt}
-    blocks = list(range(0, m, bq))
+    drop = p.dropout_p
+    tiles = _Tiles(p, b, bq, bk, dt, aligned=True)
+    K0, kbad = _finite(K)
+    _, vbad = _finite(V)
+    dcache: dict = {}
+    blocks = [(a, a2) for a, a2, _ in tiles.blocks]
+    readers: dict[int, list] = {}  # key block start -> [(query block index, mask)]
+    for ai, (_, _, ts) in enumerate(tiles.blocks):
+        for c, _, mask in ts:
+            readers.setdefault(c, []).append((ai, mask))
     qs, qs0, qfl, do, do0, dfl, lse, lnan, Dr, dfin = ([] for _ in range(10))
-    for a in blocks:
-        a2 = min(m, a + bq)
+    for a, a2 in blocks:
         r = g * (a2 - a)
-        x = _stack(Q[:, :, a:a2] * (scale * LOG2E), N, r)  # base-2 scores for P; dK·ln2 at the end
-        x0, xf = _finite(x, r)  # one block: one flag for the whole query block
+        x = _stack(Q[:, :, a:a2] * (p.scale * LOG2E), N, r)  # base-2 scores; dK·ln2 at the end
+        x0, xb = _finite(x)
         y = _stack(dO[:, :, a:a2].contiguous(), N, r)
-        y0, yf = _finite(y, r)
+        y0, yb = _finite(y)
         qs.append(x)
         qs0.append(x0)
-        qfl.append(None if xf is None else xf[0])
+        qfl.append(_flag(xb, 0, r))  # one block: one flag for the whole query block
         do.append(y)
         do0.append(y0)
-        dfl.append(None if yf is None else yf[0])
+        dfl.append(_flag(yb, 0, r))
         L = _stack(LSE[:, :, a:a2].unsqueeze(-1), N, r)
         lse.append(L.masked_fill(L == NEG_INF, float("inf")).mul_(LOG2E))  # no key: P = 0
         lnan.append(bool(torch.isnan(L).any()))
         Dr.append(_stack(D[:, :, a:a2].unsqueeze(-1), N, r))
         # dS = P ∘ (dP - D) is 0 at blocked entries unless dP or D is non-finite there
-        dfin.append(yf is None and bool(torch.isfinite(Dr[-1]).all()))
-    tasks = [(h, min(N, h + nh), c, min(n, c + bk)) for h in range(0, N, nh) for c in range(0, n, bk)]
+        dfin.append(yb is None and bool(torch.isfinite(Dr[-1]).all()))
+    tasks = [(h, min(N, h + nh), c, min(n, c + bk)) for h in range(0, N, nh) for c in readers]
 
-    def reached(c):  # query blocks whose rows reach key c
-        return [ai for ai, a in enumerate(blocks) if _reach(min(m, a + bq), n, off, causal) > c]
+    def cost(t):
+        return (t[1] - t[0]) * (t[3] - t[2]) * sum(blocks[ai][1] - blocks[ai][0]
+                                                    for ai, _ in readers[t[2]])
 
-    tasks = _balanced(tasks, lambda t: (t[1] - t[0]) * (t[3] - t[2]) * len(reached(t[2])), workers)
+    soft = hd.softcap is not None
 
     def run(part):
-        dq = [torch.zeros(N, g * (min(m, a + bq) - a), d, dtype=dt) for a in blocks]
+        dq = [torch.zeros(N, g * (a2 - a), d, dtype=dt) for a, a2 in blocks]
         bufS = torch.empty(nh * g * bq * bk, dtype=dt)
         bufP = torch.empty_like(bufS)
+        bufT = torch.empty_like(bufS) if soft else None
         kbuf = torch.empty(nh * bk * d, dtype=dt)  # per-worker dK, dV block accumulators
         vbuf = torch.empty(nh * bk * dv, dtype=dt)
         for h, h2, c, c2 in part:
             M, w = h2 - h, c2 - c
             Kc, Vc, K0c = K[h:h2, c:c2], V[h:h2, c:c2], K0[h:h2, c:c2]
-            kflag = None if kflags is None else kflags[c // bk]
-            vfin = vflags is None or not vflags[c // bk]
+            kflag = _flag(kbad, c, c2)
+            vfin = not _flag(vbad, c, c2)
             dk = _tile(kbuf, M, w, d).zero_()
             dvb = _tile(vbuf, M, w, dv).zero_()
-            for ai in reached(c):
-                a = blocks[ai]
-                a2 = min(m, a + bq)
-                mask = _allowed(a, a2, c, c2, off, causal, kmask, cache)
-                if mask is not None and not mask[2]:
-                    continue
+            heads = hd.qhead[h:h2]
+            for ai, mask in readers[c]:
+                a, a2 = blocks[ai]
                 r = g * (a2 - a)
                 masked = mask is not None
                 shape = (M, g, a2 - a, w)
                 S = torch.bmm(qs[ai][h:h2], Kc.transpose(1, 2), out=_tile(bufS, M, r, w))
+                T = _tile(bufT, M, r, w).view(shape) if soft else None
+                _modify(S.view(shape), hd, h, h2, a, a2, c, c2, p, dcache, T)
                 # P mixes rows into dV: its blocked entries must be exactly 0, even where a
                 # query row, a key or the given lse is NaN (then the mask goes on P itself)
                 fast = not kflag and not qfl[ai] and not lnan[ai]
                 if masked and fast:
-                    _mask_scores(S, mask, True, shape)
+                    S.view(shape).add_(mask.pick(mask.bias, heads))
                 P = S.sub_(lse[ai][h:h2]).exp2_()
                 if masked and not fast:
-                    P.view(shape).masked_fill_(~mask[0], 0.0)
+                    P.view(shape).masked_fill_(~mask.pick(mask.allowed, heads), 0.0)
                 dS = torch.bmm(do[ai][h:h2], Vc.transpose(1, 2), out=_tile(bufP, M, r, w))
-                dS.sub_(Dr[ai][h:h2]).mul_(P)  # dS = P ∘ (dP - D)
+                keep = None
+                if drop:  # dP ∘ Z, Z = keep / (1 - p)
+                    keep = _keep(p, hd, h, h2, a, a2, c, c2)
+                    dS.view(shape).masked_fill_(~keep, 0.0)
+                    dS.mul_(1.0 / (1.0 - drop) if drop < 1 else 0.0)
+                dS.sub_(Dr[ai][h:h2]).mul_(P)  # dS = P ∘ (dP·Z - D)
                 if masked and not (vfin and dfin[ai]):  # P is 0 there, dP or D is not finite
-                    dS.view(shape).masked_fill_(~mask[0], 0.0)
+                    dS.view(shape).masked_fill_(~mask.pick(mask.allowed, heads), 0.0)
+                if soft:  # through the cap: d tanh = 1 - tanh²
+                    T.mul_(T).neg_().add_(1.0)
+                    dS.view(shape).mul_(T)
+                if drop:  # the values saw P ∘ Z
+                    P.view(shape).masked_fill_(~keep, 0.0)
                 Pt, dSt = P.transpose(1, 2), dS.transpose(1, 2)
-                _acc(dvb, Pt, do[ai][h:h2], do0[ai][h:h2], dfl[ai], masked)
+                zeros = masked or drop > 0
+                _acc(dvb, Pt, do[ai][h:h2], do0[ai][h:h2], dfl[ai], zeros)
                 _acc(dk, dSt, qs[ai][h:h2], qs0[ai][h:h2], qfl[ai], masked)
                 _acc(dq[ai][h:h2], dS, Kc, K0c, kflag, masked)
             torch.mul(dk, LN2, out=dK[h:h2, c:c2])
+            if drop:
+                dvb.mul_(1.0 / (1.0 - drop) if drop < 1 else 0.0)
             dV[h:h2, c:c2] = dvb
         return dq
 
-    parts = _parallel(tasks, run, workers)
-    for ai, a in enumerate(blocks):
-        a2 = min(m, a + bq)
+    parts = _parallel(_balanced(tasks, cost, lanes), run, workers) if tasks else []
+    for ai, (a, a2) in enumerate(blocks):
+        if not parts:
+            dQ_out[:, :, a:a2] = 0.0
+            continue
         total = parts[0][ai]
         for other in parts[1:]:
             total += other[ai]
-        dQ_out[:, :, a:a2] = total.mul_(scale).view(N, g, a2 - a, d)
+        dQ_out[:, :, a:a2] = total.mul_(p.scale).view(N, g, a2 - a, d)
+
+
+def _D(p: Problem, out, dout, dlse, cd):
+    """D = rowsum(dO ∘ O) - dlse, (B, H_q, T_q, 1): the softmax's backward row term."""
+    D = (dout.detach().to(cd) * out.detach().to(cd)).sum(-1, keepdim=True)
+    if dlse is not None:  # d lse_i / d S_ij = P_ij: enters as -D
+        D = D - dlse.detach().to(cd).unsqueeze(-1)
+    return D
 
 
 def bwd(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse=None):
@@ -490,7 +582,7 @@ def bwd(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dl
     ``dout`` ``(B, H_q, T_q, d_v)``; optional ``dlse`` ``(B, H_q, T_q)`` (gradient of the
     returned log-sum-exp). Returns ``(dq, dk, dv)`` in the inputs' dtypes; dk, dv are summed
     over each query-head group (grouped-query attention). Rows with lse = -inf (no readable
-    key) get zero gradient.
+    key) get zero gradient. Learned sinks: :func:`sinks_grad`.
     """
     B, _, Tq, _ = p.q.shape
     Hkv = p.k.shape[1]
@@ -498,28 +590,38 @@ def bwd(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dl
     q, k, v = (t.detach().to(cd) for t in (p.q, p.k, p.v))
     dout = dout.detach().to(cd)
     lse = lse.detach().to(cd).unsqueeze(-1)
-    D = (dout * out.detach().to(cd)).sum(-1, keepdim=True)  # (B, H_q, T_q, 1): rowsum(dO ∘ O)
-    if dlse is not None:  # d lse_i / d S_ij = P_ij: enters as -D
-        D = D - dlse.detach().to(cd).unsqueeze(-1)
-    jobs = _jobs(p)
-    dq = (torch.empty if _covers_all(jobs, B, Tq) else torch.zeros)(q.shape, dtype=cd)
+    D = _D(p, out, dout, dlse, cd)
+    dq = torch.zeros(q.shape, dtype=cd)
     dk = torch.zeros(k.shape, dtype=cd)  # contiguous whatever k's layout: written through views
     dv = torch.zeros(v.shape, dtype=cd)
-    workers = _workers(p)
+    workers, lanes = _workers(p), _lanes(p)
     with torch.no_grad():
-        for j in jobs:
+        for b0, b1 in _jobs(p):
+            hd = _Heads(p, b0, b1, cd)
             _bwd_job(
-                _job_view(q, j, Hkv), _kv(k, j), _kv(v, j), _job_view(dout, j, Hkv),
-                _job_view(lse, j, Hkv).squeeze(-1), _job_view(D, j, Hkv).squeeze(-1),
-                j.off, p.causal, p.scale, j.kmask,
-                _job_view(dq, j, Hkv), _kv(dk, j), _kv(dv, j), workers,
+                p, _job_view(q, b0, b1, Hkv), _kv(k, b0, b1), _kv(v, b0, b1),
+                _job_view(dout, b0, b1, Hkv), _job_view(lse, b0, b1, Hkv).squeeze(-1),
+                _job_view(D, b0, b1, Hkv).squeeze(-1), hd, b0,
+                _job_view(dq, b0, b1, Hkv), _kv(dk, b0, b1), _kv(dv, b0, b1), workers, lanes,
             )
     return dq.to(p.q.dtype), dk.to(p.k.dtype), dv.to(p.v.dtype)
 
 
+def sinks_grad(p: Problem, out, lse, dout, dlse=None) -> torch.Tensor:
+    """d sinks (H_q,) from the given out, lse (sink included) and dout, dlse:
+    d s_h = -Σ_{b,i} exp(s_h - lse_bhi)·D_bhi, D = rowsum(dO ∘ O) - dlse (the sink is a key
+    with score s_h and no value). Rows with no readable key add nothing. O(B·H·T·d)."""
+    cd = torch.float64
+    D = _D(p, out, dout, dlse, cd).squeeze(-1)  # (B, H, T_q)
+    s = torch.as_tensor(_np(p.pattern.sinks), dtype=cd)[None, :, None]
+    L = lse.detach().to(cd)
+    w = torch.exp(s - L).masked_fill(torch.isneginf(L), 0.0)
+    return -(w * D).sum(dim=(0, 2))
+
+
 class _TiledAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, p):
+    def forward(ctx, q, k, v, sinks, p):
         p = replace(p, q=q, k=k, v=v)
         out, lse = fwd(p)
         ctx.p = replace(p, q=None, k=None, v=None)
@@ -533,23 +635,27 @@ class _TiledAttention(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = bwd(p, out, lse, dout, dlse)
-        return dq, dk, dv, None
+        ds = None
+        if ctx.needs_input_grad[3]:
+            sk = p.pattern.sinks
+            ds = sinks_grad(p, out, lse, dout, dlse).to(dtype=sk.dtype, device=sk.device)
+        return dq, dk, dv, ds, None
 
 
 def supports(p: Problem, return_lse: bool = False) -> bool:
-    return p.is_legacy
+    return p.q.device.type == "cpu"
 
 
 def forward(p: Problem, return_lse: bool = False):
-    """Engine entry: differentiable in q, k, v."""
-    if not supports(p, return_lse):
-        raise ValueError(
-            f"engine 'tiled': {p.pattern.describe()} (dropout_p={p.dropout_p}) is not supported "
-            "yet; use engine='reference'"
-        )
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v))
+    """Engine entry: differentiable in q, k, v and learned sinks."""
+    if p.q.device.type != "cpu":
+        raise ValueError(f"engine 'tiled': runs on the CPU; q is on {p.q.device}")
+    sk = p.pattern.sinks
+    sinks = sk if isinstance(sk, torch.Tensor) and sk.requires_grad else None
+    needs_grad = torch.is_grad_enabled() and (
+        sinks is not None or any(t.requires_grad for t in (p.q, p.k, p.v)))
     if needs_grad:
-        out, lse = _TiledAttention.apply(p.q, p.k, p.v, p)
+        out, lse = _TiledAttention.apply(p.q, p.k, p.v, sinks, p)
     else:
         out, lse = fwd(p)
         lse = lse.float()

@@ -1,0 +1,132 @@
+"""Attention dropout (issue 12) on the engines: exactness at p = 0 and 1, unbiasedness and the
+drop rate within bounds derived from the variance, reproducibility across threads and block
+sizes, the tiled engine against the reference given the same pattern, gradcheck."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from causalattn.engines import attention, make_problem, reference, tiled
+
+F64 = torch.float64
+
+
+def _inputs(B, H, T, d, dtype=F64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(B, H, T, d, generator=g).to(dtype) for _ in range(3))
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _out_and_grads(engine, q, k, v, **kw):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*leaves, engine=engine, **kw)
+    dout = torch.randn(out.shape, generator=_gen(9), dtype=F64).to(out.dtype)
+    return out.detach(), torch.autograd.grad((out * dout).sum(), leaves)
+
+
+@pytest.mark.parametrize("engine", ["reference", "tiled", "sdpa"])
+def test_p0_is_bit_for_bit_no_dropout_and_p1_gives_zeros(engine):
+    q, k, v = _inputs(2, 2, 9, 4, dtype=torch.float32)
+    kw = {"window": 4}
+    plain, pg = _out_and_grads(engine, q, k, v, **kw)
+    zero, zg = _out_and_grads(engine, q, k, v, dropout_p=0.0, generator=_gen(), **kw)
+    assert torch.equal(plain, zero) and all(torch.equal(a, b) for a, b in zip(pg, zg))
+    one, og = _out_and_grads(engine, q, k, v, dropout_p=1.0, **kw)
+    assert torch.equal(one, torch.zeros_like(one))
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in og)
+
+
+@pytest.mark.parametrize("engine", ["reference", "tiled"])
+def test_unbiased_mean_within_a_bound_from_the_variance(engine):
+    """E[out] = the no-dropout output: over n seeds the mean of each element lies within
+    z·s/√n of it (s: the sample standard deviation), z = 5 with a Bonferroni margin."""
+    q, k, v = _inputs(1, 2, 12, 4)
+    truth = attention(q, k, v, engine=engine, window=6)
+    n = 300
+    outs = torch.stack([attention(q, k, v, engine=engine, window=6, dropout_p=0.3,
+                                  generator=_gen(s)) for s in range(n)])
+    mean, sd = outs.mean(0), outs.std(0)
+    z = (mean - truth).abs() / (sd / n**0.5).clamp_min(1e-12)
+    assert z.max() < 5.5, z.max()  # 96 elements: P(any |z| > 5.5) ~ 4e-6
+    assert (sd[:, :, 1:] > 0).all()  # rows reading more than one key really vary
+
+
+def test_drop_fraction_of_readable_weights_within_a_binomial_bound():
+    q, k, v = _inputs(2, 3, 64, 4)
+    for p_drop in (0.1, 0.5, 0.9):
+        p = make_problem(q, k, v, window=20, lengths=[64, 40], dropout_p=p_drop,
+                         generator=_gen(4))
+        keep = reference.dropout_mask(p)
+        readable = p.allowed().expand_as(keep)
+        n = int(readable.sum())
+        dropped = int((readable & ~keep).sum()) / n
+        assert abs(dropped - p_drop) < 5 * (p_drop * (1 - p_drop) / n) ** 0.5
+
+
+def test_same_seed_same_bits_across_thread_counts():
+    q, k, v = _inputs(1, 4, 520, 32, dtype=torch.float32)
+    kw = {"window": 300, "dropout_p": 0.2}
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            runs.append(_out_and_grads("tiled", q, k, v, generator=_gen(7), **kw))
+    finally:
+        torch.set_num_threads(threads)
+    (o0, g0) = runs[0]
+    for o, g in runs[1:]:
+        assert torch.equal(o, o0) and all(torch.equal(a, b) for a, b in zip(g, g0))
+    torch.manual_seed(3)
+    a = attention(q, k, v, engine="tiled", **kw)
+    torch.manual_seed(3)
+    assert torch.equal(a, attention(q, k, v, engine="tiled", **kw))  # manual_seed works too
+
+
+@pytest.mark.parametrize("blocks", [None, (7, 13), (64, 32), (128, 600)])
+def test_tiled_equals_reference_given_the_same_pattern_whatever_the_block_sizes(blocks):
+    """The keep pattern is a function of global positions: every block split draws the very
+    same one (a different pattern would move the output by O(0.1), far above 1e-10)."""
+    q, k, v = _inputs(1, 2, 300, 8, seed=5)
+    p = make_problem(q, k, v, window=100, dropout_p=0.4, generator=_gen(2))
+    want = reference.attend(p, keep=reference.dropout_mask(p))
+    old, tiled.BLOCKS = tiled.BLOCKS, blocks
+    try:
+        got = attention(q, k, v, engine="tiled", window=100, dropout_p=0.4, generator=_gen(2))
+        out, lse = tiled.fwd(p)
+        dout = torch.randn(out.shape, generator=_gen(1), dtype=F64)
+        grads = tiled.bwd(p, out, lse, dout)
+    finally:
+        tiled.BLOCKS = old
+    torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    pr = make_problem(*leaves, window=100, dropout_p=0.4, generator=_gen(2))
+    rgrads = torch.autograd.grad((reference.forward(pr) * dout).sum(), leaves)
+    for a, b in zip(grads, rgrads):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("engine", ["reference", "tiled", "sdpa"])
+def test_gradcheck_float64_with_a_fixed_seed(engine):
+    q, k, v = (t.requires_grad_() for t in _inputs(1, 2, 6, 3, seed=3))
+
+    def f(a, b, c):
+        if engine == "sdpa":  # SDPA draws from torch's global RNG
+            torch.manual_seed(0)
+        return attention(a, b, c, engine=engine, window=4, dropout_p=0.3, generator=_gen(1))
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def test_dropout_with_return_lse_is_honoured_and_lse_is_the_softmax_one():
+    q, k, v = _inputs(1, 2, 10, 4)
+    _, lse0 = attention(q, k, v, engine="tiled", return_lse=True)
+    for engine in ("tiled", "reference"):
+        _, lse = attention(q, k, v, engine=engine, return_lse=True, dropout_p=0.5)
+        torch.testing.assert_close(lse, lse0)
+    with pytest.raises(ValueError, match="return_lse"):
+        attention(q, k, v, engine="sdpa", return_lse=True, dropout_p=0.5)
