@@ -20,9 +20,9 @@ __all__ += ["CausalSelfAttention"]
 __version__ = "0.1.0"
 
 
-def __getattr__(name):  # `causalattn.distributed` (ring attention) loads on first use
-    if name == "distributed":
+def __getattr__(name):  # `causalattn.distributed` (ring attention) and `.learn` load on first use
+    if name in ("distributed", "learn"):
         import importlib
 
-        return importlib.import_module(".distributed", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'causalattn' has no attribute {name!r}")
