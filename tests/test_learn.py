@@ -317,7 +317,6 @@ def test_question_answers_match_a_recomputation(seed):
 
 
 def test_questions_are_seeded_and_validated():
-    assert ca.learn.questions(seed=3, n=2) == questions(seed=3, n=2)  # loads on first use
     assert questions(seed=3, n=12) == questions(seed=3, n=12)
     assert questions(seed=3) != questions(seed=4)
     assert len(questions(seed=1, n=20)) == 20
