@@ -42,7 +42,7 @@ import numpy as np
 from ..reference import softmax_last
 from ..reference import trace as _trace
 from ..trace import Trace
-from .kinds import KINDS, PAD, allowed_2d, heads, pad_of, sequences, tokens_of
+from .kinds import KINDS, PAD, pad_of, sequences, tokens_of
 from .summary import head_summary, thumbnail
 
 __all__ = [
@@ -103,57 +103,114 @@ def _cast(a: np.ndarray, prec: str) -> tuple[np.ndarray, str]:
     return c, p
 
 
-def _page_A(Q, K, allowed, scale) -> np.ndarray:
-    """What the page computes: S = Q Kᵀ·scale, then the masked row softmax. The page works
-    in float64; float32 here is as good a check for float32/float16 Q and K (its rounding,
-    ~1e-7, is far below their tolerance) and twice as fast."""
-    dt = np.float64 if Q.dtype == np.float64 and K.dtype == np.float64 else np.float32
-    with np.errstate(all="ignore"):
-        S = (Q.astype(dt) @ K.astype(dt).T) * dt(scale)
-    return S, softmax_last(S, allowed)
+def _cast_all(a: np.ndarray, prec: str) -> tuple[np.ndarray, str]:
+    """:func:`_cast` for a stack of heads: one precision for all of them."""
+    return _cast(a, prec)
 
 
-def _head_data(h: Trace, allowed: np.ndarray, scale, prec: str) -> tuple[dict, float | None]:
-    """One head's data at precision ``prec``, and the page's error on A (None: carried as is)."""
-    V = np.asarray(h["V"])
-    d: dict = {"d_v": int(V.shape[-1])}
+def _stacked(tr: Trace, name: str) -> np.ndarray:
+    """A per-head stage of a one-sequence trace as ``(h, T, ·)`` (h = 1 without heads)."""
+    a = np.asarray(tr[name])
+    return a if tr.n_heads is not None else a[None]
+
+
+_CHUNK_CELLS = 4 * 2**20  # T×T cells per vectorized step (a few float64 arrays of 32 MiB)
+
+
+def _layers_data(layers: list[_Layer], prec: str) -> list[tuple[dict, list[float | None]]]:
+    """Each layer's block (scale and heads) at precision ``prec``, with the page's error on A
+    per head (None: S and A carried as they are). Layers of the same shapes are done
+    together, a few million cells at a time: 10,000 sentences cost about as much as one."""
+    groups: dict[tuple, list[int]] = {}
+    for k, lay in enumerate(layers):
+        tr = lay.trace
+        A = _stacked(tr, "A")
+        al = np.broadcast_to(lay.kinds == 0, A.shape)
+        if tr.allowed is not None and not np.array_equal(np.broadcast_to(tr.allowed, A.shape), al):
+            raise ValueError(f"explorer: {lay.name}: a head has another mask than the layer's "
+                             "kinds; the explorer draws one mask per layer")
+        names = tuple(n for n in ("Q", "K", "V", "S", "A", "H") if n in tr)
+        key = (names, tr.scale) + tuple((_stacked(tr, n).shape, _stacked(tr, n).dtype.str)
+                                        for n in names)
+        groups.setdefault(key, []).append(k)
+    out: list = [None] * len(layers)
+    for members in groups.values():
+        H, T = _stacked(layers[members[0]].trace, "A").shape[:2]
+        step = max(1, _CHUNK_CELLS // max(1, H * T * T))
+        for c in range(0, len(members), step):
+            part = members[c:c + step]
+            for k, res in zip(part, _group_data([layers[k] for k in part], prec)):
+                out[k] = res
+    return out
+
+
+def _group_data(layers: list[_Layer], prec: str) -> list[tuple[dict, list[float | None]]]:
+    """:func:`_layers_data` for layers of identical shapes, stacked to ``(n, h, T, ·)``."""
+    tr0 = layers[0].trace
+    scale = tr0.scale
+    st = {n: np.stack([_stacked(lay.trace, n) for lay in layers])
+          for n in ("Q", "K", "V", "S", "A", "H") if n in tr0}
+    al = np.stack([lay.kinds == 0 for lay in layers])[:, None]  # (n, 1, T, T)
+    V = st["V"]
+    n, H, T, dv = V.shape
     with np.errstate(invalid="ignore", over="ignore"):
         vnorm = np.linalg.norm(V.astype(np.float64), axis=-1)
-    if prec == "f2" and V.shape[-1] > V_SHOWN:
-        Vc, pv = _cast(V[:, :V_SHOWN], "f2")
-        d.update(V=_b64(Vc, _DTYPE[pv]), vprec=pv, v_shown=V_SHOWN,
-                 vnorm=_b64(vnorm, "<f4"))
-    else:
-        Vc, pv = _cast(V, prec)
-        d.update(V=_b64(Vc, _DTYPE[pv]), vprec=pv, v_shown=int(V.shape[-1]))
-    err = None
-    if scale is not None and all(n in h for n in ("Q", "K", "S", "A")):
-        Q, K, S, A = h["Q"], h["K"], h["S"], h["A"]
-        if (Q.ndim == 2 and K.shape == Q.shape and np.isfinite(Q).all()
-                and np.isfinite(K).all()):
-            Qc, pq = _cast(Q, prec)
-            Kc, pk = _cast(K, prec)
-            S2, A2 = _page_A(Qc, Kc, allowed, scale)
-            with np.errstate(invalid="ignore"):
-                e = float(np.abs(A2 - A).max()) if A.size else 0.0
-                es = float(np.abs(S2[allowed] - S[allowed]).max()) if allowed.any() else 0.0
-            tol = _TOL[_narrower(pq, pk)]
-            if e <= tol and es <= tol * max(1.0, float(np.abs(S[allowed]).max(initial=0))):
-                err = e
-                d.update(form="qk", Q=_b64(Qc, _DTYPE[pq]), K=_b64(Kc, _DTYPE[pk]),
-                         qprec=_narrower(pq, pk), d_k=int(Q.shape[-1]))
-    if err is None:  # readable entries only, row-major
-        Sc, ps = _cast(np.asarray(h["S"])[allowed], _narrower(prec, "f4"))
-        Ac, pa = _cast(np.asarray(h["A"])[allowed], _narrower(prec, "f4"))
-        d.update(form="dense", S=_b64(Sc, _DTYPE[ps]), A=_b64(Ac, _DTYPE[pa]), sprec=ps, aprec=pa)
-    # H travels only when it is not A V (a recorded bug): the page computes A V itself.
-    if "H" in h and d["v_shown"] == d["d_v"]:
+    cut = prec == "f2" and dv > V_SHOWN
+    Vc, pv = _cast_all(V[..., :V_SHOWN] if cut else V, prec)
+    ok = np.zeros((n, H), bool)
+    err = np.full((n, H), np.nan)
+    if scale is not None and all(k in st for k in ("Q", "K", "S", "A")) \
+            and st["Q"].shape == st["K"].shape:
+        Q, K, S, A = st["Q"], st["K"], st["S"], st["A"]
+        Qc, pq = _cast_all(Q, prec)
+        Kc, pk = _cast_all(K, prec)
+        # What the page computes (in float64); float32 is as good a check for float32 or
+        # float16 Q and K (its rounding, ~1e-7, is far below their tolerance), and faster.
+        dt = np.float64 if Qc.dtype == np.float64 and Kc.dtype == np.float64 else np.float32
         with np.errstate(all="ignore"):
-            AV = np.where(allowed, h["A"], 0.0) @ np.where(np.isfinite(V), V, 0.0)
-        if not np.allclose(AV, h["H"], rtol=1e-6, atol=1e-9, equal_nan=True):
-            Hc, ph = _cast(np.asarray(h["H"]), _narrower(prec, "f4"))
-            d.update(H=_b64(Hc, _DTYPE[ph]), hprec=ph)
-    return d, err
+            S2 = (Qc.astype(dt) @ np.swapaxes(Kc.astype(dt), -1, -2)) * dt(scale)
+            A2 = softmax_last(S2, al)
+            e = np.nan_to_num(np.abs(A2 - A), nan=np.inf).max(axis=(-2, -1))
+            es = np.where(al, np.nan_to_num(np.abs(S2 - S), nan=np.inf), 0).max(axis=(-2, -1))
+            smax = np.where(al, np.abs(S), 0).max(axis=(-2, -1))
+        finite = np.isfinite(Q).all(axis=(-2, -1)) & np.isfinite(K).all(axis=(-2, -1))
+        tol = _TOL[_narrower(pq, pk)]
+        ok = finite & (e <= tol) & (es <= tol * np.maximum(1.0, smax))
+        err = np.where(ok, e, np.nan)
+    sendH = np.zeros((n, H), bool)
+    if "H" in st:
+        if cut:
+            pass  # the page holds part of V: it computes part of h_i; H itself is not sent
+        else:
+            with np.errstate(all="ignore"):
+                AV = np.where(al, st["A"], 0.0) @ np.where(np.isfinite(V), V, 0.0)
+                sendH = ~np.isclose(AV, st["H"], rtol=1e-6, atol=1e-9, equal_nan=True).all(
+                    axis=(-2, -1))
+    res = []
+    for i in range(n):
+        heads_out, errs = [], []
+        a = al[i, 0]
+        for h in range(H):
+            d = {"d_v": int(dv), "V": _b64(Vc[i, h], _DTYPE[pv]), "vprec": pv,
+                 "v_shown": V_SHOWN if cut else int(dv)}
+            if cut:
+                d["vnorm"] = _b64(vnorm[i, h], "<f4")
+            if ok[i, h]:
+                d.update(form="qk", Q=_b64(Qc[i, h], _DTYPE[pq]), K=_b64(Kc[i, h], _DTYPE[pk]),
+                         qprec=_narrower(pq, pk), d_k=int(Qc.shape[-1]))
+                errs.append(float(err[i, h]))
+            else:  # readable entries only, row-major
+                Sc, ps = _cast(st["S"][i, h][a], _narrower(prec, "f4"))
+                Ac, pa = _cast(st["A"][i, h][a], _narrower(prec, "f4"))
+                d.update(form="dense", S=_b64(Sc, _DTYPE[ps]), A=_b64(Ac, _DTYPE[pa]),
+                         sprec=ps, aprec=pa)
+                errs.append(None)
+            if sendH[i, h]:  # H is not A V (a recorded bug): it travels as it is
+                Hc, ph = _cast(st["H"][i, h], _narrower(prec, "f4"))
+                d.update(H=_b64(Hc, _DTYPE[ph]), hprec=ph)
+            heads_out.append(d)
+        res.append(({"scale": _finite_or_none(scale), "heads": heads_out}, errs))
+    return res
 
 
 def _elements(seqs: list[_Seq]) -> int:
@@ -175,22 +232,10 @@ def _precision(seqs: list[_Seq], max_bytes: int) -> str:
     return "f8" if 8 * n <= max_bytes else "f4" if 4 * n <= max_bytes else "f2"
 
 
-def _layer_data(lay: _Layer, prec: str) -> tuple[dict, list[float | None]]:
-    hs = heads(lay.trace)
-    allowed = lay.kinds == 0
-    for k, h in enumerate(hs, start=1):
-        if not np.array_equal(allowed_2d(h), allowed):
-            raise ValueError(f"explorer: {lay.name}: head {k} has another mask than the "
-                             "sequence's kinds; the explorer draws one mask per layer")
-    out, errs = [], []
-    for h in hs:
-        d, e = _head_data(h, allowed, lay.trace.scale, prec)
-        out.append(d)
-        errs.append(e)
-    return {"scale": _finite_or_none(lay.trace.scale), "heads": out}, errs
-
-
-def _sequence_meta(seq: _Seq, block_of_layer) -> dict:
+def _sequence_meta(seq: _Seq, block_of_layer, rle_cache: dict) -> dict:
+    """A sequence's block: tokens, padding, and per layer its kinds (and thumbnails and head
+    summaries when there are several layers). Sentences of one length share their kinds:
+    ``rle_cache`` encodes each distinct kinds matrix once."""
     first = seq.layers[0]
     T = first.kinds.shape[0]
     tokens = tokens_of(first.trace, T)
@@ -198,7 +243,10 @@ def _sequence_meta(seq: _Seq, block_of_layer) -> dict:
     layers = []
     model = len(seq.layers) > 1
     for k, lay in enumerate(seq.layers):
-        d = {"name": lay.name, "n_heads": len(heads(lay.trace)), "kinds": _rle(lay.kinds),
+        kb = lay.kinds.tobytes() + bytes(lay.kinds.shape[0] % 256)
+        if kb not in rle_cache:
+            rle_cache[kb] = _rle(lay.kinds)
+        d = {"name": lay.name, "n_heads": lay.trace.n_heads or 1, "kinds": rle_cache[kb],
              "block": block_of_layer(k)}
         if model:
             A = np.asarray(lay.trace["A"], dtype=np.float64)
@@ -220,6 +268,21 @@ def _is_model(traces: list[Trace]) -> bool:
     return all(t.tokens == t0 and "A" in t and t["A"].shape == s0 for t in traces[1:])
 
 
+def _plain(tr: Trace) -> Trace:
+    """The stages the explorer reads, each read once: a Trace may compute its T×T stages on
+    every read (a captured Hugging Face layer does), and the explorer looks at them often."""
+    arrays = {n: np.asarray(tr[n]) for n in ("Q", "K", "V", "S", "A", "H") if n in tr}
+    out = Trace(arrays, allowed=tr.allowed, scale=tr.scale, n_heads=tr.n_heads, tokens=tr.tokens,
+                pattern=getattr(tr, "pattern", None), reasons=getattr(tr, "reasons", None))
+    return out
+
+
+def _layer_name(tr: Trace, k: int) -> str:
+    """"layer N", 1-based: the model's own index when the trace knows it (``tr.layer``)."""
+    idx = getattr(tr, "layer", None)
+    return f"layer {int(idx) + 1}" if isinstance(idx, (int, np.integer)) else f"layer {k + 1}"
+
+
 def _named_sequences(obj, names, layers) -> list[_Seq]:
     """Accept a Trace, a list of Traces (layers or sequences), or a text.Batch."""
     from ..text import Batch
@@ -235,19 +298,24 @@ def _named_sequences(obj, names, layers) -> list[_Seq]:
             raise ValueError(f"explorer: item {k + 1} is a {type(tr).__name__}, not a Trace")
     as_model = _is_model(traces) if layers is None else bool(layers)
     if as_model:
-        per_layer = [sequences(tr) for tr in traces]
+        per_layer = [sequences(_plain(tr)) for tr in traces]
         n = len(per_layer[0])
         shapes = {(len(p), p[0].kinds.shape) for p in per_layer}
         if len(shapes) != 1:
             raise ValueError(f"explorer: layers=True needs layers of the same sequences and "
                              f"length; got (sequences, T×T) {sorted(shapes)}")
+        batch_tokens = getattr(traces[0], "batch_tokens", None)  # a capture's, per sequence
+        for b in range(n):
+            if batch_tokens is not None and len(batch_tokens) == n:
+                for p in per_layer:
+                    p[b].trace.tokens = [str(t) for t in batch_tokens[b]]
         out = [_Seq(per_layer[0][b].name if n > 1 else "sequence 1",
-                    [_Layer(f"layer {k + 1}", p[b].trace, p[b].kinds)
-                     for k, p in enumerate(per_layer)]) for b in range(n)]
+                    [_Layer(_layer_name(tr, k), p[b].trace, p[b].kinds)
+                     for k, (tr, p) in enumerate(zip(traces, per_layer))]) for b in range(n)]
     else:
         out = []
         for k, tr in enumerate(traces):
-            parts = sequences(tr)
+            parts = sequences(_plain(tr))
             for part in parts:
                 label = part.name if len(traces) == 1 else (
                     f"trace {k + 1}" + (f" {part.name}" if len(parts) > 1 else ""))
@@ -277,24 +345,27 @@ def _build(obj, *, names, title, layers, max_bytes, questions):
     seqs = _named_sequences(obj, names, layers)
     prec = _precision(seqs, max_bytes)
     blocks: list[str] = []
-    index, notes, errs = [], [], []
-    used = 0
-    for s, seq in enumerate(seqs):
-        if used > max_bytes:
-            notes.append(f"Showing the first {s} of {len(seqs)} sequences: the page would "
-                         f"pass its size limit (max_bytes = {max_bytes}). Give fewer, or raise it.")
+    index, notes, errs, cache = [], [], [], {}
+    used, chunk = 0, 256  # sequences prepared together (see _layers_data)
+    for c0 in range(0, len(seqs), chunk):
+        part = seqs[c0:c0 + chunk]
+        done = iter(_layers_data([lay for seq in part for lay in seq.layers], prec))
+        for seq in part:
+            if used > max_bytes:
+                break
+            first = len(blocks) + 1  # the layers' blocks follow the sequence's own block
+            blocks.append(_json_for_script(_sequence_meta(seq, lambda k, f=first: f + k, cache)))
+            for data, e in (next(done) for _ in seq.layers):
+                errs += e
+                blocks.append(_json_for_script(data))
+            used += sum(len(b) for b in blocks[first - 1:])
+            index.append({"name": seq.name, "T": int(seq.layers[0].kinds.shape[0]),
+                          "n_layers": len(seq.layers), "block": first - 1})
+        if used > max_bytes and len(index) < len(seqs):
+            notes.append(f"Showing the first {len(index)} of {len(seqs)} sequences: the page "
+                         f"would pass its size limit (max_bytes = {max_bytes}). Give fewer, or "
+                         "raise it.")
             break
-        first = len(blocks) + 1  # the layers' blocks follow the sequence's own block
-        meta = _sequence_meta(seq, lambda k, first=first: first + k)
-        blocks.append(_json_for_script(meta))
-        for lay in seq.layers:
-            data, e = _layer_data(lay, prec)
-            errs += e
-            blocks.append(_json_for_script(data))
-        used += sum(len(b) for b in blocks[first - 1:])
-        T = seq.layers[0].kinds.shape[0]
-        index.append({"name": seq.name, "T": int(T), "n_layers": len(seq.layers),
-                      "block": first - 1})
     if prec != "f8":
         notes.append(_NOTE_PREC[prec].format(v=V_SHOWN) + ".")
     done = [e for e in errs if e is not None]
