@@ -249,7 +249,8 @@ def plot_patterns(patterns: dict, T: int, *, tokens=None, b: int = 0):
     if not isinstance(patterns, dict) or not patterns:
         raise ValueError("plot_patterns: give a non-empty dict {title: Pattern}")
     toks = [str(i + 1) for i in range(T)] if tokens is None else [str(t) for t in tokens]
-    fig, axes = _figure(len(patterns), T, cols=min(len(patterns), 4), side_max=4.2)
+    n = len(patterns)
+    fig, axes = _figure(n, T, cols=3 if n in (5, 6) else min(n, 4), side_max=4.2)
     every = []
     for ax, (name, pat) in zip(axes, patterns.items()):
         kinds, _ = _kinds_of(pat, toks, None, T, b)
