@@ -224,7 +224,6 @@ def _composite(ex: Exercise, user: _Learner):
     def scores_ref(q, k):
         return q @ k.T / np.sqrt(q.shape[-1])
 
-
     if ex.name == "scores":
         def attention(q, k, v):
             _float64_only(q)
