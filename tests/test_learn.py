@@ -249,6 +249,8 @@ def test_cli_writes_scaffolds(tmp_path):
     assert r.exit_code == 2 and "error:" in r.output
     r = runner.invoke(app, ["learn", "--exercise", "nope", "-o", str(tmp_path / "x.py")])
     assert r.exit_code == 2 and "unknown exercise" in r.output
+    r = runner.invoke(app, ["learn", "--framework", "torch"])  # no scaffold to apply it to
+    assert r.exit_code == 2 and "go with --exercise" in r.output
 
 
 # -- questions --------------------------------------------------------------------------------

@@ -965,6 +965,8 @@ def learn(
     """
     from .learn import exercises, grade, questions, session
 
+    if (output is not None or force or framework != "numpy") and (exercise is None or check):
+        _fail("--output, --framework and --force go with --exercise NAME (writing a scaffold)")
     if check is not None:
         with _library_errors():
             g = grade.check(check, exercise, timeout=timeout)
