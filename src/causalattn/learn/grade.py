@@ -396,7 +396,7 @@ def _error(path, ex, message, framework=None) -> Grade:
 
 def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> Grade:
     """Grade the exercise whose module globals are ``ns`` (loaded from ``path``)."""
-    from .. import diagnose
+    from ..check import diagnose
 
     path = str(path)
     try:
