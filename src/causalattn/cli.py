@@ -840,6 +840,30 @@ def _one_based(report):
                                empty_rows=[shift(r) for r in report.empty_rows])
 
 
+def _numbers(text: str | None, name: str, kind=float):
+    """'0.5,0.25' -> [0.5, 0.25]; None stays None."""
+    if text is None:
+        return None
+    try:
+        return [kind(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        _fail(f"{name}: expected comma-separated {kind.__name__}s, got {text!r}")
+
+
+def _declared(window, chunk, lengths, prefix_lengths, softcap, sinks, alibi_slopes,
+              bidirectional) -> dict:
+    """The pattern keywords of causalattn.attention, from the audit/diagnose options."""
+    kw = {"causal": not bidirectional, "window": window, "chunk": chunk, "softcap": softcap,
+          "lengths": _numbers(lengths, "--lengths", int),
+          "prefix_lengths": _numbers(prefix_lengths, "--prefix-lengths", int),
+          "sinks": _numbers(sinks, "--sinks"), "alibi_slopes": _numbers(alibi_slopes,
+                                                                        "--alibi-slopes")}
+    return {k: v for k, v in kw.items() if v is not None}
+
+
+_PATTERN_HELP = "The declared pattern, as for causalattn.attention (default: plain causal)."
+
+
 @app.command("audit")
 def audit_cmd(
     file: str = typer.Argument(
@@ -849,6 +873,15 @@ def audit_cmd(
         "text and audit every layer's attention."),
     layers: str = typer.Option(None, "--layers", help="With --model: which layers, e.g. '0,3,5-7'."),
     max_bytes: int = typer.Option(2 * 2**30, "--max-bytes", help="Refuse arrays larger than this."),
+    window: int = typer.Option(None, "--window", help="Sliding window w: " + _PATTERN_HELP),
+    chunk: int = typer.Option(None, "--chunk", help="Chunks of c positions."),
+    lengths: str = typer.Option(None, "--lengths", help="Sequence lengths, e.g. 6,3."),
+    prefix_lengths: str = typer.Option(None, "--prefix-lengths", help="Bidirectional prefixes."),
+    softcap: float = typer.Option(None, "--softcap", help="Scores capped as c·tanh(S/c)."),
+    sinks: str = typer.Option(None, "--sinks", help="One sink logit per head, e.g. 0.5,0.1."),
+    alibi_slopes: str = typer.Option(None, "--alibi-slopes", help="One ALiBi slope per head."),
+    bidirectional: bool = typer.Option(False, "--bidirectional", help="No causal rule."),
+    scale: float = typer.Option(None, "--scale", help="The scale on Q Kᵀ (default 1/√d_k)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
     """Check named arrays in dependency order. Exit 0 clean, 1 a check fails, 2 unusable input."""
@@ -859,8 +892,10 @@ def audit_cmd(
         return
     if file is None:
         _fail("give a file of arrays to audit, or --model DIR \"text\"")
+    declared = _declared(window, chunk, lengths, prefix_lengths, softcap, sinks, alibi_slopes,
+                         bidirectional)
     try:
-        report = _one_based(audit(file, max_bytes=max_bytes))
+        report = _one_based(audit(file, max_bytes=max_bytes, scale=scale, **declared))
     except (ValueError, OSError) as exc:
         _fail(str(exc))
     if as_json:
@@ -920,18 +955,30 @@ def diagnose_cmd(
     target: str = typer.Argument(..., help="path/to/file.py:function_or_class (the file is executed)."),
     signature: str = typer.Option(None, "--signature", help="qkv | x-weights | module (default: discovered)."),
     timeout: float = typer.Option(60.0, "--timeout", help="Seconds before the user's code is stopped."),
+    window: int = typer.Option(None, "--window", help="Sliding window w: " + _PATTERN_HELP),
+    chunk: int = typer.Option(None, "--chunk", help="Chunks of c positions."),
+    lengths: str = typer.Option(None, "--lengths", help="Sequence lengths, e.g. 6,3."),
+    prefix_lengths: str = typer.Option(None, "--prefix-lengths", help="Bidirectional prefixes."),
+    softcap: float = typer.Option(None, "--softcap", help="Scores capped as c·tanh(S/c)."),
+    sinks: str = typer.Option(None, "--sinks", help="One sink logit per head, e.g. 0.5,0.1."),
+    alibi_slopes: str = typer.Option(None, "--alibi-slopes", help="One ALiBi slope per head."),
+    bidirectional: bool = typer.Option(False, "--bidirectional", help="No causal rule."),
+    scale: float = typer.Option(None, "--scale", help="The scale on Q Kᵀ (default 1/√d_k)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ):
-    """Name the fault in an attention function or module. Exit 0 clean, 1 a fault, 2 it could not run.
+    """Measure an attention function or module; name the first stage that differs.
+    Exit 0 clean, 1 it differs, 2 it could not run.
 
-    The target file is EXECUTED, in a subprocess stopped after --timeout seconds.
+    The target file is EXECUTED, in a worker process stopped after --timeout seconds.
     """
     from .check import diagnose
 
     if ":" not in target:
         _fail(f"expected path/to/file.py:function_or_class, got {target!r}")
+    declared = _declared(window, chunk, lengths, prefix_lengths, softcap, sinks, alibi_slopes,
+                         bidirectional)
     with _library_errors():
-        d = diagnose(target, signature=signature, timeout=timeout)
+        d = diagnose(target, signature=signature, timeout=timeout, scale=scale, **declared)
     if as_json:
         _print_json(d.to_dict())
     else:

@@ -28,11 +28,13 @@ Choices where names are ambiguous:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 
+from .. import masks as _masks
 from ..trace import Trace
 from .inputs import DEFAULT_MAX_BYTES, _from_mapping, _from_trace, load_arrays
 from .report import AuditInputError, Report
@@ -41,13 +43,33 @@ from .stages import _Auditor
 __all__ = ["audit"]
 
 
-def audit(obj, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Report:
+def audit(obj, *, max_bytes: int = DEFAULT_MAX_BYTES, scale: float | None = None,
+          causal: bool = True, window: int | None = None, chunk: int | None = None,
+          lengths=None, key_padding_mask=None, cu_seqlens=None, prefix_lengths=None,
+          alibi_slopes=None, softcap: float | None = None, sinks=None) -> Report:
     """Check an attention computation in dependency order (see the module docstring).
 
     ``obj``: a :class:`Trace`, a mapping of named arrays (NumPy or torch; aliases and
     TransformerLens hook names accepted) or a path to a .npz / .npy / folder of .npy /
-    .safetensors file. Unusable input raises :class:`AuditInputError` (a ValueError).
+    .safetensors file (``max_bytes``: the budget for all its arrays together). The
+    pattern keywords and ``scale`` declare what was meant, as for
+    :func:`causalattn.attention` (default: plain causal, 1/√d_k; a Trace brings its own).
+    Unusable input raises :class:`AuditInputError` (a ValueError).
     """
+    declared = {"window": window, "chunk": chunk, "lengths": lengths,
+                "key_padding_mask": key_padding_mask, "cu_seqlens": cu_seqlens,
+                "prefix_lengths": prefix_lengths, "alibi_slopes": alibi_slopes,
+                "softcap": softcap, "sinks": sinks}
+    declared = {k: v for k, v in declared.items() if v is not None}
+    if not causal:
+        declared["causal"] = False
+    try:
+        _masks.Pattern(**declared)
+    except ValueError as exc:
+        raise AuditInputError(f"audit: {exc}") from None
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
+                                  and scale > 0):
+        raise AuditInputError(f"audit: scale must be a finite number > 0, got {scale!r}")
     if isinstance(obj, Trace):
         inp = _from_trace(obj)
     elif isinstance(obj, (str, Path)):
@@ -58,6 +80,9 @@ def audit(obj, *, max_bytes: int = DEFAULT_MAX_BYTES) -> Report:
     else:
         raise AuditInputError(f"audit: expected a Trace, a mapping of arrays or a path, got "
                               f"{type(obj).__name__}")
+    inp.pattern = {**inp.pattern, **declared}
+    if scale is not None:
+        inp.scale = float(scale)
     try:
         with np.errstate(all="ignore"):  # NaN/inf in the user's arrays are findings, not warnings
             return _Auditor(inp).run()

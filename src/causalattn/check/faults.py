@@ -33,7 +33,7 @@ CATALOGUE: tuple[Fault, ...] = (
           "the scale is 1/√d_k, the query/key width, not the value width d_v"),
     Fault("scale-by-sqrt-dmodel", "S", "S = Q Kᵀ / √d_model: scaled by the model width",
           "with heads the scale is 1/√d_k of one head (d_model / h), not 1/√d_model"),
-    Fault("diagonal-blocked", "M", "mask blocks j = i (j < i allowed): a token cannot read itself",
+    Fault("diagonal-blocked", "M", "the diagonal is blocked (j < i allowed): a token cannot read itself",
           "allow j <= i: each token must be able to read itself"),
     Fault("no-mask", "M", "no causal mask: queries read future keys",
           "add the causal mask M before the softmax"),

@@ -3,7 +3,9 @@ aliases and TransformerLens hook names -> arrays in our layouts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -169,6 +171,24 @@ class _Inputs:
     scale: float | None = None
     n_heads: int | None = None
     notes: list[str] = field(default_factory=list)
+    pattern: dict = field(default_factory=dict)  # the declared Pattern's keywords
+
+
+def _scalar_scale(a: np.ndarray) -> float:
+    if a.size != 1 or a.dtype == np.bool_:
+        raise AuditInputError(f"scale: must be one number, got shape {a.shape}")
+    c = float(a.reshape(-1)[0])
+    if not math.isfinite(c) or c <= 0:
+        raise AuditInputError(f"scale: must be a finite number > 0 (the factor on Q Kᵀ), got {c:g}")
+    return c
+
+
+def _positive_int(name: str, a: np.ndarray) -> int:
+    v = a.reshape(-1)
+    if a.size != 1 or not np.issubdtype(a.dtype, np.integer) or a.dtype == np.bool_ or v[0] < 1:
+        raise AuditInputError(f"{name}: must be one integer >= 1, got {v.tolist()[:4]} "
+                              f"({a.dtype})")
+    return int(v[0])
 
 
 def _eps(dtype: np.dtype) -> float:
@@ -196,13 +216,24 @@ def _from_mapping(data: Mapping[str, Any]) -> _Inputs:
 
     inp = _Inputs(arrays={}, eps={}, notes=notes)
     if "scale" in raw:
-        inp.scale = float(np.asarray(raw.pop("scale")[0]).reshape(-1)[0])
+        inp.scale = _scalar_scale(raw.pop("scale")[0])
     if "n_heads" in raw:
-        inp.n_heads = int(np.asarray(raw.pop("n_heads")[0]).reshape(-1)[0])
+        inp.n_heads = _positive_int("n_heads", raw.pop("n_heads")[0])
     if "lengths" in raw:
-        inp.lengths = raw.pop("lengths")[0].astype(np.int64)
+        L = raw.pop("lengths")[0]
+        if L.ndim != 1 or L.dtype == np.bool_ or not np.issubdtype(L.dtype, np.integer):
+            raise AuditInputError(f"lengths: must be a 1-D integer array (B,), got shape "
+                                  f"{L.shape} and dtype {L.dtype}")
+        if (L < 0).any():
+            raise AuditInputError(f"lengths: must be >= 0, got {L.tolist()[:8]}")
+        inp.lengths = L.astype(np.int64)
     if "key_padding_mask" in raw:
-        inp.key_padding = raw.pop("key_padding_mask")[0].astype(bool)
+        kpm = raw.pop("key_padding_mask")[0]
+        if kpm.ndim != 2 or not (kpm.dtype == np.bool_ or (
+                np.issubdtype(kpm.dtype, np.integer) and np.isin(kpm, (0, 1)).all())):
+            raise AuditInputError(f"key_padding_mask: must be (B, T_k) booleans (True = may "
+                                  f"read), got shape {kpm.shape} and dtype {kpm.dtype}")
+        inp.key_padding = kpm.astype(bool)
     if "allowed" in raw:
         m, _ = raw.pop("allowed")
         if m.dtype == np.bool_ or (np.issubdtype(m.dtype, np.integer) and np.isin(m, (0, 1)).all()):
@@ -254,9 +285,16 @@ def _from_mapping(data: Mapping[str, Any]) -> _Inputs:
 
 
 def _from_trace(tr: Trace) -> _Inputs:
-    inp = _from_mapping({n: tr[n] for n in tr.names})
+    inp = _from_mapping({n: tr[n] for n in tr.names if n in STAGE_ORDER or n in ("W_q", "W_k",
+                                                                               "W_v", "W_o", "Z")})
     inp.allowed = tr.allowed
     inp.scale = tr.scale
     inp.n_heads = tr.n_heads
+    pat = getattr(tr, "pattern", None)
+    if pat is not None and (pat.causal or pat.describe() != "bidirectional"):
+        # (a trace made with an explicit mask= says "bidirectional": its mask is the rule)
+        inp.pattern = {f.name: getattr(pat, f.name) for f in dataclasses.fields(pat)
+                       if getattr(pat, f.name) is not None
+                       and f.name not in ("q_start", "k_start", "mask")}
     return inp
 

@@ -6,6 +6,7 @@ import numpy as np
 
 from .. import masks as _masks
 from ..reference import softmax_last, weighted_values
+from . import faults
 from .inputs import _Inputs
 from .numerics import (
     _MAX_LIST,
@@ -262,9 +263,10 @@ class _Auditor:
             if "S" not in a:
                 self.recompute("S", np.where(sources[-1][1], Z, 0.0), "Z")
         if not sources and "A" in a and a["A"].shape == shape:
-            sources.append(("A (exact zeros)", self._mask_from_weights(a["A"])))
+            self._pattern_from_weights(a["A"], shape)
+            return
         if not sources:
-            self.R = np.broadcast_to(self._expected_default(T_q, T_k), shape)
+            self.R = self._declared_allowed(shape)
             self.recomputed.append("M")
             return
         name0, R = sources[0]
@@ -278,15 +280,41 @@ class _Auditor:
             self.recomputed.append("M")
         self._structure(R, name0)
 
-    def _expected_default(self, T_q, T_k):
-        R = _masks.causal(T_q, T_k)
-        if self.inp.lengths is not None:
-            L = self.inp.lengths
-            R = _masks.combine(R, _masks.key_padding(L, T_k)[:, None, :],
-                               _masks.query_padding(L, T_q)[:, :, None])
-        if self.inp.key_padding is not None:
-            R = _masks.combine(R, self.inp.key_padding[..., None, :])
-        return self._fit_lead(R)
+    def _pattern_kw(self, padding: bool = True) -> dict:
+        kw = dict(self.inp.pattern)
+        if self.inp.lengths is not None and "lengths" not in kw:
+            kw["lengths"] = self.inp.lengths
+        if self.inp.key_padding is not None and "key_padding_mask" not in kw:
+            kw["key_padding_mask"] = self.inp.key_padding
+        if not padding:
+            kw.pop("lengths", None)
+            kw.pop("key_padding_mask", None)
+        return kw
+
+    def _padding_declared(self) -> bool:
+        kw = self._pattern_kw()
+        return "lengths" in kw or "key_padding_mask" in kw
+
+    def _declared_allowed(self, shape, padding: bool = True) -> np.ndarray:
+        """The declared pattern (default plain causal; padding from the inputs) broadcast to
+        the stages' shape (..., T_q, T_k): leading axes are (B, H), (B,) or (H,)."""
+        kw = self._pattern_kw(padding)
+        lead, (T_q, T_k) = shape[:-2], shape[-2:]
+        try:
+            pat = _masks.Pattern(**kw)
+            batchy = pat.per_batch
+            if not lead:
+                R = pat.allowed(1, 1, T_q, T_k)[0, 0]
+            elif len(lead) == 1:
+                heads = self.h is not None and lead[0] == self.h and not batchy
+                R = pat.allowed(1, lead[0], T_q, T_k)[0] if heads else \
+                    pat.allowed(lead[0], 1, T_q, T_k)[:, 0]
+            else:
+                R = pat.allowed(lead[-2], lead[-1], T_q, T_k)
+            return np.broadcast_to(R, shape)
+        except ValueError as exc:
+            raise AuditInputError(f"mask: the declared pattern does not fit the stages "
+                                  f"{shape}: {exc}") from None
 
     def _fit_lead(self, R):
         # a (B, T, T) mask with a head axis in the stages: insert it
@@ -303,21 +331,114 @@ class _Auditor:
                 pass
         raise AuditInputError(f"{name}: shape {m.shape} does not broadcast to {shape}")
 
-    def _mask_from_weights(self, A):
-        """Blocked = exactly 0, but an isolated zero below the diagonal is read as underflow."""
-        T_q, T_k = A.shape[-2:]
+    def _pattern_from_weights(self, A, shape):
+        """No mask given: compare the keys A reads (nonzero weights) with the declared
+        pattern. Padding is inferred only when unambiguous — keys from L on read by no query
+        and query rows from L on reading nothing, L >= 1 — and the audit notes it. Rows
+        that read nothing are left to stage A (they must sum to 1 unless the pattern
+        leaves them empty)."""
+        lead = shape[:-2]
+        T_q, T_k = shape[-2:]
         off = T_k - T_q
-        # NaN counts as read, except a row that is NaN throughout: softmax of all -inf (0/0)
-        R = (A != 0) & ~np.isnan(A).all(-1, keepdims=True)
-        causal = _masks.causal(T_q, T_k)
-        empty_row = ~R.any(-1, keepdims=True)
-        i = np.arange(T_q)[:, None]
-        col_pad = ~(R & (np.arange(T_k)[None, :] <= i + off)).any(-2, keepdims=True)
-        diag = np.zeros((T_q, T_k), bool)
-        diag[np.arange(T_q), np.arange(T_q) + off] = True
-        diag_blocked = ~(R & diag).any(axis=(-1, -2), keepdims=True)
-        structural = empty_row | col_pad | (diag & diag_blocked)
-        return R | (causal & ~structural)
+        E = self._declared_allowed(shape).copy()
+        P = (A != 0) & ~np.isnan(A).all(-1, keepdims=True)
+        if "S" in self.a:  # a weight that underflowed to 0 is not a blocked key
+            with np.errstate(all="ignore"):
+                ref = softmax_last(np.where(E, self._modified_scores(shape), 0.0), E)
+            P |= E & (A == 0) & (ref < 1e-30)
+        inferred = []
+        if not self._padding_declared():
+            for idx in np.ndindex(*lead) if lead else [()]:
+                keys = P[idx].any(-2)
+                L = int(np.argmin(keys)) if not keys.all() else T_k
+                pos = np.arange(T_q) + off
+                if 1 <= L < T_k and not keys[L:].any() and not P[idx][pos >= L].any():
+                    kp = _masks.key_padding([L], T_k)[0]
+                    qp = _masks.query_padding([L], T_k)[0][off:]
+                    E[idx] &= kp[None, :] & qp[:, None]
+                    inferred.append((idx, L))
+        if inferred:
+            self.notes.append(
+                "padding assumed from A (keys and query rows from L on read nothing): "
+                + "; ".join(f"{list(i) if i else ''} L = {L}".strip() for i, L in inferred[:4])
+                + (" ..." if len(inferred) > 4 else "") + "; declare lengths= to state it")
+        self.R = E
+        self.recomputed.append("M")
+        reads = P.any(-1, keepdims=True)
+        Pc = np.where(reads, P, E)  # rows that read nothing: stage A says so
+        bad = Pc != E
+        declared = _masks.Pattern(**self._pattern_kw()).describe()
+        if not bad.any():
+            self.add("M", "A reads what the pattern allows", True,
+                     f"the keys A reads match the declared pattern ({declared})")
+            return
+        flat = int(np.flatnonzero(bad.reshape(-1, T_q * T_k).any(-1))[0])
+        first = tuple(int(i) for i in np.unravel_index(flat, lead)) if lead else ()
+        from .measure import describe_difference
+
+        what = describe_difference(Pc[first], E[first], T_q, T_k)
+        never = np.flatnonzero(~P[first].any(-2) & E[first].any(-2))
+        msg = f"the keys A reads differ from the declared pattern ({declared}): {what}" + (
+            f" (at index {list(first)})" if first else "")
+        hint = self._pattern_hint(Pc[first], E[first], T_q, T_k, reads[first])
+        if never.size:
+            hint += (f"; key{'s' if never.size > 1 else ''} "
+                     f"{', '.join(str(j + 1) for j in never[:6])} {'are' if never.size > 1 else 'is'}"
+                     " read by no query: if that is padding, declare key_padding_mask= or "
+                     "lengths=")
+        self.add("M", "A reads what the pattern allows", False, msg,
+                 _locate(bad, len(lead)), hint)
+
+    def _pattern_hint(self, P, E, T_q, T_k, reads) -> str:
+        """The catalogue's hint when the read pattern is a catalogued fault."""
+        base = _masks.Pattern().allowed(1, 1, T_q, T_k)[0, 0]
+        r = reads[:, 0]
+
+        def same(X):
+            return bool((P[r] == X[r]).all())
+
+        fid = None
+        if P[r].all():
+            fid = "no-mask"
+        elif T_q == T_k and same(base.T):
+            fid = "anti-causal-mask"
+        elif T_q == T_k and same(E & ~np.eye(T_q, dtype=bool)):
+            fid = "diagonal-blocked"
+        if fid is not None:
+            f = faults.BY_ID[fid]
+            return f"{fid}: {f.description}; {f.hint}"
+        if (P & ~E).any():
+            return "A gives weight to keys the pattern blocks: the mask is too weak or wrong"
+        return ("A leaves out keys the pattern allows: the mask is stricter than declared (a "
+                "window or a padding rule nobody declared?)")
+
+    def _softmax(self, R):
+        """softmax_last(modified S + M) over ``R`` (..., T_q, T_k), the declared sinks in the
+        denominator: what A must be."""
+        Z = np.where(R, self._modified_scores(R.shape), 0.0)
+        sinks = self.inp.pattern.get("sinks")
+        if sinks is None:
+            return softmax_last(Z, R)
+        sk = np.asarray(sinks, np.float64)
+        lead = R.shape[:-2]
+        col = np.broadcast_to(sk[:, None, None] if lead and lead[-1] == sk.size else sk[:1, None],
+                              R.shape[:-1] + (1,)) if lead else np.full(R.shape[:-1] + (1,),
+                                                                        float(sk[0]))
+        has = R.any(-1, keepdims=True)
+        A = softmax_last(np.concatenate([Z, col], -1), np.concatenate([R, has], -1))
+        return A[..., :-1]
+
+    def _modified_scores(self, shape):
+        """S broadcast to ``shape``, with the declared softcap / ALiBi applied."""
+        S = np.broadcast_to(self.a["S"], shape)
+        pat = _masks.Pattern(**{k: v for k, v in self.inp.pattern.items()
+                                if k in ("softcap", "alibi_slopes")})
+        if not pat.has_modifiers:
+            return S
+        lead = shape[:-2]
+        S4 = S.reshape((-1,) + (lead[-1:] if lead else (1,)) + shape[-2:]) if lead else \
+            S.reshape((1, 1) + shape[-2:])
+        return np.asarray(pat.modify_scores(S4)).reshape(shape)
 
     def _structure(self, R, source):
         """Compare the mask with causal ∧ padding, padding read from the mask itself."""
@@ -325,16 +446,17 @@ class _Auditor:
         T_q, T_k = shape[-2:]
         off = T_k - T_q
         lead = shape[:-2]
-        causal = _masks.causal(T_q, T_k)
+        base_all = self._declared_allowed(shape, padding=False)
+        plain = bool(_masks.Pattern(**self._pattern_kw(False)).is_plain_causal)
         declared_pad = None
-        if self.inp.lengths is not None or self.inp.key_padding is not None:
-            declared_pad = ~np.broadcast_to(self._fit_lead(
-                self._expected_default(T_q, T_k)).any(-2), lead + (T_k,))
+        if self._padding_declared():
+            declared_pad = ~self._declared_allowed(shape).any(-2)
         bad = np.zeros(shape, bool)
         kinds = set()
         padded = False
         for idx in np.ndindex(*lead) if lead else [()]:
             r = R[idx]
+            causal = base_all[idx]
             pad = ~r.any(0) if declared_pad is None else declared_pad[idx]
             padded |= bool(pad.any())
             E = causal & ~pad[None, :]
@@ -347,9 +469,9 @@ class _Auditor:
             if wrong.any():
                 if r.all():
                     kinds.add("none")
-                elif (r == causal.T).all() and T_q == T_k:
+                elif plain and (r == causal.T).all() and T_q == T_k:
                     kinds.add("anti")
-                elif T_q == T_k and (r == np.tril(np.ones((T_q, T_k), bool), -1)).all():
+                elif plain and T_q == T_k and (r == (causal & ~np.eye(T_q, dtype=bool))).all():
                     kinds.add("diag")
                 elif (r & ~causal).any():
                     kinds.add("future")
@@ -358,6 +480,7 @@ class _Auditor:
                 else:
                     kinds.add("over")
         ok = not bad.any()
+        described = _masks.Pattern(**self._pattern_kw(False)).describe()
         hints = {
             "none": "no causal mask: every query reads future keys (add M before the softmax)",
             "anti": "the mask is transposed (anti-causal): queries read j >= i instead of j <= i",
@@ -369,7 +492,8 @@ class _Auditor:
         order = ["none", "anti", "diag", "future", "padding", "over"]
         kind = next((k for k in order if k in kinds), None)
         self.add("M", "mask is causal (+ padding)", ok,
-                 f"{source}: " + ("0 on and below the diagonal, blocked above"
+                 f"{source}: " + (("0 on and below the diagonal, blocked above" if plain else
+                                   f"as declared ({described})")
                                   + (", padding blocked" if declared_pad is not None else
                                      ", padding keys (read by no query) blocked" if padded else "")
                                   if ok else "does not match causal ∧ padding"),
@@ -382,9 +506,8 @@ class _Auditor:
         R = self.R
         if "A" not in a:
             if "S" in a and R is not None:
-                S = np.broadcast_to(a["S"], R.shape)
                 with np.errstate(invalid="ignore"):
-                    self.recompute("A", softmax_last(np.where(R, S, 0.0), R), "S")
+                    self.recompute("A", self._softmax(R), "S")
             return
         A = a["A"]
         if "S" in a and a["S"].shape[-2:] != A.shape[-2:]:
@@ -413,7 +536,8 @@ class _Auditor:
             if rows.size:
                 self.empty_rows.append({"index": list(idx), "rows": rows.tolist()})
         sums = np.where(R, A, 0.0).sum(-1)
-        row_bad = has_key & finite_row & (np.abs(sums - 1) > tol)
+        sinks = "sinks" in self.inp.pattern  # rows sum to less than 1: the sink takes the rest
+        row_bad = has_key & finite_row & ((sums > 1 + tol) if sinks else (np.abs(sums - 1) > tol))
         if row_bad.any():
             hint = self._softmax_hint(A, R, has_key, tol)
             self.add("A", "rows sum to 1", False,
@@ -458,9 +582,8 @@ class _Auditor:
                      "entry makes softmax NaN (0/0), a finite fill spreads weight over "
                      "forbidden keys")
         if "S" in a and not self.failures_in("A"):
-            S = np.broadcast_to(a["S"], A.shape)
             with np.errstate(invalid="ignore"):
-                ref = softmax_last(np.where(R, S, 0.0), R)
+                ref = self._softmax(R)
             ok, e, bad = _close(A, ref, _rtol(self.eps["A"], self.eps.get("S", 0)),
                                 has_key[..., None] & R)
             self.add("A", "A = softmax_last(S + M)", ok,
@@ -591,6 +714,11 @@ class _Auditor:
         self.values()
         self.contributions()
         self.output()
+        if not self.checks:
+            raise AuditInputError(
+                f"nothing to check: given {', '.join(self.given)}, every later stage would be "
+                "computed from them; give at least one computed stage (S, M, A, H, C or O) "
+                "to check, or X with W_Q, W_K, W_V and Q, K or V")
         order = {s: i for i, s in enumerate(STAGE_ORDER)}
         checks = sorted(self.checks, key=lambda c: order[c.stage])
         return Report(checks, self.given, self.recomputed, self.empty_rows, self.notes)
