@@ -4,9 +4,7 @@ aliases and TransformerLens hook names -> arrays in our layouts."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import zipfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..trace import Trace
+from .files import open_arrays
 from .report import STAGE_ORDER, AuditInputError
 
 DEFAULT_MAX_BYTES = 2 * 2**30
@@ -48,86 +47,33 @@ _TL_POS_HEAD = {"hook_q", "hook_k", "hook_v", "hook_z", "hook_result"}  # (batch
 _META = {"allowed", "lengths", "key_padding_mask", "scale", "n_heads"}
 
 # -- reading inputs ----------------------------------------------------------------------
-def _npy_header(fh) -> tuple[tuple[int, ...], np.dtype]:
-    version = np.lib.format.read_magic(fh)
-    if version == (1, 0):
-        shape, _, dtype = np.lib.format.read_array_header_1_0(fh)
-    else:
-        shape, _, dtype = np.lib.format.read_array_header_2_0(fh)
-    return shape, dtype
-
-
-def _check_size(name: str, shape, dtype, max_bytes: int) -> None:
-    if np.dtype(dtype).hasobject:
-        raise AuditInputError(f"{name}: holds Python objects (a pickle); only numeric arrays "
-                              "are read (allow_pickle=False)")
-    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    if n > max_bytes:
-        raise AuditInputError(f"{name}: {shape} {np.dtype(dtype)} is {n / 2**30:.2f} GiB, above "
-                              f"the limit of {max_bytes / 2**30:.2f} GiB (raise it with max_bytes)")
-
-
 def load_arrays(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, np.ndarray]:
     """Named arrays from a .npz, a .npy, a folder of .npy files or a .safetensors file.
 
-    Nothing is executed (``allow_pickle=False``); arrays above ``max_bytes`` are refused
-    before they are read.
+    Every header is read first (:mod:`.files`): only numeric arrays, ``max_bytes`` for all
+    of them together, and declared shapes that fit together (a T×T stage must match the T
+    of Q, K, V or X); only then are the arrays read. Nothing is executed.
     """
-    p = Path(path)
-    if not p.exists():
-        raise AuditInputError(f"{p}: no such file or folder")
-    try:
-        if p.is_dir():
-            files = sorted(p.glob("*.npy"))
-            if not files:
-                raise AuditInputError(f"{p}: folder holds no .npy files")
-            out = {}
-            for f in files:
-                with open(f, "rb") as fh:
-                    _check_size(f.name, *_npy_header(fh), max_bytes)
-                out[f.stem] = np.load(f, allow_pickle=False)
-            return out
-        suffix = p.suffix.lower()
-        if suffix == ".npy":
-            with open(p, "rb") as fh:
-                _check_size(p.name, *_npy_header(fh), max_bytes)
-            return {p.stem: np.load(p, allow_pickle=False)}
-        if suffix == ".safetensors":
-            return _load_safetensors(p, max_bytes)
-        with zipfile.ZipFile(p) as zf:
-            for info in zf.infolist():
-                if info.filename.endswith(".npy"):
-                    with zf.open(info) as fh:
-                        _check_size(info.filename[:-4], *_npy_header(fh), max_bytes)
-        with np.load(p, allow_pickle=False) as f:
-            return {k: f[k] for k in f.files}
-    except AuditInputError:
-        raise
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError) as exc:
-        raise AuditInputError(f"{p}: cannot be read as named arrays ({type(exc).__name__}: {exc})"
-                              ) from None
+    f = open_arrays(path, max_bytes)
+    _check_declared_shapes(f.path, f.headers)
+    return f.read()
 
 
-def _load_safetensors(p: Path, max_bytes: int) -> dict[str, np.ndarray]:
-    try:
-        from safetensors.numpy import load_file
-    except ImportError:
-        raise AuditInputError(f"{p}: reading .safetensors needs the 'safetensors' package "
-                              "(pip install 'causalattn[hf]')") from None
-    with open(p, "rb") as fh:
-        n = int.from_bytes(fh.read(8), "little")
-        if n <= 0 or n > 100 * 2**20:
-            raise AuditInputError(f"{p}: not a .safetensors file (header length {n})")
-        header = json.loads(fh.read(n))
-    for name, info in header.items():
-        if name != "__metadata__":
-            lo, hi = info["data_offsets"]
-            if hi - lo > max_bytes:
-                raise AuditInputError(f"{name}: {hi - lo} bytes is above the limit of {max_bytes}")
-    try:
-        return load_file(str(p))
-    except Exception as exc:  # dtypes NumPy lacks (bf16), corrupt data
-        raise AuditInputError(f"{p}: cannot be read ({exc})") from None
+def _check_declared_shapes(p, headers: dict) -> None:
+    """Refuse, before reading, T×T stages whose sizes are not the sequence lengths of the
+    Q, K, V or X next to them (e.g. an A of 16000×16000 next to a q of 8×2)."""
+    T, square = set(), {}
+    for name, (shape, _) in headers.items():
+        stage = _canon(name)[0]
+        if stage in ("Q", "K", "V", "X") and len(shape) >= 2:
+            T.add(shape[-2])
+        elif stage in ("S", "Z", "M", "A") and len(shape) >= 2:
+            square[name] = shape
+    for name, shape in square.items():
+        if T and not {shape[-2], shape[-1]} <= T:
+            raise AuditInputError(
+                f"{p}: {name!r} is declared {shape[-2]}×{shape[-1]} but the sequences of Q, K, V "
+                f"or X have T in {sorted(T)}; refused before reading")
 
 
 def _canon(key: str) -> tuple[str, str, str | None]:
