@@ -366,7 +366,7 @@ class _Measurement:
                         f"{z:.3g}, not 0", (), p.name)]
 
     def dv_dependence(self, p: Probe, A: np.ndarray) -> list[Finding]:
-        if self.plan.sig == "module":
+        if self.plan.sig == "module" or not np.isfinite(A).all():
             return []
         V = np.concatenate([_eye(p.T_k), np.zeros((1, 1, p.T_k, p.T_k))], -1)
         A2 = self.s.values(p, V)[..., : p.T_k]
@@ -514,7 +514,7 @@ class _Measurement:
                              f"T×d_k = {p.T_k}×{p.d_k}): {type(exc).__name__}: {exc}",
                              status=Status.ERROR, details=self.details, d_k=p.d_k)
         with np.errstate(all="ignore"):
-            lin = self.linearity(main, A)
+            lin = self.linearity(main, A) if np.isfinite(A).all() else []  # NaN: stage A says
             if lin:
                 rec = self._recorded_weights(main)
                 found = self.analyze(main, rec) if rec is not None else []
@@ -608,6 +608,7 @@ class _Measurement:
         if fault and fault in BY_ID:
             msg = f"{fault}: {msg}"
         location, code, facts = None, "", {}
+        self.s.last = (main, _eye(main.T_k))  # the white-box pass replays the main probe
         try:
             events = (_record if self.s.framework == "torch" else _record_numpy)(self.s, main)
             location, code, facts = _whitebox(events, fault if fault in BY_ID else None)
