@@ -322,8 +322,17 @@ def test_questions_are_seeded_and_validated():
     assert questions(seed=3, n=12) == questions(seed=3, n=12)
     assert questions(seed=3) != questions(seed=4)
     assert len(questions(seed=1, n=20)) == 20
-    hl = questions(seed=0)[0]["highlight"]
-    assert hl == {"matrix": "A", "axis": "row", "row": 2}
+    qs = questions(seed=0)
+    assert qs[0]["highlight"] == {"matrix": "A", "axis": "row", "row": 2}
+    for q in qs:  # what a page needs to draw the picture: the sentence, or a trace (+ its mask)
+        if "sentence" in (q["highlight"] or {}):
+            assert q["sentence"] == q["highlight"]["sentence"] == q["data"]["sentence"]
+        elif q["kind"] != "shape":
+            assert {"X", "W_q", "W_k", "W_v", "tokens"} <= set(q["data"])
+        if q["kind"].startswith("window"):
+            T, w = q["data"]["T"], q["data"]["window"]
+            band = np.tri(T, dtype=bool) & ~np.tri(T, k=-w, dtype=bool)  # the last w keys
+            assert np.array_equal(np.array(q["data"]["mask"]), band)
     for bad in ({"seed": -1}, {"n": 0}, {"seed": 1.5}, {"kinds": ["nope"]}):
         with pytest.raises(ValueError, match="learn"):
             questions(**bad)

@@ -8,14 +8,17 @@ Each question is a JSON-serializable dict::
      "prompt": str, "choices": [str, ...], "answer": int (0-based index into choices),
      "hint": str, "explanation": str,
      "highlight": {"matrix": "A", "axis": "row", "row": 2}     # or None; see below
-     "data": {...}}                                           # what the answer was computed from
+     "data": {...},                                           # what the answer was computed from
+     "sentence": 3}                                           # only for seed-sentence questions
 
 Positions in prompts, choices and explanations are 1-based, as in the chapter (h_1 … h_T);
 indices in ``highlight`` and ``data`` are 0-based, as in the Python API. ``highlight`` says
 where the answer lives in a picture: ``matrix`` is a stage symbol ("S", "M", "A"), with
 ``axis`` ("row" | "column" | "all") and ``row``, or ``cells`` ([[i, j], ...]). When the
-question is about a seed sentence, ``sentence`` (0-based) names it; otherwise ``data`` holds
-the small trace (X, W_q, W_k, W_v, tokens) the question was generated from.
+question is about a seed sentence, ``sentence`` (0-based, in the question and its highlight)
+names it; otherwise ``data`` holds a small trace (X, W_q, W_k, W_v, tokens) to draw: the one
+the question was generated from, or, for a window question, one under that ``mask`` (T×T
+booleans from ``masks.Pattern(window=w)``).
 
 No answer is typed in: each one comes from the library (the reference trace, the masks,
 :func:`causalattn.shapes.shape_table`), and every wrong choice is computed too, from the
@@ -69,9 +72,12 @@ def _pack(rng, kind, prompt, correct, wrong, hint, explanation, highlight=None, 
         raise _Retry
     order = rng.permutation(len(choices))
     shuffled = [choices[k] for k in order]
-    return {"kind": kind, "prompt": prompt, "choices": shuffled,
-            "answer": int(np.flatnonzero(order == 0)[0]), "hint": hint,
-            "explanation": explanation, "highlight": highlight, "data": data or {}}
+    out = {"kind": kind, "prompt": prompt, "choices": shuffled,
+           "answer": int(np.flatnonzero(order == 0)[0]), "hint": hint,
+           "explanation": explanation, "highlight": highlight, "data": data or {}}
+    if highlight and "sentence" in highlight:  # the seed sentence the picture shows
+        out["sentence"] = highlight["sentence"]
+    return out
 
 
 # -- small seeded traces ------------------------------------------------------------------------
@@ -345,6 +351,12 @@ def _shape(rng):
 
 
 # -- what a sliding window changes in M ------------------------------------------------------
+def _picture(rng, T: int, w: int) -> dict:
+    """A small trace's inputs under the window's mask, so a page can draw that M."""
+    _, data = _small_trace(rng, T)
+    return {**data, "T": T, "mask": _dense(masks.Pattern(window=w), T).tolist()}
+
+
 def _window_row(rng):
     T, w = 8, int(rng.integers(2, 5))
     i = int(rng.integers(w + 1, T))  # far enough in that the window cuts something
@@ -362,7 +374,7 @@ def _window_row(rng):
         f"The causal mask alone would let it read keys {_span(causal)}; the window blocks "
         f"{len(causal) - len(rows[w])} of them, and every row's cost stops growing with T.",
         {"matrix": "M", "cells": [[i, int(j)] for j in rows[w]], "pattern": {"window": w}},
-        {"T": T, "window": w, "i": i},
+        {**_picture(rng, T, w), "window": w, "i": i},
     )
 
 
@@ -378,7 +390,8 @@ def _window_count(rng):
         "Row i keeps min(i + 1, w) keys; the rest of its causal keys are blocked.",
         f"{blocked[w]}: row i keeps min(i + 1, {w}) of its i + 1 causal keys, so "
         f"{causal - blocked[w]} cells stay readable out of {causal}.",
-        {"matrix": "M", "axis": "all", "pattern": {"window": w}}, {"T": T, "window": w},
+        {"matrix": "M", "axis": "all", "pattern": {"window": w}},
+        {**_picture(rng, T, w), "window": w},
     )
 
 
