@@ -30,7 +30,30 @@ CASES = {  # name: (B, H_q, H_kv, T as a function of P, d_k, d_v, layout, length
     "zigzag-lengths": (3, 2, 1, lambda P: 8 * P, 8, 8, "zigzag", lambda T: [T, 5, 0]),
     "contiguous-lengths": (2, 2, 2, lambda P: 8 * P, 8, 8, "contiguous", lambda T: [T - 1, 7]),
     "zigzag-T-not-multiple-lengths": (2, 2, 1, lambda P: 4 * P + 1, 8, 8, "zigzag", lambda T: [T, 3]),
+    "zigzag-window": (2, 4, 2, lambda P: 8 * P, 8, 6, "zigzag", None),
+    "contiguous-window-lengths": (2, 2, 2, lambda P: 8 * P, 8, 8, "contiguous", lambda T: [T - 1, 7]),
+    "zigzag-sinks": (2, 4, 2, lambda P: 8 * P, 8, 6, "zigzag", None),
+    "zigzag-window-sinks-dropout": (1, 4, 2, lambda P: 8 * P, 8, 8, "zigzag", None),
 }
+# the pattern keywords beyond causal + lengths (sinks become a learned (H_q,) tensor)
+EXTRA = {
+    "zigzag-window": {"window": 5},
+    "contiguous-window-lengths": {"window": 3},  # a window shorter than a shard: fewer steps
+    "zigzag-sinks": {"sinks": [0.5, -1.0, 2.0, 0.0]},
+    "zigzag-window-sinks-dropout": {"window": 6, "sinks": [0.0, 1.0, -2.0, 0.5],
+                                    "dropout_p": 0.3},
+}
+
+
+def _extra(name: str):
+    """(keywords, sinks tensor or None): a fresh leaf for sinks, a seeded generator for dropout."""
+    kw = dict(EXTRA.get(name, {}))
+    sinks = None
+    if "sinks" in kw:
+        sinks = kw["sinks"] = torch.tensor(kw["sinks"], requires_grad=True)
+    if kw.get("dropout_p"):
+        kw["generator"] = torch.Generator().manual_seed(7)
+    return kw, sinks
 NAMES = ("out", "lse", "dq", "dk", "dv")
 # fork: children start at once with torch loaded (a fresh interpreter costs seconds per rank);
 # workers set 1 torch thread before any op, so no inherited thread pool is used.
@@ -69,19 +92,26 @@ def _check_worker(rank, P, port, out_q):
     """Every case on this rank; rank 0 sends the gathered results back."""
     try:
         dist = _init(rank, P, port, 60)
-        from causalattn.distributed import positions, ring_attention, shard, unshard
+        from causalattn.distributed import RingStats, positions, ring_attention, shard, unshard
 
         results = {}
         for name in CASES:
             q, k, v, dout, lengths, layout = _inputs(name, P)
             T = q.shape[2]
             ql, kl, vl = (shard(t, layout=layout).requires_grad_() for t in (q, k, v))
-            out, lse = ring_attention(ql, kl, vl, layout=layout, lengths=lengths, return_lse=True)
+            kw, sinks = _extra(name)
+            stats = RingStats()
+            out, lse = ring_attention(ql, kl, vl, layout=layout, lengths=lengths, return_lse=True,
+                                      stats=stats, **kw)
             (out * shard(dout, layout=layout)).sum().backward()
             got = {n: unshard(t, layout=layout, length=T)
                    for n, t in zip(NAMES, (out, lse, ql.grad, kl.grad, vl.grad))}
+            if sinks is not None:  # each rank's share of d sinks, summed as DDP would
+                dist.all_reduce(sinks.grad)
+                got["dsinks"] = sinks.grad
             if rank == 0:
                 results[name] = {n: t.numpy() for n, t in got.items()}
+                results[name]["steps"] = stats.steps
             if lengths is not None:  # NaN past each length must change nothing, gradients included
                 bad = torch.arange(T)[None, :] >= lengths[:, None]  # (B, T)
                 q, k, v = (t.masked_fill(bad[:, None, :, None], float("nan")) for t in (q, k, v))
@@ -215,9 +245,19 @@ def _expected(name: str, P: int):
     res = {}
     for engine, dtype in (("tiled", torch.float32), ("reference", torch.float64)):
         qq, kk, vv = (t.detach().to(dtype).requires_grad_() for t in (q, k, v))
-        out, lse = attention(qq, kk, vv, lengths=lengths, engine=engine, return_lse=True)
+        kw, sinks = _extra(name)
+        if sinks is not None:
+            sinks = kw["sinks"] = sinks.detach().to(dtype).requires_grad_()
+        out = attention(qq, kk, vv, lengths=lengths, engine=engine, **kw)
+        # lse without dropout (dropout acts after the softmax, lse is the same)
+        kw.pop("dropout_p", None), kw.pop("generator", None)
+        lse = attention(qq.detach(), kk.detach(), vv.detach(), lengths=lengths, engine=engine,
+                        return_lse=True, **{**kw, "sinks": None if sinks is None else
+                                            sinks.detach()})[1]
         (out * dout.to(dtype)).sum().backward()
         res[engine] = dict(zip(NAMES, (out.detach(), lse, qq.grad, kk.grad, vv.grad)))
+        if sinks is not None:
+            res[engine]["dsinks"] = sinks.grad
     return res
 
 
@@ -237,9 +277,17 @@ def _close(got, want, what):
 def test_matches_single_process(P, name):
     got = _results(P)[0][2][name]
     want = _expected(name, P)
-    for n in NAMES:
+    for n in want["tiled"]:
         _close(got[n], want["tiled"][n], f"{name}, P={P}, {n} vs tiled")
         _close(got[n], want["reference"][n], f"{name}, P={P}, {n} vs float64 reference")
+
+
+@pytest.mark.parametrize("P", [2, 4])
+def test_a_window_shorter_than_a_shard_takes_fewer_ring_steps(P):
+    """contiguous shards of 8 and window 3: queries read their own shard and the one before."""
+    got = _results(P)[0][2]
+    assert got["contiguous-window-lengths"]["steps"] == 2
+    assert got["zigzag"]["steps"] == P
 
 
 @pytest.mark.parametrize("P", [2, 4])

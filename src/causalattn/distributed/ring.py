@@ -21,15 +21,15 @@ from __future__ import annotations
 import importlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from ..engines.problem import FLOAT_DTYPES, make_problem
-from .layout import LAYOUTS, _positions, check_layout, rank_and_size, segments
+from ..masks import Pattern
+from .layout import LAYOUTS, check_layout, rank_and_size, segments
 
-FULL, DIAG, SKIP = "full", "diag", "skip"
 _TAG_KV, _TAG_DKV = 71, 72  # gloo matches messages by tag; NCCL by order (same on all ranks)
 
 
@@ -41,166 +41,149 @@ class RingError(RuntimeError):
 class RingStats:
     """What this rank did, summed over the ring_attention calls it was passed to.
 
-    flops: block-pair FLOPs actually computed here (4·B·H·n·m·d per n×m block, halved on
-    the causal diagonal; backward counts 2.5×). bytes_sent: payload this rank sent.
+    flops: block-pair FLOPs actually computed here (4·B·H·n·m·d per n×m block, halved for a
+    partly readable one; backward counts 2.5×). bytes_sent: payload this rank sent.
     wait_s: CPU time spent blocked on transfers (communication the compute did not hide;
-    on CUDA transfers are asynchronous, so this is near zero there).
+    on CUDA transfers are asynchronous, so this is near zero there). steps: ring steps
+    taken (P, or fewer when a window leaves the far blocks unread).
     """
 
     flops: float = 0.0
     bytes_sent: int = 0
     kernel_calls: int = 0
     wait_s: float = 0.0
+    steps: int = 0
 
 
 @dataclass
 class _Pair:
-    """One kernel call: local query rows ``qs`` against local rows ``ks`` of a K, V block."""
+    """One kernel call: local query rows ``qs`` against local rows ``ks`` of a K, V block,
+    read through ``pattern`` (the ring's M placed at the two chunks' global positions)."""
 
     qs: slice
     ks: slice
-    causal: bool
-    q_lo: int  # smallest global query position in qs
-    k_lo: int  # smallest / one past the largest global key position in ks
-    k_hi: int
-    units: float  # n·m, halved on the diagonal
+    pattern: Pattern
+    units: float  # n·m, halved when only partly readable
 
 
-def _relation(qseg, kseg) -> str:
-    (a, n), (b, m) = qseg, kseg
-    if (a, n) == (b, m):
-        return DIAG
-    if b + m <= a:
-        return FULL
-    if b >= a + n:
-        return SKIP
-    raise AssertionError(f"chunks {qseg} and {kseg} overlap partially")  # equal or disjoint by construction
+def plan(pattern: Pattern, q_segs, kv_segs) -> list[_Pair]:
+    """The block pairs to compute for local query chunks ``q_segs`` against a K, V block made
+    of chunks ``kv_segs`` (``[(global start, length)]`` in local order).
 
+    Each (query chunk, key chunk) pair is placed at its global positions and asked what M
+    leaves of it. Under the causal mask with zigzag chunks there are three cases:
 
-def _runs(flags):
-    """Maximal runs [i0, i1) of consecutive True."""
-    out, start = [], None
-    for i, f in enumerate([*flags, False]):
-        if f and start is None:
-            start = i
-        elif not f and start is not None:
-            out.append((start, i))
-            start = None
-    return out
+        =====================  =========================  ===================
+        key chunk vs query     what M leaves              the call
+        =====================  =========================  ===================
+        the same chunk         lower triangle             masked ("partial")
+        an earlier chunk       every key                  unmasked ("full")
+        a later chunk          nothing                    skipped
+        =====================  =========================  ===================
 
-
-def plan(q_segs, kv_segs) -> list[_Pair]:
-    """The block pairs to compute for local queries ``q_segs`` against a K, V block ``kv_segs``.
-
-    Segments are ``[(global start, length)]`` in local order. Fewest calls: query chunks
-    that read the whole block fully share one call; then per key chunk; diagonals alone.
+    A window turns far earlier chunks into "skipped" and the near ones into "partial";
+    lengths are left to the call (they differ per sequence).
     """
-    rel = [[_relation(qs, ks) for ks in kv_segs] for qs in q_segs]
-    qo = [sum(n for _, n in q_segs[:i]) for i in range(len(q_segs) + 1)]
-    ko = [sum(n for _, n in kv_segs[:j]) for j in range(len(kv_segs) + 1)]
-    taken = [[False] * len(kv_segs) for _ in q_segs]
-    pairs = []
-
-    def add(i0, i1, j0, j1, causal):
-        n, m = qo[i1] - qo[i0], ko[j1] - ko[j0]
-        pairs.append(_Pair(
-            slice(qo[i0], qo[i1]), slice(ko[j0], ko[j1]), causal,
-            min(s for s, _ in q_segs[i0:i1]), min(s for s, _ in kv_segs[j0:j1]),
-            max(s + L for s, L in kv_segs[j0:j1]), n * m / 2 if causal else n * m,
-        ))
-        for i in range(i0, i1):
-            for j in range(j0, j1):
-                taken[i][j] = True
-
-    def runs(flags, m):  # a call may not have more query rows than keys (make_problem: T_q <= T_k)
-        for i0, i1 in _runs(flags):
-            yield from [(i0, i1)] if qo[i1] - qo[i0] <= m else [(i, i + 1) for i in range(i0, i1)]
-
-    for i0, i1 in runs([all(r == FULL for r in row) for row in rel], ko[-1]):
-        add(i0, i1, 0, len(kv_segs), False)
-    for j in range(len(kv_segs)):
-        for i0, i1 in runs([rel[i][j] == FULL and not taken[i][j] for i in range(len(q_segs))], ko[j + 1] - ko[j]):
-            add(i0, i1, j, j + 1, False)
-    for i in range(len(q_segs)):
-        for j in range(len(kv_segs)):
-            if rel[i][j] == DIAG:
-                add(i, i + 1, j, j + 1, True)
+    structure = replace(pattern, lengths=None)  # what holds for every sequence of the batch
+    pairs, qo = [], 0
+    for qa, n in q_segs:
+        ko = 0
+        for ka, m in kv_segs:
+            placed = replace(pattern, q_start=qa, k_start=ka)
+            kind = replace(structure, q_start=qa, k_start=ka).block_kind(0, 0, n, 0, m, n, m)
+            if kind != "skip" and n and m:
+                units = n * m if kind == "full" else n * m / 2
+                pairs.append(_Pair(slice(qo, qo + n), slice(ko, ko + m), placed, units))
+            ko += m
+        qo += n
     return pairs
 
 
-@dataclass
-class _Config:
-    group: object
-    rank: int
-    P: int
-    layout: str
-    scale: float
-    T_local: int
-    lengths: torch.Tensor | None  # (B,) int64 on q's device
-    len_min: int
-    len_max: int
-    stats: RingStats
+class _Link:
+    """The ring's point-to-point transfers: start a send and a receive, wait for them, and
+    turn any backend failure into a :class:`RingError` that says who and when."""
 
-    def __post_init__(self):
-        gr = (lambda r: r) if self.group is None else (lambda r: dist.get_global_rank(self.group, r))
-        self.next, self.prev = (self.rank + 1) % self.P, (self.rank - 1) % self.P
-        self.next_global, self.prev_global = gr(self.next), gr(self.prev)
-        self.q_segs = segments(self.rank, self.P, self.T_local, self.layout)
-        self._plans = {}
+    def __init__(self, group, rank: int, P: int, stats: RingStats):
+        self.group, self.rank, self.P, self.stats = group, rank, P, stats
 
-    def pairs(self, src: int) -> list[_Pair]:
-        if src not in self._plans:
-            self._plans[src] = plan(self.q_segs, segments(src, self.P, self.T_local, self.layout))
-        return self._plans[src]
+    def _global(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
 
-    def kv_positions(self, src: int, device) -> torch.Tensor:
-        return _positions(segments(src, self.P, self.T_local, self.layout), device)
-
-    def key_mask(self, pair: _Pair, kv_pos: torch.Tensor):
-        """(skip, key_padding_mask) for a pair under ``lengths``: keys >= length are blocked."""
-        if self.lengths is None:
-            return False, None
-        if pair.q_lo >= self.len_max or pair.k_lo >= self.len_max:
-            return True, None  # every query row (zeroed at the end) or every key is padding
-        if pair.k_hi <= self.len_min:
-            return False, None
-        return False, kv_pos[pair.ks][None, :] < self.lengths[:, None]
-
-    # -- communication -------------------------------------------------------------------
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int, what: str, phase: str, step: int):
-        """Start sending ``send`` to the next rank and receiving ``recv`` from the previous."""
+    def exchange(self, send, recv, tag: int, what: str, phase: str, step: int, hop: int = 1):
+        """Start sending ``send`` to rank + hop and receiving ``recv`` from rank - hop."""
+        to, frm = (self.rank + hop) % self.P, (self.rank - hop) % self.P
         ops = [
-            dist.P2POp(dist.isend, send, self.next_global, self.group, tag),
-            dist.P2POp(dist.irecv, recv, self.prev_global, self.group, tag),
+            dist.P2POp(dist.isend, send, self._global(to), self.group, tag),
+            dist.P2POp(dist.irecv, recv, self._global(frm), self.group, tag),
         ]
         try:
             works = dist.batch_isend_irecv(ops)
         except Exception as exc:  # noqa: BLE001 - any backend error becomes a RingError
-            raise self._error(what, phase, step, exc) from exc
+            raise self._error(what, phase, step, frm, to, exc) from exc
         self.stats.bytes_sent += send.numel() * send.element_size()
-        return (works, what, phase, step)
+        return (works, what, phase, step, frm, to)
 
     def wait(self, pending) -> None:
         if not pending:
             return
-        works, what, phase, step = pending
+        works, what, phase, step, frm, to = pending
         t0 = time.perf_counter()
         try:
             for w in works:
                 w.wait()
         except Exception as exc:  # noqa: BLE001
-            raise self._error(what, phase, step, exc) from exc
+            raise self._error(what, phase, step, frm, to, exc) from exc
         self.stats.wait_s += time.perf_counter() - t0
 
-    def _error(self, what, phase, step, exc) -> RingError:
+    def _error(self, what, phase, step, frm, to, exc) -> RingError:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return RingError(
             f"ring_attention ({phase}, step {step + 1} of {self.P}): rank {self.rank} exchanging "
-            f"{what} (receiving from rank {self.prev}, sending to rank {self.next}) failed: "
-            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}. "
+            f"{what} (receiving from rank {frm}, sending to rank {to}) failed: {first}. "
             "Most likely another rank raised or died first (its own traceback says why); a "
             "silent peer is given up on after the process group's timeout "
             "(init_process_group(timeout=...))."
         )
+
+
+@dataclass
+class _Config:
+    """One ring_attention call: the layout, M (without sinks), the plan cache."""
+
+    rank: int
+    P: int
+    layout: str
+    scale: float
+    T_local: int
+    pattern: Pattern  # causal, window, lengths; global positions
+    sinks: torch.Tensor | None  # (H_q,)
+    dropout_p: float
+    dropout_seed: tuple[int, int] | None
+    link: _Link
+
+    def __post_init__(self):
+        self.q_segs = segments(self.rank, self.P, self.T_local, self.layout)
+        self._plans: dict[tuple[int, int], list[_Pair]] = {}
+        # ring steps that any rank needs: past them every rank's block pairs are skipped
+        self.steps = 1 + max(
+            (t for t in range(self.P) for r in range(self.P) if self._pairs(r, (r - t) % self.P)),
+            default=0,
+        )
+
+    @property
+    def stats(self) -> RingStats:
+        return self.link.stats
+
+    def _pairs(self, rank: int, src: int) -> list[_Pair]:
+        key = (rank, src)
+        if key not in self._plans:
+            self._plans[key] = plan(self.pattern,
+                                    segments(rank, self.P, self.T_local, self.layout),
+                                    segments(src, self.P, self.T_local, self.layout))
+        return self._plans[key]
+
+    def pairs(self, src: int) -> list[_Pair]:
+        return self._pairs(self.rank, src)
 
 
 def _kernels(device: torch.device):
@@ -255,13 +238,16 @@ def _count(cfg: _Config, pair: _Pair, q, v, factor=1.0) -> None:
 def _block_problems(cfg: _Config, q, kc, vc, src: int):
     """(pair, Problem) for each block pair of the local queries against rank src's k, v
     block that has a readable key: the same pairs in the forward and the backward."""
-    kv_pos = cfg.kv_positions(src, q.device) if cfg.lengths is not None else None
+    B = q.shape[0]
     for pair in cfg.pairs(src):
-        skip, kpm = cfg.key_mask(pair, kv_pos)
-        if skip:
-            continue
-        yield pair, make_problem(q[:, :, pair.qs], kc[:, :, pair.ks], vc[:, :, pair.ks],
-                                 causal=pair.causal, key_padding_mask=kpm, scale=cfg.scale)
+        n, m = pair.qs.stop - pair.qs.start, pair.ks.stop - pair.ks.start
+        if all(pair.pattern.key_range(b, 0, n, n, m) == (0, 0) for b in range(B)):
+            continue  # every sequence's rows here are padding, or its keys are
+        p = make_problem(q[:, :, pair.qs], kc[:, :, pair.ks], vc[:, :, pair.ks],
+                         pattern=pair.pattern, scale=cfg.scale)
+        if cfg.dropout_p:
+            p = replace(p, dropout_p=cfg.dropout_p, dropout_seed=cfg.dropout_seed)
+        yield pair, p
 
 
 def _forward(q, k, v, cfg: _Config):
@@ -271,37 +257,32 @@ def _forward(q, k, v, cfg: _Config):
     out = torch.zeros(B, H_q, T, v.shape[-1], dtype=cd, device=q.device)
     lse = torch.full((B, H_q, T), float("-inf"), dtype=cd, device=q.device)
     bufs = [_pack(k, v), None]
-    for step in range(cfg.P):
+    for step in range(cfg.steps):
         src = (cfg.rank - step) % cfg.P
         cur = bufs[step % 2]
         pending = None
-        if step < cfg.P - 1:  # start passing this block on before computing with it
+        if step < cfg.steps - 1:  # start passing this block on before computing with it
             if bufs[(step + 1) % 2] is None:
                 bufs[(step + 1) % 2] = torch.empty_like(cur)
-            pending = cfg.exchange(cur, bufs[(step + 1) % 2], _TAG_KV, "the k, v block", "forward", step)
+            pending = cfg.link.exchange(cur, bufs[(step + 1) % 2], _TAG_KV, "the k, v block",
+                                        "forward", step)
         kc, vc = _unpack(cur, k.shape, v.shape)
         for pair, p in _block_problems(cfg, q, kc, vc, src):
             o, l = kern.fwd(p)
             _merge(out[:, :, pair.qs], lse[:, :, pair.qs], o, l)
             _count(cfg, pair, q, v)
-        cfg.wait(pending)
-    lse_public = lse
-    if cfg.lengths is not None:  # query rows past the length are padding: zero output
-        valid = _valid_rows(cfg, q)
-        out.masked_fill_(~valid[:, None, :, None], 0.0)
-        lse_public = lse.masked_fill(~valid[:, None, :], float("-inf"))
-    return out.to(q.dtype), lse_public.float(), lse
-
-
-def _valid_rows(cfg: _Config, q) -> torch.Tensor:
-    """(B, T/P) bool: local query rows inside their sequence's length."""
-    return _positions(cfg.q_segs, q.device)[None, :] < cfg.lengths[:, None]
+        cfg.link.wait(pending)
+    cfg.stats.steps += cfg.steps
+    if cfg.sinks is not None:  # each head's sink joins every readable row's denominator
+        s = cfg.sinks.detach().to(cd)[None, :, None]
+        with_sink = torch.where(torch.isneginf(lse), lse, torch.logaddexp(lse, s))
+        out.mul_(torch.exp(lse - with_sink).nan_to_num(0.0).unsqueeze(-1))
+        lse = with_sink
+    return out.to(q.dtype), lse.float(), lse
 
 
 def _backward(dout, q, k, v, out, lse, cfg: _Config):
     kern = _kernels(q.device)
-    if cfg.lengths is not None:
-        dout = dout.masked_fill(~_valid_rows(cfg, q)[:, None, :, None], 0.0)
     cd = _acc_dtype(q)
     dq = torch.zeros(q.shape, dtype=cd, device=q.device)
     kv = [_pack(k, v), None]
@@ -309,14 +290,16 @@ def _backward(dout, q, k, v, out, lse, cfg: _Config):
     acc = [torch.zeros(n, dtype=cd, device=q.device), None]  # this step's dK, dV
     inbox = torch.empty(n, dtype=cd, device=q.device) if cfg.P > 1 else None
     sent = None  # the dK, dV transfer started last step
-    for step in range(cfg.P):
+    steps = cfg.steps
+    for step in range(steps):
         src = (cfg.rank - step) % cfg.P
         cur = kv[step % 2]
         pending = None
-        if step < cfg.P - 1:
+        if step < steps - 1:
             if kv[(step + 1) % 2] is None:
                 kv[(step + 1) % 2] = torch.empty_like(cur)
-            pending = cfg.exchange(cur, kv[(step + 1) % 2], _TAG_KV, "the k, v block", "backward", step)
+            pending = cfg.link.exchange(cur, kv[(step + 1) % 2], _TAG_KV, "the k, v block",
+                                        "backward", step)
         kc, vc = _unpack(cur, k.shape, v.shape)
         mine = acc[step % 2]
         if mine is None:
@@ -325,31 +308,40 @@ def _backward(dout, q, k, v, out, lse, cfg: _Config):
             mine.zero_()
         dk_p, dv_p = _unpack(mine, k.shape, v.shape)
         for pair, p in _block_problems(cfg, q, kc, vc, src):
-            dq_i, dk_j, dv_j = kern.bwd(p, out[:, :, pair.qs], lse[:, :, pair.qs], dout[:, :, pair.qs])
+            dq_i, dk_j, dv_j = kern.bwd(p, out[:, :, pair.qs], lse[:, :, pair.qs],
+                                        dout[:, :, pair.qs])
             dq[:, :, pair.qs] += dq_i
             dk_p[:, :, pair.ks] += dk_j
             dv_p[:, :, pair.ks] += dv_j
             _count(cfg, pair, q, v, 2.5)
         if cfg.P > 1:
             if step > 0:  # the gradients other ranks already gave this block travel with it
-                cfg.wait(sent)
+                cfg.link.wait(sent)
                 mine += inbox
-            # after the last step this reaches the block's owner
-            sent = cfg.exchange(mine, inbox, _TAG_DKV, "the dk, dv gradients", "backward", step)
-        cfg.wait(pending)
-    cfg.wait(sent)
+            # each step passes them on; the last sends them home to their owner, rank - step
+            # (the next rank when the ring went all the way round)
+            hop = 1 if step < steps - 1 else (-step) % cfg.P
+            if hop == 0:  # one step only: this rank's own block, already home
+                sent = None
+                inbox.copy_(mine)
+            else:
+                sent = cfg.link.exchange(mine, inbox, _TAG_DKV, "the dk, dv gradients",
+                                         "backward", step, hop=hop)
+        cfg.link.wait(pending)
+    cfg.link.wait(sent)
     own = inbox if cfg.P > 1 else acc[0]
     dk, dv = _unpack(own, k.shape, v.shape)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dsinks = None
+    if cfg.sinks is not None:  # d s_h = -Σ_i exp(s_h - lse_i)·D_i, D_i = rowsum(dH∘H)
+        D = (dout.to(cd) * out.to(cd)).sum(-1)
+        P_sink = torch.exp(cfg.sinks.detach().to(cd)[None, :, None] - lse).nan_to_num(0.0)
+        dsinks = -(P_sink * D).sum(dim=(0, 2)).to(cfg.sinks.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cfg):
-        if cfg.lengths is not None:
-            # padding query rows still read keys inside the length (only keys are masked per
-            # block); zeroed, whatever they held (even NaN) stays out of the sums of dK, dV
-            q = q.masked_fill(~_valid_rows(cfg, q)[:, None, :, None], 0.0)
+    def forward(ctx, q, k, v, sinks, cfg):
         out, lse_public, lse = _forward(q, k, v, cfg)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg = cfg
@@ -359,55 +351,69 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(dout, q, k, v, out, lse, ctx.cfg)
-        return dq, dk, dv, None
+        dq, dk, dv, dsinks = _backward(dout, q, k, v, out, lse, ctx.cfg)
+        return dq, dk, dv, dsinks, None
 
 
-def _agree(cfg: _Config, q, k, v, lengths_list) -> None:
-    """One small all_gather: every rank must hold shards of the same problem."""
-    meta = [*q.shape, k.shape[1], v.shape[-1], FLOAT_DTYPES.index(q.dtype), LAYOUTS.index(cfg.layout),
+def _agree(link: _Link, layout: str, q, k, v, lengths_list, window, seed) -> tuple[int, int]:
+    """One small all_gather: every rank must hold shards of the same problem. Returns rank 0's
+    dropout (seed, offset), which every rank then uses."""
+    meta = [*q.shape, k.shape[1], v.shape[-1], FLOAT_DTYPES.index(q.dtype), LAYOUTS.index(layout),
             -1 if lengths_list is None else len(lengths_list),
-            0 if lengths_list is None else sum((i + 1) * x for i, x in enumerate(lengths_list)) % 1_000_003]
-    mine = torch.tensor(meta, dtype=torch.int64, device=q.device)
-    every = [torch.empty_like(mine) for _ in range(cfg.P)]
+            0 if lengths_list is None else sum((i + 1) * x for i, x in enumerate(lengths_list))
+            % 1_000_003, window or 0]
+    mine = torch.tensor([*meta, *seed], dtype=torch.int64, device=q.device)
+    every = [torch.empty_like(mine) for _ in range(link.P)]
     try:
-        dist.all_gather(every, mine, group=cfg.group)
+        dist.all_gather(every, mine, group=link.group)
     except Exception as exc:  # noqa: BLE001
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
         raise RingError(
-            f"ring_attention: rank {cfg.rank} could not check its shard against the other ranks "
-            f"(all_gather failed: {str(exc).strip().splitlines()[0] if str(exc).strip() else exc!r}). "
-            "Another rank probably raised before calling ring_attention, or died."
+            f"ring_attention: rank {link.rank} could not check its shard against the other ranks "
+            f"(all_gather failed: {first}). Another rank probably raised before calling "
+            "ring_attention, or died."
         ) from exc
-    rows = [tuple(t.tolist()) for t in every]
+    rows = [tuple(t.tolist()[:-2]) for t in every]
     if len(set(rows)) > 1:
         def describe(r):
-            B, H, T, d_k, H_kv, d_v, dt, lay, nl, ls = r
+            B, H, T, d_k, H_kv, d_v, dt, lay, nl, ls, w = r
             return (f"q ({B}, {H}, {T}, {d_k}), k ({B}, {H_kv}, {T}, {d_k}), v (…, {d_v}), "
-                    f"{FLOAT_DTYPES[dt]}, layout {LAYOUTS[lay]!r}, lengths {'none' if nl < 0 else f'checksum {ls}'}")
+                    f"{FLOAT_DTYPES[dt]}, layout {LAYOUTS[lay]!r}, "
+                    f"lengths {'none' if nl < 0 else f'checksum {ls}'}, window {w or 'none'}")
         lines = "; ".join(f"rank {i}: {describe(r)}" for i, r in enumerate(rows))
         raise ValueError(
             f"ring_attention: the ranks' shards disagree ({lines}); every rank must pass its shard "
-            "(B, H, T/P, d) of the same sequence, with the same layout and lengths"
+            "(B, H, T/P, d) of the same sequence, with the same layout, lengths and window"
         )
+    s0, o0 = every[0].tolist()[-2:]
+    return int(s0), int(o0)
 
 
-def ring_attention(q, k, v, *, group=None, layout: str = "zigzag", lengths=None, scale=None,
+def ring_attention(q, k, v, *, group=None, layout: str = "zigzag", lengths=None, window=None,
+                   sinks=None, scale=None, dropout_p: float = 0.0, generator=None,
                    return_lse: bool = False, stats: RingStats | None = None):
     """Causal self-attention over a sequence sharded across the ranks of ``group``.
 
     q: ``(B, H_q, T/P, d_k)``, k: ``(B, H_kv, T/P, d_k)``, v: ``(B, H_kv, T/P, d_v)`` — this
     rank's shard, in ``layout`` (see :func:`shard`). ``lengths`` ``(B,)``: real length of each
     global sequence (the same on every rank); keys past it are blocked and query rows past
-    it are padding (zero output and gradient). Returns this rank's shard of
-    H ``(B, H_q, T/P, d_v)`` in q's dtype (and, with ``return_lse``, its fp32 log-sum-exp
-    ``(B, H_q, T/P)``, -inf on padding rows). Differentiable in q, k, v.
+    it are padding (zero output and gradient). ``window``: each query reads its last
+    ``window`` positions; ring steps that no rank's queries can read are not taken.
+    ``sinks`` ``(H_q,)``: one logit per head joining every row's softmax denominator
+    (differentiable). ``dropout_p``: attention dropout with the counter-based pattern of
+    :mod:`causalattn.dropout` at global positions, so P ranks drop what one process drops
+    for the same seed (rank 0 draws it from ``generator`` or torch's RNG). Returns this
+    rank's shard of H ``(B, H_q, T/P, d_v)`` in q's dtype (and, with ``return_lse``, its
+    fp32 log-sum-exp ``(B, H_q, T/P)``, -inf on padding rows). Differentiable in q, k, v.
 
     Collective: every rank of the group must call it with the same shapes. A failing peer
     raises :class:`RingError` here (see the module docstring).
     """
     check_layout(layout)
     rank, P = rank_and_size(group)
-    make_problem(q, k, v, causal=True, scale=scale)  # local shapes, dtypes, devices
+    # local shapes, dtypes, devices, scale, window, sinks and dropout_p, checked as attention's
+    local = make_problem(q, k, v, causal=True, window=window, sinks=sinks, scale=scale,
+                         dropout_p=dropout_p, generator=generator)
     _kernels(q.device)  # refuse a device without block kernels before any communication
     if q.shape[2] != k.shape[2]:
         raise ValueError(
@@ -419,21 +425,25 @@ def ring_attention(q, k, v, *, group=None, layout: str = "zigzag", lengths=None,
     T = T_local * P
     lengths_list = None
     if lengths is not None:
-        lengths = torch.as_tensor(lengths, device=q.device)
-        B = q.shape[0]
-        if lengths.dim() != 1 or lengths.shape[0] != B or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
-            raise ValueError(
-                f"lengths: expected an integer tensor of shape (B,) = ({B},), got shape "
-                f"{tuple(lengths.shape)} and dtype {lengths.dtype}"
-            )
-        lengths = lengths.to(torch.int64)
-        lengths_list = lengths.tolist()
+        L = _to_lengths(lengths, q.shape[0])
+        lengths_list = L.tolist()
         if any(not 0 <= x <= T for x in lengths_list):
-            raise ValueError(f"lengths: each length must lie in [0, T={T}] (T = P·T/P = {P}·{T_local}), got {lengths_list}")
-    scale = float(scale) if scale is not None else (1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0)
-    cfg = _Config(group, rank, P, layout, scale, T_local, lengths,
-                  min(lengths_list) if lengths_list else 0, max(lengths_list) if lengths_list else 0,
-                  stats if stats is not None else RingStats())
-    _agree(cfg, q, k, v, lengths_list)
-    out, lse = _RingAttention.apply(q, k, v, cfg)
+            raise ValueError(f"lengths: each length must lie in [0, T={T}] "
+                             f"(T = P·T/P = {P}·{T_local}), got {lengths_list}")
+    link = _Link(group, rank, P, stats if stats is not None else RingStats())
+    seed = _agree(link, layout, q, k, v, lengths_list, window, local.dropout_seed or (0, 0))
+    pattern = Pattern(causal=True, window=window, lengths=lengths_list)
+    cfg = _Config(rank, P, layout, local.scale, T_local, pattern, sinks, local.dropout_p,
+                  seed if local.dropout_p else None, link)
+    out, lse = _RingAttention.apply(q, k, v, sinks, cfg)
     return (out, lse) if return_lse else out
+
+
+def _to_lengths(lengths, B: int) -> torch.Tensor:
+    L = torch.as_tensor(lengths)
+    if L.dim() != 1 or L.shape[0] != B or L.dtype.is_floating_point or L.dtype == torch.bool:
+        raise ValueError(
+            f"lengths: expected an integer tensor of shape (B,) = ({B},), got shape "
+            f"{tuple(L.shape)} and dtype {L.dtype}"
+        )
+    return L.to(torch.int64)
