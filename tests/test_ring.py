@@ -116,7 +116,9 @@ def _check_worker(rank, P, port, out_q):
                 bad = torch.arange(T)[None, :] >= lengths[:, None]  # (B, T)
                 q, k, v = (t.masked_fill(bad[:, None, :, None], float("nan")) for t in (q, k, v))
                 ql, kl, vl = (shard(t, layout=layout).requires_grad_() for t in (q, k, v))
-                out, lse = ring_attention(ql, kl, vl, layout=layout, lengths=lengths, return_lse=True)
+                kw, _ = _extra(name)
+                out, lse = ring_attention(ql, kl, vl, layout=layout, lengths=lengths,
+                                          return_lse=True, **kw)
                 (out * shard(dout, layout=layout)).sum().backward()
                 got = [unshard(t, layout=layout, length=T) for t in (out, lse, ql.grad, kl.grad, vl.grad)]
                 if rank == 0:
@@ -369,3 +371,29 @@ def test_failing_rank_fails_peer(mode):
         assert 2.5 < elapsed < 15 and "Timed out" in msg, (elapsed, msg)
     else:
         assert elapsed < 10, f"rank 0 took {elapsed:.1f} s to fail"
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_zigzag_is_the_documented_layout_and_balances_the_causal_work(P):
+    """Rank r holds chunks r and 2P-1-r; under the causal mask every rank then computes the
+    same number of score entries, while contiguous shards leave the last rank 2P-1 times the
+    first one's work (layout.py's docstring)."""
+    from causalattn.distributed.layout import segments
+    from causalattn.distributed.ring import plan
+    from causalattn.masks import Pattern
+
+    c = 4
+    for r in range(P):
+        assert segments(r, P, 2 * c, "zigzag") == [(r * c, c), ((2 * P - 1 - r) * c, c)]
+        assert segments(r, P, 2 * c, "contiguous") == [(r * 2 * c, 2 * c)]
+
+    def work(layout):
+        return [sum(pair.units for src in range(P)
+                    for pair in plan(Pattern(), segments(r, P, 2 * c, layout),
+                                     segments(src, P, 2 * c, layout)))
+                for r in range(P)]
+
+    zig, cont = work("zigzag"), work("contiguous")
+    assert len(set(zig)) == 1, zig
+    assert cont[-1] == (2 * P - 1) * cont[0], cont
+    assert sum(zig) == sum(cont) == (2 * P * c) ** 2 / 2  # diagonal blocks counted as halves
