@@ -26,8 +26,10 @@ browser:
 test: $(STAMP) browser
 	$(PY) -m pytest -q
 
+# ruff's rules, then the layers of docs/design.md (.importlinter)
 lint: $(STAMP)
 	.venv/bin/ruff check .
+	.venv/bin/lint-imports
 
 bench: $(STAMP)
 	.venv/bin/causalattn bench

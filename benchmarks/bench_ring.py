@@ -24,9 +24,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from causalattn.bench.timing import pin_malloc
 from causalattn.distributed import RingStats, ring_attention
 from causalattn.distributed.demo import PeakMemory
+from causalattn.memory import pin_malloc
 
 
 def _free_port() -> int:

@@ -255,12 +255,6 @@ class Batch:
         """Per sentence ``(B,)``: readable, future (causally blocked) and padding entries."""
         return _masks.counts(self.lengths, self.N)
 
-    def _repr_html_(self) -> str:
-        """Jupyter shows the explorer inline, over seeded random weights (:mod:`causalattn.viz`)."""
-        from .viz.explorer import explorer_fragment
-
-        return explorer_fragment(self, title="causalattn explorer: seeded random weights")
-
 
 def _sentences(sentences) -> list[str]:
     if isinstance(sentences, str):

@@ -292,15 +292,6 @@ class Trace:
             blocked_by=why,
         )
 
-    def _repr_html_(self) -> str | None:
-        """Jupyter shows the offline explorer inline (:mod:`causalattn.viz`)."""
-        from .viz.explorer import explorer_fragment
-
-        try:
-            return explorer_fragment(self)
-        except ValueError:  # a partial trace (no S, A or V): the plain repr
-            return None
-
     # -- files ----------------------------------------------------------------------
     def save(self, path: str | Path) -> None:
         """Write a .npz of named arrays (no pickled objects)."""

@@ -15,38 +15,11 @@ Where /proc is missing, the figure is None.
 
 from __future__ import annotations
 
-import ctypes
 import statistics
 import time
 from collections.abc import Callable
 
-_MALLOC_PINNED = False
-
-
-def pin_malloc() -> None:
-    """Make glibc map large blocks directly (and unmap them on free), once per process."""
-    global _MALLOC_PINNED
-    if _MALLOC_PINNED:
-        return
-    _MALLOC_PINNED = True
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 64 * 1024)  # M_MMAP_THRESHOLD: fixed, which also stops its growth
-        libc.mallopt(-1, 128 * 1024)  # M_TRIM_THRESHOLD: give freed heap tops back
-    except (OSError, AttributeError):
-        pass
-
-
-def status_kib(field: str) -> int | None:
-    """A field of /proc/self/status in KiB (VmRSS, VmHWM), or None where it cannot be read."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
+from ..memory import pin_malloc, status_kib
 
 
 def peak_extra_mib(fn: Callable[[], object]) -> tuple[float | None, object]:

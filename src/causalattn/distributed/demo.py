@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..bench.timing import pin_malloc, status_kib
+from ..memory import pin_malloc, status_kib
 from .layout import LAYOUTS, shard, unshard
 from .ring import RingStats, _kernels, ring_attention
 

@@ -25,6 +25,9 @@ from .explorer import (
 )
 from .heatmaps import plot_mask, plot_patterns, plot_stage, save, trace_figures, write_figures
 from .kinds import KINDS, mask_kinds, padding_positions, pattern_kinds, trace_kinds
+from .notebook import register as _register_notebook_display
+
+_register_notebook_display()
 
 __all__ = [
     "plot_mask",
