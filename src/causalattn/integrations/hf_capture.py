@@ -16,11 +16,12 @@ under ``attn_implementation="causalattn"``); each chosen layer's call is recorde
   chunk, the padding of ``attention_mask``) as the trace's ``allowed`` — the audit
   compares the two, so a layer that was handed the wrong mask fails at stage M.
 
-Memory: only Q, K, V, H and O are kept (float32, O(T·d) per head: about 30 MiB a layer
-for GPT-2 small at T = 2048, ~360 MiB for all 12 layers); S, M, Z, A and C are T×T per
-head and are recomputed from Q, K, V and the pattern in float64 by :func:`layer_stages`
-whenever they are read (returned as float32, never cached). C (T×T×d_v) is offered only
-while it stays under ``reference.C_LIMIT_BYTES``.
+Memory: only Q, K, V, H, O and W_O are kept (float32, O(T·d) per head: 32 MiB a layer for
+GPT-2 small at T = 2048, 387 MiB for all 12 layers, measured); S, [S_cap, E,] M, Z, A, C,
+``allowed`` and ``reasons`` are T×T per head and are recomputed from Q, K, V and the
+pattern in float64 by :func:`layer_stages` whenever they are read (returned as float32,
+never cached: hold on to ``tr.A`` if you read it twice). C (T×T×d_v) is offered only while
+it stays under ``reference.C_LIMIT_BYTES``.
 """
 
 from __future__ import annotations
@@ -191,15 +192,10 @@ class CapturedTrace(Trace):
     """
 
     def __init__(self, rec: _Record, tokens: list[list[str]] | None):
-        B, H, T_q, _ = rec.Q.shape
-        T_k = rec.K.shape[2]
+        B, H = rec.Q.shape[:2]
         squeeze = B == 1
         self._rec = rec
         self._arrays = _LazyStages(rec, squeeze, lambda: self._stages())
-        allowed = rec.declared.allowed(B, H, T_q, T_k)
-        self.allowed = allowed[0] if squeeze else allowed  # (1|H, T_q, T_k) or (B|1, ...)
-        reasons = rec.declared.reasons(B, H, T_q, T_k)  # why each cell is blocked (uint8)
-        self.reasons = reasons[0] if squeeze else reasons
         self.scale = rec.scale
         self.n_heads = H
         self.layer = rec.layer
@@ -207,6 +203,21 @@ class CapturedTrace(Trace):
         self.received = rec.received
         self.batch_tokens = tokens
         self.tokens = tokens[0] if tokens is not None and squeeze else None
+
+    @property
+    def allowed(self) -> np.ndarray:
+        """The declared pattern's dense mask, ``(1|H, T_q, T_k)`` (``(B|1, 1|H, ...)`` for a
+        batch), True = may read; built on each read, like the T×T stages."""
+        B, H, T_q, _ = self._rec.Q.shape
+        a = self.pattern.allowed(B, H, T_q, self._rec.K.shape[2])
+        return a[0] if B == 1 else a
+
+    @property
+    def reasons(self) -> np.ndarray:
+        """Why each cell is blocked (uint8 codes of :data:`causalattn.masks.REASONS`)."""
+        B, H, T_q, _ = self._rec.Q.shape
+        r = self.pattern.reasons(B, H, T_q, self._rec.K.shape[2])
+        return r[0] if B == 1 else r
 
     def _stages(self) -> dict[str, torch.Tensor]:
         """This layer's S, M, Z, A, H in float64 (:func:`layer_stages`), computed afresh."""
