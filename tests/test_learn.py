@@ -64,7 +64,8 @@ PLANTS = {
     "scale-by-sqrt-dv": ("attention_numpy", "S = q @ k.T / np.sqrt(d_k)",
                          "S = q @ k.T / np.sqrt(v.shape[1])"),
     "scale-by-sqrt-dmodel": ("multihead_numpy", "/ np.sqrt(d_k) + M", "/ np.sqrt(x.shape[1]) + M"),
-    "some-heads-only": ("multihead_numpy", "/ np.sqrt(d_k) + M", "/ np.sqrt(d_k) + (M if n else 0)"),
+    "some-heads-only": ("multihead_numpy", "/ np.sqrt(d_k) + M",
+                        "/ np.sqrt(d_k) + (M if n else 0)"),
     "output-projection-missing": ("multihead_numpy", "return H @ w_o", "return H"),
     "output-projection-transposed": ("multihead_torch", "@ w_o", "@ w_o.T"),
 }
@@ -183,6 +184,14 @@ def test_scaffold_refuses_unknown_names():
         exercises.scaffold("flash")
     with pytest.raises(ValueError, match="framework"):
         exercises.scaffold("mask", "jax")
+
+
+def test_finite_fill_in_the_mask_is_shown_and_hinted(tmp_path):
+    p = tmp_path / "m.py"
+    p.write_text((SOL / "mask_numpy.py").read_text().replace("-np.inf", "-1e4"))
+    g = grade.grade_file(p)
+    assert g.status == "wrong" and g.stage == "M" and g.hint == grade._FINITE_FILL, str(g)
+    assert g.pattern["measured"][0][1] == "?" and g.pattern["expected"][0][1] == "-∞"
 
 
 def test_wrong_shape_is_a_wrong_stage(tmp_path):

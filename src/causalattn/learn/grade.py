@@ -107,6 +107,11 @@ _STAGE_HINTS = {
 }
 
 
+_FINITE_FILL = ("Your M holds values other than 0 and -∞ (the '?' cells). A finite fill "
+                "still leaves weight where large scores overcome it, and a padding query's row "
+                "of equal finite values spreads its weight instead of reading nothing.")
+
+
 @dataclass
 class Grade:
     """The grade of one file: ``status`` right | wrong | error; ``stages`` one dict per
@@ -317,7 +322,7 @@ def _mask_picture(user: _Learner, T: int = 6, L: int = 4) -> dict | None:
 
     if M.shape != want.shape or np.array_equal(M, want):
         return None
-    return {"what": f"M for T = {T}, length = {L}", "measured": cells(M),
+    return {"what": f"M for T = {T}, length = {L} ('?': neither 0 nor -∞)", "measured": cells(M),
             "expected": cells(want)}
 
 
@@ -455,6 +460,9 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
            f"catalogued mistake ({d.message})")
     location = d.location if _in_file(d.location, path) else None
     pattern = _mask_picture(user) if stage == "M" and ex.name == "mask" else _read_picture(d)
+    cells = [c for row in (pattern or {}).get("measured", []) for c in row]
+    if ex.name == "mask" and "?" in cells and "-∞" not in cells:
+        hint = _FINITE_FILL  # measured in their M: only finite fills, whatever diagnose matched
     hint = hint or _STAGE_HINTS.get(stage, _STAGE_HINTS["shape"])
     return Grade(path, ex.name, "wrong", msg, fw, stage, d.fault if known else None, hint,
                  _stages(ex, stage, known), location, pattern, dd)
