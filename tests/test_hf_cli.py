@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -140,11 +141,17 @@ def test_bad_input_is_one_error_line_exit_2(dirs, tmp_path):
         assert fragment in lines[0], (fragment, lines[0])
 
 
-def test_real_command_in_a_subprocess(dirs):
-    """As a user runs it: the installed entry point on the folder, in its own process."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+def test_real_command_in_a_subprocess(dirs, tmp_path):
+    """As a user runs it: the command in its own process, on a hub id that sits in the local
+    Hugging Face cache (here the tiny GPT-2 filed as `gpt2`; offline, nothing downloaded)."""
+    snap = tmp_path / "hub" / "models--gpt2" / "snapshots" / "0123456789abcdef"
+    shutil.copytree(dirs["gpt2"], snap)
+    (snap.parents[1] / "refs").mkdir()
+    (snap.parents[1] / "refs" / "main").write_text(snap.name)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
+           "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
     res = subprocess.run(
-        [sys.executable, "-m", "causalattn.cli", "audit", "--model", str(dirs["gpt2"]), TEXT],
+        [sys.executable, "-m", "causalattn.cli", "audit", "--model", "gpt2", TEXT],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert res.returncode == 0, res.stderr

@@ -16,9 +16,23 @@ import numpy as np
 __all__ = ["load", "encode", "audit_layers", "LayerAudit"]
 
 
+def _from_cache(name: str) -> Path | None:
+    """A hub id such as ``gpt2`` or ``org/name`` -> its snapshot folder in the local Hugging
+    Face cache (never downloaded), or None."""
+    if Path(name).is_absolute() or name.startswith(".") or name.count("/") > 1:
+        return None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name, local_files_only=True))
+    except Exception:  # not cached, or not a valid id: the caller says "no such folder"
+        return None
+
+
 def load(path: str | Path):
-    """(model, tokenizer) from a folder written by ``save_pretrained``, in float32, eval mode,
-    on the CPU; nothing is downloaded (``local_files_only``)."""
+    """(model, tokenizer) from a folder written by ``save_pretrained`` (or a hub id already in
+    the local cache, e.g. ``gpt2``), in float32, eval mode, on the CPU; nothing is
+    downloaded (``local_files_only``)."""
     try:
         import transformers
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -26,7 +40,11 @@ def load(path: str | Path):
         raise ValueError("--model needs transformers: pip install 'causalattn[hf]'") from None
     p = Path(path)
     if not p.is_dir():
-        raise ValueError(f"{p}: no such folder (give a folder written by save_pretrained)")
+        cached = _from_cache(str(path))
+        if cached is None:
+            raise ValueError(f"{p}: no such folder, nor a model in the local Hugging Face cache "
+                             "(give a folder written by save_pretrained)")
+        p = cached
     if not (p / "config.json").is_file():
         raise ValueError(f"{p}: not a Hugging Face model folder (no config.json)")
     transformers.logging.set_verbosity_error()
