@@ -25,6 +25,7 @@ M32 = 0xFFFFFFFF
 _C1, _C2 = 0x85EBCA6B, 0xC2B2AE35  # fmix32's multipliers
 _GOLD = 0x9E3779B9  # spreads consecutive integers before mixing
 _ROW, _COL = 0x632BE5AB, 0x1B873593
+_OFFSET = 0x27D4EB2F  # spreads the offset
 
 
 def check_p(dropout_p, where: str = "attention") -> float:
@@ -71,7 +72,7 @@ def keep_mask(seed: int, offset: int, b, h, i, j, p: float, device=None) -> torc
     """
     dev = device if device is not None else (i.device if isinstance(i, torch.Tensor) else None)
     b, h, i, j = (_int(x, dev) for x in (b, h, i, j))
-    head = _fmix((b * _GOLD + h + offset * 0x27D4EB2F) & M32)
+    head = _fmix((b * _GOLD + h + offset * _OFFSET) & M32)
     head = _fmix(head ^ (seed & M32))  # (...)
     row = _fmix(head[..., None] ^ ((i * _GOLD + _ROW) & M32))  # (..., rows)
     col = _fmix((j * _GOLD + _COL) & M32)  # (cols,)

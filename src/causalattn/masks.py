@@ -459,6 +459,43 @@ class Pattern:
         lo, hi = max(lo - ks, 0), min(hi - ks, T_k)  # back to this problem's key indices
         return (lo, hi) if lo < hi else (0, 0)
 
+    def row_ranges(self, B: int, T_q: int, T_k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per query row the keys [lo, hi) that causal, window, chunk, prefix, lengths and
+        documents allow: NumPy int64 (B', T_q) each, B' = B when lengths or prefixes differ
+        by batch row, else 1. Row i reads exactly lo <= j < hi AND key_padding_mask AND
+        mask (every rule above leaves one interval per row). lo and hi never decrease
+        along i; a row that reads nothing has lo = hi = T_k. O(B·T_q), for the kernels."""
+        pos = np.arange(T_q, dtype=np.int64) + (T_k - T_q)  # key position of each query
+        lo = np.zeros(T_q, dtype=np.int64)
+        hi = np.full(T_q, T_k, dtype=np.int64)
+        base = lo  # where chunks are counted from: the document's start
+        cu = self.cu_seqlens
+        if cu is not None:
+            d = np.searchsorted(cu[1:-1], pos, side="right")
+            base, lo, hi = cu[d], cu[d], np.minimum(hi, cu[d + 1])
+        if self.causal:
+            hi = np.minimum(hi, pos + 1)
+        if self.window is not None:
+            lo = np.maximum(lo, pos - self.window + 1)
+        if self.chunk is not None:
+            c0 = base + (pos - base) // self.chunk * self.chunk
+            lo, hi = np.maximum(lo, c0), np.minimum(hi, c0 + self.chunk)
+        n = B if (self.lengths is not None or self.prefix_lengths is not None) else 1
+        lo, hi = np.broadcast_to(lo, (n, T_q)), np.broadcast_to(hi, (n, T_q))
+        empty = hi <= lo
+        if self.prefix_lengths is not None:
+            # inside the prefix the row also reads all of it: [0, P) ∪ [lo, hi), and
+            # lo <= pos < P there, so the union is one interval
+            P = self.prefix_lengths[:, None]
+            inside = pos < P
+            lo, hi = np.where(inside, 0, lo), np.where(inside, np.maximum(hi, P), hi)
+            empty = empty & ~inside
+        if self.lengths is not None:
+            L = self.lengths[:, None]
+            hi = np.minimum(hi, L)
+            empty = empty | (pos >= L) | (hi <= lo)
+        return np.where(empty, T_k, lo), np.where(empty, T_k, hi)
+
     def block_kind(self, b, q0, q1, k0, k1, T_q, T_k, H=1) -> Literal["skip", "full", "partial"]:
         """Whether the tile (queries q0:q1, keys k0:k1) of batch row b is skipped, fully
         readable, or partly readable (and must be masked with :meth:`tile`)."""

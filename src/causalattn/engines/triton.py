@@ -22,16 +22,16 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
+from .. import dropout as _dropout
 from .problem import Problem
 
 try:  # triton is the optional extra `.[gpu]`; without it this module still imports
     import triton
 except ImportError:  # pragma: no cover - depends on the environment
     triton = None
-
-LOG2E = 1.4426950408889634
 
 # Kernel tile sizes, overridable (tests force the d-chunked path on small heads).
 CONFIG_OVERRIDE: dict | None = None
@@ -173,46 +173,105 @@ def prefers(p: Problem) -> bool:
 
 
 # -- host side ---------------------------------------------------------------------------
-class _Rows:
-    """Per query row, the interval of keys it may read: ``LO <= j < HI`` (B, T_q) int32.
+def _device_tensor(x, dev, dtype) -> torch.Tensor:
+    """A pattern array (NumPy, list or torch) as a contiguous tensor on the kernels' device."""
+    t = x.detach() if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+    return t.to(device=dev, dtype=dtype).contiguous()
 
-    A row with no readable key gets ``LO = HI = T_k``; LO and HI never decrease along a row
-    index, which is what lets the kernels find contiguous tile ranges.
-    """
+
+class _Plan:
+    """Everything the kernels read besides Q, K, V, derived once from ``p.pattern`` and the
+    dropout settings: per-row key intervals ``LO <= j < HI`` ((B, T_q) int32, from
+    :meth:`causalattn.masks.Pattern.row_ranges`; plain causal and full attention compute
+    them in the kernels), the key padding mask, the dense mask with a block table per tile
+    size, ALiBi slopes (B, H_q), sinks (H_q,) and the dropout hash's inputs."""
 
     def __init__(self, p: Problem):
-        B, _, T_q, _ = p.q.shape
+        pat = p.pattern
+        B, H_q, T_q, _ = p.q.shape
         T_k = p.k.shape[2]
         dev = p.q.device
-        self.T_k, self.offset, self.causal = T_k, p.offset, p.causal
-        self.kpm = (p.key_padding_mask.to(torch.int8).contiguous()
-                    if p.key_padding_mask is not None else torch.zeros(1, dtype=torch.int8, device=dev))
-        self.has_kpm = p.key_padding_mask is not None
+        self.dims = (B, H_q, T_q, T_k)
+        self.T_k, self.offset, self.causal = T_k, p.offset, pat.causal
+        none8 = torch.zeros(1, dtype=torch.int8, device=dev)
+        self.none32 = torch.zeros(1, dtype=torch.int32, device=dev)
+        nonef = torch.zeros(1, dtype=torch.float32, device=dev)
+
+        self.has_kpm = pat.key_padding_mask is not None
+        self.kpm = (_device_tensor(pat.key_padding_mask, dev, torch.int8) if self.has_kpm
+                    else none8)
         # plain causal / full attention: the kernels compute the intervals themselves
-        self.arrays = p.lengths is not None or p.cu_seqlens is not None
-        if not self.arrays:
-            self.lo = self.hi = torch.zeros(1, dtype=torch.int32, device=dev)
-            return
-        i = torch.arange(T_q, device=dev, dtype=torch.int64) + p.offset  # key coordinates
-        lo = torch.zeros(B, T_q, dtype=torch.int64, device=dev)
-        hi = torch.full((B, T_q), T_k, dtype=torch.int64, device=dev)
-        if p.causal:
-            hi = torch.minimum(hi, i + 1)
-        empty = torch.zeros(B, T_q, dtype=torch.bool, device=dev)
-        if p.lengths is not None:
-            L = p.lengths.to(dev)[:, None]
-            hi = torch.minimum(hi, L)
-            empty = empty | (i[None, :] >= L)
-        if p.cu_seqlens is not None:
-            cu = p.cu_seqlens.to(dev)
-            seq = torch.bucketize(torch.arange(T_k, device=dev), cu[1:], right=True)
-            lo = cu[seq].expand(B, T_q)
-            hi = torch.minimum(hi, cu[seq + 1])
-        empty = empty | (hi <= lo)
-        self.lo64 = torch.where(empty, T_k, lo).contiguous()
-        self.hi64 = torch.where(empty, T_k, hi).contiguous()
-        self.lo = self.lo64.to(torch.int32)
-        self.hi = self.hi64.to(torch.int32)
+        self.arrays = any(x is not None for x in (
+            pat.lengths, pat.cu_seqlens, pat.window, pat.chunk, pat.prefix_lengths))
+        if self.arrays:
+            lo, hi = pat.row_ranges(B, T_q, T_k)
+            self.lo64, self.hi64 = (torch.as_tensor(np.ascontiguousarray(np.broadcast_to(
+                x, (B, T_q)))).to(dev) for x in (lo, hi))
+            self.lo, self.hi = self.lo64.to(torch.int32), self.hi64.to(torch.int32)
+        else:
+            self.lo = self.hi = self.none32
+
+        self.has_mask = pat.mask is not None
+        self.mask, self.mask_strides, self._blocks = none8, (0, 0, 0), {}
+        if self.has_mask:
+            m = pat.mask if isinstance(pat.mask, torch.Tensor) else torch.as_tensor(pat.mask)
+            m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)).to(dev).contiguous()
+            self.mask_bool = m
+            self.mask = m.view(torch.int8)
+            st = m.stride()
+            self.mask_strides = (st[0] if m.shape[0] > 1 else 0,
+                                 st[1] if m.shape[1] > 1 else 0, st[2])
+
+        self.has_alibi = pat.alibi_slopes is not None
+        self.slopes = nonef
+        if self.has_alibi:
+            a = _device_tensor(pat.alibi_slopes, dev, torch.float32)
+            self.slopes = (a[None] if a.dim() == 1 else a).expand(B, H_q).contiguous()
+        self.softcap = pat.softcap
+        self.has_sinks = pat.sinks is not None
+        self.sinks = _device_tensor(pat.sinks, dev, torch.float32) if self.has_sinks else nonef
+
+        self.dropout = p.dropout_p > 0
+        self.seed = self.seed_offset = self.drop_thr = 0
+        self.drop_scale = 1.0
+        self.rowpos = self.colpos = self.none32
+        if self.dropout:
+            self.seed, self.seed_offset = p.dropout_seed
+            self.drop_thr = _dropout.threshold(p.dropout_p)
+            self.drop_scale = 0.0 if p.dropout_p >= 1 else 1.0 / (1.0 - p.dropout_p)
+            self.rowpos = p.dropout_rows().to(dev, torch.int32).contiguous()
+            self.colpos = p.dropout_cols().to(dev, torch.int32).contiguous()
+
+    def flags(self) -> dict:
+        return dict(HAS_KPM=self.has_kpm, ROWS=self.arrays, CAUSAL=self.causal,
+                    HAS_MASK=self.has_mask, SOFTCAP=self.softcap is not None,
+                    ALIBI=self.has_alibi, DROPOUT=self.dropout)
+
+    def scalars(self, scale: float) -> tuple:
+        """scale, softcap, seed, seed_offset, drop_thr, drop_scale: the kernels' scalars."""
+        return (scale, self.softcap or 1.0, self.seed, self.seed_offset, self.drop_thr,
+                self.drop_scale)
+
+    def blocks(self, block_m: int, block_n: int):
+        """The dense mask's kind per (BLOCK_M × BLOCK_N) tile, int8 (B', H', n_m, n_n):
+        0 nothing readable (skipped), 1 all readable (no mask load), 2 partial; and its
+        (batch, head, row-block) strides."""
+        if not self.has_mask:
+            return self.mask, (0, 0, 0)
+        if (block_m, block_n) not in self._blocks:
+            m = self.mask_bool
+            _, _, T_q, T_k = m.shape
+            n_m, n_n = triton.cdiv(T_q, block_m), triton.cdiv(T_k, block_n)
+            pad = (0, n_n * block_n - T_k, 0, n_m * block_m - T_q)
+            tiles = (*m.shape[:2], n_m, block_m, n_n, block_n)
+            some = torch.nn.functional.pad(m, pad, value=False).view(tiles).any(5).any(3)
+            every = torch.nn.functional.pad(m, pad, value=True).view(tiles).all(5).all(3)
+            kinds = torch.where(every, 1, torch.where(some, 2, 0)).to(torch.int8).contiguous()
+            st = kinds.stride()
+            strides = (st[0] if kinds.shape[0] > 1 else 0, st[1] if kinds.shape[1] > 1 else 0,
+                       st[2])
+            self._blocks[(block_m, block_n)] = (kinds, strides)
+        return self._blocks[(block_m, block_n)]
 
     def key_tile_ranges(self, block_n: int) -> torch.Tensor:
         """For each key tile: the rows that may read it [qlo, qhi) and the rows that read
@@ -238,22 +297,37 @@ def _prec(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
-def _launch_fwd(q, k, v, rows: _Rows, scale: float, cfg: dict):
+def _tiles(c: dict, d_k: int, d_v: int) -> dict:
+    """A kernel config as launch keywords: tile sizes, d-chunk counts, warps, stages."""
+    kw = {n: c[n] for n in ("BLOCK_M", "BLOCK_N", "BLOCK_DK", "BLOCK_DV", "BLOCK_C",
+                            "num_warps", "num_stages") if n in c}
+    kw["NUM_DK"] = triton.cdiv(d_k, c["BLOCK_DK"])
+    if "BLOCK_C" in c:
+        kw["NUM_DV"] = triton.cdiv(d_v, c["BLOCK_DV"])
+    return kw
+
+
+def _launch_fwd(q, k, v, plan: _Plan, scale: float, cfg: dict):
     kern = _kernels()
     B, H_q, T_q, d_k = q.shape
     H_kv, T_k, d_v = k.shape[1], k.shape[2], v.shape[3]
     o = torch.empty(B, H_q, T_q, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H_q, T_q, dtype=torch.float32, device=q.device)
     c = cfg["fwd"]
-    num_dk = triton.cdiv(d_k, c["BLOCK_DK"])
+    blocks, block_strides = plan.blocks(c["BLOCK_M"], c["BLOCK_N"])
     grid = (triton.cdiv(T_q, c["BLOCK_M"]), triton.cdiv(d_v, c["BLOCK_DV"]), B * H_q)
     kern.fwd_kernel[grid](
-        q, k, v, o, lse, rows.lo, rows.hi, rows.kpm,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        H_q, T_q, T_k, d_k, d_v, H_q // H_kv, rows.offset, scale * LOG2E,
-        HAS_KPM=rows.has_kpm, ROWS=rows.arrays, CAUSAL=rows.causal, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
-        BLOCK_DK=c["BLOCK_DK"], NUM_DK=num_dk, BLOCK_DV=c["BLOCK_DV"], PREC=_prec(q.dtype),
-        num_warps=c["num_warps"], num_stages=c["num_stages"],
+        q, k, v, o, lse, plan.lo, plan.hi, plan.kpm, plan.mask, blocks, plan.slopes,
+        plan.sinks, plan.rowpos, plan.colpos,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *o.stride(),
+        *plan.mask_strides,
+        *block_strides,
+        H_q, T_q, T_k, d_k, d_v, H_q // H_kv, plan.offset,
+        *plan.scalars(scale),
+        **plan.flags(), SINKS=plan.has_sinks, PREC=_prec(q.dtype), **_tiles(c, d_k, d_v),
     )
     return o, lse
 
@@ -275,62 +349,93 @@ def _launch_preprocess(out, dout, lse, dlse, cfg: dict):
     return D
 
 
-def _launch_bwd(q, k, v, do, lse, D, rows: _Rows, scale: float, cfg: dict):
+def _launch_bwd(q, k, v, do, lse, D, plan: _Plan, scale: float, cfg: dict):
     kern = _kernels()
     B, H_q, T_q, d_k = q.shape
     H_kv, T_k, d_v = k.shape[1], k.shape[2], v.shape[3]
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    prec = _prec(q.dtype)
     c = cfg["dkdv"]
-    ranges = rows.key_tile_ranges(c["BLOCK_N"])
+    ranges = plan.key_tile_ranges(c["BLOCK_N"])
+    blocks, block_strides = plan.blocks(c["BLOCK_M"], c["BLOCK_N"])
     n_blocks = triton.cdiv(T_k, c["BLOCK_N"])
     grid = (n_blocks, triton.cdiv(max(d_k, d_v), c["BLOCK_C"]), B * H_kv)
     kern.dkdv_kernel[grid](
-        q, k, v, do, lse, D, dk, dv, rows.lo, rows.hi, rows.kpm, ranges,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(), *dv.stride(),
-        H_q, H_kv, T_q, T_k, d_k, d_v, H_q // H_kv, n_blocks, rows.offset, scale, scale * LOG2E,
-        HAS_KPM=rows.has_kpm, ROWS=rows.arrays, CAUSAL=rows.causal, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
-        BLOCK_DK=c["BLOCK_DK"], NUM_DK=triton.cdiv(d_k, c["BLOCK_DK"]),
-        BLOCK_DV=c["BLOCK_DV"], NUM_DV=triton.cdiv(d_v, c["BLOCK_DV"]), BLOCK_C=c["BLOCK_C"],
-        PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"],
+        q, k, v, do, lse, D, dk, dv, plan.lo, plan.hi, plan.kpm, ranges, plan.mask, blocks,
+        plan.slopes, plan.rowpos, plan.colpos,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *do.stride(),
+        *dk.stride(),
+        *dv.stride(),
+        *plan.mask_strides,
+        *block_strides,
+        H_q, H_kv, T_q, T_k, d_k, d_v, H_q // H_kv, n_blocks, plan.offset,
+        *plan.scalars(scale),
+        **plan.flags(), PREC=_prec(q.dtype), **_tiles(c, d_k, d_v),
     )
     c = cfg["dq"]
+    blocks, block_strides = plan.blocks(c["BLOCK_M"], c["BLOCK_N"])
     grid = (triton.cdiv(T_q, c["BLOCK_M"]), triton.cdiv(d_k, c["BLOCK_C"]), B * H_q)
     kern.dq_kernel[grid](
-        q, k, v, do, lse, D, dq, rows.lo, rows.hi, rows.kpm,
-        *q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride(),
-        H_q, T_q, T_k, d_k, d_v, H_q // H_kv, rows.offset, scale, scale * LOG2E,
-        HAS_KPM=rows.has_kpm, ROWS=rows.arrays, CAUSAL=rows.causal, BLOCK_M=c["BLOCK_M"], BLOCK_N=c["BLOCK_N"],
-        BLOCK_DK=c["BLOCK_DK"], NUM_DK=triton.cdiv(d_k, c["BLOCK_DK"]),
-        BLOCK_DV=c["BLOCK_DV"], NUM_DV=triton.cdiv(d_v, c["BLOCK_DV"]), BLOCK_C=c["BLOCK_C"],
-        PREC=prec, num_warps=c["num_warps"], num_stages=c["num_stages"],
+        q, k, v, do, lse, D, dq, plan.lo, plan.hi, plan.kpm, plan.mask, blocks, plan.slopes,
+        plan.rowpos, plan.colpos,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *do.stride(),
+        *dq.stride(),
+        *plan.mask_strides,
+        *block_strides,
+        H_q, T_q, T_k, d_k, d_v, H_q // H_kv, plan.offset,
+        *plan.scalars(scale),
+        **plan.flags(), PREC=_prec(q.dtype), **_tiles(c, d_k, d_v),
     )
     return dq, dk, dv
 
 
+def _sinks_grad(plan: _Plan, lse: torch.Tensor, D: torch.Tensor) -> torch.Tensor:
+    """d loss / d sink_h = -Σ_{b,i} A_sink·D over rows with a readable key, where
+    A_sink = exp(sink_h - lse) is the sink's weight and D = rowsum(dH ∘ H) - dlse."""
+    w = torch.exp(plan.sinks[None, :, None] - lse)
+    w = torch.where(torch.isfinite(lse), w, 0.0)
+    return -(w * D).sum(dim=(0, 2))
+
+
+def _backward(p: Problem, plan: _Plan, cfg: dict, q, k, v, out, lse, dout, dlse):
+    """(dq, dk, dv, dsinks or None) from a given out and lse."""
+    dout = dout.contiguous()
+    lse = lse.float().contiguous()
+    D = _launch_preprocess(out.contiguous(), dout, lse, dlse, cfg)
+    dq, dk, dv = _launch_bwd(q, k, v, dout, lse, D, plan, p.scale, cfg)
+    return dq, dk, dv, _sinks_grad(plan, lse, D) if plan.has_sinks else None
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, rows, scale, cfg):
-        out, lse = _launch_fwd(q, k, v, rows, scale, cfg)  # lse: -inf on empty rows
+    def forward(ctx, q, k, v, sinks, p, plan, cfg):
+        out, lse = _launch_fwd(q, k, v, plan, p.scale, cfg)  # lse: -inf on empty rows
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.rows, ctx.scale, ctx.cfg = rows, scale, cfg
+        ctx.p, ctx.plan, ctx.cfg = p, plan, cfg
+        ctx.sinks_like = sinks
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        dout = dout.contiguous()
-        D = _launch_preprocess(out, dout, lse, dlse, ctx.cfg)
-        dq, dk, dv = _launch_bwd(q, k, v, dout, lse, D, ctx.rows, ctx.scale, ctx.cfg)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv, ds = _backward(ctx.p, ctx.plan, ctx.cfg, q, k, v, out, lse, dout, dlse)
+        s = ctx.sinks_like
+        ds = ds.to(device=s.device, dtype=s.dtype) if ds is not None and s is not None else None
+        return dq, dk, dv, ds, None, None, None
 
 
 def _prepare(p: Problem):
     """Check what the kernels can run; ``None`` when there is nothing to compute."""
     if triton is None:
-        raise ValueError("engine 'triton': the triton package is not installed (pip install '.[gpu]')")
+        raise ValueError("engine 'triton': the triton package is not installed "
+                         "(pip install '.[gpu]')")
     q, k, v = p.q, p.k, p.v
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"engine 'triton': dtype {q.dtype} not supported; use fp16, bf16 or fp32")
@@ -345,7 +450,7 @@ def _prepare(p: Problem):
     B, H_q, T_q, _ = q.shape
     if B * H_q * T_q == 0 or k.shape[2] == 0:
         return None
-    return _configs(d_k, d_v, q.dtype, _interpreting()), _Rows(p)
+    return _configs(d_k, d_v, q.dtype, _interpreting()), _Plan(p)
 
 
 def _empty(p: Problem):
@@ -355,14 +460,21 @@ def _empty(p: Problem):
     return out, lse
 
 
+def _contiguous(p: Problem):
+    return p.q.contiguous(), p.k.contiguous(), p.v.contiguous()
+
+
 def forward(p: Problem, return_lse: bool = False):
-    """H ``(B, H_q, T_q, d_v)`` (and the fp32 log-sum-exp ``(B, H_q, T_q)``) on the GPU."""
+    """H ``(B, H_q, T_q, d_v)`` (and the fp32 log-sum-exp ``(B, H_q, T_q)``) on the GPU;
+    differentiable in q, k, v and, where they are a torch tensor, the sinks."""
     prep = _prepare(p)
     if prep is None:
         out, lse = _empty(p)
     else:
-        cfg, rows = prep
-        out, lse = _Attention.apply(p.q.contiguous(), p.k.contiguous(), p.v.contiguous(), rows, p.scale, cfg)
+        cfg, plan = prep
+        s = p.pattern.sinks
+        sinks = s if isinstance(s, torch.Tensor) else None
+        out, lse = _Attention.apply(*_contiguous(p), sinks, p, plan, cfg)
     return (out, lse) if return_lse else out
 
 
@@ -371,23 +483,27 @@ def fwd(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     prep = _prepare(p)
     if prep is None:
         return _empty(p)
-    cfg, rows = prep
+    cfg, plan = prep
     with torch.no_grad():
-        return _launch_fwd(p.q.contiguous(), p.k.contiguous(), p.v.contiguous(), rows, p.scale, cfg)
+        return _launch_fwd(*_contiguous(p), plan, p.scale, cfg)
 
 
-def bwd(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor):
-    """The raw backward from a GIVEN (e.g. ring-merged, global) ``out`` and ``lse``:
-    ``(dq, dk, dv)`` as :func:`causalattn.engines.tiled.bwd`, dk/dv summed over GQA groups."""
+def bwd(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse=None):
+    """The raw backward from a GIVEN (e.g. ring-merged, global) ``out`` and ``lse``, and
+    optionally the gradient ``dlse`` of the lse: ``(dq, dk, dv)`` as
+    :func:`causalattn.engines.tiled.bwd`, dk/dv summed over GQA groups; with sinks a fourth
+    entry, their gradient ``(H_q,)`` fp32. The dropout pattern is regenerated from
+    ``p.dropout_seed``."""
     prep = _prepare(p)
     if prep is None:
-        return torch.zeros_like(p.q), torch.zeros_like(p.k), torch.zeros_like(p.v)
-    cfg, rows = prep
+        grads = (torch.zeros_like(p.q), torch.zeros_like(p.k), torch.zeros_like(p.v))
+        if p.pattern.sinks is not None:
+            grads += (torch.zeros(p.q.shape[1], dtype=torch.float32, device=p.q.device),)
+        return grads
+    cfg, plan = prep
     with torch.no_grad():
-        dout = dout.contiguous()
-        lse = lse.float().contiguous()
-        D = _launch_preprocess(out.contiguous(), dout, lse, None, cfg)
-        return _launch_bwd(p.q.contiguous(), p.k.contiguous(), p.v.contiguous(), dout, lse, D, rows, p.scale, cfg)
+        dq, dk, dv, ds = _backward(p, plan, cfg, *_contiguous(p), out, lse, dout, dlse)
+    return (dq, dk, dv) if ds is None else (dq, dk, dv, ds)
 
 
 def flops(B: int, H: int, T: int, d: int, causal: bool = True, backward: bool = False) -> float:
