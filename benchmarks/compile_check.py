@@ -82,22 +82,26 @@ def _ptxas(ptx: str, arch: int) -> str:
     return f"regs {regs.group(1) if regs else '?'}, spills {spill.group(1) if spill else '?'} B"
 
 
-def launches(dtype, T: int, d: int, lengths: bool, causal: bool, kpm: bool, over=None):
-    """The kernel launches of one forward + backward, recorded (CPU tensors, nothing runs)."""
+def launches(dtype, T: int, d: int, lengths: bool, causal: bool, kpm: bool, over=None,
+             **pattern):
+    """The kernel launches of one forward + backward, recorded (CPU tensors, nothing runs).
+    ``pattern``: more keywords of :func:`causalattn.attention` (window, mask, softcap,
+    alibi_slopes, sinks, dropout_p, ...)."""
     rec = _Recorder()
     q, k, v = (torch.zeros(1, 2, T, d, dtype=dtype) for _ in range(3))
     p = make_problem(q, k, v, causal=causal, lengths=torch.tensor([T - 3]) if lengths else None,
-                     key_padding_mask=torch.ones(1, T, dtype=torch.bool) if kpm else None)
+                     key_padding_mask=torch.ones(1, T, dtype=torch.bool) if kpm else None,
+                     **pattern)
     cfg = tri._configs(d, d, dtype, interpret=False)
     for name, o in (over or {}).items():
         cfg[name] = {**cfg[name], **o}
-    rows = tri._Rows(p)
+    plan = tri._Plan(p)
     orig = tri._kernels
     tri._kernels = lambda: rec
     try:
-        o, lse = tri._launch_fwd(q, k, v, rows, p.scale, cfg)
+        o, lse = tri._launch_fwd(q, k, v, plan, p.scale, cfg)
         D = tri._launch_preprocess(o, o, lse, None, cfg)
-        tri._launch_bwd(q, k, v, o, lse, D, rows, p.scale, cfg)
+        tri._launch_bwd(q, k, v, o, lse, D, plan, p.scale, cfg)
     finally:
         tri._kernels = orig
     return rec.calls
@@ -131,12 +135,18 @@ def check(name, args, kw, arch):
             f"{time.time() - t:.0f} s, {tiles}")
 
 
-VARIANTS = [  # (dtype, T, d, lengths, causal, kpm)
-    (torch.bfloat16, 4096, 128, False, True, False),
-    (torch.bfloat16, 4096, 1000, False, True, False),
-    (torch.float32, 1024, 64, True, True, True),
-    (torch.float32, 1024, 1000, True, False, False),
-    (torch.float16, 1024, 256, True, True, False),
+VARIANTS = [  # (dtype, T, d, lengths, causal, kpm, pattern keywords)
+    (torch.bfloat16, 4096, 128, False, True, False, {}),
+    (torch.bfloat16, 4096, 1000, False, True, False, {}),
+    (torch.float32, 1024, 64, True, True, True, {}),
+    (torch.float32, 1024, 1000, True, False, False, {}),
+    (torch.float16, 1024, 256, True, True, False, {}),
+    # issues 11 and 12: window (host row ranges), dense mask (block table), modifiers, dropout
+    (torch.bfloat16, 4096, 128, False, True, False, {"window": 512}),
+    (torch.bfloat16, 1024, 128, False, True, False,
+     {"mask": torch.ones(1, 2, 1024, 1024, dtype=torch.bool)}),
+    (torch.bfloat16, 1024, 128, False, True, False,
+     {"softcap": 30.0, "alibi_slopes": [0.5, 0.25], "sinks": [0.0, 1.0], "dropout_p": 0.1}),
 ]
 
 
@@ -145,11 +155,12 @@ def main():
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--quick", action="store_true", help="the two bf16 benchmark variants only")
     args = ap.parse_args()
-    for dtype, T, d, lengths, causal, kpm in VARIANTS[:2] if args.quick else VARIANTS:
-        for name, a, kw in launches(dtype, T, d, lengths, causal, kpm):
+    for dtype, T, d, lengths, causal, kpm, pat in VARIANTS[:2] if args.quick else VARIANTS:
+        for name, a, kw in launches(dtype, T, d, lengths, causal, kpm, **pat):
             res = check(name, a, kw, args.arch)
+            extra = " ".join(sorted(pat))
             print(f"{name:11s} {TY[dtype]} T={T} d={d} lengths={lengths} causal={causal} "
-                  f"kpm={kpm}: {res}", flush=True)
+                  f"kpm={kpm} {extra}: {res}", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from causalattn import dropout
 from causalattn.engines import attention, make_problem, pick_engine
 from causalattn.engines import reference as ref_engine
 from causalattn.engines import triton as tri
@@ -25,14 +26,23 @@ FLOOR = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-3}
 
 
 def _plain(p, dtype):
-    """Plain PyTorch math in ``dtype`` (matmul, softmax, matmul): the accuracy rule's yardstick."""
+    """Plain PyTorch math in ``dtype`` (matmul, modifiers, softmax with the sinks' column,
+    dropout, matmul): the accuracy rule's yardstick."""
     q, k, v = (t.detach().to(dtype).requires_grad_() for t in (p.q, p.k, p.v))
     kk, vv = k.repeat_interleave(p.group, 1), v.repeat_interleave(p.group, 1)
     allowed = p.allowed()
     has = allowed.any(-1, keepdim=True)
-    Z = ((q @ kk.transpose(-1, -2)) * p.scale).masked_fill(~allowed, float("-inf"))
-    Z = torch.where(has, Z, torch.zeros_like(Z))  # empty rows: finite, zeroed below
-    A = torch.where(has, torch.softmax(Z.float(), -1).to(dtype), torch.zeros_like(Z))
+    S = p.pattern.modify_scores((q @ kk.transpose(-1, -2)) * p.scale)
+    Z = S.masked_fill(~allowed, float("-inf"))
+    Z = torch.where(has, Z, torch.zeros_like(Z)).float()  # empty rows: finite, zeroed below
+    sinks = p.pattern.sinks
+    if sinks is not None:
+        s = torch.as_tensor(sinks).detach().to(Z.device, Z.dtype)
+        Z = torch.cat([Z, s[None, :, None, None].expand(*Z.shape[:-1], 1)], -1)
+    A = torch.softmax(Z, -1)[..., : S.shape[-1]].to(dtype)
+    A = torch.where(has, A, torch.zeros_like(A))
+    if p.dropout_p > 0:
+        A = dropout.apply(A, ref_engine.dropout_mask(p).to(A.device), p.dropout_p)
     return q, k, v, A @ vv
 
 
@@ -43,10 +53,21 @@ def _inputs(B, H, H_kv, T_q, T_k, d, d_v=None, dtype=torch.float32, seed=0):
 
 
 def _check(q, k, v, dtype=torch.float32, grads=True, **kw):
-    """Forward, lse and (optionally) dQ, dK, dV by the accuracy rule of DESIGN.md."""
-    out, lse = attention(q, k, v, engine="triton", return_lse=True, **kw)
+    """Forward, lse and (optionally) dQ, dK, dV (and learned sinks' gradient) by the
+    accuracy rule of DESIGN.md, against the float64 reference engine. With dropout the two
+    runs draw the same seed from ``kw["generator"]``'s state."""
+    gen = kw.pop("generator", None)
+    state = gen.get_state() if gen is not None else None
+    out, lse = attention(q, k, v, engine="triton", return_lse=True, generator=gen, **kw)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    p64 = make_problem(q64, k64, v64, **kw)
+    kw64 = dict(kw)
+    sinks = kw.get("sinks")
+    learned = isinstance(sinks, torch.Tensor) and sinks.requires_grad
+    if learned:
+        kw64["sinks"] = sinks.detach().double().requires_grad_()
+    if gen is not None:
+        gen.set_state(state)
+    p64 = make_problem(q64, k64, v64, generator=gen, **kw64)
     ref, ref_lse = ref_engine.forward(p64, return_lse=True)
     pq, pk, pv, plain = _plain(p64, dtype)
     floor = FLOOR[dtype]
@@ -71,6 +92,10 @@ def _check(q, k, v, dtype=torch.float32, grads=True, **kw):
     for name, a, r, b in (("dQ", q, q64, pq), ("dK", k, k64, pk), ("dV", v, v64, pv)):
         assert torch.isfinite(a.grad).all(), f"{name} is not finite"
         rule(name, a.grad, r.grad, b.grad)
+    if learned:
+        want = kw64["sinks"].grad
+        err = (sinks.grad.double() - want).abs().max().item()
+        assert err <= 1e-4 * (1 + want.abs().max().item()), f"dsinks: max error {err:.3g}"
     return out
 
 
@@ -247,3 +272,156 @@ def test_raw_passes_match_the_tiled_engine_with_a_given_global_lse():
         want = tiled.bwd(pc, out_g, lse_g, dout)
         for g, w in zip(got, want):
             assert g.shape == w.shape and (g.cpu().float() - w.float()).abs().max() < 1e-4
+
+
+# ---- patterns, modifiers and dropout (issues 11, 12) --------------------------------------
+def _gen(seed=5):
+    return torch.Generator().manual_seed(seed)
+
+
+def _per_head_mask(B, H, T_q, T_k, seed=7):
+    """A dense mask with a different pattern per head, an empty 16×16 tile, a full one and
+    a row that reads nothing."""
+    m = torch.rand(B, H, T_q, T_k, generator=torch.Generator().manual_seed(seed)) > 0.4
+    m[:, :, :16, 16:32] = False  # nothing readable: the tile is skipped
+    m[:, 0, 16:32, :16] = True  # all readable: no mask load
+    m[:, -1, 3] = False  # a row with no readable key
+    return m
+
+
+PATTERNS = {  # name -> (B, H_q, H_kv, T_q, T_k, pattern keywords)
+    "window": (2, 2, 1, 40, 40, dict(window=9)),
+    "window_decoding": (1, 2, 1, 9, 40, dict(window=20, lengths=torch.tensor([37]))),
+    "window_not_causal": (1, 2, 2, 33, 33, dict(causal=False, window=7)),
+    "chunk": (1, 2, 1, 40, 40, dict(chunk=12)),
+    "documents_window_chunk": (1, 2, 1, 40, 40,
+                               dict(cu_seqlens=torch.tensor([0, 5, 5, 29, 40]), window=10,
+                                    chunk=8)),
+    "prefix_lengths": (3, 2, 1, 34, 34, dict(prefix_lengths=torch.tensor([20, 0, 7]),
+                                            lengths=torch.tensor([34, 19, 7]))),
+    "dense_mask": (2, 2, 1, 35, 35, dict(mask=_per_head_mask(2, 2, 35, 35))),
+    "mask_and_key_padding": (1, 2, 2, 33, 33,
+                             dict(mask=_per_head_mask(1, 1, 33, 33)[0, 0],
+                                  key_padding_mask=(torch.arange(33) % 5 != 2)[None])),
+    "softcap": (1, 2, 1, 35, 35, dict(softcap=2.0, lengths=torch.tensor([30]))),
+    "alibi": (2, 2, 1, 35, 35, dict(alibi_slopes=torch.tensor([[0.5, 0.125], [0.25, 1.0]]),
+                                   window=20)),
+    "sinks": (2, 2, 1, 35, 35, dict(sinks=torch.tensor([0.5, -1.0], requires_grad=True),
+                                   lengths=torch.tensor([35, 12]))),
+    "dropout": (2, 2, 1, 35, 35, dict(dropout_p=0.3, generator=_gen())),
+    "everything": (1, 2, 1, 37, 37, dict(window=16, softcap=3.0, alibi_slopes=[0.3, 0.1],
+                                         sinks=torch.tensor([0.0, 1.0], requires_grad=True),
+                                         dropout_p=0.2, generator=_gen(6))),
+}
+
+
+@pytest.mark.parametrize("name", list(PATTERNS))
+def test_pattern_matches_the_reference(name):
+    """Each rule of M, each modifier and dropout, forward, lse and gradients (and the sinks'
+    gradient) against the float64 reference engine, over several 16×16 tiles."""
+    B, H, H_kv, T_q, T_k, kw = PATTERNS[name]
+    kw = {n: (x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor)
+              and x.requires_grad else x) for n, x in kw.items()}
+    if "generator" in kw:
+        kw["generator"] = _gen(kw["generator"].initial_seed())
+    _check(*_inputs(B, H, H_kv, T_q, T_k, 16), **kw)
+
+
+def test_dropout_pattern_is_the_reference_keep_mask_bit_for_bit():
+    """One-hot values read the weights back: the kept cells are exactly keep_mask's, over
+    several tiles and heads; p = 0 is the plain result and p = 1 gives zeros."""
+    T = 40
+    q = torch.zeros(2, 2, T, 16, device=DEV)  # uniform weights: every readable cell > 0
+    v = torch.eye(T, device=DEV).expand(2, 1, T, T).contiguous()
+    k = torch.zeros(2, 1, T, 16, device=DEV)
+    out = attention(q, k, v, engine="triton", dropout_p=0.4, generator=_gen(3))
+    p = make_problem(q, k, v, dropout_p=0.4, generator=_gen(3))
+    keep = ref_engine.dropout_mask(p).to(DEV) & p.allowed()
+    assert 0.45 < keep.float().sum() / p.allowed().expand_as(keep).float().sum() < 0.75
+    assert torch.equal(out != 0, keep)
+    plain = attention(q, k, v, engine="triton")
+    assert torch.equal(attention(q, k, v, engine="triton", dropout_p=0.0), plain)
+    assert torch.equal(attention(q, k, v, engine="triton", dropout_p=1.0, generator=_gen()),
+                       torch.zeros_like(plain))
+
+
+def test_window_keeps_old_nan_and_inf_out_of_later_rows_bit_for_bit():
+    """Keys that slid out of the window (NaN, inf in q, k, v there) never reach later rows:
+    H and dQ of those rows are bit-identical."""
+    q, k, v = _inputs(1, 2, 1, 40, 40, 16)
+    w, bad = 8, slice(3, 12)  # rows >= 12 + 8 - 1 cannot read keys 3..11
+
+    def run(q, k, v):
+        q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        out = attention(q, k, v, engine="triton", window=w)
+        (out * torch.linspace(-1, 1, 16, device=DEV)).sum().backward()
+        return out.detach(), q.grad
+
+    out, dq = run(q, k, v)
+    qn, kn, vn = (x.detach().clone() for x in (q, k, v))
+    kn[:, :, bad] = float("nan")
+    vn[:, :, bad] = float("inf")
+    out2, dq2 = run(qn, kn, vn)
+    rows = slice(12 + w - 1, None)
+    assert torch.equal(out[:, :, rows], out2[:, :, rows])
+    assert torch.equal(dq[:, :, rows], dq2[:, :, rows])
+
+
+def test_dense_mask_skipped_tiles_and_blocked_cells_never_leak():
+    """NaN and inf at keys the dense mask blocks for every row (a whole skipped tile and
+    scattered columns) change no output and no gradient of q, bit for bit."""
+    q, k, v = _inputs(1, 2, 1, 35, 35, 16)
+    m = _per_head_mask(1, 2, 35, 35)
+    m[..., 16:32] = False
+    m[..., 5] = False
+    m[..., 33] = False
+
+    def run(k, v):
+        qq = q.detach().clone().requires_grad_()
+        out = attention(qq, k, v, engine="triton", causal=False, mask=m.to(DEV))
+        out.sum().backward()
+        return out.detach(), qq.grad
+
+    out, dq = run(k.detach(), v.detach())
+    kn, vn = k.detach().clone(), v.detach().clone()
+    for c in (slice(16, 32), 5, 33):
+        kn[:, :, c] = float("nan")
+        vn[:, :, c] = float("-inf")
+    out2, dq2 = run(kn, vn)
+    assert torch.equal(out, out2) and torch.equal(dq, dq2)
+    assert (out[0, -1, 3] == 0).all()  # the row with no readable key: zero
+
+
+def test_row_ranges_are_the_pattern_exactly():
+    """The kernels' per-row intervals (with the key padding and dense masks ANDed in) are
+    the pattern's dense mask, for every keyword, also placed as a ring block pair."""
+    from causalattn.masks import Pattern
+
+    cases = [dict(window=3), dict(chunk=4, causal=False), dict(prefix_lengths=[5, 0]),
+             dict(cu_seqlens=[0, 4, 4, 11, 13], chunk=3, window=5),
+             dict(lengths=[13, 6], window=4, prefix_lengths=[3, 6]),
+             dict(window=4, q_start=20, k_start=13), dict(chunk=5, q_start=3, k_start=8)]
+    for kw in cases:
+        B = 1 if "cu_seqlens" in kw else 2
+        pat = Pattern(**kw)
+        lo, hi = pat.row_ranges(B, 13, 13)
+        j = torch.arange(13)
+        got = (j >= torch.as_tensor(lo)[..., None]) & (j < torch.as_tensor(hi)[..., None])
+        want = torch.as_tensor(pat.allowed(B, 1, 13, 13))[:, 0]
+        assert torch.equal(got.expand_as(want), want), kw
+        assert (lo[:, 1:] >= lo[:, :-1]).all() and (hi[:, 1:] >= hi[:, :-1]).all(), kw
+
+
+def test_raw_sinks_grad_is_the_autograd_one():
+    """sinks_grad(p, out, lse, dout, dlse) (the raw pass ring attention and custom ops call)
+    gives what autograd gives the learned sinks, with an lse gradient too."""
+    q, k, v = _inputs(1, 2, 1, 20, 20, 16)
+    s = torch.tensor([0.3, -0.5], device=DEV, requires_grad=True)
+    out, lse = attention(q, k, v, engine="triton", sinks=s, window=6, return_lse=True)
+    dH = torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(DEV)
+    dL = torch.randn(lse.shape, generator=torch.Generator().manual_seed(3)).to(DEV)
+    ((out * dH).sum() + (lse * dL).sum()).backward()
+    p = make_problem(*(t.detach() for t in (q, k, v)), sinks=s.detach(), window=6)
+    got = tri.sinks_grad(p, out.detach(), lse.detach(), dH, dL)
+    assert (got - s.grad).abs().max().item() <= 1e-5 * (1 + s.grad.abs().max().item())
+    assert s.grad.abs().min() > 0  # a gradient that can fail

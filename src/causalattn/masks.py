@@ -461,18 +461,20 @@ class Pattern:
 
     def row_ranges(self, B: int, T_q: int, T_k: int) -> tuple[np.ndarray, np.ndarray]:
         """Per query row the keys [lo, hi) that causal, window, chunk, prefix, lengths and
-        documents allow: NumPy int64 (B', T_q) each, B' = B when lengths or prefixes differ
-        by batch row, else 1. Row i reads exactly lo <= j < hi AND key_padding_mask AND
-        mask (every rule above leaves one interval per row). lo and hi never decrease
-        along i; a row that reads nothing has lo = hi = T_k. O(B·T_q), for the kernels."""
-        pos = np.arange(T_q, dtype=np.int64) + (T_k - T_q)  # key position of each query
-        lo = np.zeros(T_q, dtype=np.int64)
-        hi = np.full(T_q, T_k, dtype=np.int64)
-        base = lo  # where chunks are counted from: the document's start
+        documents allow, as this problem's key indices: NumPy int64 (B', T_q) each, B' = B
+        when lengths or prefixes differ by batch row, else 1. Row i reads exactly
+        lo <= j < hi AND key_padding_mask AND mask (every rule above leaves one interval
+        per row). lo and hi never decrease along i; a row that reads nothing has lo = hi
+        (T_k for padding query rows). O(B·T_q), for the kernels."""
+        ks = self.k_start
+        pos = np.arange(T_q, dtype=np.int64) + self.query_start(T_q, T_k)  # global positions
+        lo = np.full(T_q, ks, dtype=np.int64)
+        hi = np.full(T_q, ks + T_k, dtype=np.int64)
+        base = np.zeros(T_q, dtype=np.int64)  # where chunks are counted from: the document's
         cu = self.cu_seqlens
         if cu is not None:
             d = np.searchsorted(cu[1:-1], pos, side="right")
-            base, lo, hi = cu[d], cu[d], np.minimum(hi, cu[d + 1])
+            base, lo, hi = cu[d], np.maximum(lo, cu[d]), np.minimum(hi, cu[d + 1])
         if self.causal:
             hi = np.minimum(hi, pos + 1)
         if self.window is not None:
@@ -482,19 +484,21 @@ class Pattern:
             lo, hi = np.maximum(lo, c0), np.minimum(hi, c0 + self.chunk)
         n = B if (self.lengths is not None or self.prefix_lengths is not None) else 1
         lo, hi = np.broadcast_to(lo, (n, T_q)), np.broadcast_to(hi, (n, T_q))
-        empty = hi <= lo
         if self.prefix_lengths is not None:
             # inside the prefix the row also reads all of it: [0, P) ∪ [lo, hi), and
             # lo <= pos < P there, so the union is one interval
             P = self.prefix_lengths[:, None]
             inside = pos < P
-            lo, hi = np.where(inside, 0, lo), np.where(inside, np.maximum(hi, P), hi)
-            empty = empty & ~inside
+            lo = np.where(inside, ks, lo)
+            hi = np.where(inside, np.minimum(np.maximum(hi, P), ks + T_k), hi)
+        padding = np.zeros((1, 1), dtype=bool)
         if self.lengths is not None:
             L = self.lengths[:, None]
             hi = np.minimum(hi, L)
-            empty = empty | (pos >= L) | (hi <= lo)
-        return np.where(empty, T_k, lo), np.where(empty, T_k, hi)
+            padding = pos >= L  # padding query rows, the last ones
+        lo, hi = np.clip(lo - ks, 0, T_k), np.clip(hi - ks, 0, T_k)  # this problem's keys
+        hi = np.maximum(hi, lo)  # an empty row: lo = hi, still in order with its neighbours
+        return np.where(padding, T_k, lo), np.where(padding, T_k, hi)
 
     def block_kind(self, b, q0, q1, k0, k1, T_q, T_k, H=1) -> Literal["skip", "full", "partial"]:
         """Whether the tile (queries q0:q1, keys k0:k1) of batch row b is skipped, fully

@@ -1,11 +1,20 @@
 """The GPU engine: fused Triton kernels for any head size 16..1024 (``engine="triton"``).
 
-Forward: online softmax in fp32 (FlashAttention-2), one program per BLOCK_M query rows;
-key tiles every row may read run without a mask, only the tiles at the edges (causal
-diagonal, sequence start, length) are masked, tiles nobody reads are skipped.
-Backward by recomputation from the saved log-sum-exp: ``D = rowsum(dH ∘ H)``, a dK/dV
-kernel (one program per key tile, summing over the query heads that share it, so
-grouped-query needs no atomics) and a dQ kernel.
+Every :class:`causalattn.masks.Pattern` runs here. Causal, window, chunk, prefix, lengths
+and documents leave each query row one interval of keys
+(:meth:`~causalattn.masks.Pattern.row_ranges`), so a window costs O(T·w), documents and
+chunks the sum of their squares: key tiles every row may read run without a mask, only
+the tiles at the edges (causal diagonal, window start, sequence start, length) are masked,
+tiles nobody reads are never visited. A dense ``mask`` is the general fallback: a table
+of each tile's kind, made on the host, skips the empty tiles and reads the mask only in
+partial ones. Softcap and ALiBi modify the scores in the kernels, sinks join the
+denominator, and dropout drops weights with :mod:`causalattn.dropout`'s counter-based hash
+(the reference's pattern bit for bit, regenerated in the backward; no T×T mask is stored).
+
+Forward: online softmax in fp32 (FlashAttention-2), one program per BLOCK_M query rows.
+Backward by recomputation from the saved log-sum-exp: ``D = rowsum(dH ∘ H) - dlse``, a
+dK/dV kernel (one program per key tile, summing over the query heads that share it, so
+grouped-query needs no atomics), a dQ kernel, and the sinks' gradient from lse and D.
 
 Head sizes: d up to 256 (forward) / 128 (backward) fits one tile. Wider heads are tiled
 along d: the scores ``Q Kᵀ`` are summed over d-chunks, and the output columns (H in the
@@ -41,9 +50,14 @@ def available() -> bool:
     return triton is not None
 
 
-def _kernels():
+def _require_triton() -> None:
     if triton is None:
-        raise ValueError("engine 'triton': the triton package is not installed (pip install '.[gpu]')")
+        raise ValueError("engine 'triton': the triton package is not installed "
+                         "(pip install '.[gpu]')")
+
+
+def _kernels():
+    _require_triton()
     if _interpreting():
         _interpreter_compat()
     from . import _triton_kernels
@@ -115,7 +129,8 @@ def _configs(d_k: int, d_v: int, dtype: torch.dtype, interpret: bool) -> dict:
         else:
             # 256 output columns a program (4 for d = 1000: Q Kᵀ computed 4 times); 128 rows
             # with them would spill registers (benchmarks/compile_check.py)
-            fwd = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=256, num_warps=8, num_stages=3)
+            fwd = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=256, num_warps=8,
+                       num_stages=3)
         if big <= 128:
             dkdv = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_DK=pk, BLOCK_DV=pv, BLOCK_C=big,
                         num_warps=8 if big >= 128 else 4, num_stages=2)
@@ -156,12 +171,26 @@ _RATIOS: dict[int, dict[int, float]] = {
 }
 
 
+def supports(p: Problem, return_lse: bool = False) -> bool:
+    """Whether the kernels run this problem: every pattern, modifier and dropout, fp16 /
+    bf16 / fp32, head sizes 1..1024, on CUDA (or the CPU under TRITON_INTERPRET=1)."""
+    on = p.q.device.type == "cuda" or _interpreting()
+    return (triton is not None and on and p.q.dtype in (torch.float16, torch.bfloat16,
+                                                         torch.float32)
+            and 1 <= p.q.shape[-1] <= 1024 and 1 <= p.v.shape[-1] <= 1024)
+
+
 def prefers(p: Problem) -> bool:
-    """Whether "auto" should run this problem on the Triton engine rather than SDPA (CUDA):
-    where the measured ratio at the nearest measured T (log scale) of the head-size class
-    is above 1. Classes never measured (129..256) stay with SDPA."""
+    """Whether "auto" should run this problem on the Triton engine rather than SDPA (CUDA).
+    Causal (+ padding, documents): where the measured ratio at the nearest measured T (log
+    scale) of the head-size class is above 1; classes never measured (129..256) stay with
+    SDPA. Any other pattern, modifier or dropout: Triton, which skips the blocks nobody
+    reads and draws the reference's dropout pattern, where SDPA needs a dense T_q×T_k mask
+    (not yet measured on a GPU: benchmarks/bench_window_gpu.py)."""
     if triton is None or p.q.device.type != "cuda" or p.q.dtype == torch.float64:
         return False
+    if not p.is_legacy:
+        return True
     d = max(p.q.shape[-1], p.v.shape[-1])
     cls = 128 if d <= 128 else 1024 if d > 256 else None
     if cls is None:
@@ -192,7 +221,9 @@ class _Plan:
         T_k = p.k.shape[2]
         dev = p.q.device
         self.dims = (B, H_q, T_q, T_k)
-        self.T_k, self.offset, self.causal = T_k, p.offset, pat.causal
+        # query i sits at key index i + offset (bottom-right, or as the pattern places it)
+        self.offset = pat.query_start(T_q, T_k) - pat.k_start
+        self.T_k, self.causal = T_k, pat.causal
         none8 = torch.zeros(1, dtype=torch.int8, device=dev)
         self.none32 = torch.zeros(1, dtype=torch.int32, device=dev)
         nonef = torch.zeros(1, dtype=torch.float32, device=dev)
@@ -205,8 +236,9 @@ class _Plan:
             pat.lengths, pat.cu_seqlens, pat.window, pat.chunk, pat.prefix_lengths))
         if self.arrays:
             lo, hi = pat.row_ranges(B, T_q, T_k)
-            self.lo64, self.hi64 = (torch.as_tensor(np.ascontiguousarray(np.broadcast_to(
-                x, (B, T_q)))).to(dev) for x in (lo, hi))
+            self.lo64, self.hi64 = (
+                torch.from_numpy(np.array(np.broadcast_to(x, (B, T_q)), order="C")).to(dev)
+                for x in (lo, hi))
             self.lo, self.hi = self.lo64.to(torch.int32), self.hi64.to(torch.int32)
         else:
             self.lo = self.hi = self.none32
@@ -433,9 +465,7 @@ class _Attention(torch.autograd.Function):
 
 def _prepare(p: Problem):
     """Check what the kernels can run; ``None`` when there is nothing to compute."""
-    if triton is None:
-        raise ValueError("engine 'triton': the triton package is not installed "
-                         "(pip install '.[gpu]')")
+    _require_triton()
     q, k, v = p.q, p.k, p.v
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"engine 'triton': dtype {q.dtype} not supported; use fp16, bf16 or fp32")
@@ -491,19 +521,29 @@ def fwd(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
 def bwd(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse=None):
     """The raw backward from a GIVEN (e.g. ring-merged, global) ``out`` and ``lse``, and
     optionally the gradient ``dlse`` of the lse: ``(dq, dk, dv)`` as
-    :func:`causalattn.engines.tiled.bwd`, dk/dv summed over GQA groups; with sinks a fourth
-    entry, their gradient ``(H_q,)`` fp32. The dropout pattern is regenerated from
-    ``p.dropout_seed``."""
+    :func:`causalattn.engines.tiled.bwd`, dk/dv summed over GQA groups. The dropout pattern
+    is regenerated from ``p.dropout_seed``; the sinks' gradient is :func:`sinks_grad`."""
     prep = _prepare(p)
     if prep is None:
-        grads = (torch.zeros_like(p.q), torch.zeros_like(p.k), torch.zeros_like(p.v))
-        if p.pattern.sinks is not None:
-            grads += (torch.zeros(p.q.shape[1], dtype=torch.float32, device=p.q.device),)
-        return grads
+        return torch.zeros_like(p.q), torch.zeros_like(p.k), torch.zeros_like(p.v)
     cfg, plan = prep
     with torch.no_grad():
-        dq, dk, dv, ds = _backward(p, plan, cfg, *_contiguous(p), out, lse, dout, dlse)
-    return (dq, dk, dv) if ds is None else (dq, dk, dv, ds)
+        return _backward(p, plan, cfg, *_contiguous(p), out, lse, dout, dlse)[:3]
+
+
+def sinks_grad(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+               dlse=None) -> torch.Tensor:
+    """d loss / d sinks ``(H_q,)`` fp32 from the given out, lse and dout (and dlse), as
+    :func:`causalattn.engines.tiled.sinks_grad`: -Σ_{b,i} exp(s_h - lse)·D."""
+    H_q = p.q.shape[1]
+    prep = _prepare(p)
+    if prep is None or p.pattern.sinks is None:
+        return torch.zeros(H_q, dtype=torch.float32, device=p.q.device)
+    cfg, plan = prep
+    with torch.no_grad():
+        lse = lse.float().contiguous()
+        D = _launch_preprocess(out.contiguous(), dout.contiguous(), lse, dlse, cfg)
+        return _sinks_grad(plan, lse, D)
 
 
 def flops(B: int, H: int, T: int, d: int, causal: bool = True, backward: bool = False) -> float:
@@ -512,4 +552,4 @@ def flops(B: int, H: int, T: int, d: int, causal: bool = True, backward: bool = 
     return f * 2.5 if backward else f
 
 
-__all__ = ["forward", "prefers", "available", "flops", "MEASURED"]
+__all__ = ["forward", "fwd", "bwd", "sinks_grad", "supports", "prefers", "available", "flops", "MEASURED"]
