@@ -299,7 +299,7 @@ PATTERNS = {  # name -> (B, H_q, H_kv, T_q, T_k, pattern keywords)
                                     chunk=8)),
     "prefix_lengths": (3, 2, 1, 34, 34, dict(prefix_lengths=torch.tensor([20, 0, 7]),
                                             lengths=torch.tensor([34, 19, 7]))),
-    "dense_mask": (2, 2, 1, 35, 35, dict(mask=_per_head_mask(2, 2, 35, 35))),
+    "dense_mask": (2, 2, 1, 32, 32, dict(mask=_per_head_mask(2, 2, 32, 32))),  # no padding
     "mask_and_key_padding": (1, 2, 2, 33, 33,
                              dict(mask=_per_head_mask(1, 1, 33, 33)[0, 0],
                                   key_padding_mask=(torch.arange(33) % 5 != 2)[None])),

@@ -296,8 +296,12 @@ class _Plan:
             n_m, n_n = triton.cdiv(T_q, block_m), triton.cdiv(T_k, block_n)
             pad = (0, n_n * block_n - T_k, 0, n_m * block_m - T_q)
             tiles = (*m.shape[:2], n_m, block_m, n_n, block_n)
-            some = torch.nn.functional.pad(m, pad, value=False).view(tiles).any(5).any(3)
-            every = torch.nn.functional.pad(m, pad, value=True).view(tiles).all(5).all(3)
+
+            def padded(value):  # cells past T_q, T_k: neither readable nor blocking "full"
+                return torch.nn.functional.pad(m, pad, value=value) if any(pad) else m
+
+            some = padded(False).view(tiles).any(5).any(3)
+            every = padded(True).view(tiles).all(5).all(3)
             kinds = torch.where(every, 1, torch.where(some, 2, 0)).to(torch.int8).contiguous()
             st = kinds.stride()
             strides = (st[0] if kinds.shape[0] > 1 else 0, st[1] if kinds.shape[1] > 1 else 0,
