@@ -3,6 +3,9 @@ the equivalent dense boolean mask, and against itself causal (issue 11's GPU row
 
     PYTHONPATH=src python benchmarks/bench_window_gpu.py [--T 32768] [--window 4096] [--quick]
 
+(``TRITON_INTERPRET=1 ... --device cpu --T 64 --window 16 --heads 1 --reps 1`` is a smoke
+test of the script itself, on the CPU.)
+
 Shape (1, 8, T, 128) bf16, causal + window (Hugging Face's ``sliding_window``). Forward and
 forward+backward are timed in alternation (triton window, triton causal, SDPA masked, ...),
 each call synchronized, and compared by the median of the paired ratios. The readable work
@@ -33,11 +36,16 @@ DEV = "cuda"
 DT = torch.bfloat16
 
 
+def _sync():
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
 def _timed(fn) -> float:
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    _sync()
     return time.perf_counter() - t0
 
 
@@ -68,15 +76,15 @@ def accuracy(w: int = 256, T: int = 2048) -> dict:
     q, k, v = (torch.randn(1, 2, T, 64, device=DEV, generator=g).to(DT).requires_grad_()
                for _ in range(3))
     out = tri.forward(make_problem(q, k, v, window=w))
-    dO = torch.randn_like(out)
+    dO = torch.randn(out.shape, device=DEV, generator=g).to(DT)
     out.backward(dO)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = ref_engine.forward(make_problem(q64, k64, v64, window=w))
     ref.backward(dO.double())
     qp, kp, vp = (t.detach().requires_grad_() for t in (q, k, v))
     allowed = Pattern(window=w).allowed(1, 2, T, T, like=qp)
-    plain = torch.softmax(((qp @ kp.transpose(-1, -2)) * 64 ** -0.5).masked_fill(
-        ~allowed, float("-inf")).float(), -1).to(DT) @ vp
+    S = ((qp @ kp.transpose(-1, -2)) * 64 ** -0.5).masked_fill(~allowed, float("-inf"))
+    plain = torch.softmax(S, -1) @ vp  # the yardstick: matmul, softmax, matmul in bf16
     plain.backward(dO)
     res = {}
     for name, got, want, base in (("H", out, ref, plain), ("dQ", q.grad, q64.grad, qp.grad),
@@ -95,13 +103,18 @@ def main():
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="T = 8192, window 1024")
+    ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
+    global DEV
+    DEV = args.device
     T, w = (8192, 1024) if args.quick else (args.T, args.window)
     B, H, d = 1, args.heads, 128
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"shape ({B}, {H}, {T}, {d}) bf16, window {w}", flush=True)
-    acc = accuracy()
-    print("accuracy (1, 2, 2048, 64) window 256, err / bound: " + ", ".join(
+    name = torch.cuda.get_device_name() if DEV == "cuda" else DEV
+    print(f"device {name}, torch {torch.__version__}, shape ({B}, {H}, {T}, {d}) bf16, "
+          f"window {w}", flush=True)
+    T_acc, w_acc = min(T, 2048), min(w, 256)
+    acc = accuracy(w_acc, T_acc)
+    print(f"accuracy (1, 2, {T_acc}, 64) window {w_acc}, err / bound: " + ", ".join(
         f"{n} {e:.2e}/{b:.2e} {'ok' if ok else 'FAIL'}" for n, (e, b, ok) in acc.items()))
 
     g = torch.Generator(device=DEV).manual_seed(0)
