@@ -124,6 +124,21 @@ def test_greedy_generation_matches_eager(models, name):
     assert torch.equal(out["causalattn"], out["eager"])
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma2"])
+def test_greedy_generation_with_a_static_cache(models, name):
+    """A StaticCache hands the function all its slots, the empty ones masked: same tokens."""
+    model, _ = models(name)
+    ids, am, _ = padded_batch("left")
+    out = {}
+    for impl in ("eager", "causalattn"):
+        model.set_attn_implementation(impl)
+        out[impl] = model.generate(
+            ids, attention_mask=am, max_new_tokens=5, do_sample=False, pad_token_id=0,
+            eos_token_id=None, cache_implementation="static",
+        )
+    assert torch.equal(out["causalattn"], out["eager"])
+
+
 def test_packed_sequences_match_eager(models):
     """HF detects packed documents from position_ids restarting at 0 (no mask, no cache)."""
     for name in ("llama", "mistral"):
