@@ -160,6 +160,24 @@ def test_location_points_into_the_learner_file(tmp_path):
     assert "@ w_o.T" in planted.read_text().splitlines()[int(line) - 1]
 
 
+def test_grade_function_in_this_process():
+    import math
+
+    import torch
+
+    def attention(q, k, v):  # a notebook cell's attempt: the mask forgotten
+        return torch.softmax(q @ k.T / math.sqrt(q.shape[1]), dim=-1) @ v
+
+    g = grade.grade_function(attention)
+    assert g.framework == "torch" and g.fault == "no-mask" and g.exit_code == 1
+    assert "✗ M" in " ".join(repr(g).split())
+    ref = {}
+    exec((SOL / "softmax_numpy.py").read_text(), ref)
+    assert grade.grade_function(ref["softmax"]).ok
+    with pytest.raises(ValueError, match="which exercise"):
+        grade.grade_function(lambda q, k, v: v)
+
+
 def test_mask_stage_shows_the_learner_pattern(tmp_path):
     g = grade.grade_file(_plant(tmp_path, "diagonal-blocked"))
     assert g.pattern is not None and g.pattern["measured"] != g.pattern["expected"]

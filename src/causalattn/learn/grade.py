@@ -1,7 +1,8 @@
 """Grade a filled-in exercise stage by stage with :func:`causalattn.diagnose`.
 
     check("attention.py") -> Grade      # runs the file in a subprocess, with a timeout
-    grade_namespace(ns, "attention.py") # the same in this process (ns: the file's globals)
+    grade_file("attention.py")          # the same in this process
+    grade_function(attention)           # a function defined here (a notebook cell)
 
 The learner's function is placed inside the reference pipeline (the stages it does not
 cover are the library's: :mod:`causalattn.masks`, :func:`causalattn.reference.softmax_last`),
@@ -32,7 +33,8 @@ from ..reference import softmax_last
 from ..shapes import shape_table
 from .exercises import EXERCISES, MARK, Exercise
 
-__all__ = ["Grade", "check", "grade_namespace", "STAGE_NAMES", "HINTS"]
+__all__ = ["Grade", "check", "grade_file", "grade_function", "grade_namespace", "STAGE_NAMES",
+           "HINTS"]
 
 _MARKER = "@@causalattn-learn-grade@@"
 
@@ -112,7 +114,7 @@ _FINITE_FILL = ("Your M holds values other than 0 and -∞ (the '?' cells). A fi
                 "of equal finite values spreads its weight instead of reading nothing.")
 
 
-@dataclass
+@dataclass(repr=False)
 class Grade:
     """The grade of one file: ``status`` right | wrong | error; ``stages`` one dict per
     stage of the exercise (stage, name, status right | wrong | not graded); ``stage``: the
@@ -146,6 +148,9 @@ class Grade:
     def from_dict(cls, d: dict) -> Grade:
         return cls(**{k: v for k, v in d.items() if k != "exit_code"})
 
+    def __repr__(self) -> str:  # a notebook shows the grade itself
+        return str(self)
+
     def __str__(self) -> str:
         mark = {"right": "✓", "wrong": "✗", "not graded": "·"}
         lines = [f"exercise {self.exercise or '?'} ({self.file}): {self.status}"]
@@ -166,9 +171,23 @@ class Grade:
 
 
 # -- calling the learner's function ------------------------------------------------------------
-def _framework(ns: dict) -> str:
-    """torch when the file imported torch (or anything from it), else numpy."""
-    for v in ns.values():
+def _framework(fn) -> str:
+    """torch when the function's code names torch (or anything from it), else numpy."""
+    def names(code):
+        yield from code.co_names
+        for c in code.co_consts:
+            if hasattr(c, "co_names"):
+                yield from names(c)
+
+    code, g = getattr(fn, "__code__", None), dict(getattr(fn, "__globals__", {}))
+    if code is not None and getattr(fn, "__closure__", None):  # names from an enclosing scope
+        for n, cell in zip(code.co_freevars, fn.__closure__):
+            try:
+                g[n] = cell.cell_contents
+            except ValueError:  # an empty cell
+                pass
+    for n in (list(names(code)) + list(code.co_freevars) if code is not None else ()):
+        v = g.get(n)
         mod = v.__name__ if type(v).__name__ == "module" else getattr(v, "__module__", "")
         if isinstance(mod, str) and (mod == "torch" or mod.startswith("torch.")):
             return "torch"
@@ -411,7 +430,7 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
     fn = ns.get(ex.function)
     if not callable(fn):
         return _error(path, ex, f"{path} defines no function {ex.function}()")
-    fw = _framework(ns)
+    fw = _framework(fn)
     user = _Learner(fn, fw, ex)
 
     # one call on a small T ≠ d_k input: its shape (a crash here may still be a known fault)
@@ -466,6 +485,18 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
     hint = hint or _STAGE_HINTS.get(stage, _STAGE_HINTS["shape"])
     return Grade(path, ex.name, "wrong", msg, fw, stage, d.fault if known else None, hint,
                  _stages(ex, stage, known), location, pattern, dd)
+
+
+def grade_function(fn, exercise: str | None = None) -> Grade:
+    """Grade a function defined in this process (a notebook cell), with no timeout:
+    ``grade_function(attention)``; the exercise is the function's name unless given."""
+    name = exercise or getattr(fn, "__name__", "")
+    if name not in EXERCISES or not callable(fn):
+        raise ValueError(f"learn: cannot tell which exercise {fn!r} is; name it "
+                         f"(exercise=...) as one of {list(EXERCISES)}")
+    code = getattr(fn, "__code__", None)
+    where = code.co_filename if code is not None else "<function>"
+    return grade_namespace({EXERCISES[name].function: fn}, where, name)
 
 
 def grade_file(path: str | Path, exercise: str | None = None) -> Grade:
