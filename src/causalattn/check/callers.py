@@ -240,6 +240,8 @@ class Subject:
                                          f"{lead + (p.T_q, n)}")
                     self.layouts[key], self.framework = lead, fw
                     return res.reshape(B, H, p.T_q, n)
+                except MemoryError:  # not a layout problem: the worker reports it
+                    raise
                 except Exception as exc:  # the next layout, or the caller reports it
                     if err is None or fw == self.framework:
                         err = exc if err is None else err

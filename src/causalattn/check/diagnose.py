@@ -231,6 +231,8 @@ class _Measurement:
                 A = self.weights(p)
             self.ran.append(p.name)
             return A
+        except MemoryError:
+            raise
         except Exception:  # the function refuses this probe: note it, go on
             self.dropped.append(p.name)
             return None
@@ -506,6 +508,8 @@ class _Measurement:
                 main = p
                 self.ran.append(p.name)
                 break
+            except MemoryError:
+                raise
             except Exception as exc:
                 first_err = first_err or (p, exc)
         if main is None:
