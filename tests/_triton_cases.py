@@ -450,3 +450,10 @@ def test_placed_block_pair_raw_passes_match_the_reference():
     ((ref * dout.double()).sum() + (ref_lse.nan_to_num(0, 0, 0).double() * dlse).sum()).backward()
     for g, r in zip(got, (q64, k64, v64)):
         assert (g.double() - r.grad).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_with_window_modifiers_and_dropout(dtype):
+    kw = dict(window=12, softcap=4.0, alibi_slopes=[0.1, 0.02], sinks=[0.5, -0.5],
+              dropout_p=0.1, generator=_gen(9))
+    _check(*_inputs(1, 2, 1, 33, 33, 32, dtype=dtype), dtype=dtype, **kw)
