@@ -61,6 +61,14 @@ def _span(idx) -> str:
     return ", ".join(parts)
 
 
+def _keys(idx, verb: str = "") -> str:
+    """'key 4' / 'keys 4–6' (1-based), with 'is' / 'are' when a verb is wanted."""
+    idx = list(idx)
+    word = "key" if len(idx) == 1 else "keys"
+    tail = "" if not verb else (" is" if len(idx) == 1 else " are")
+    return f"{word} {_span(idx)}{tail}"
+
+
 class _Retry(Exception):
     """The draw gave coinciding choices (or no clear answer): draw again."""
 
@@ -228,12 +236,12 @@ def _weight(rng):
     S_i = tr.S[i]
     no_mask = softmax_last(S_i, np.ones(T, bool))[j]
     wrong = [_f(S_i[j]), _f(no_mask), _f(1 / (i + 1))]
-    if min(abs(float(w) - tr.A[i, j]) for w in wrong) < 0.01:
+    if min(abs(float(w) - tr.A[i, j]) for w in wrong) < 0.02:
         raise _Retry
     return _pack(
         rng, "weight",
         f"In this trace {_q(i, data['tokens'])} may read keys 1–{i + 1}; its scaled scores "
-        f"S_{i + 1},j over them are {_vec(S_i[: i + 1])} (keys {_span(range(i + 1, T))} are its "
+        f"S_{i + 1},j over them are {_vec(S_i[: i + 1])} ({_keys(range(i + 1, T), 'be')} its "
         f"future). "
         f"What is the weight A_{i + 1},{j + 1}?",
         _f(tr.A[i, j]), wrong,
@@ -313,7 +321,7 @@ def _mask_after_softmax(rng):
         rng, "mask-after-softmax",
         f"In this trace {_q(i, data['tokens'])} has scaled scores {_vec(tr.S[i])} over all {T} "
         f"keys. Someone applies the mask AFTER the softmax: softmax over all {T} scores, then "
-        f"the future keys {_span(range(i + 1, T))} set to 0. What do query {i + 1}'s weights "
+        f"the future {_keys(range(i + 1, T))} set to 0. What do query {i + 1}'s weights "
         "then sum to?",
         _f(s), wrong,
         "The softmax already spent part of the row's mass on the future keys.",
@@ -341,7 +349,7 @@ def _shape(rng):
     return _pack(
         rng, "shape",
         f"Sequence length T = {T}, d_model = {D}, {heads}. What is the shape of {sym}"
-        f" ({right.name.lower()}), per sequence?",
+        f" ({right.name.lower()}){'' if sym.startswith('W_') else ', per sequence'}?",
         right.notation, wrong,
         "Follow the products: (T×d_model)(d_model×d_k) -> T×d_k, (T×d_k)(d_k×T) -> T×T."
         + ("" if h == 1 else " Per-head stages carry a head axis first."),
