@@ -378,6 +378,11 @@ def test_cli_json_bank_and_piped_answers():
     wrong = "".join(f"{(q['answer'] + 1) % len(q['choices']) + 1}\n" for q in bank[:3])
     r = runner.invoke(app, ["learn", "--seed", "5"], input=wrong)
     assert f"score: 0/{len(bank)} right (3 wrong, {len(bank) - 3} skipped" in r.output
+    r = runner.invoke(app, ["learn", "--json", "--kind", "shape", "--kind", "window-row",
+                            "-n", "3"])
+    assert [q["kind"] for q in json.loads(r.output)] == ["shape", "window-row", "shape"]
+    r = runner.invoke(app, ["learn", "--kind", "nope"])
+    assert r.exit_code == 2 and "unknown question kinds" in r.output
     r = runner.invoke(app, ["learn"], input="")  # nothing on stdin: no hang, a score
     assert r.exit_code == 0 and f"score: 0/{len(bank)}" in r.output
 

@@ -996,8 +996,9 @@ def diagnose_cmd(
 def learn(
     seed: int = typer.Option(0, "--seed", help="Seed of the question set (hand out the same one)."),
     n: int = typer.Option(None, "--n", "-n", help="Number of questions (default: one per kind)."),
+    kind: list[str] = typer.Option(None, "--kind", help="Only these kinds (repeat; see --json)."),
     exercise: str = typer.Option(
-        None, "--exercise", help="Write a scaffold: scores | mask | softmax | attention | multihead."
+        None, "--exercise", help="Write a scaffold: scores|mask|softmax|attention|multihead."
     ),
     output: Path = typer.Option(None, "--output", "-o", help="Scaffold path (default NAME.py)."),
     framework: str = typer.Option("numpy", "--framework", help="numpy | torch (the scaffold's)."),
@@ -1031,7 +1032,7 @@ def learn(
         typer.echo(f"wrote {p}: fill in the function, then run `causalattn learn --check {p}`")
         return
     with _library_errors():
-        qs = questions(seed=seed, n=n)
+        qs = questions(seed=seed, n=n, kinds=kind or None)
     if as_json:
         _print_json(qs)
         return
