@@ -30,10 +30,11 @@ class Check:
     message: str
     evidence: dict = field(default_factory=dict)
     hint: str | None = None
+    fault: str | None = None  # the catalogue id (causalattn.check.CATALOGUE) the hint names
 
     def to_dict(self) -> dict:
         return {"stage": self.stage, "name": self.name, "ok": self.ok, "message": self.message,
-                "evidence": _jsonable(self.evidence), "hint": self.hint}
+                "evidence": _jsonable(self.evidence), "hint": self.hint, "fault": self.fault}
 
 
 @dataclass

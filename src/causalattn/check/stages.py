@@ -21,6 +21,19 @@ from .numerics import (
 )
 from .report import STAGE_ORDER, AuditInputError, Check, Report
 
+# The catalogued fault each of the audit's hints describes (stage, words of the hint).
+_HINT_FAULTS = (
+    ("k-not-transposed", "S", "not transposed"), ("missing-scale", "S", "scale is missing"),
+    ("scale-by-dk", "S", "divided by d_k"), ("no-mask", "M", "no causal mask"),
+    ("anti-causal-mask", "M", "anti-causal"), ("diagonal-blocked", "M", "diagonal is blocked"),
+    ("padding-ignored", "M", "padding mask was not applied"),
+    ("softmax-query-axis", "A", "query axis"), ("softmax-all-entries", "A", "all entries"),
+    ("mask-after-softmax", "A", "after softmax"), ("mask-after-softmax", "A", "after the softmax"),
+    ("unstable-softmax", "A", "overflow exp"), ("nan-on-empty-rows", "A", "makes softmax NaN"),
+    ("output-projection-missing", "O", "projection is missing"),
+    ("output-projection-transposed", "O", "projection is transposed"),
+)
+
 
 class _Auditor:
     def __init__(self, inp: _Inputs):
@@ -38,7 +51,13 @@ class _Auditor:
         self._pending = None
 
     def add(self, stage, name, ok, message, evidence=None, hint=None):
-        self.checks.append(Check(stage, name, bool(ok), message, evidence or {}, hint))
+        fault = None
+        if hint and not ok:
+            fault = next((fid for fid, st, key in _HINT_FAULTS if st == stage and key in hint),
+                         None)
+            if fault and not hint.startswith(fault):
+                hint = f"{fault}: {hint}"
+        self.checks.append(Check(stage, name, bool(ok), message, evidence or {}, hint, fault))
         return ok
 
     def recompute(self, stage, value, *from_stages):
