@@ -181,3 +181,10 @@ def test_readme_fault_table_is_the_catalogue():
     assert table_markdown() in readme
     ids = re.findall(r"^\| `([a-z0-9-]+)` \|", readme, re.M)
     assert ids == [f.id for f in CATALOGUE]
+
+
+def test_declared_padding_is_passed_to_code_that_takes_it():
+    kpm = np.array([[True] * 6, [False, False] + [True] * 4])  # left padding in row 2
+    assert diagnose(numpy_qkv.correct, key_padding_mask=kpm).ok
+    d = diagnose(numpy_qkv.padding_ignored, key_padding_mask=kpm)
+    assert d.fault == "padding-ignored" and d.stage == "M", str(d)

@@ -138,6 +138,8 @@ class _Plan:
              pattern=None, kwargs=None, negative=False):
         dtype = dtype or self.dtype
         B = self.B if B is None else B
+        if kwargs is None and self.pad_kind in self.declared:  # the function takes it: pass it
+            kwargs = {self.pad_kind: np.asarray(self.declared[self.pad_kind])}
         T = self.T_fixed or T
         pat = pattern or self.pattern()
         if self.sig == "qkv":
@@ -539,7 +541,8 @@ class _Measurement:
         if plan.sig != "qkv":
             return
         per_head = "sinks" in plan.declared or "alibi_slopes" in plan.declared
-        if main.H == 1 and not per_head:  # (declared sinks or slopes fix H)
+        if main.H == 1 and not per_head and not plan.per_batch:  # (sinks, slopes fix H;
+            # (B, T) padding next to (B, H, T, d) inputs is read as (H, T) by (B, T, d) code)
             p = plan.make("two-head probe", T=main.T_k, d_k=main.d_k, H=2)
             A = self.try_weights(p)
             if A is not None:
