@@ -116,9 +116,10 @@ def _scores(s, pos_i, j, scale, softcap, slope, SOFTCAP: tl.constexpr, ALIBI: tl
 @triton.jit
 def _dense(MASKb, stride_mt, i, j, ok, kind):
     """The dense mask on a tile (rows i, keys j, broadcastable); only partial tiles
-    (kind 2) read memory, full ones (kind 1) are all True."""
+    (kind 2) read memory, full ones (kind 1) are all True. Row offsets in int64: T_q·T_k
+    passes 2³¹ at T = 46341."""
     partial = (ok.to(tl.int32) * 0 + kind) == 2  # broadcast first (the interpreter needs it)
-    return tl.load(MASKb + i * stride_mt + j, mask=ok & partial, other=1) != 0
+    return tl.load(MASKb + i.to(tl.int64) * stride_mt + j, mask=ok & partial, other=1) != 0
 
 
 @triton.jit
