@@ -130,3 +130,27 @@ def test_dropout_with_return_lse_is_honoured_and_lse_is_the_softmax_one():
         torch.testing.assert_close(lse, lse0)
     with pytest.raises(ValueError, match="return_lse"):
         attention(q, k, v, engine="sdpa", return_lse=True, dropout_p=0.5)
+
+
+def test_the_cpu_hash_is_the_same_arithmetic_as_the_torch_one():
+    """keep_mask's per-cell step runs in NumPy uint32 on the CPU; the int64 torch form (the
+    one the GPU runs) gives the same bits, for large seeds and positions too."""
+    from causalattn import dropout
+
+    g = _gen(0)
+    for _ in range(5):
+        seed, off = (int(x) for x in torch.randint(0, 2**31 - 1, (2,), generator=g))
+        i = torch.randint(0, 2**31 - 1, (37,), generator=g)
+        j = torch.randint(0, 2**31 - 1, (53,), generator=g)
+        b, h = torch.arange(3)[:, None], torch.arange(4)[None, :]
+        head = dropout._fmix((dropout._int(b, None) * dropout._GOLD + h + off * 0x27D4EB2F)
+                             & dropout.M32)
+        head = dropout._fmix(head ^ seed)
+        row = dropout._fmix(head[..., None] ^ ((i * dropout._GOLD + dropout._ROW) & dropout.M32))
+        col = dropout._fmix((j * dropout._GOLD + dropout._COL) & dropout.M32)
+        for p in (0.1, 0.5, 0.97):
+            thr = dropout.threshold(p)
+            assert torch.equal(dropout._cells_numpy(row, col, thr),
+                               dropout._cells_torch(row, col, thr))
+            assert torch.equal(dropout.keep_mask(seed, off, b, h, i, j, p),
+                               dropout._cells_torch(row, col, thr))

@@ -1149,13 +1149,21 @@ def bench(
     layer: bool = typer.Option(
         False, "--layer", help="the whole CausalSelfAttention layer at GPT-2 small, fwd and fwd+bwd, vs SDPA"
     ),
+    patterns: bool = typer.Option(
+        False, "--patterns",
+        help="window, packed documents, softcap, sinks, ALiBi and dropout on the tiled engine vs their peers",
+    ),
 ):
     """Time the tiled engine against PyTorch's SDPA and naive attention (CPU), in alternation."""
     from .bench import cpu
     from .bench import layer as layer_bench
+    from .bench import patterns as patterns_bench
 
-    mod = layer_bench if layer else cpu
-    rows = layer_bench.run(budget_s=8.0 if quick else 20.0) if layer else cpu.run(quick=quick)
+    if patterns:
+        mod, rows = patterns_bench, patterns_bench.run(quick=quick)
+    else:
+        mod = layer_bench if layer else cpu
+        rows = layer_bench.run(budget_s=8.0 if quick else 20.0) if layer else cpu.run(quick=quick)
     if as_json:
         _print_json(rows)
         return

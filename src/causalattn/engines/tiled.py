@@ -383,7 +383,7 @@ def _fwd_job(p, Q, K, V, hd, b, O_out, L_out, workers):
                     l.mul_(alpha).add_(S.sum(-1))
                     acc.mul_(alpha.unsqueeze(-1))
                 if drop:  # the row sum counts every weight; the values only the kept ones
-                    S4.masked_fill_(~_keep(p, hd, h, h2, a, a2, c, c2), 0.0)
+                    S4.mul_(_keep(p, hd, h, h2, a, a2, c, c2))
                 zeros = mask is not None or drop > 0
                 flag = _flag(vbad, c, c2)
                 if mx is None and (not zeros or flag is None):
@@ -474,12 +474,13 @@ def _bwd_job(p, Q, K, V, dO, LSE, D, hd, b, dQ_out, dK, dV, workers, lanes):
     for ai, (_, _, ts) in enumerate(tiles.blocks):
         for c, _, mask in ts:
             readers.setdefault(c, []).append((ai, mask))
+    zscale = 1.0 / (1.0 - drop) if drop < 1 else 0.0  # dropout's Z = keep / (1 - p)
     qs, qs0, qfl, do, do0, dfl, lse, lnan, Dr, dfin = ([] for _ in range(10))
     for a, a2 in blocks:
         r = g * (a2 - a)
         x = _stack(Q[:, :, a:a2] * (p.scale * LOG2E), N, r)  # base-2 scores; dK·ln2 at the end
         x0, xb = _finite(x)
-        y = _stack(dO[:, :, a:a2].contiguous(), N, r)
+        y = _stack(dO[:, :, a:a2] * zscale if drop else dO[:, :, a:a2].contiguous(), N, r)
         y0, yb = _finite(y)
         qs.append(x)
         qs0.append(x0)
@@ -534,26 +535,23 @@ def _bwd_job(p, Q, K, V, dO, LSE, D, hd, b, dQ_out, dK, dV, workers, lanes):
                     P.view(shape).masked_fill_(~mask.pick(mask.allowed, heads), 0.0)
                 dS = torch.bmm(do[ai][h:h2], Vc.transpose(1, 2), out=_tile(bufP, M, r, w))
                 keep = None
-                if drop:  # dP ∘ Z, Z = keep / (1 - p)
+                if drop:  # dP ∘ Z, Z = keep / (1 - p): dO came scaled by 1 / (1 - p)
                     keep = _keep(p, hd, h, h2, a, a2, c, c2)
-                    dS.view(shape).masked_fill_(~keep, 0.0)
-                    dS.mul_(1.0 / (1.0 - drop) if drop < 1 else 0.0)
+                    dS.view(shape).mul_(keep)
                 dS.sub_(Dr[ai][h:h2]).mul_(P)  # dS = P ∘ (dP·Z - D)
                 if masked and not (vfin and dfin[ai]):  # P is 0 there, dP or D is not finite
                     dS.view(shape).masked_fill_(~mask.pick(mask.allowed, heads), 0.0)
                 if soft:  # through the cap: d tanh = 1 - tanh²
                     T.mul_(T).neg_().add_(1.0)
                     dS.view(shape).mul_(T)
-                if drop:  # the values saw P ∘ Z
-                    P.view(shape).masked_fill_(~keep, 0.0)
+                if drop:  # the values saw P ∘ Z (and dO is scaled)
+                    P.view(shape).mul_(keep)
                 Pt, dSt = P.transpose(1, 2), dS.transpose(1, 2)
                 zeros = masked or drop > 0
                 _acc(dvb, Pt, do[ai][h:h2], do0[ai][h:h2], dfl[ai], zeros)
                 _acc(dk, dSt, qs[ai][h:h2], qs0[ai][h:h2], qfl[ai], masked)
                 _acc(dq[ai][h:h2], dS, Kc, K0c, kflag, masked)
             torch.mul(dk, LN2, out=dK[h:h2, c:c2])
-            if drop:
-                dvb.mul_(1.0 / (1.0 - drop) if drop < 1 else 0.0)
             dV[h:h2, c:c2] = dvb
         return dq
 

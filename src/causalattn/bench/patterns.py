@@ -1,0 +1,242 @@
+"""The pattern benchmark (issues 11 and 12): what a window, packed documents, softcap, sinks
+and dropout cost on the tiled engine, each against its peer in the same run.
+
+Every group times its engines in alternation (:func:`causalattn.bench.timing.paired_times`)
+and reports each engine's median time and the median paired ratio to each named peer
+(peer time / this engine's time: > 1 means this engine is faster). fp32 throughout.
+
+- window: (1, 8, T, 64), w = 512, T = 4096 and 16384: tiled vs SDPA with the equivalent
+  dense boolean mask (SDPA cannot skip blocks: O(T²) work for O(T·w) readable cells).
+- documents: 16 documents of random lengths packed into T = 8192 (1, 8, T, 64): tiled with
+  ``cu_seqlens`` vs SDPA with the dense block-diagonal causal mask.
+- softcap, sinks, ALiBi: GPT-2 small (4, 12, 1024, 64) vs the tiled engine without them.
+- dropout p = 0.1: GPT-2 small fwd+bwd vs the tiled engine with p = 0, and vs SDPA with
+  ``dropout_p = 0.1`` (on the CPU SDPA materializes the weights for dropout).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .timing import median_ms, median_ratio, paired_times, reps_for
+
+WINDOW = 512
+
+
+@dataclass
+class Group:
+    case: str
+    shape: tuple[int, int, int, int]
+    pass_: str
+    peers: tuple[str, ...]
+    budget_s: float = 8.0
+    min_reps: int = 3
+    note: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def groups(quick: bool = False) -> list[Group]:
+    gpt2 = (4, 12, 1024, 64)
+    out = []
+    for T in ((4096,) if quick else (4096, 16384)):
+        for pass_ in ("fwd",) if quick else ("fwd", "fwd+bwd"):
+            # SDPA's fwd+bwd at T = 16384 takes minutes a call here: tiled alone there
+            peers = () if (T, pass_) == (16384, "fwd+bwd") else ("sdpa (bool mask)",)
+            out.append(Group("window", (1, 8, T, 64), pass_, peers,
+                             budget_s=4 if quick else 10, min_reps=2 if T > 4096 else 3))
+    out.append(Group("documents", (1, 8, 8192, 64), "fwd", ("sdpa (bool mask)",),
+                     budget_s=4 if quick else 10))
+    if not quick:
+        out.append(Group("documents", (1, 8, 8192, 64), "fwd+bwd", ("sdpa (bool mask)",)))
+    for pass_ in ("fwd",) if quick else ("fwd", "fwd+bwd"):
+        out.append(Group("modifiers", gpt2, pass_, ("tiled",), budget_s=4 if quick else 10))
+    out.append(Group("dropout", gpt2, "fwd+bwd", ("tiled p=0", "sdpa p=0.1"),
+                     budget_s=4 if quick else 10))
+    return out
+
+
+def _doc_lengths(T: int, n: int, seed: int = 0) -> list[int]:
+    """n document lengths >= 16 summing to T, drawn at random (fixed seed)."""
+    g = torch.Generator().manual_seed(seed)
+    cuts = sorted(((torch.randperm(T // 16 - 1, generator=g)[: n - 1] + 1) * 16).tolist())
+    edges = [0, *cuts, T]
+    return [b - a for a, b in zip(edges, edges[1:])]
+
+
+def _calls(gr: Group) -> tuple[dict[str, Callable], dict]:
+    """Engines to time for a group: name -> call, and facts for the rows."""
+    from ..engines import attention
+    from ..masks import Pattern
+
+    B, H, T, d = gr.shape
+    grad = gr.pass_ == "fwd+bwd"
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, d, generator=gen).requires_grad_(grad) for _ in range(3))
+    dout = torch.randn(B, H, T, d, generator=gen)
+    scale = 1.0 / math.sqrt(d)
+    info: dict = {"note": gr.note}
+
+    def tiled(**kw):
+        return lambda: attention(q, k, v, engine="tiled", **kw)
+
+    def sdpa_masked(allowed, **kw):
+        def run():
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, **kw)
+            return out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
+        return run
+
+    if gr.case == "window":
+        allowed = Pattern(window=WINDOW).allowed(B, H, T, T, like=q)
+        calls = {f"tiled (window {WINDOW})": tiled(window=WINDOW)}
+        if gr.peers:
+            calls["sdpa (bool mask)"] = sdpa_masked(allowed)
+        info["note"] = f"w = {WINDOW}: readable cells {T * WINDOW / (T * T / 2):.0%} of causal"
+    elif gr.case == "documents":
+        lengths = _doc_lengths(T, 16)
+        cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        allowed = Pattern(cu_seqlens=cu).allowed(B, H, T, T, like=q)
+        calls = {"tiled (cu_seqlens)": tiled(cu_seqlens=cu),
+                 "sdpa (bool mask)": sdpa_masked(allowed)}
+        readable = sum(L * (L + 1) / 2 for L in lengths)
+        info["causal_over_readable"] = (T * (T + 1) / 2) / readable
+        info["note"] = (f"16 documents, lengths {min(lengths)}..{max(lengths)}: dense causal "
+                        f"work / readable work = {info['causal_over_readable']:.1f}")
+    elif gr.case == "modifiers":
+        slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)])
+        sinks = torch.randn(H, generator=gen)
+        calls = {"tiled": tiled(), "tiled (softcap 30)": tiled(softcap=30.0),
+                 "tiled (sinks)": tiled(sinks=sinks), "tiled (ALiBi)": tiled(alibi_slopes=slopes)}
+    else:  # dropout
+        calls = {"tiled p=0.1": tiled(dropout_p=0.1, generator=torch.Generator().manual_seed(1)),
+                 "tiled p=0": tiled(),
+                 "sdpa p=0.1": lambda: F.scaled_dot_product_attention(
+                     q, k, v, is_causal=True, scale=scale, dropout_p=0.1)}
+        info["note"] = "SDPA draws its own dropout pattern (torch's RNG); ours is counter-based"
+    if not grad:
+        return calls, info
+
+    def fwd_bwd(f):
+        def run():
+            for t in (q, k, v):
+                t.grad = None
+            f().backward(dout)
+        return run
+
+    return {n: fwd_bwd(f) for n, f in calls.items()}, info
+
+
+def _rows(gr: Group) -> list[dict]:
+    import time
+
+    fns, info = _calls(gr)
+    t0 = time.perf_counter()
+    for fn in fns.values():  # warm-up, and the cost of one round
+        fn()
+    reps = reps_for(time.perf_counter() - t0, gr.budget_s, lo=gr.min_reps, hi=9)
+    times = paired_times(fns, reps=reps, warmup=0)
+    rows = []
+    for name, ts in times.items():
+        rows.append({
+            "case": gr.case, "shape": list(gr.shape), "dtype": "float32", "pass": gr.pass_,
+            "engine": name, "ms": round(median_ms(ts), 2),
+            "vs": {peer: round(median_ratio(times[peer], ts), 3)
+                   for peer in gr.peers if peer != name},
+            "reps": len(ts), "note": info["note"],
+            **({"causal_over_readable": round(info["causal_over_readable"], 2)}
+               if "causal_over_readable" in info else {}),
+        })
+    return rows
+
+
+def run(quick: bool = False, show_progress: bool = True) -> list[dict]:
+    """Run every group; a rich progress bar on stderr; returns the rows."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    gs = groups(quick)
+    rows: list[dict] = []
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(), console=Console(stderr=True), disable=not show_progress,
+        transient=True,
+    ) as prog:
+        task = prog.add_task("patterns", total=len(gs))
+        for gr in gs:
+            prog.update(task, description=f"{gr.case} {list(gr.shape)} {gr.pass_}")
+            rows.extend(_rows(gr))
+            prog.advance(task)
+    return rows
+
+
+def _find(rows, case, engine, pass_, T=None):
+    for r in rows:
+        if (r["case"], r["engine"], r["pass"]) == (case, engine, pass_) and (
+                T is None or r["shape"][2] == T):
+            return r
+    return None
+
+
+def bars(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
+    """The issues' bars, checked on these rows: (bar, met, the numbers)."""
+    out = []
+    w = f"tiled (window {WINDOW})"
+    r16 = _find(rows, "window", w, "fwd", 16384)
+    if r16:
+        x = r16["vs"]["sdpa (bool mask)"]
+        out.append(("window T=16384 fwd: tiled >= 4x SDPA (bool mask)", x >= 4, f"{x:.2f}x"))
+    for p in ("fwd", "fwd+bwd"):
+        r16, r4 = _find(rows, "window", w, p, 16384), _find(rows, "window", w, p, 4096)
+        if r16 and r4:
+            g = r16["ms"] / r4["ms"]
+            out.append((f"window {p}: tiled time T=4096 -> 16384 grows <= 5x", g <= 5,
+                        f"{g:.2f}x"))
+    for p in ("fwd", "fwd+bwd"):
+        r = _find(rows, "documents", "tiled (cu_seqlens)", p)
+        if r:
+            need = 0.8 * r["causal_over_readable"]
+            x = r["vs"]["sdpa (bool mask)"]
+            out.append((f"documents {p}: >= 0.8 x causal/readable = {need:.1f}x SDPA",
+                        x >= need, f"{x:.2f}x"))
+    for p in ("fwd", "fwd+bwd"):
+        for mod in ("softcap 30", "sinks"):
+            r = _find(rows, "modifiers", f"tiled ({mod})", p)
+            if r:
+                cost = 1 / r["vs"]["tiled"]
+                out.append((f"{mod} {p}: <= 1.15x tiled without", cost <= 1.15, f"{cost:.2f}x"))
+    r = _find(rows, "dropout", "tiled p=0.1", "fwd+bwd")
+    if r:
+        cost = 1 / r["vs"]["tiled p=0"]
+        out.append(("dropout 0.1 fwd+bwd: <= 1.3x tiled p=0", cost <= 1.3, f"{cost:.2f}x"))
+        x = r["vs"]["sdpa p=0.1"]
+        out.append(("dropout 0.1 fwd+bwd vs SDPA p=0.1 (report)", None, f"{x:.2f}x"))
+    return out
+
+
+def render(rows: list[dict], console=None) -> None:
+    """Print the table and the bars with rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    t = Table(title=f"causalattn pattern benchmark ({torch.get_num_threads()} threads, "
+                    f"torch {torch.__version__})")
+    for col in ("case", "shape", "pass", "engine", "ms", "vs peers (peer time / this)"):
+        t.add_column(col, justify="right" if col == "ms" else "left")
+    for r in rows:
+        vs = ", ".join(f"{x:.2f}x {p}" for p, x in r["vs"].items()) or "(peer)"
+        t.add_row(r["case"], "x".join(map(str, r["shape"])), r["pass"], r["engine"],
+                  f"{r['ms']:.1f}", vs)
+    if not console.is_terminal:
+        console.width = max(console.width, 150)
+    console.print(t)
+    for case, note in sorted({(r["case"], r["note"]) for r in rows if r["note"]}):
+        console.print(f"  {case}: {note}")
+    console.print("bars:")
+    for name, ok, nums in bars(rows):
+        tag = "[green]met [/]" if ok else "[red]MISS[/]" if ok is False else "     "
+        console.print(f"  {tag} {name}: {nums}")
