@@ -29,7 +29,7 @@ class Exercise:
     function: str
     params: str
     stages: tuple[str, ...]  # the diagnose stages the learner's code computes
-    doc: str  # the function's docstring; {arr} names the array type
+    doc: str  # the function's docstring; {arr} / {one} name the array type
 
 
 EXERCISES: dict[str, Exercise] = {
@@ -43,7 +43,7 @@ The scaled scores of one sequence: S = Q Kᵀ / √d_k.
 The seed's additive mask M for one sequence of T positions: the first `length` are
     real tokens, the rest are <PAD>.
 
-    T, length: ints, 0 <= length <= T. Return M, T×T floats ({arr}):
+    T, length: ints, 0 <= length <= T. Return M, T×T, as {one}:
     M[i, j] = 0 where query i may read key j, and -inf where it may not.
     Query i may read key j when j is not in its future (j <= i) and both are real tokens
     (i < length and j < length). A padding query reads nothing: its whole row is -inf.
@@ -69,19 +69,20 @@ Causal self-attention for one sequence: H = softmax_last(Q Kᵀ / √d_k + M) V.
     H = A V                  T×d_v: row i is h_i"""),
     "multihead": Exercise("multihead", "multihead", "x, w_q, w_k, w_v, w_o, n_heads",
                           ("S", "M", "A", "H", "O"), """\
-Multi-head causal self-attention for one sequence: O = [H_1 … H_h] W_O.
+Multi-head causal self-attention for one sequence: O = [H_0 … H_{{h-1}}] W_O.
 
     x: T×d_model {arr}; w_q, w_k: d_model×(h·d_k); w_v: d_model×(h·d_v);
     w_o: (h·d_v)×d_model; n_heads: h (an int). Return O, T×d_model.
 
-    Q = X W_Q, K = X W_K, V = X W_V. Head n (0-based) uses columns n·d_k … (n+1)·d_k - 1
+    Q = X W_Q, K = X W_K, V = X W_V. Head n (n = 0 … h-1) uses columns n·d_k … (n+1)·d_k - 1
     of Q and K and n·d_v … (n+1)·d_v - 1 of V, and is causal self-attention with its own
     d_k: H_n = softmax_last(Q_n K_nᵀ / √d_k + M) V_n, T×d_v. The heads' outputs are put
-    side by side in head order, [H_1 … H_h]: T×(h·d_v), then O = [H_1 … H_h] W_O."""),
+    side by side in head order, [H_0 … H_{{h-1}}]: T×(h·d_v), then multiplied by W_O."""),
 }
 
 _IMPORT = {"numpy": "import numpy as np", "torch": "import torch"}
 _ARR = {"numpy": "NumPy float arrays", "torch": "torch float tensors"}
+_ONE = {"numpy": "a NumPy float array", "torch": "a torch float tensor"}
 
 
 def _check(name: str, framework: str) -> Exercise:
@@ -96,7 +97,7 @@ def scaffold(name: str, framework: str = "numpy", filename: str | None = None) -
     """The text of exercise ``name``'s scaffold file for ``framework`` ("numpy" | "torch");
     ``filename`` is the path its check command names (default ``NAME.py``)."""
     ex = _check(name, framework)
-    doc = ex.doc.format(arr=_ARR[framework])
+    doc = ex.doc.format(arr=_ARR[framework], one=_ONE[framework])
     return f'''{MARK} {name} ({framework})
 """Fill in `{ex.function}` below, then grade it:
 

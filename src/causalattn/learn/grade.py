@@ -44,7 +44,7 @@ STAGE_NAMES = {
     "M": "mask M (0 readable, -∞ blocked)",
     "A": "weights A = softmax_last(S + M)",
     "H": "output H = A V",
-    "O": "O = [H_1 … H_h] W_O",
+    "O": "O = [H_0 … H_{h-1}] W_O",
     "heads": "every head the same way",
 }
 
@@ -93,7 +93,7 @@ HINTS = {
     "in your code?",
     "output-projection-missing": "Your O is the heads' output itself: W_O never enters.",
     "output-projection-transposed": "W_O is (h·d_v)×d_model and is used as X W is: which of "
-    "its axes meets the columns of [H_1 … H_h]?",
+    "its axes meets the columns of [H_0 … H_{h-1}]?",
 }
 _STAGE_HINTS = {
     "shape": "Write the shapes of every intermediate next to the code, in the seed's "
