@@ -19,15 +19,16 @@ under ``attn_implementation="causalattn"``); each chosen layer's call is recorde
 Memory: only Q, K, V, H, O and W_O are kept (float32, O(T·d) per head: 32 MiB a layer for
 GPT-2 small at T = 2048, 387 MiB for all 12 layers, measured); S, [S_cap, E,] M, Z, A, C,
 ``allowed`` and ``reasons`` are T×T per head and are recomputed from Q, K, V and the
-pattern in float64 by :func:`layer_stages` whenever they are read (returned as float32,
-never cached: hold on to ``tr.A`` if you read it twice). C (T×T×d_v) is offered only while
-it stays under ``reference.C_LIMIT_BYTES``.
+pattern in float64 by :func:`layer_stages` when they are read (returned as float32); only
+the last layer read keeps its T×T stages, so reading S, M, Z, A of one layer computes them
+once. C (T×T×d_v) is offered only while it stays under ``reference.C_LIMIT_BYTES``.
 """
 
 from __future__ import annotations
 
 import contextvars
 import math
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
@@ -173,14 +174,25 @@ class _LazyStages(Mapping):
         return out
 
     def _computed(self, name):
-        st = self.stages()
+        st = _last_stages(self.rec, self.stages)
         if name == "C":
-            A, V = st["A"], torch.from_numpy(self.rec.expand(self.rec.V).astype(np.float64))
-            return (A[..., None] * V[..., None, :, :]).numpy().astype(np.float32)
+            A, V = st["A"], self.rec.expand(self.rec.V)
+            return A[..., None] * V[..., None, :, :]
         out = st[name]
-        if name in ("M", "E"):
-            out = out.expand(st["S"].shape)
-        return out.numpy().astype(np.float32)
+        return np.broadcast_to(out, st["S"].shape) if name in ("M", "E") else out
+
+
+# The T×T stages of the one layer read last, as float32: reading S, M, Z, A and C of a layer
+# (as the audit does) computes them once, and at most one layer's stages are ever held.
+_LAST: list = [None, None]  # [weakref to the _Record, {name: float32 array}]
+
+
+def _last_stages(rec: _Record, compute) -> dict[str, np.ndarray]:
+    if _LAST[0] is None or _LAST[0]() is not rec:
+        _LAST[:] = [None, None]  # drop the previous layer's arrays before computing these
+        st = {k: v.numpy().astype(np.float32) for k, v in compute().items() if k != "H"}
+        _LAST[:] = [weakref.ref(rec), st]
+    return _LAST[1]
 
 
 class CapturedTrace(Trace):

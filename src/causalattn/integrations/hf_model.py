@@ -133,13 +133,13 @@ class LayerAudit:
 
 def _row_sum_error(tr) -> float:
     """Each readable row of the trace's A (float32) must sum to 1 less its sink's weight."""
-    st = tr._stages()
-    A = np.asarray(tr.A, np.float64).reshape(st["A"].shape)
+    A = np.asarray(tr.A, np.float64)
+    A = A.reshape((1,) * (4 - A.ndim) + A.shape)  # (B, H, T_q, T_k)
     allowed = np.broadcast_to(tr.received.allowed(*A.shape[:2], *A.shape[2:]), A.shape)
     has_key = allowed.any(-1)
     want = np.ones(has_key.shape)
     if tr.received.sinks is not None:
-        Z = st["Z"].numpy()
+        Z = np.asarray(tr.Z, np.float64).reshape(A.shape)
         s = np.asarray(tr.received.sinks, np.float64)[None, :, None]
         m = np.maximum(np.where(has_key, Z.max(-1), 0.0), s)
         with np.errstate(invalid="ignore", over="ignore"):
