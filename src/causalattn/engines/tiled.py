@@ -198,8 +198,7 @@ class _Tiles:
                      or pt.cu_seqlens is not None or pt.prefix_lengths is not None)
         cache: dict = {}
         self.blocks = []  # per query block: (a, a2, [(c, c2, _Mask | None), ...])
-        for a in range(0, T_q, bq):
-            a2 = min(T_q, a + bq)
+        for a, a2 in _row_blocks(p, b, bq):
             lo, hi = pt.key_range(b, a, a2, T_q, T_k)
             tiles = []
             if hi > lo:
@@ -233,6 +232,33 @@ class _Tiles:
 
 
 _CPU = torch.zeros(())
+MIN_PIECE = 32  # chunks shorter than this are masked inside blocks rather than cut out
+
+
+def _row_blocks(p: Problem, b: int, bq: int) -> list[tuple[int, int]]:
+    """Query blocks of at most bq rows that never straddle a document, a chunk, the end of
+    a prefix or of a sequence's length: a block on both sides of such an edge would read
+    (and mask) the union of both sides' keys."""
+    pt = p.pattern
+    B, H, T_q, T_k = p.dims
+    qs = pt.query_start(T_q, T_k)
+    edges = set()  # key positions where the readable set changes
+    cu = pt.cu_seqlens
+    starts = [0] if cu is None else [int(x) for x in cu[:-1]]
+    ends = [qs + T_q] if cu is None else [int(x) for x in cu[1:]]
+    edges.update(starts)
+    if pt.chunk is not None and pt.chunk >= MIN_PIECE:
+        for s0, e0 in zip(starts, ends):
+            edges.update(range(s0, e0, pt.chunk))
+    for v in (pt.lengths, pt.prefix_lengths):
+        if v is not None:
+            edges.add(int(v[b]))
+    cuts = sorted({0, T_q} | {x - qs for x in edges if 0 < x - qs < T_q})
+    out = []
+    for s0, e0 in zip(cuts, cuts[1:]):
+        n = -(-(e0 - s0) // bq)  # pieces of equal size, at most bq rows
+        out.extend((s0 + (e0 - s0) * i // n, s0 + (e0 - s0) * (i + 1) // n) for i in range(n))
+    return out
 
 
 def _jobs(p: Problem) -> list[tuple[int, int]]:
