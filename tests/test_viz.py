@@ -182,6 +182,7 @@ def _data(html: str) -> dict:
         s.update(blocks[s["block"]])
         for lay in s["layers"]:
             lay.update(blocks[lay["block"]])
+    index["xsets"] = [blocks[k] for k in index["xsets"]]
     return index
 
 
@@ -206,10 +207,16 @@ def test_explorer_data_compact_when_recomputable_and_faithful_otherwise(traces, 
     layer = seq["layers"][0]
     assert np.array_equal(_kinds(layer) == READABLE, batch.mask[3])
     assert seq["pad"] == [0] * 6 + [1] * 4
-    assert [h["form"] for h in layer["heads"]] == ["qk", "qk"]
-    h1 = traces[3].select(1)
-    np.testing.assert_array_equal(_f(layer["heads"][1]["Q"], "<f8").reshape(h1.Q.shape), h1.Q)
-    assert "H" not in layer["heads"][1]  # H = A V: the page computes it
+    assert [h["form"] for h in layer["heads"]] == ["x", "x"]  # X W, from shared weights
+    data = viz.explorer_data(traces)
+    (shared,) = data["xsets"]  # one set of weights for all sentences
+    layer = data["sequences"][3]["layers"][0]
+    tr = traces[3]
+    np.testing.assert_array_equal(_f(shared["W_q"], "<f8").reshape(16, 16), tr["W_q"])
+    table = _f(shared["X"], "<f8").reshape(-1, 16)
+    np.testing.assert_array_equal(table[_f(layer["rows"], "<u2")], tr.X)  # each row once
+    assert len(table) == len(batch.vocab) - 1  # every token of the corpus, and <PAD>
+    assert "H" not in layer["heads"][1] and "Q" not in layer["heads"][1]
     # a trace whose A is not softmax_last(S + M) (a recorded bug) is carried as it is
     X = np.array([[1, 0], [0, 1], [1, 1], [-1, 1]], float)
     tr = ca.trace(X, np.eye(2), np.eye(2), np.eye(2))
@@ -268,7 +275,7 @@ def test_a_page_that_would_be_too_big_uses_float16_then_keeps_the_first_sequence
     assert len(_f(head["vnorm"], "<f4")) == 40  # exact norms beside the cut V
     np.testing.assert_allclose(_f(head["vnorm"], "<f4"),
                                np.linalg.norm(layers[0].V[0], axis=-1), rtol=1e-6)
-    sents = viz.sentence_traces(["a b c d e f g h"] * 30)
+    sents = _model(L=30, H=2, T=20, d=8)  # as 30 sequences of their own (no shared weights)
     capped = viz.explorer_data(sents, max_bytes=20_000, layers=False)
     n = len(capped["sequences"])
     assert 1 <= n < 30 and f"first {n} of 30 sequences" in capped["notes"][0]

@@ -78,8 +78,8 @@ function causalattnExplorer(root, data) {
     }
     return HALF;
   }
-  var SIZE = { f8: 8, f4: 4, f2: 2, u4: 4 };
-  function floats(b64, prec) { // little-endian float64 / float32 / float16, or uint32 ("u4")
+  var SIZE = { f8: 8, f4: 4, f2: 2, u4: 4, u2: 2 };
+  function floats(b64, prec) { // little-endian float64 / float32 / float16, uint32 / uint16
     var u = bytes(b64), size = SIZE[prec];
     if (!LITTLE) {
       for (var i = 0; i < u.length; i += size) {
@@ -89,6 +89,7 @@ function causalattnExplorer(root, data) {
     if (prec === "f8") return new Float64Array(u.buffer, 0, u.length >> 3);
     if (prec === "f4") return new Float32Array(u.buffer, 0, u.length >> 2);
     if (prec === "u4") return new Uint32Array(u.buffer, 0, u.length >> 2);
+    if (prec === "u2") return new Uint16Array(u.buffer, 0, u.length >> 1);
     var h = new Uint16Array(u.buffer, 0, u.length >> 1), tab = halfTable(), out = new Float32Array(h.length);
     for (var k = 0; k < h.length; k++) out[k] = tab[h[k]];
     return out;
@@ -156,9 +157,18 @@ function causalattnExplorer(root, data) {
     var key = s + "." + l + "." + h;
     if (headCache[key]) return headCache[key];
     var info = layerInfo(s, l), lb = block(info.layer.block), hd = lb.heads[h], T = info.T;
-    var dv = hd.d_v, vs = hd.v_shown, V = floats(hd.V, hd.vprec), S, A;
-    if (hd.form === "qk") { var r = recompute(info, floats(hd.Q, hd.qprec), floats(hd.K, hd.qprec), hd.d_k, lb.scale); S = r.S; A = r.A; }
-    else { S = floats(hd.S, hd.sprec); A = floats(hd.A, hd.aprec); }
+    var dv = hd.d_v, vs = hd.v_shown, V, S, A, r;
+    if (hd.form === "x") { // Q, K, V = X W from the shared weights, head h's columns
+      var w = xset(lb.xset), rows = floats(lb.rows, lb.rprec), dk = hd.d_k;
+      V = project(w, rows, w.Wv, w.cols[2], h * dv, dv);
+      r = recompute(info, project(w, rows, w.Wq, w.cols[0], h * dk, dk),
+                    project(w, rows, w.Wk, w.cols[1], h * dk, dk), dk, lb.scale);
+      S = r.S; A = r.A;
+    } else if (hd.form === "qk") {
+      V = floats(hd.V, hd.vprec);
+      r = recompute(info, floats(hd.Q, hd.qprec), floats(hd.K, hd.qprec), hd.d_k, lb.scale);
+      S = r.S; A = r.A;
+    } else { V = floats(hd.V, hd.vprec); S = floats(hd.S, hd.sprec); A = floats(hd.A, hd.aprec); }
     var vnorm;
     if (hd.vnorm) vnorm = floats(hd.vnorm, "f4");
     else {
@@ -197,6 +207,26 @@ function causalattnExplorer(root, data) {
                        vnorm: vnorm, rowSum: rowSum, smax: top(ss), amax: top(as), nmax: top(ns),
                        clipped: step > 1 };
     return headCache[key];
+  }
+  var xsets = {};
+  function xset(k) { // shared weights and distinct rows of X (decoded once)
+    if (xsets[k]) return xsets[k];
+    var b = block(data.xsets[k]);
+    xsets[k] = { X: floats(b.X, "f8"), Wq: floats(b.W_q, "f8"), Wk: floats(b.W_k, "f8"),
+                 Wv: floats(b.W_v, "f8"), dm: b.d_model, cols: b.cols };
+    return xsets[k];
+  }
+  function project(w, rows, W, cols, c0, d) { // (X W)[:, c0:c0+d] for the rows of one sequence
+    var T = rows.length, dm = w.dm, out = new Float64Array(T * d);
+    for (var t = 0; t < T; t++) {
+      var xo = rows[t] * dm;
+      for (var c = 0; c < d; c++) {
+        var acc = 0;
+        for (var m = 0; m < dm; m++) acc += w.X[xo + m] * W[m * cols + c0 + c];
+        out[t * d + c] = acc;
+      }
+    }
+    return out;
   }
   function hRow(info, hi, i) { // h_i = Σ_j A_ij v_j over the components the page holds
     if (hi.H) return { v: hi.H.subarray(i * hi.dv, (i + 1) * hi.dv), n: hi.dv };

@@ -117,7 +117,74 @@ def _stacked(tr: Trace, name: str) -> np.ndarray:
 _CHUNK_CELLS = 4 * 2**20  # T×T cells per vectorized step (a few float64 arrays of 32 MiB)
 
 
-def _layers_data(layers: list[_Layer], prec: str) -> list[tuple[dict, list[float | None]]]:
+class _Shared:
+    """Weights shared by many traces, and a table of their distinct rows of X.
+
+    Sentences traced with one set of weights (:func:`batch_traces`) differ only in their
+    tokens: the page gets W_Q, W_K, W_V and each distinct embedding row once, and each
+    sentence as row numbers; it computes Q, K, V = X W per head itself, in float64, exactly
+    as the trace did. 10,000 sentences then cost a few bytes each.
+    """
+
+    def __init__(self):
+        self.sets: list[dict] = []
+        self._by_key: dict = {}
+
+    def set_for(self, tr: Trace) -> int:
+        W = tuple(np.ascontiguousarray(tr[n], dtype=np.float64) for n in ("W_q", "W_k", "W_v"))
+        key = (tr.n_heads,) + tuple((w.shape, w.tobytes()) for w in W)
+        if key not in self._by_key:
+            self._by_key[key] = len(self.sets)
+            self.sets.append({"W": W, "n_heads": tr.n_heads or 1, "rows": {}, "table": []})
+        return self._by_key[key]
+
+    def rows(self, k: int, X: np.ndarray) -> np.ndarray:
+        """Row numbers of X's rows in set k's table (new rows are added)."""
+        st = self.sets[k]
+        out = np.empty(len(X), dtype=np.int64)
+        for t, row in enumerate(np.ascontiguousarray(X, dtype=np.float64)):
+            key = row.tobytes()
+            if key not in st["rows"]:
+                st["rows"][key] = len(st["table"])
+                st["table"].append(row)
+            out[t] = st["rows"][key]
+        return out
+
+    def block(self, k: int) -> dict:
+        st = self.sets[k]
+        Wq, Wk, Wv = st["W"]
+        table = np.stack(st["table"]) if st["table"] else np.zeros((0, Wq.shape[0]))
+        return {"n_heads": st["n_heads"], "d_model": int(Wq.shape[0]),
+                "X": _b64(table, "<f8"), "W_q": _b64(Wq, "<f8"), "W_k": _b64(Wk, "<f8"),
+                "W_v": _b64(Wv, "<f8"), "cols": [int(Wq.shape[1]), int(Wk.shape[1]),
+                                                  int(Wv.shape[1])]}
+
+
+def _from_weights(layers: list[_Layer], st: dict) -> np.ndarray:
+    """Per layer: whether its Q, K, V are exactly X W (split into heads), as the page computes."""
+    tr0 = layers[0].trace
+    if not all(n in tr0 for n in ("X", "W_q", "W_k", "W_v")) or st["Q"].shape != st["K"].shape:
+        return np.zeros(len(layers), bool)
+    W = [tr0[n] for n in ("W_q", "W_k", "W_v")]
+    same = np.array([all(lay.trace[n] is w or np.array_equal(lay.trace[n], w)
+                         for n, w in zip(("W_q", "W_k", "W_v"), W)) for lay in layers])
+    X = np.stack([np.asarray(lay.trace["X"], dtype=np.float64) for lay in layers])
+    if X.ndim != 3 or X.shape[1] != st["Q"].shape[2]:
+        return np.zeros(len(layers), bool)
+    H = st["Q"].shape[1]
+    ok = same & np.isfinite(X).all(axis=(1, 2))
+    with np.errstate(all="ignore"):
+        for name, w in zip(("Q", "K", "V"), W):
+            Y = X @ np.asarray(w, dtype=np.float64)  # (n, T, h·d) -> (n, h, T, d)
+            Y = np.moveaxis(Y.reshape(Y.shape[0], Y.shape[1], H, -1), 2, 1)
+            if Y.shape != st[name].shape:
+                return np.zeros(len(layers), bool)
+            ok &= np.isclose(Y, st[name], rtol=1e-12, atol=1e-12).all(axis=(1, 2, 3))
+    return ok
+
+
+def _layers_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
+                 ) -> list[tuple[dict, list[float | None]]]:
     """Each layer's block (scale and heads) at precision ``prec``, with the page's error on A
     per head (None: S and A carried as they are). Layers of the same shapes are done
     together, a few million cells at a time: 10,000 sentences cost about as much as one."""
@@ -139,12 +206,13 @@ def _layers_data(layers: list[_Layer], prec: str) -> list[tuple[dict, list[float
         step = max(1, _CHUNK_CELLS // max(1, H * T * T))
         for c in range(0, len(members), step):
             part = members[c:c + step]
-            for k, res in zip(part, _group_data([layers[k] for k in part], prec)):
+            for k, res in zip(part, _group_data([layers[k] for k in part], prec, shared)):
                 out[k] = res
     return out
 
 
-def _group_data(layers: list[_Layer], prec: str) -> list[tuple[dict, list[float | None]]]:
+def _group_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
+                ) -> list[tuple[dict, list[float | None]]]:
     """:func:`_layers_data` for layers of identical shapes, stacked to ``(n, h, T, ·)``."""
     tr0 = layers[0].trace
     scale = tr0.scale
@@ -159,11 +227,15 @@ def _group_data(layers: list[_Layer], prec: str) -> list[tuple[dict, list[float 
     Vc, pv = _cast_all(V[..., :V_SHOWN] if cut else V, prec)
     ok = np.zeros((n, H), bool)
     err = np.full((n, H), np.nan)
+    fromW = np.zeros(n, bool)
+    if shared is not None and "Q" in st and "K" in st:
+        fromW = _from_weights(layers, st)
     if scale is not None and all(k in st for k in ("Q", "K", "S", "A")) \
             and st["Q"].shape == st["K"].shape:
         Q, K, S, A = st["Q"], st["K"], st["S"], st["A"]
-        Qc, pq = _cast_all(Q, prec)
-        Kc, pk = _cast_all(K, prec)
+        qprec = "f8" if fromW.all() else prec  # from weights, the page works in float64
+        Qc, pq = _cast_all(Q, qprec)
+        Kc, pk = _cast_all(K, qprec)
         # What the page computes (in float64); float32 is as good a check for float32 or
         # float16 Q and K (its rounding, ~1e-7, is far below their tolerance), and faster.
         dt = np.float64 if Qc.dtype == np.float64 and Kc.dtype == np.float64 else np.float32
@@ -177,19 +249,29 @@ def _group_data(layers: list[_Layer], prec: str) -> list[tuple[dict, list[float 
         tol = _TOL[_narrower(pq, pk)]
         ok = finite & (e <= tol) & (es <= tol * np.maximum(1.0, smax))
         err = np.where(ok, e, np.nan)
-    sendH = np.zeros((n, H), bool)
+    notAV = np.zeros((n, H), bool)  # H is not A V (a recorded bug)
     if "H" in st:
-        if cut:
-            pass  # the page holds part of V: it computes part of h_i; H itself is not sent
-        else:
-            with np.errstate(all="ignore"):
-                AV = np.where(al, st["A"], 0.0) @ np.where(np.isfinite(V), V, 0.0)
-                sendH = ~np.isclose(AV, st["H"], rtol=1e-6, atol=1e-9, equal_nan=True).all(
-                    axis=(-2, -1))
+        with np.errstate(all="ignore"):
+            AV = np.where(al, st["A"], 0.0) @ np.where(np.isfinite(V), V, 0.0)
+            notAV = ~np.isclose(AV, st["H"], rtol=1e-6, atol=1e-9, equal_nan=True).all(
+                axis=(-2, -1))
+    sendH = notAV & (not cut)  # with part of V, the page computes part of h_i, and says so
+    xform = fromW & ok.all(axis=1) & ~notAV.any(axis=1)
     res = []
     for i in range(n):
         heads_out, errs = [], []
         a = al[i, 0]
+        if xform[i]:  # Q, K, V = X W: the page computes them from the shared weights
+            tr = layers[i].trace
+            k = shared.set_for(tr)
+            rows = shared.rows(k, tr["X"])
+            rp = "u2" if rows.max(initial=0) < 2**16 else "<u4"
+            errs = [0.0] * H  # float64 throughout, as the trace itself
+            heads_out = [{"form": "x", "d_k": int(st["Q"].shape[-1]), "d_v": int(dv),
+                          "v_shown": int(dv)} for _ in range(H)]
+            res.append(({"scale": _finite_or_none(scale), "xset": k, "rows": _b64(rows, rp),
+                         "rprec": "u2" if rp == "u2" else "u4", "heads": heads_out}, errs))
+            continue
         for h in range(H):
             d = {"d_v": int(dv), "V": _b64(Vc[i, h], _DTYPE[pv]), "vprec": pv,
                  "v_shown": V_SHOWN if cut else int(dv)}
@@ -271,7 +353,8 @@ def _is_model(traces: list[Trace]) -> bool:
 def _plain(tr: Trace) -> Trace:
     """The stages the explorer reads, each read once: a Trace may compute its T×T stages on
     every read (a captured Hugging Face layer does), and the explorer looks at them often."""
-    arrays = {n: np.asarray(tr[n]) for n in ("Q", "K", "V", "S", "A", "H") if n in tr}
+    arrays = {n: np.asarray(tr[n]) for n in ("X", "W_q", "W_k", "W_v", "Q", "K", "V", "S", "A", "H")
+              if n in tr}
     out = Trace(arrays, allowed=tr.allowed, scale=tr.scale, n_heads=tr.n_heads, tokens=tr.tokens,
                 pattern=getattr(tr, "pattern", None), reasons=getattr(tr, "reasons", None))
     return out
@@ -345,11 +428,11 @@ def _build(obj, *, names, title, layers, max_bytes, questions):
     seqs = _named_sequences(obj, names, layers)
     prec = _precision(seqs, max_bytes)
     blocks: list[str] = []
-    index, notes, errs, cache = [], [], [], {}
+    index, notes, errs, cache, shared = [], [], [], {}, _Shared()
     used, chunk = 0, 256  # sequences prepared together (see _layers_data)
     for c0 in range(0, len(seqs), chunk):
         part = seqs[c0:c0 + chunk]
-        done = iter(_layers_data([lay for seq in part for lay in seq.layers], prec))
+        done = iter(_layers_data([lay for seq in part for lay in seq.layers], prec, shared))
         for seq in part:
             if used > max_bytes:
                 break
@@ -366,7 +449,12 @@ def _build(obj, *, names, title, layers, max_bytes, questions):
                          f"would pass its size limit (max_bytes = {max_bytes}). Give fewer, or "
                          "raise it.")
             break
-    if prec != "f8":
+    xsets = []
+    for k in range(len(shared.sets)):  # after the sequences, but sent before the script
+        xsets.append(len(blocks))
+        blocks.append(_json_for_script(shared.block(k)))
+    uses_prec = any('"form":"qk"' in b or '"form":"dense"' in b for b in blocks)
+    if prec != "f8" and uses_prec:
         notes.append(_NOTE_PREC[prec].format(v=V_SHOWN) + ".")
     done = [e for e in errs if e is not None]
     if done and max(done) > 1e-9:
@@ -375,7 +463,7 @@ def _build(obj, *, names, title, layers, max_bytes, questions):
     data = {
         "version": 2, "title": str(title), "notes": notes,
         "kinds": [k._asdict() for k in KINDS.values()],
-        "sequences": index,
+        "sequences": index, "xsets": xsets,
         "learn": None if questions is None else _learn_data(questions),
     }
     return data, blocks
@@ -393,6 +481,7 @@ def explorer_data(obj, *, names=None, title: str = "causalattn explorer", layers
         s.update(tokens=meta["tokens"], pad=meta["pad"], layers=meta["layers"])
         for lay in s["layers"]:
             lay.update(parsed[lay["block"]])
+    index["xsets"] = [parsed[k] for k in index["xsets"]]
     return index
 
 
@@ -426,17 +515,19 @@ def explorer_fragment(obj, *, names=None, title: str = "causalattn explorer",
     paged = [f'<script type="application/json" class="ca-block" data-k="{k}">{b}</script>'
              for k, b in enumerate(blocks)]
     first = 1 + index["sequences"][0]["n_layers"] if blocks else 0
+    early = set(range(first)) | set(index["xsets"])  # what the first view needs
     return (
         f'<div class="ca-explorer" id="{uid}">'
         f"<style{n}>{_asset('explorer.css')}</style>"
         f'<div class="ca-fallback">{summary} (the explorer needs JavaScript; in Jupyter, trust '
         "the notebook)</div>"
         f'<script type="application/json" class="ca-data">{_json_for_script(index)}</script>'
-        + "".join(paged[:first])
+        + "".join(b for k, b in enumerate(paged) if k in early)
         + f"<script{n}>(function () {{\n{_asset('explorer.js')}\n"
         f'var root = document.getElementById("{uid}");\n'
         'causalattnExplorer(root, JSON.parse(root.querySelector("script.ca-data").textContent));\n'
-        "})();</script>" + "".join(paged[first:]) + "</div>"
+        "})();</script>" + "".join(b for k, b in enumerate(paged) if k not in early)
+        + "</div>"
     )
 
 
