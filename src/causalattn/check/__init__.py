@@ -1,9 +1,12 @@
 """Checking attention: ``audit`` (arrays, stage by stage) and ``diagnose`` (someone's code).
 
-    inputs    files, mappings, aliases -> arrays      report    Check, Report, Diagnosis
-    stages    the audit's checks in dependency order  faults    the one catalogue
+    files     headers first, one budget              inputs    mappings, aliases -> arrays
+    stages    the audit's stages in order: stage_qkv (Q, K, V, S), stage_mask (M),
+              stage_weights (A), stage_out (H, C, O), each a function of the state (state)
+    report    Check, Report, Diagnosis                faults    the one catalogue
     probes    inputs that separate faults             measure   what a function does
-    record    white-box op recording                  runner    subprocess with a deadline
+    callers   the user's code, its layout             record    white-box op recording
+    diagnose  measure, then name                      runner    worker process, deadline
 """
 
 from .audit import audit

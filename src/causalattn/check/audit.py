@@ -38,7 +38,7 @@ from .. import masks as _masks
 from ..trace import Trace
 from .inputs import DEFAULT_MAX_BYTES, _from_mapping, _from_trace, load_arrays
 from .report import AuditInputError, Report
-from .stages import _Auditor
+from .stages import run as _run_stages
 
 __all__ = ["audit"]
 
@@ -85,7 +85,7 @@ def audit(obj, *, max_bytes: int = DEFAULT_MAX_BYTES, scale: float | None = None
         inp.scale = float(scale)
     try:
         with np.errstate(all="ignore"):  # NaN/inf in the user's arrays are findings, not warnings
-            return _Auditor(inp).run()
+            return _run_stages(inp)
     except AuditInputError:
         raise
     except ValueError as exc:  # shapes that do not fit together in a way no check foresaw
