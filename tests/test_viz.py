@@ -345,6 +345,21 @@ def test_cli_explore_sentences_file_and_trace(tmp_path):
     assert r.exit_code == 2 and "cannot be read" in r.output
 
 
+def test_cli_explore_with_check_yourself_questions(tmp_path):
+    from causalattn import learn
+
+    out = tmp_path / "q.html"
+    r = runner.invoke(app, ["explore", "I love pizza", "--questions", "3", "--seed", "2",
+                            "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    shown = _data(out.read_text())["learn"]
+    want = learn.questions(2, 3)
+    assert [q["prompt"] for q in shown] == [q["prompt"] for q in want]
+    assert [q["answer"] for q in shown] == [q["answer"] for q in want]
+    r = runner.invoke(app, ["explore", "--questions", "-1", "-o", str(out)])
+    assert r.exit_code == 2 and "--questions must be 0" in r.output
+
+
 def test_cli_png_for_masks_and_trace(tmp_path):
     r = runner.invoke(app, ["trace", "--png", str(tmp_path / "tr")])
     assert r.exit_code == 0, r.output

@@ -1075,6 +1075,9 @@ def explore(
         help="Put only the sentences that fit a page of this size (default 12 MiB).",
     ),
     max_bytes: int = typer.Option(DEFAULT_MAX_BYTES, "--max-bytes", help=_MAX_BYTES_HELP),
+    questions: int = typer.Option(
+        0, "--questions", help="Add a 'check yourself' panel of this many questions "
+        "(`causalattn learn`'s, drawn with --seed)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """One self-contained HTML page (no network) to explore masks, S, A and each query's row."""
@@ -1082,6 +1085,15 @@ def explore(
 
     from . import text, viz
     from .trace import Trace
+
+    qs = None
+    if questions < 0:
+        _fail(f"--questions must be 0 (none) or more, got {questions}")
+    if questions:
+        from . import learn
+
+        with _library_errors():
+            qs = learn.questions(seed, questions)
 
     if model is not None:
         if file is not None or trace_file is not None:
@@ -1092,7 +1104,7 @@ def explore(
         with _library_errors():
             title = (f"causalattn explorer: {type(lm).__name__} from {model.name}, "
                      f"{len(traces[0].tokens)} tokens")
-            viz.write_explorer(traces, output, layers=True, title=title)
+            viz.write_explorer(traces, output, layers=True, title=title, questions=qs)
         n = len(traces)
         if as_json:
             _print_json({"output": str(output), "layers": n, "bytes": output.stat().st_size})
@@ -1112,7 +1124,7 @@ def explore(
                       f"(limit {_human_bytes(max_bytes)}, --max-bytes)")
             tr = Trace.load(trace_file)
             title = f"causalattn explorer: {trace_file.name}"
-            viz.write_explorer(tr, output, title=title)
+            viz.write_explorer(tr, output, title=title, questions=qs)
             n = len(viz.kinds.sequences(tr))
         else:
             corpus = (_read_corpus(file, max_bytes) if file is not None
@@ -1134,7 +1146,7 @@ def explore(
             title = (f"causalattn explorer: {n} sentence(s), seeded random weights "
                      f"(d_model = {d_model}, {heads} heads, seed {seed})")
             names = viz.sentence_names(batch)[:n]
-            viz.write_explorer(traces, output, names=names, title=title)
+            viz.write_explorer(traces, output, names=names, title=title, questions=qs)
     size = output.stat().st_size
     if as_json:
         _print_json({"output": str(output), "sequences": n, "bytes": size})

@@ -129,13 +129,18 @@ class _Shared:
     def __init__(self):
         self.sets: list[dict] = []
         self._by_key: dict = {}
+        self._by_id: dict = {}  # keeps the arrays alive, so their ids stay theirs
 
     def set_for(self, tr: Trace) -> int:
+        ids = (tr.n_heads,) + tuple(id(tr[n]) for n in ("W_q", "W_k", "W_v"))
+        if ids in self._by_id:  # the same arrays again (sentences of one batch_traces call)
+            return self._by_id[ids][0]
         W = tuple(np.ascontiguousarray(tr[n], dtype=np.float64) for n in ("W_q", "W_k", "W_v"))
         key = (tr.n_heads,) + tuple((w.shape, w.tobytes()) for w in W)
         if key not in self._by_key:
             self._by_key[key] = len(self.sets)
             self.sets.append({"W": W, "n_heads": tr.n_heads or 1, "rows": {}, "table": []})
+        self._by_id[ids] = (self._by_key[key], tuple(tr[n] for n in ("W_q", "W_k", "W_v")))
         return self._by_key[key]
 
     def rows(self, k: int, X: np.ndarray) -> np.ndarray:
