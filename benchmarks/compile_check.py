@@ -70,11 +70,18 @@ def _source(fn, args, kw):
 
 
 def _ptxas(ptx: str, arch: int) -> str:
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    """Registers and spills from triton's bundled ptxas (the newer "ptxas-blackwell" where
+    the plain one is older than the PTX triton writes)."""
+    bin_ = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
-    out = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", f.name, "-o", os.devnull],
-                         capture_output=True, text=True)
+    for name in ("ptxas", "ptxas-blackwell"):
+        if not os.path.exists(os.path.join(bin_, name)):
+            continue
+        out = subprocess.run([os.path.join(bin_, name), f"-arch=sm_{arch}a", "-v", f.name,
+                              "-o", os.devnull], capture_output=True, text=True)
+        if out.returncode == 0:
+            break
     os.unlink(f.name)
     log = out.stdout + out.stderr
     regs = re.search(r"Used (\d+) registers", log)
