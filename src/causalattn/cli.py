@@ -57,6 +57,9 @@ class _OneLineErrors(TyperGroup):
             else:
                 click.echo(f"error: unexpected end of input ({type(cause).__name__})", err=True)
                 rv = 2
+        except BrokenPipeError:  # `causalattn ... | head`: the reader left; say nothing
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (flushed at exit, never read)
+            rv = 1
         except MemoryError:
             click.echo("error: out of memory; lower --max-bytes or the input size", err=True)
             rv = 2
