@@ -197,7 +197,7 @@ def test_explore_page_is_capped_with_a_note(tmp_path):
     (["trace", "-q"], "requires an argument"),
     (["trace", "-q", "x"], "Invalid value for '--query'"),
     (["nosuchcommand"], "No such command"),
-    (["audit"], "Missing argument"),
+    (["diagnose"], "Missing argument"),
 ])
 def test_usage_errors_lead_with_one_error_line(args, fragment):
     res = runner.invoke(app, args)
