@@ -1168,8 +1168,20 @@ def bench(
         False, "--patterns",
         help="window, packed documents, softcap, sinks, ALiBi and dropout on the tiled engine vs their peers",
     ),
+    io: bool = typer.Option(
+        False, "--io", help="huge input through the CLI (100,000 words, 10,000 sentences): time, memory"
+    ),
 ):
     """Time the tiled engine against PyTorch's SDPA and naive attention (CPU), in alternation."""
+    if io:
+        from .bench import io as io_bench
+
+        rows = io_bench.run(reps=1 if quick else 2, quick=quick)
+        if as_json:
+            _print_json(rows)
+        else:
+            io_bench.render(rows, _console())
+        return
     from .bench import cpu
     from .bench import layer as layer_bench
     from .bench import patterns as patterns_bench
