@@ -676,16 +676,21 @@ def trace_cmd(
 # -- causalattn demo --------------------------------------------------------------------
 
 
-def _check_widths(batch, d_model: int, heads: int, max_bytes: int) -> None:
-    """--d-model and --heads of the seeded random weights: valid, and the arrays affordable."""
-    from .text import check_bytes
-
+def _check_width_options(d_model: int, heads: int) -> None:
+    """--d-model and --heads alone (checked before any work, so the error comes first)."""
     if d_model < 1:
         _fail(f"--d-model must be a positive integer, got {d_model}")
     if heads < 1:
         _fail(f"--heads must be a positive integer, got {heads}")
     if d_model % heads:
         _fail(f"--d-model {d_model} must be divisible by --heads {heads} (d_k = d_model / h)")
+
+
+def _check_widths(batch, d_model: int, heads: int, max_bytes: int) -> None:
+    """--d-model and --heads of the seeded random weights: valid, and the arrays affordable."""
+    from .text import check_bytes
+
+    _check_width_options(d_model, heads)
     N = batch.N
     # E (vocab×d), four d×d weights, and per sentence X, Q, K, V, H (N×d) and the T×T stages
     need = 8 * (d_model * (len(batch.vocab) + 4 * d_model + 5 * N) + 8 * heads * N * N)
@@ -718,6 +723,7 @@ def demo(
     from .check import audit
     from .reference import trace as run_trace
 
+    _check_width_options(d_model, 1)
     with _library_errors():
         batch = _encode_quiet(list(text.SEED_SENTENCES))
         _check_widths(batch, d_model, 1, max_bytes)
@@ -1119,6 +1125,7 @@ def explore(
         _fail("give sentences, --file or --trace, only one of them")
     if max_page_bytes < 1:
         _fail(f"--max-page-bytes must be a positive integer, got {max_page_bytes}")
+    _check_width_options(d_model, heads)
     _check_out_file("--output", output)
     with _library_errors():
         if trace_file is not None:

@@ -59,7 +59,9 @@ def softmax_last(Z: np.ndarray, allowed: np.ndarray, sinks=None) -> np.ndarray:
     denom = E.sum(axis=-1, keepdims=True)
     if sinks is not None:
         denom = denom + np.exp(np.minimum(sinks - m, 0.0))
-    return np.where(has_key, E / np.where(has_key, denom, 1.0), 0.0)
+    with np.errstate(invalid="ignore"):  # a row that reads NaN is NaN where it reads...
+        A = E / np.where(has_key, denom, 1.0)
+    return np.where(allowed, A, 0.0)  # ...and exactly 0 where it may not (found by fuzzing)
 
 
 def weighted_values(A: np.ndarray, V: np.ndarray, allowed: np.ndarray) -> np.ndarray:
