@@ -1,23 +1,35 @@
 """The tiled CPU engine: FlashAttention-2's algorithm out of batched matrix products.
 
-Each query block reads only the key blocks it may read: blocks above the causal diagonal,
-keys past a sequence's length and other packed sequences are never touched; only blocks
-that cut the diagonal or a padding edge are masked. A tile is (a chunk of heads, a query
-block, a key block): B·H is fused into the batch dim of each product, as many heads per
+Who may read whom comes from the one M, ``p.pattern`` (:class:`causalattn.masks.Pattern`):
+each query block reads only the key blocks inside ``Pattern.key_range``, and only tiles
+that are partly readable (``Pattern.tile``) are masked. So a sliding window of w costs
+O(T·w), packed documents and chunks the sum of their squares, padding nothing. Query
+blocks never straddle a document, chunk or length edge. Score modifiers run in the tiles:
+softcap c·tanh(S/c) (its derivative 1 - tanh² in the backward), ALiBi -slope·|i - j|; sinks
+join the online softmax's denominator at the end of each row (and get their gradient from
+out, lse and dout alone, :func:`sinks_grad`). Dropout regenerates each tile's keep pattern
+from the seed and the tile's global (b, h, i, j) (:mod:`causalattn.dropout`), in the
+forward and again in the backward: nothing T×T is stored, and every block size, thread
+count and work split draws the same pattern.
+
+A tile is (a chunk of heads, a query block, a key block): B·H is fused into the batch dim
+of each product (one job per batch row when the pattern differs by row), as many heads per
 tile as keep its scores in cache (see :func:`_plan`); grouped-query heads are stacked as
 extra query rows of their key/value head, which also sums dK, dV over the group for
 free. Independent tiles run on torch.get_num_threads() Python threads, each with
-single-threaded torch ops (no OpenMP fork-join per small op). Softmax is online in fp32
-(fp64 for fp64 inputs) and in base 2 (exp2 is the fast exponential here): a running row
-max, row sum and accumulator rescaled per key block, so extra memory is
-O(B·H·(block² + T·d)), never O(T_q·T_k).
+single-threaded torch ops (no OpenMP fork-join per small op); the backward's dQ partial
+sums are a fixed number of lanes, so the bits do not depend on the thread count. Softmax
+is online in fp32 (fp64 for fp64 inputs) and in base 2 (exp2 is the fast exponential
+here): a running row max, row sum and accumulator rescaled per key block, so extra memory
+is O(B·H·(block² + T·d)), never O(T_q·T_k).
 
 Raw functions (no autograd), used by the ring-attention helper as well:
 
 - ``fwd(p) -> (out, lse)``: out ``(B, H_q, T_q, d_v)`` in q's dtype, lse ``(B, H_q, T_q)``
   (fp32; fp64 for fp64 inputs), -inf where a row has no readable key (its out row is 0).
-- ``bwd(p, out, lse, dout) -> (dq, dk, dv)``: recomputation from the GIVEN out and lse
-  (D = rowsum(dout·out)), so a block pair can be differentiated against a global softmax.
+- ``bwd(p, out, lse, dout, dlse=None) -> (dq, dk, dv)``: recomputation from the GIVEN out
+  and lse (D = rowsum(dout·out) - dlse), so a block pair can be differentiated against a
+  global softmax; with dropout the same keep pattern is regenerated.
 
 Causality is a guarantee: in masked tiles, blocked weights are exactly 0 and never meet
 a NaN/inf row of the other operand (0·NaN = NaN would leak an unreadable value into a
@@ -309,14 +321,15 @@ def _dist(p: Problem, a: int, a2: int, c: int, c2: int, cache: dict) -> torch.Te
 
 def _modify(S4: torch.Tensor, hd: _Heads, h: int, h2: int, a, a2, c, c2, p, cache, T=None):
     """softcap, then ALiBi, in place on base-2 scores S4 (M, g, rows, cols). With softcap and
-    ``T`` (a buffer like S4), T receives tanh(S/c) for the backward."""
+    ``T`` (a buffer like S4), T receives tanh(S/c) for the backward; without T, S4 comes
+    already divided by c (the forward folds 1/c into the query scale)."""
     if hd.softcap is not None:
         cap = hd.softcap
         if T is not None:
             torch.div(S4, cap, out=T).tanh_()
             torch.mul(T, cap, out=S4)
         else:
-            S4.div_(cap).tanh_().mul_(cap)
+            S4.tanh_().mul_(cap)
     if hd.slopes is not None:
         dist = _dist(p, a, a2, c, c2, cache).to(S4.dtype)
         S4.sub_(hd.slopes[h:h2, :, None, None] * dist)
@@ -438,7 +451,7 @@ def _fwd_job(p, Q, K, V, hd, b, O_out, L_out, workers):
             lse = torch.log2(l).add_(mx.masked_fill(empty, 0.0)).mul_(LN2)
             L_out[h:h2, :, a:a2] = lse.masked_fill_(empty, NEG_INF).view(M, g, a2 - a)
 
-    scale2 = p.scale * LOG2E
+    scale2 = p.scale * LOG2E / (hd.softcap or 1.0)  # softcap: S/c straight from the GEMM
     _parallel(_balanced(tasks, cost, workers), run, workers)
 
 
