@@ -84,9 +84,9 @@ def cases(draw, modifiers=True, max_T=24):
             kw["prefix_lengths"] = [draw(st.integers(0, t)) for t in top]
         if draw(st.booleans()):
             bb, hh = draw(st.sampled_from([1, B])), draw(st.sampled_from([1, Hq]))
-            kw["mask"] = torch.tensor(draw(st.lists(
-                st.booleans(), min_size=bb * hh * Tq * Tk, max_size=bb * hh * Tq * Tk))
-            ).view(bb, hh, Tq, Tk)
+            g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
+            kw["mask"] = torch.rand(bb, hh, Tq, Tk, generator=g) < draw(st.sampled_from(
+                [0.1, 0.5, 0.9]))
     if modifiers:
         if draw(st.booleans()):
             kw["softcap"] = draw(st.sampled_from([0.5, 2.0, 30.0]))
