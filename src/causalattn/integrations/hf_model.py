@@ -54,7 +54,8 @@ def load(path: str | Path):
             p, local_files_only=True, attn_implementation="eager", dtype="float32")
     except (ValueError, KeyError) as exc:  # a config type with no causal-LM head
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{p}: not a causal language model ({first[:200]})") from None
+        raise ValueError(f"{p}: not a causal language model transformers can load here "
+                         f"({first[:200]})") from None
     except OSError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"{p}: the model cannot be read ({first[:200]})") from None
