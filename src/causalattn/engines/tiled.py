@@ -297,6 +297,7 @@ class _Heads:
             sl = torch.as_tensor(_np(pt.alibi_slopes), dtype=torch.float64)
             sl = sl[None].expand(B, Hq) if sl.dim() == 1 else sl
             self.slopes = (sl[self.batch, self.qhead] * LOG2E).to(dt)  # (N, g)
+            self.slope_list = self.slopes.tolist()
         self.sinks = None
         if pt.sinks is not None:
             s = torch.as_tensor(_np(pt.sinks), dtype=torch.float64)
@@ -308,14 +309,15 @@ def _np(x):
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
 
 
-def _dist(p: Problem, a: int, a2: int, c: int, c2: int, cache: dict) -> torch.Tensor:
-    """|pos(i) - j| for the tile (rows, cols), float64, from the pattern's ALiBi (unit slope)."""
-    key = (a - c, a2 - a, c2 - c)
+def _dist(p: Problem, a: int, a2: int, c: int, c2: int, cache: dict, dt) -> torch.Tensor:
+    """|pos(i) - j| for the tile (rows, cols) in dtype dt, from the pattern's ALiBi (unit
+    slope): the same for every tile on one diagonal offset, so computed once per offset."""
+    key = (a - c, a2 - a, c2 - c, dt)
     if key not in cache:
         unit = replace(p.pattern, softcap=None, sinks=None, alibi_slopes=[1.0])
         B, H, T_q, T_k = p.dims
         z = torch.zeros(1, 1, a2 - a, c2 - c, dtype=torch.float64)
-        cache[key] = -unit.modify_scores(z, a, c, T_q, T_k)[0, 0]
+        cache[key] = (-unit.modify_scores(z, a, c, T_q, T_k)[0, 0]).to(dt)
     return cache[key]
 
 
@@ -330,9 +332,11 @@ def _modify(S4: torch.Tensor, hd: _Heads, h: int, h2: int, a, a2, c, c2, p, cach
             torch.mul(T, cap, out=S4)
         else:
             S4.tanh_().mul_(cap)
-    if hd.slopes is not None:
-        dist = _dist(p, a, a2, c, c2, cache).to(S4.dtype)
-        S4.sub_(hd.slopes[h:h2, :, None, None] * dist)
+    if hd.slopes is not None:  # one fused pass per head: S -= slope·dist
+        dist = _dist(p, a, a2, c, c2, cache, S4.dtype)
+        for mi, row in enumerate(hd.slope_list[h:h2]):
+            for gi, slope in enumerate(row):
+                S4[mi, gi].sub_(dist, alpha=slope)
 
 
 def _keep(p: Problem, hd: _Heads, h, h2, a, a2, c, c2) -> torch.Tensor:
