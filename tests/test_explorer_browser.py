@@ -210,6 +210,27 @@ def test_window_and_padding_in_one_view_each_kind_named(page, tmp_path):
     assert DOCS_PNG.stat().st_size > 10_000
 
 
+def test_score_modifiers_are_applied_by_the_page_itself(page, tmp_path):
+    """softcap, ALiBi and sinks (Gemma 2, BLOOM, gpt-oss) with a window: the page recomputes
+    A from Q and K with them, and shows the trace's own weights."""
+    rng = np.random.default_rng(3)
+    T = 12
+    W = [rng.normal(size=(8, 8)) for _ in range(3)]
+    tr = ca.trace(rng.normal(size=(1, T, 8)), *W, n_heads=2, window=5, softcap=3.0,
+                  alibi_slopes=np.array([0.5, 0.25]), sinks=np.array([0.3, 2.0]),
+                  tokens=[f"t{i}" for i in range(T)])
+    page.open(viz.write_explorer(tr, tmp_path / "mods.html"))
+    for h in (0, 1):
+        page.page.select_option("[data-role=head]", index=h)
+        page.hover_row("A", 10)
+        page.hover_row("A", 11)
+        want = tr.A[0, h, 11]
+        assert [float(w) for w in page.side("weight")] == pytest.approx(want, abs=6e-4)
+        total = page.page.inner_text("[data-role=rowsum]")
+        assert f"Σ_j A_ij = {want.sum():.4f} over 5 readable keys" in total  # the sink's share
+    page.clean()
+
+
 def model_layers(L=3, H=2, T=12, seed=0):
     rng = np.random.default_rng(seed)
     toks = [f"tok{i}" for i in range(T)]

@@ -162,11 +162,11 @@ function causalattnExplorer(root, data) {
       var w = xset(lb.xset), rows = floats(lb.rows, lb.rprec), dk = hd.d_k;
       V = project(w, rows, w.Wv, w.cols[2], h * dv, dv);
       r = recompute(info, project(w, rows, w.Wq, w.cols[0], h * dk, dk),
-                    project(w, rows, w.Wk, w.cols[1], h * dk, dk), dk, lb.scale);
+                    project(w, rows, w.Wk, w.cols[1], h * dk, dk), dk, lb.scale, mod(lb, h));
       S = r.S; A = r.A;
     } else if (hd.form === "qk") {
       V = floats(hd.V, hd.vprec);
-      r = recompute(info, floats(hd.Q, hd.qprec), floats(hd.K, hd.qprec), hd.d_k, lb.scale);
+      r = recompute(info, floats(hd.Q, hd.qprec), floats(hd.K, hd.qprec), hd.d_k, lb.scale, mod(lb, h));
       S = r.S; A = r.A;
     } else { V = floats(hd.V, hd.vprec); S = floats(hd.S, hd.sprec); A = floats(hd.A, hd.aprec); }
     var vnorm;
@@ -239,10 +239,15 @@ function causalattnExplorer(root, data) {
     return { v: out, n: hi.vs };
   }
 
-  // S = Q Kᵀ·scale on the readable entries, then the row softmax over them (max subtracted),
-  // as reference.softmax_last does; the page is given Q and K only when Python checked
-  // that this reproduces the trace's S and A (and says how closely).
-  function recompute(info, Q, K, dk, scale) {
+  function mod(lb, h) { // head h's score modifiers: softcap, ALiBi slope, sink logit
+    var m = lb.mods || {};
+    return { cap: m.softcap || null, slope: m.slopes ? m.slopes[h] : null, sink: m.sinks ? m.sinks[h] : null };
+  }
+  // S = Q Kᵀ·scale on the readable entries; Z = softcap, then ALiBi, of S; then the row
+  // softmax over Z (max subtracted; a sink logit joins the denominator), as
+  // reference.softmax_last does. The page is given Q and K only when Python checked that
+  // this reproduces the trace's S and A (and says how closely).
+  function recompute(info, Q, K, dk, scale, md) {
     var T = info.T, al = info.allowed, S = new Float64Array(info.start[T]), A = new Float64Array(info.start[T]);
     for (var i = 0; i < T; i++) {
       var k0 = info.start[i], k1 = info.start[i + 1], k = k0, m = -Infinity, qo = i * dk;
@@ -250,11 +255,17 @@ function causalattnExplorer(root, data) {
         if (!al[row + j]) continue;
         var acc = 0, ko = j * dk;
         for (var c = 0; c < dk; c++) acc += Q[qo + c] * K[ko + c];
-        acc *= scale; S[k++] = acc;
-        if (acc > m) m = acc;
+        acc *= scale; S[k] = acc;
+        var z = acc;
+        if (md.cap) z = md.cap * Math.tanh(z / md.cap);
+        if (md.slope !== null) z -= md.slope * Math.abs(i - j);
+        A[k++] = z;
+        if (z > m) m = z;
       }
-      var sum = 0;
-      for (k = k0; k < k1; k++) { var e = Math.exp(S[k] - m); A[k] = e; sum += e; }
+      if (k1 === k0) continue;
+      if (md.sink !== null) m = Math.max(m, md.sink);
+      var sum = md.sink !== null ? Math.exp(Math.min(md.sink - m, 0)) : 0;
+      for (k = k0; k < k1; k++) { var e = Math.exp(A[k] - m); A[k] = e; sum += e; }
       for (k = k0; k < k1; k++) A[k] /= sum;
     }
     return { S: S, A: A };

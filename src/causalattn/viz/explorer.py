@@ -188,6 +188,30 @@ def _from_weights(layers: list[_Layer], st: dict) -> np.ndarray:
     return ok
 
 
+def _modifiers(tr: Trace, H: int) -> dict | None:
+    """The score modifiers of the trace's pattern the page applies itself: ``{"softcap": c,
+    "slopes": (h,), "sinks": (h,)}`` (None entries when absent); None when the pattern has
+    one the page cannot apply (ALiBi slopes per sequence)."""
+    pat = getattr(tr, "pattern", None)
+    out = {"softcap": None, "slopes": None, "sinks": None}
+    if pat is None or not getattr(pat, "has_modifiers", False):
+        return out
+    from ..masks import _numpy
+
+    out["softcap"] = None if pat.softcap is None else float(pat.softcap)
+    for name, key in (("alibi_slopes", "slopes"), ("sinks", "sinks")):
+        v = getattr(pat, name)
+        if v is None:
+            continue
+        v = np.asarray(_numpy(v), dtype=np.float64)
+        if v.ndim == 2 and v.shape[0] == 1:
+            v = v[0]
+        if v.shape != (H,) or not np.isfinite(v).all():
+            return None
+        out[key] = [float(x) for x in v]
+    return out
+
+
 def _layers_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
                  ) -> list[tuple[dict, list[float | None]]]:
     """Each layer's block (scale and heads) at precision ``prec``, with the page's error on A
@@ -202,7 +226,7 @@ def _layers_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
             raise ValueError(f"explorer: {lay.name}: a head has another mask than the layer's "
                              "kinds; the explorer draws one mask per layer")
         names = tuple(n for n in ("Q", "K", "V", "S", "A", "H") if n in tr)
-        key = (names, tr.scale) + tuple((_stacked(tr, n).shape, _stacked(tr, n).dtype.str)
+        key = (names, tr.scale, json.dumps(_modifiers(tr, A.shape[0]))) + tuple((_stacked(tr, n).shape, _stacked(tr, n).dtype.str)
                                         for n in names)
         groups.setdefault(key, []).append(k)
     out: list = [None] * len(layers)
@@ -232,10 +256,11 @@ def _group_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
     Vc, pv = _cast_all(V[..., :V_SHOWN] if cut else V, prec)
     ok = np.zeros((n, H), bool)
     err = np.full((n, H), np.nan)
+    mods = _modifiers(tr0, H)
     fromW = np.zeros(n, bool)
     if shared is not None and "Q" in st and "K" in st:
         fromW = _from_weights(layers, st)
-    if scale is not None and all(k in st for k in ("Q", "K", "S", "A")) \
+    if scale is not None and mods is not None and all(k in st for k in ("Q", "K", "S", "A")) \
             and st["Q"].shape == st["K"].shape:
         Q, K, S, A = st["Q"], st["K"], st["S"], st["A"]
         qprec = "f8" if fromW.all() else prec  # from weights, the page works in float64
@@ -246,7 +271,15 @@ def _group_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
         dt = np.float64 if Qc.dtype == np.float64 and Kc.dtype == np.float64 else np.float32
         with np.errstate(all="ignore"):
             S2 = (Qc.astype(dt) @ np.swapaxes(Kc.astype(dt), -1, -2)) * dt(scale)
-            A2 = softmax_last(S2, al)
+            Z2 = S2
+            if mods is not None and mods["softcap"] is not None:  # softcap, then ALiBi
+                Z2 = mods["softcap"] * np.tanh(Z2 / mods["softcap"])
+            if mods is not None and mods["slopes"] is not None:
+                dist = np.abs(np.arange(T)[:, None] - np.arange(T)[None, :])
+                Z2 = Z2 - np.asarray(mods["slopes"], dt)[:, None, None] * dist
+            sinks = (None if mods is None or mods["sinks"] is None
+                     else np.asarray(mods["sinks"], np.float64)[:, None, None])
+            A2 = softmax_last(Z2, al, sinks=sinks)
             e = np.nan_to_num(np.abs(A2 - A), nan=np.inf).max(axis=(-2, -1))
             es = np.where(al, np.nan_to_num(np.abs(S2 - S), nan=np.inf), 0).max(axis=(-2, -1))
             smax = np.where(al, np.abs(S), 0).max(axis=(-2, -1))
@@ -275,7 +308,8 @@ def _group_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
             heads_out = [{"form": "x", "d_k": int(st["Q"].shape[-1]), "d_v": int(dv),
                           "v_shown": int(dv)} for _ in range(H)]
             res.append(({"scale": _finite_or_none(scale), "xset": k, "rows": _b64(rows, rp),
-                         "rprec": "u2" if rp == "u2" else "u4", "heads": heads_out}, errs))
+                         "rprec": "u2" if rp == "u2" else "u4", "mods": mods,
+                         "heads": heads_out}, errs))
             continue
         for h in range(H):
             d = {"d_v": int(dv), "V": _b64(Vc[i, h], _DTYPE[pv]), "vprec": pv,
@@ -296,7 +330,7 @@ def _group_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
                 Hc, ph = _cast(st["H"][i, h], _narrower(prec, "f4"))
                 d.update(H=_b64(Hc, _DTYPE[ph]), hprec=ph)
             heads_out.append(d)
-        res.append(({"scale": _finite_or_none(scale), "heads": heads_out}, errs))
+        res.append(({"scale": _finite_or_none(scale), "mods": mods, "heads": heads_out}, errs))
     return res
 
 
