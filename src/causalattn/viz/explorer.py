@@ -245,7 +245,8 @@ def _group_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
     """:func:`_layers_data` for layers of identical shapes, stacked to ``(n, h, T, ·)``."""
     tr0 = layers[0].trace
     scale = tr0.scale
-    st = {n: np.stack([_stacked(lay.trace, n) for lay in layers])
+    st = {n: (_stacked(tr0, n)[None] if len(layers) == 1  # a view: no copy of a big layer
+              else np.stack([_stacked(lay.trace, n) for lay in layers]))
           for n in ("Q", "K", "V", "S", "A", "H") if n in tr0}
     al = np.stack([lay.kinds == 0 for lay in layers])[:, None]  # (n, 1, T, T)
     V = st["V"]
@@ -268,31 +269,42 @@ def _group_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
         Kc, pk = _cast_all(K, qprec)
         # What the page computes (in float64); float32 is as good a check for float32 or
         # float16 Q and K (its rounding, ~1e-7, is far below their tolerance), and faster.
+        # A few heads at a time, so a 2048-token layer never holds more than a few T×T arrays.
         dt = np.float64 if Qc.dtype == np.float64 and Kc.dtype == np.float64 else np.float32
-        with np.errstate(all="ignore"):
-            S2 = (Qc.astype(dt) @ np.swapaxes(Kc.astype(dt), -1, -2)) * dt(scale)
-            Z2 = S2
-            if mods is not None and mods["softcap"] is not None:  # softcap, then ALiBi
-                Z2 = mods["softcap"] * np.tanh(Z2 / mods["softcap"])
-            if mods is not None and mods["slopes"] is not None:
-                dist = np.abs(np.arange(T)[:, None] - np.arange(T)[None, :])
-                Z2 = Z2 - np.asarray(mods["slopes"], dt)[:, None, None] * dist
-            sinks = (None if mods is None or mods["sinks"] is None
-                     else np.asarray(mods["sinks"], np.float64)[:, None, None])
-            A2 = softmax_last(Z2, al, sinks=sinks)
-            e = np.nan_to_num(np.abs(A2 - A), nan=np.inf).max(axis=(-2, -1))
-            es = np.where(al, np.nan_to_num(np.abs(S2 - S), nan=np.inf), 0).max(axis=(-2, -1))
-            smax = np.where(al, np.abs(S), 0).max(axis=(-2, -1))
+        e, es, smax = (np.zeros((n, H)) for _ in range(3))
+        hstep = max(1, _CHUNK_CELLS // max(1, n * T * T))
+        dist = np.abs(np.arange(T)[:, None] - np.arange(T)[None, :])
+        for h0 in range(0, H, hstep):
+            hs = slice(h0, h0 + hstep)
+            with np.errstate(all="ignore"):
+                S2 = (Qc[:, hs].astype(dt) @ np.swapaxes(Kc[:, hs].astype(dt), -1, -2)) * dt(scale)
+                Z2 = S2
+                if mods["softcap"] is not None:  # softcap, then ALiBi
+                    Z2 = mods["softcap"] * np.tanh(Z2 / mods["softcap"])
+                if mods["slopes"] is not None:
+                    Z2 = Z2 - np.asarray(mods["slopes"][hs], dt)[:, None, None] * dist
+                sinks = (None if mods["sinks"] is None
+                         else np.asarray(mods["sinks"][hs], np.float64)[:, None, None])
+                A2 = softmax_last(Z2, al, sinks=sinks)
+                e[:, hs] = np.nan_to_num(np.abs(A2 - A[:, hs]), nan=np.inf).max(axis=(-2, -1))
+                es[:, hs] = np.where(al, np.nan_to_num(np.abs(S2 - S[:, hs]), nan=np.inf),
+                                     0).max(axis=(-2, -1))
+                smax[:, hs] = np.where(al, np.abs(S[:, hs]), 0).max(axis=(-2, -1))
+            del S2, Z2, A2
         finite = np.isfinite(Q).all(axis=(-2, -1)) & np.isfinite(K).all(axis=(-2, -1))
         tol = _TOL[_narrower(pq, pk)]
         ok = finite & (e <= tol) & (es <= tol * np.maximum(1.0, smax))
         err = np.where(ok, e, np.nan)
     notAV = np.zeros((n, H), bool)  # H is not A V (a recorded bug)
     if "H" in st:
-        with np.errstate(all="ignore"):
-            AV = np.where(al, st["A"], 0.0) @ np.where(np.isfinite(V), V, 0.0)
-            notAV = ~np.isclose(AV, st["H"], rtol=1e-6, atol=1e-9, equal_nan=True).all(
-                axis=(-2, -1))
+        hstep = max(1, _CHUNK_CELLS // max(1, n * T * T))
+        for h0 in range(0, H, hstep):
+            hs = slice(h0, h0 + hstep)
+            with np.errstate(all="ignore"):
+                AV = np.where(al, st["A"][:, hs], 0.0) @ np.where(np.isfinite(V[:, hs]),
+                                                                  V[:, hs], 0.0)
+                notAV[:, hs] = ~np.isclose(AV, st["H"][:, hs], rtol=1e-6, atol=1e-9,
+                                           equal_nan=True).all(axis=(-2, -1))
     sendH = notAV & (not cut)  # with part of V, the page computes part of h_i, and says so
     xform = fromW & ok.all(axis=1) & ~notAV.any(axis=1)
     res = []
@@ -370,10 +382,10 @@ def _sequence_meta(seq: _Seq, block_of_layer, rle_cache: dict) -> dict:
         d = {"name": lay.name, "n_heads": lay.trace.n_heads or 1, "kinds": rle_cache[kb],
              "block": block_of_layer(k)}
         if model:
-            A = np.asarray(lay.trace["A"], dtype=np.float64)
+            A = np.asarray(lay.trace["A"])
             A3 = A if A.ndim == 3 else A[None]
-            summ = head_summary(A3, lay.kinds)
-            d["summary"] = {k2: [round(float(x), 4) for x in v] for k2, v in summ.items()}
+            per = [head_summary(a, lay.kinds) for a in A3]  # one head at a time: bounded
+            d["summary"] = {k2: [round(float(p[k2][0]), 4) for p in per] for k2 in per[0]}
             th = np.stack([thumbnail(a, THUMB) for a in A3])
             d["thumb"] = {"n": int(th.shape[-1]), "px": _b64(th, "u1")}
         layers.append(d)
