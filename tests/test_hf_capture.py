@@ -209,3 +209,14 @@ def test_bad_input():
     with pytest.raises(ValueError, match=r"attention_mask must be \(B, T\)"):
         capture(model, ids, attention_mask=torch.ones(1, 4))
     assert model.config._attn_implementation == "eager"  # switched back after each run
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_model_audits_ok(dtype):
+    """A bf16/fp16 model's recorded layers run in float32 and are rounded on the way back:
+    the trace holds the float32 results, so the audit's float32 tolerance is the right one."""
+    model = tiny.model("gpt2").to(dtype)
+    ids = torch.arange(3, 3 + T)[None]
+    for tr in capture(model, ids):
+        assert ca.audit(tr).ok, tr.layer
+    assert next(model.parameters()).dtype == dtype

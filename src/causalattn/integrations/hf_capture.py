@@ -10,7 +10,9 @@ under ``attn_implementation="causalattn"``); each chosen layer's call is recorde
 - Q, K after rotary embeddings, exactly as the attention function receives them, and V;
   grouped-query K and V are expanded to one per query head when read from the trace;
 - H, the engine's real output for the layer, and O, the layer's output projection of it
-  (``o_proj`` / ``c_proj`` / ``out_proj``; its bias is taken off, so O = H W_O);
+  (``o_proj`` / ``c_proj`` / ``out_proj``; bias taken off, O = H W_O). In a bf16/fp16 model
+  a recorded layer's attention and projection run in float32 (the engines accumulate in
+  float32 anyway) and are rounded to the model's dtype only on their way back into it;
 - the pattern the layer was handed (HF's mask and keywords, :mod:`.hf_pattern`) as M,
   and the pattern the model's config declares for that layer (causal, its window or
   chunk, the padding of ``attention_mask``) as the trace's ``allowed`` — the audit
@@ -387,10 +389,14 @@ class _Recorder:
         layer = getattr(module, "layer_idx", None)
         layer = self.calls if layer is None else int(layer)
         self.calls += 1
-        out, _ = attention_forward(module, query, key, value, attention_mask, scaling, dropout,
-                                   engine=self.engine, **kwargs)
         if layer not in self.layers:
-            return out, None
+            return attention_forward(module, query, key, value, attention_mask, scaling,
+                                     dropout, engine=self.engine, **kwargs)
+        # a recorded layer runs in float32 at least (the engines accumulate in float32 for
+        # bf16/fp16 anyway), so its H is the engine's before the rounding to the model's dtype
+        up = torch.promote_types(query.dtype, torch.float32)
+        out, _ = attention_forward(module, query.to(up), key.to(up), value.to(up),
+                                   attention_mask, scaling, dropout, engine=self.engine, **kwargs)
         pat, n = pattern_from_hf(module, query, key, attention_mask, **kwargs)
         scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
         kpm = self.key_padding
@@ -402,16 +408,24 @@ class _Recorder:
         rec["declared"] = _host(_declared(module, layer, rec["received"], kpm))
         proj = _projection(module)
         if proj is not None:
+            H32 = out.detach().reshape(*out.shape[:2], -1)  # (B, T_q, H·d_v), as o_proj reads it
+
             def hook(mod, args, output, rec=rec):
-                o = output.detach().to("cpu", torch.float32)
-                if getattr(mod, "bias", None) is not None:
-                    o = o - mod.bias.detach().to("cpu", torch.float32)
-                rec["O"], rec["W_o"] = o.numpy(), _w_o(mod)
                 handle.remove()
+                W = torch.from_numpy(_w_o(mod)).to(H32.device)
+                b = getattr(mod, "bias", None)
+                if output.dtype == H32.dtype:  # the model's own projection, bias taken off
+                    o = output.detach() - (0 if b is None else b.detach())
+                    rec["O"], rec["W_o"] = _numpy(o), W.cpu().numpy()
+                    return None
+                # bf16/fp16: the projection of the float32 H in float32, rounded on the way out
+                o = H32 @ W
+                rec["O"], rec["W_o"] = _numpy(o), W.cpu().numpy()
+                return (o + (0 if b is None else b.detach().float())).to(output.dtype)
 
             handle = proj.register_forward_hook(hook)
         self.records[layer] = rec
-        return out, None
+        return out.to(query.dtype), None
 
 
 def _dispatch(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
