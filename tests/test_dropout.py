@@ -154,3 +154,26 @@ def test_the_cpu_hash_is_the_same_arithmetic_as_the_torch_one():
                                dropout._cells_torch(row, col, thr))
             assert torch.equal(dropout.keep_mask(seed, off, b, h, i, j, p),
                                dropout._cells_torch(row, col, thr))
+
+
+def test_placed_key_halves_merge_to_the_whole_as_ring_ranks_do():
+    """Each half of the keys, placed with Pattern.k_start, draws its part of the very same
+    dropout pattern: merging the halves by their lse gives the whole problem's output."""
+    from causalattn.masks import Pattern
+
+    q, k, v = _inputs(1, 2, 200, 8, seed=4)
+    full = make_problem(q, k, v, window=60, dropout_p=0.3, generator=_gen(6))
+    want, want_lse = tiled.fwd(full)
+    parts = []
+    for k0, k1 in ((0, 120), (120, 200)):
+        pat = Pattern(window=60, q_start=0, k_start=k0)
+        p = make_problem(q, k[:, :, k0:k1], v[:, :, k0:k1], pattern=pat, dropout_p=0.3,
+                         generator=_gen(6))
+        parts.append(tiled.fwd(p))
+        ref = reference.forward(p)
+        torch.testing.assert_close(parts[-1][0], ref, atol=1e-12, rtol=1e-12)
+    lse = torch.logaddexp(parts[0][1], parts[1][1])
+    out = sum(torch.where(torch.isneginf(lh), 0.0, (lh - lse).exp())[..., None] * oh
+              for oh, lh in parts)
+    torch.testing.assert_close(lse, want_lse)
+    torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
