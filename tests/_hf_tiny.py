@@ -89,6 +89,22 @@ def llama4():  # chunked attention on the rope layers
                                          no_rope_layer_interval=4, interleave_moe_layer_step=4)
 
 
+def phi3():
+    return transformers.Phi3Config(**_common(), sliding_window=WINDOW)
+
+
+def starcoder2():  # attention dropout 0.1 in its config, as the real one
+    return transformers.Starcoder2Config(**_common(), sliding_window=WINDOW,
+                                         attention_dropout=0.1)
+
+
+def qwen3():
+    return transformers.Qwen3Config(**_common(), use_sliding_window=True, sliding_window=WINDOW,
+                                    max_window_layers=0)
+
+
+MORE = {"phi3": phi3, "starcoder2": starcoder2, "qwen3": qwen3}  # a lighter check only
+
 CONFIGS = {"gpt2": gpt2, "llama": llama, "mistral": mistral, "qwen2": qwen2,
            "gemma2": gemma2, "gpt_oss": gpt_oss, "llama4": llama4}
 
@@ -97,7 +113,7 @@ def model(name: str, seed: int = 0, impl: str = "eager", boldness: float = 8.0, 
     """A seeded random model in eval mode; 2-D weights scaled by ``boldness`` (the 0.02
     init leaves attention near-uniform, where a wrong mask hides)."""
     torch.manual_seed(seed)
-    cfg = CONFIGS[name](**cfg_kw)
+    cfg = {**CONFIGS, **MORE}[name](**cfg_kw)
     if name in ("gpt_oss", "llama4"):  # the loop over experts runs in float64 (grouped_mm not)
         cfg._experts_implementation = "eager"
     if name == "llama4":

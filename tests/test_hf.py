@@ -91,6 +91,23 @@ def test_logits_match_eager(models, name, pad):
     assert ref[real].std() > 0.3  # the comparison is not between near-constant logits
 
 
+@pytest.mark.parametrize("name", list(tiny.MORE))
+def test_more_windowed_families_match_eager(name):
+    """Phi-3, Starcoder2 and Qwen3 pass sliding_window too: logits with left padding."""
+    if "window" not in _accepted():
+        pytest.skip("causalattn.attention does not take window yet")
+    register()
+    model = tiny.model(name)
+    ref64 = copy.deepcopy(model).double()
+    ids, am, pos = padded_batch("left")
+    ours = logits(model, "causalattn", ids, am, pos)
+    plain = logits(model, "eager", ids, am, pos)
+    ref = logits(ref64, tiny.register_eager_safe(), ids, am, pos)
+    real = am.bool()
+    err = (ours.double() - ref)[real].abs().max().item()
+    assert err <= 2 * (plain.double() - ref)[real].abs().max().item() + FLOOR, name
+
+
 def test_windows_bite(models):
     """The windowed models' prompts exceed the window: without it, eager's logits change."""
     for name in ("mistral", "gpt_oss"):
