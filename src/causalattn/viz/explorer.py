@@ -687,7 +687,7 @@ def batch_traces(batch, *, d_model: int = 16, n_heads: int = 2, seed: int = 0,
     ``numpy.random.default_rng(seed)``: the weights are made up, the pattern (causal, and
     the padding after each sentence: ``lengths``) and the arithmetic are real. Sentences are
     traced ``chunk`` at a time (one batched trace each); each returned Trace is one
-    sentence with its own tokens.
+    sentence with its own tokens; C is left out (A and V give it).
     """
     if isinstance(n_heads, bool) or not isinstance(n_heads, (int, np.integer)) or n_heads < 1:
         raise ValueError(f"explorer: n_heads must be a positive integer, got {n_heads!r}")
@@ -703,6 +703,10 @@ def batch_traces(batch, *, d_model: int = 16, n_heads: int = 2, seed: int = 0,
         ids = batch.ids[b0:b0 + chunk]
         tr = _trace(E[ids], W_q, W_k, W_v, W_o, lengths=np.asarray(batch.lengths[b0:b0 + chunk]),
                     n_heads=n_heads)
+        # C (T×T×d_v per head) is most of a sentence's memory and A, V give it (explain()
+        # needs only those): 10,000 sentences keep a few hundred MiB, not a GiB.
+        tr = Trace({n: tr[n] for n in tr.names if n != "C"}, allowed=tr.allowed, scale=tr.scale,
+                   n_heads=tr.n_heads, pattern=tr.pattern, reasons=tr.reasons)
         for b in range(ids.shape[0]):
             one = tr.select(b)
             one.tokens = list(batch.tokens[b0 + b])
