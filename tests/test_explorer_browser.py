@@ -231,6 +231,24 @@ def test_score_modifiers_are_applied_by_the_page_itself(page, tmp_path):
     page.clean()
 
 
+def test_many_sentences_are_paged_and_opened_on_demand(page, tmp_path):
+    sents = [" ".join(f"w{(k * 7 + i) % 50}" for i in range(3 + k % 9)) for k in range(300)]
+    batch = text.encode(sents)
+    traces = viz.batch_traces(batch)
+    path = viz.write_explorer(traces, tmp_path / "many.html", names=viz.sentence_names(batch))
+    html = path.read_text()
+    assert html.count('class="ca-block"') == 2 * 300 + 1  # per sentence: tokens, heads; weights
+    page.open(path)
+    assert page.page.locator("[data-role=seq] option").count() == 300
+    page.page.select_option("[data-role=seq]", index=299)
+    L = int(batch.lengths[299])
+    assert page.texts("[data-role=tokens] .ca-tok")[:L] == batch.tokens[299][:L]
+    page.hover_row("A", L - 1)
+    want = traces[299].select(0).A[L - 1][:L]
+    assert [float(w) for w in page.side("weight")[:L]] == pytest.approx(want, abs=6e-4)
+    page.clean()
+
+
 def model_layers(L=3, H=2, T=12, seed=0):
     rng = np.random.default_rng(seed)
     toks = [f"tok{i}" for i in range(T)]
