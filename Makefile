@@ -5,7 +5,7 @@ PIP     := $(PY) -m pip
 STAMP   := .venv/.installed
 EXTRAS  := dev,viz,browser,hf,gpu
 
-.PHONY: demo test lint bench browser clean
+.PHONY: demo test lint bench browser clean mutate
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
@@ -30,6 +30,13 @@ test: $(STAMP) browser
 lint: $(STAMP)
 	.venv/bin/ruff check .
 	.venv/bin/lint-imports
+
+# Mutation testing (slow: hours over everything; not in CI). Config: [tool.mutmut] in
+# pyproject.toml. Narrow it: make mutate MUTANTS="causalattn.masks*"; results: mutmut results.
+MUTANTS ?=
+mutate: $(STAMP)
+	PATH=$(CURDIR)/.venv/bin:$$PATH nice -n 10 .venv/bin/mutmut run $(MUTANTS)
+	.venv/bin/mutmut results
 
 bench: $(STAMP)
 	.venv/bin/causalattn bench
