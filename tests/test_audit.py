@@ -61,7 +61,7 @@ def test_clean_trace_and_chapter_example(parts):
     assert audit(chapter).ok
     assert audit(_pipeline(X, W)).ok
     d = audit(_pipeline(X, W)).to_dict()
-    json.dumps(d)
+    assert json.loads(json.dumps(d)) == d  # plain JSON, nothing lost on the way
     assert d["ok"] and d["first_failure"] is None
 
 
@@ -90,6 +90,39 @@ def test_planted_fault_at_its_stage(parts, knob, stage, hint):
     rep2 = audit(small)
     assert rep2.first_failure.stage == stage, str(rep2)
     assert {"Q", "K", "V", "S", "H"} <= set(rep2.recomputed)
+
+
+def _check(rep, name):
+    (c,) = [c for c in rep.checks if c.name == name]
+    return c
+
+
+def test_tiny_weight_on_a_blocked_key_is_caught(parts):
+    """"Forbidden entries exactly 0" means exactly: 1e-7 on each future key (taken from the
+    diagonal so rows still sum to 1, H recomputed) fails the check."""
+    X, W = parts
+    st = _pipeline(X, W)
+    A = st["A"].copy()
+    future = ~masks.causal(T)
+    A[future] = 1e-7
+    A[np.diag_indices(T)] -= 1e-7 * future.sum(-1)
+    st = {**st, "A": A, "H": A @ st["V"], "O": A @ st["V"] @ W["W_o"]}
+    rep = audit(st)
+    forb = _check(rep, "forbidden entries exactly 0")
+    assert not forb.ok, str(rep)
+    assert f"{int(future.sum())} blocked entries" in forb.message
+
+
+@pytest.mark.parametrize("stage", ["S", "H"])
+def test_a_float64_error_of_one_in_ten_thousand_is_caught(parts, stage):
+    """The float64 tolerance is tight: a relative error of 1e-4 in one entry of S or H
+    fails that stage."""
+    X, W = parts
+    st = _pipeline(X, W)
+    x = st[stage].copy()
+    x[3, 1] += 1e-4 * np.abs(x[np.isfinite(x)]).max()
+    rep = audit({**st, stage: x})
+    assert not rep.ok and rep.first_failure.stage == stage, str(rep)
 
 
 def test_k_not_transposed_and_output_projection(parts):
