@@ -1,4 +1,4 @@
-"""The pattern benchmark's rows and bars on tiny shapes (no timing claims: shapes only)."""
+"""The pattern benchmark's rows and targets on tiny shapes (no timing claims: shapes only)."""
 
 from causalattn.bench import patterns as bench
 
@@ -16,7 +16,7 @@ def test_rows_name_their_peers_and_bars_read_them():
     assert set(drop["vs"]) == {"tiled p=0", "sdpa p=0.1"}
     docs = next(r for r in rows if r["engine"] == "tiled (cu_seqlens)")
     assert docs["causal_over_readable"] > 1
-    names = [b[0] for b in bench.bars(rows)]
+    names = [b[0] for b in bench.targets(rows)]
     assert any(n.startswith("documents fwd") for n in names)
     assert any(n.startswith("dropout 0.1") for n in names)
     assert any(n.startswith("softcap 30 fwd") for n in names)

@@ -287,8 +287,14 @@ def run(quick: bool = False, show_progress: bool = True) -> list[dict]:
     return rows
 
 
-def bars(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
-    """The issue's bars, checked on these rows: (bar, met, the numbers)."""
+# Where the targets come from: the project's issue 3 (the CPU engine), measured on its
+# 2-core machine; another machine may reach or miss them for its own reasons.
+TARGETS_FROM = "issue 3 (CPU engine)"
+
+
+def targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
+    """The targets of :data:`TARGETS_FROM`, checked on these rows: (target, reached, the
+    numbers)."""
     def find(case, engine, pass_="fwd", dtype="float32"):
         for r in rows:
             if r["case"] == case and r["engine"] == engine and r["pass"] == pass_ and r["dtype"] == dtype:
@@ -320,7 +326,7 @@ def bars(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
 
 
 def render(rows: list[dict], console=None) -> None:
-    """Print the table and the bars with rich."""
+    """Print the table and the targets with rich."""
     from rich.console import Console
     from rich.table import Table
 
@@ -347,9 +353,10 @@ def render(rows: list[dict], console=None) -> None:
     for r in rows:
         if "recompute_over_decode" in r:
             console.print(f"  decode: recomputing the whole pass takes {r['recompute_over_decode']:.0f}x one decode step")
-    console.print("bars:")
-    for name, ok, nums in bars(rows):
-        console.print(f"  [{'green' if ok else 'red'}]{'met ' if ok else 'MISS'}[/] {name}: {nums}")
+    console.print(f"targets (from {TARGETS_FROM}):")
+    for name, ok, nums in targets(rows):
+        tag = "[green]reached[/]" if ok else "[red]not yet[/]"
+        console.print(f"  {tag} {name}: {nums}")
 
 
 if __name__ == "__main__":  # the memory pass runs here, in a fresh process
