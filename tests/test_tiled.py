@@ -216,7 +216,8 @@ def _holed_mask():
                          ids=["window", "documents", "chunk", "lengths", "holed-mask"])
 def test_forward_touches_no_fully_blocked_key_block(monkeypatch, kw):
     """The forward computes scores only for key blocks the pattern lets some query read:
-    the score cells it computes are exactly those of the tiles block_kind does not skip."""
+    the score cells it computes are at most those of the tiles block_kind does not skip
+    (and at least the readable cells)."""
     monkeypatch.setattr(tiled, "BLOCKS", (8, 16))
     q, k, v = _inputs(1, 1, 1, 80, 80, 6, 4, dtype=torch.float32, seed=29)
     p = make_problem(q, k, v, **kw)
@@ -230,4 +231,4 @@ def test_forward_touches_no_fully_blocked_key_block(monkeypatch, kw):
         for c in range(lo, hi, 16):
             if p.pattern.block_kind(0, a, a + 8, c, min(hi, c + 16), 80, 80) != "skip":
                 want += 8 * (min(hi, c + 16) - c)
-    assert count.cells == want > 0
+    assert int(p.allowed().sum()) <= count.cells <= want, (count.cells, want)
