@@ -41,22 +41,20 @@ class Group:
 
 
 def groups(quick: bool = False) -> list[Group]:
+    """The groups, cheapest first (the T = 16384 window against SDPA takes minutes)."""
     gpt2 = (4, 12, 1024, 64)
-    out = []
+    budget = 4 if quick else 10
+    out = [Group("modifiers", gpt2, p, ("tiled",), budget_s=budget)
+           for p in (("fwd",) if quick else ("fwd", "fwd+bwd"))]
+    out.append(Group("dropout", gpt2, "fwd+bwd", ("tiled p=0", "sdpa p=0.1"), budget_s=budget))
+    for p in ("fwd",) if quick else ("fwd", "fwd+bwd"):
+        out.append(Group("documents", (1, 8, 8192, 64), p, ("sdpa (bool mask)",), budget_s=budget))
     for T in ((4096,) if quick else (4096, 16384)):
-        for pass_ in ("fwd",) if quick else ("fwd", "fwd+bwd"):
+        for p in ("fwd",) if quick else ("fwd", "fwd+bwd"):
             # SDPA's fwd+bwd at T = 16384 takes minutes a call here: tiled alone there
-            peers = () if (T, pass_) == (16384, "fwd+bwd") else ("sdpa (bool mask)",)
-            out.append(Group("window", (1, 8, T, 64), pass_, peers,
-                             budget_s=4 if quick else 10, min_reps=2 if T > 4096 else 3))
-    out.append(Group("documents", (1, 8, 8192, 64), "fwd", ("sdpa (bool mask)",),
-                     budget_s=4 if quick else 10))
-    if not quick:
-        out.append(Group("documents", (1, 8, 8192, 64), "fwd+bwd", ("sdpa (bool mask)",)))
-    for pass_ in ("fwd",) if quick else ("fwd", "fwd+bwd"):
-        out.append(Group("modifiers", gpt2, pass_, ("tiled",), budget_s=4 if quick else 10))
-    out.append(Group("dropout", gpt2, "fwd+bwd", ("tiled p=0", "sdpa p=0.1"),
-                     budget_s=4 if quick else 10))
+            peers = () if (T, p) == (16384, "fwd+bwd") else ("sdpa (bool mask)",)
+            out.append(Group("window", (1, 8, T, 64), p, peers, budget_s=budget,
+                             min_reps=2 if T > 4096 else 3))
     return out
 
 
