@@ -24,6 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from causalattn.engines import make_problem
 from causalattn.engines import reference as ref_engine
 from causalattn.engines import triton as tri
+from causalattn.shapes import attention_flops
 
 SHAPES = [(4, 32, T, 128) for T in (1024, 2048, 4096, 8192, 16384)] + [
     (1, 1, 2048, 1000), (1, 8, 16384, 1000)]
@@ -191,8 +192,8 @@ def main():
     for B, H, T, d in shapes:
         tri.CONFIG_OVERRIDE = best.get(128 if d <= 128 else 1024) or None
         q, k, v = _inputs(B, H, T, d)
-        f_fwd = tri.flops(B, H, T, d)
-        f_all = f_fwd + tri.flops(B, H, T, d, backward=True)
+        f_fwd = attention_flops(T, d, H, B)
+        f_all = f_fwd + attention_flops(T, d, H, B, backward=True)
         out = _triton(q, k, v)
         err, bound, ok = forward_accuracy(q, k, v, out)
         del out

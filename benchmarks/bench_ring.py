@@ -17,7 +17,6 @@ import argparse
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import socket
 import time
 from datetime import timedelta
 
@@ -25,14 +24,8 @@ import torch
 import torch.distributed as dist
 
 from causalattn.distributed import RingStats, ring_attention
-from causalattn.distributed.demo import PeakMemory
+from causalattn.distributed.demo import PeakMemory, free_port
 from causalattn.memory import pin_malloc
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, P, port, layout, a, out_q):
@@ -94,7 +87,7 @@ def _pingpong(rank, mb=32, reps=5) -> float:
 
 def run(P, layout, a):
     ctx = mp.get_context("fork")  # children inherit the imported torch
-    out_q, port = ctx.Queue(), _free_port()
+    out_q, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_worker, args=(r, P, port, layout, a, out_q)) for r in range(P)]
     for p in procs:
         p.start()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -90,12 +89,6 @@ def _env() -> dict:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _check(res: subprocess.CompletedProcess, what: str, ok=(0,)) -> None:
     out = res.stdout + res.stderr
     assert res.returncode in ok, f"{what}: exit {res.returncode}\n{out[-4000:]}"
@@ -120,10 +113,12 @@ def test_readme_block_runs(block, scratch):
         pytest.skip(f"{where}: needs a CUDA device")
     env = _env()
     if block["lang"] == "python" and "torchrun" in block["marks"]:
+        from causalattn.distributed.demo import free_port
+
         nproc = int(block["marks"]["torchrun"] or 2)
         (scratch / "ring.py").write_text(block["code"])
         cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_addr",
-               "127.0.0.1", "--master_port", str(_free_port()), "ring.py"]
+               "127.0.0.1", "--master_port", str(free_port()), "ring.py"]
         res = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True,
                              timeout=TIMEOUT)
         _check(res, where)

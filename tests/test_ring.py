@@ -11,7 +11,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue as queue_mod
-import socket
 import time
 import traceback
 import zlib
@@ -20,6 +19,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from causalattn.distributed.demo import free_port
 from causalattn.engines import attention
 
 CASES = {  # name: (B, H_q, H_kv, T as a function of P, d_k, d_v, layout, lengths as a function of T)
@@ -71,12 +71,6 @@ def _inputs(name: str, P: int):
     dout = torch.randn(B, H_q, T, d_v, generator=g)
     lengths = None if len_of is None else torch.tensor(len_of(T))
     return q, k, v, dout, lengths, layout
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _init(rank, P, port, timeout_s):
@@ -204,7 +198,7 @@ def _spawn(target, P, *extra, wait_for=None, timeout=SPAWN_TIMEOUT):
     """Run ``target(rank, P, port, queue, *extra)`` in P processes; the messages by rank."""
     ctx = mp.get_context(_START)
     out_q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=target, args=(r, P, port, out_q, *extra), daemon=True) for r in range(P)]
     for p in procs:
         p.start()

@@ -11,11 +11,9 @@ with the size they would need.
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 import warnings
-from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
@@ -111,23 +109,10 @@ def _library_errors():
         _fail("out of memory; lower the input size or --max-bytes")
 
 
-def _jsonable(obj):
-    """NumPy arrays and scalars -> lists and numbers; non-finite floats -> "inf"/"-inf"/"nan"."""
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if getattr(obj, "dtype", None) is not None and obj.dtype.kind in "biuU":  # NumPy, no floats
-        return obj.tolist()
-    if isinstance(obj, (list, tuple, Sequence)) and not isinstance(obj, str):
-        return [_jsonable(v) for v in obj]
-    if hasattr(obj, "tolist") and not isinstance(obj, str):
-        return _jsonable(obj.tolist())
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
-    return obj
-
-
 def _print_json(data) -> None:
-    typer.echo(json.dumps(_jsonable(data), ensure_ascii=False, indent=2))
+    from .check.report import jsonable
+
+    typer.echo(json.dumps(jsonable(data), ensure_ascii=False, indent=2))
 
 
 def _console():

@@ -32,7 +32,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Row", "shape_table", "attention_flops"]
+__all__ = ["Row", "shape_table", "attention_flops", "score_flops", "BACKWARD_FACTOR"]
+
+# The backward recomputes S and A and makes five T×T products where the forward makes
+# two (dV = Aᵀ dH, dA = dH Vᵀ, dQ = dS K, dK = dSᵀ Q, plus S again): 2.5× the forward.
+BACKWARD_FACTOR = 2.5
+
+
+def score_flops(cells: float, d_k: int, d_v: int | None = None) -> float:
+    """The attention FLOP convention for ``cells`` computed score entries (B·H·T_q·T_k, or
+    the needed half under a causal mask): QKᵀ costs 2·d_k and A V 2·d_v per entry.
+    The one formula every benchmark and the ring's statistics count with."""
+    return 2 * cells * (d_k + (d_k if d_v is None else d_v))
 
 
 @dataclass(frozen=True)
@@ -74,15 +85,22 @@ def _positive(name: str, value) -> int:
 
 
 def attention_flops(
-    seq_len: int, d_head: int, n_heads: int = 1, batch: int = 1, causal: bool = True
+    seq_len: int, d_head: int, n_heads: int = 1, batch: int = 1, causal: bool = True,
+    *, keys: int | None = None, backward: bool = False,
 ) -> int:
-    """DESIGN.md's forward attention FLOPs: ``4·B·H·T²·d``, halved when causal."""
+    """docs/design.md's forward attention FLOPs: ``4·B·H·T²·d``, halved when causal
+    (:func:`score_flops` over the needed entries). ``keys``: T_k when it differs from
+    T = T_q (causal halves only a square); ``backward``: the backward's FLOPs instead
+    (:data:`BACKWARD_FACTOR` × the forward's)."""
     T = _positive("seq_len", seq_len)
     d = _positive("d_head", d_head)
     H = _positive("n_heads", n_heads)
     B = _positive("batch", batch)
-    f = 4 * B * H * T * T * d
-    return f // 2 if causal else f
+    T_k = T if keys is None else _positive("keys", keys)
+    cells = B * H * T * T_k
+    f = int(score_flops(cells, d))
+    f = f // 2 if causal and T_k == T else f
+    return int(f * BACKWARD_FACTOR) if backward else f
 
 
 def shape_table(

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..shapes import attention_flops
 from .timing import median_ms, median_ratio, paired_times, peak_extra_mib, reps_for
 
 _GEMM_RATE: dict = {}  # (case, dtype) -> FLOP/s of the same Q Kᵀ, from the forward group
@@ -62,8 +63,7 @@ def cases(quick: bool = False) -> list[Case]:
 
 
 def flops_fwd(B: int, H: int, T_q: int, T_k: int, d: int, causal: bool = True) -> float:
-    f = 4.0 * B * H * T_q * T_k * d
-    return f / 2 if causal and T_q == T_k else f
+    return float(attention_flops(T_q, d, H, B, causal, keys=T_k))
 
 
 def _naive(q, k, v, allowed, scale):

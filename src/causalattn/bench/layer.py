@@ -15,14 +15,15 @@ import time
 
 import torch
 
+from ..shapes import BACKWARD_FACTOR, score_flops
 from .timing import median_ms, median_ratio, paired_times, peak_extra_mib, reps_for
 
 
 def layer_flops(B: int, T: int, d_model: int, n_heads: int, d_k: int, d_v: int, pass_: str) -> float:
     """FLOPs of one layer call: projections X W_Q, X W_K, X W_V, H W_O plus causal attention."""
     proj = 2 * B * T * d_model * n_heads * (2 * d_k + d_v) + 2 * B * T * n_heads * d_v * d_model
-    attn = 2 * B * n_heads * T * T * (d_k + d_v) / 2  # = 4·B·H·T²·d / 2 for d_k = d_v = d
-    return proj + attn if pass_ == "fwd" else 3 * proj + 3.5 * attn
+    attn = score_flops(B * n_heads * T * T / 2, d_k, d_v)  # causal: half the entries
+    return proj + attn if pass_ == "fwd" else 3 * proj + (1 + BACKWARD_FACTOR) * attn
 
 
 def _time(fns: dict, budget_s: float):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Literal
@@ -34,7 +36,7 @@ class Check:
 
     def to_dict(self) -> dict:
         return {"stage": self.stage, "name": self.name, "ok": self.ok, "message": self.message,
-                "evidence": _jsonable(self.evidence), "hint": self.hint, "fault": self.fault}
+                "evidence": jsonable(self.evidence), "hint": self.hint, "fault": self.fault}
 
 
 @dataclass
@@ -68,7 +70,7 @@ class Report:
             "checks": [c.to_dict() for c in self.checks],
             "given": self.given,
             "recomputed": self.recomputed,
-            "empty_rows": _jsonable(self.empty_rows),
+            "empty_rows": jsonable(self.empty_rows),
             "notes": self.notes,
         }
 
@@ -82,7 +84,7 @@ class Report:
         for c in self.checks:
             lines.append(f"  [{'ok' if c.ok else 'FAIL'}] {c.stage:<2} {c.name}: {c.message}")
             if not c.ok:
-                ev = ", ".join(f"{k}={v}" for k, v in _jsonable(c.evidence).items())
+                ev = ", ".join(f"{k}={v}" for k, v in jsonable(c.evidence).items())
                 if ev:
                     lines.append(f"         evidence: {ev}")
                 if c.hint:
@@ -107,7 +109,7 @@ class Report:
         for c in self.checks:
             details = escape(c.message)
             if not c.ok and c.evidence:
-                ev = ", ".join(f"{k}={v}" for k, v in _jsonable(c.evidence).items())
+                ev = ", ".join(f"{k}={v}" for k, v in jsonable(c.evidence).items())
                 details += f"\n[dim]evidence: {escape(ev)}[/]"
             if not c.ok and c.hint:
                 details += f"\n[yellow]hint:[/] {escape(c.hint)}"
@@ -123,21 +125,20 @@ def _fmt_empty(rows: list[dict]) -> str:
     return "; ".join(parts) + (" ..." if len(rows) > 4 else "")
 
 
-def _jsonable(x: Any):
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return _jsonable(x.tolist())
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating, float)):
-        v = float(x)
-        return v if np.isfinite(v) else str(v)
-    if isinstance(x, np.bool_):
-        return bool(x)
-    return x
+def jsonable(obj: Any):
+    """Plain JSON data: NumPy/torch arrays and scalars -> lists and numbers; non-finite
+    floats -> "inf", "-inf", "nan" (JSON has none). The one converter (reports, the CLI)."""
+    if isinstance(obj, dict):
+        return {str(k): jsonable(v) for k, v in obj.items()}
+    if getattr(obj, "dtype", None) is not None and obj.dtype.kind in "biuU":  # no floats
+        return obj.tolist()
+    if isinstance(obj, (list, tuple, Sequence)) and not isinstance(obj, str):
+        return [jsonable(v) for v in obj]
+    if hasattr(obj, "tolist") and not isinstance(obj, str):
+        return jsonable(obj.tolist())
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
+    return obj
 
 
 
@@ -198,7 +199,7 @@ class Diagnosis:
     def to_dict(self) -> dict:
         return {"fault": self.fault, "stage": self.stage, "message": self.message,
                 "location": self.location, "status": self.status.value, "also": self.also,
-                "untested": self.untested, "details": _jsonable(self.details),
+                "untested": self.untested, "details": jsonable(self.details),
                 "pattern": None if self.pattern is None else self.pattern.tolist(),
                 "expected": None if self.expected is None else self.expected.tolist(),
                 "scale": self.scale, "d_k": self.d_k}

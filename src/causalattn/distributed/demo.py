@@ -60,7 +60,8 @@ class PeakMemory:
         return False
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for MASTER_PORT; demo, tests, benchmarks)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -77,7 +78,7 @@ def _has_kernels(device: torch.device) -> bool:
 def _setup(timeout_s: float) -> torch.device:
     if "RANK" not in os.environ:  # plain `python -m`: a group of one on loopback
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
         print("(single process; run under `torchrun --nproc_per_node N` to split over N processes)")
     if torch.cuda.is_available() and _has_kernels(torch.device("cuda")):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -26,8 +26,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from ..engines.problem import FLOAT_DTYPES, make_problem
+from ..engines.problem import FLOAT_DTYPES, compute_dtype, make_problem
 from ..masks import Pattern
+from ..shapes import BACKWARD_FACTOR, score_flops
 from .layout import LAYOUTS, check_layout, rank_and_size, segments
 
 _TAG_KV, _TAG_DKV = 71, 72  # gloo matches messages by tag; NCCL by order (same on all ranks)
@@ -215,11 +216,6 @@ def _unpack(buf, k_shape, v_shape):
     return buf[:nk].view(k_shape), buf[nk:].view(v_shape)
 
 
-def _acc_dtype(q) -> torch.dtype:
-    """Merge and accumulate in fp32 (fp64 for fp64 inputs), as the tiled engine does."""
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 def _merge(out, lse, o, l) -> None:
     """Fold a partial result (o, l) into (out, lse) in place, by log-sum-exp."""
     new = torch.logaddexp(lse, l)
@@ -229,9 +225,10 @@ def _merge(out, lse, o, l) -> None:
 
 
 def _count(cfg: _Config, pair: _Pair, q, v, factor=1.0) -> None:
-    """FLOPs of one block pair (DESIGN.md's convention: 4·B·H·n·m·d, halved on the diagonal)."""
+    """FLOPs of one block pair (shapes.score_flops over its units: n·m, halved on the
+    diagonal)."""
     B, H, _, d_k = q.shape
-    cfg.stats.flops += 2.0 * B * H * pair.units * (d_k + v.shape[-1]) * factor
+    cfg.stats.flops += score_flops(B * H * pair.units, d_k, v.shape[-1]) * factor
     cfg.stats.kernel_calls += 1
 
 
@@ -253,7 +250,7 @@ def _block_problems(cfg: _Config, q, kc, vc, src: int):
 def _forward(q, k, v, cfg: _Config):
     kern = _kernels(q.device)
     B, H_q, T, _ = q.shape
-    cd = _acc_dtype(q)
+    cd = compute_dtype(q.dtype)
     out = torch.zeros(B, H_q, T, v.shape[-1], dtype=cd, device=q.device)
     lse = torch.full((B, H_q, T), float("-inf"), dtype=cd, device=q.device)
     bufs = [_pack(k, v), None]
@@ -283,7 +280,7 @@ def _forward(q, k, v, cfg: _Config):
 
 def _backward(dout, q, k, v, out, lse, cfg: _Config):
     kern = _kernels(q.device)
-    cd = _acc_dtype(q)
+    cd = compute_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=cd, device=q.device)
     kv = [_pack(k, v), None]
     n = k.numel() + v.numel()
@@ -313,7 +310,7 @@ def _backward(dout, q, k, v, out, lse, cfg: _Config):
             dq[:, :, pair.qs] += dq_i
             dk_p[:, :, pair.ks] += dk_j
             dv_p[:, :, pair.ks] += dv_j
-            _count(cfg, pair, q, v, 2.5)
+            _count(cfg, pair, q, v, BACKWARD_FACTOR)
         if cfg.P > 1:
             if step > 0:  # the gradients other ranks already gave this block travel with it
                 cfg.link.wait(sent)

@@ -34,6 +34,12 @@ PATTERN_KEYS = (
 )
 
 
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where engines compute and merge: fp32, or fp64 for fp64 inputs (tiled, ring)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _shape(t) -> str:
     return "(" + ", ".join(str(int(s)) for s in t.shape) + ")"
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .problem import Problem
+from .problem import Problem, compute_dtype
 
 NEG_INF = float("-inf")
 # exp2 is about twice as fast as exp here (torch's exp goes through MKL's VML, which has no
@@ -344,10 +344,6 @@ def _keep(p: Problem, hd: _Heads, h, h2, a, a2, c, c2) -> torch.Tensor:
     return p.keep(hd.batch[h:h2], hd.qhead[h:h2], a, a2, c, c2)
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def _workers(p: Problem) -> int:
     """Threads for independent tiles: torch's thread count, one for tiny problems."""
     B, H, T_q, d = p.q.shape
@@ -480,7 +476,7 @@ def fwd(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """
     B, Hq, Tq, _ = p.q.shape
     Hkv, dv = p.k.shape[1], p.v.shape[3]
-    cd = _compute_dtype(p.q.dtype)
+    cd = compute_dtype(p.q.dtype)
     q, k, v = (t.detach().to(cd) for t in (p.q, p.k, p.v))
     out = torch.zeros(B, Hq, Tq, dv, dtype=p.q.dtype, device=q.device)
     lse = torch.full((B, Hq, Tq, 1), NEG_INF, dtype=cd, device=q.device)
@@ -627,7 +623,7 @@ def bwd(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dl
     """
     B, _, Tq, _ = p.q.shape
     Hkv = p.k.shape[1]
-    cd = _compute_dtype(p.q.dtype)
+    cd = compute_dtype(p.q.dtype)
     q, k, v = (t.detach().to(cd) for t in (p.q, p.k, p.v))
     dout = dout.detach().to(cd)
     lse = lse.detach().to(cd).unsqueeze(-1)

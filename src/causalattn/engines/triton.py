@@ -550,10 +550,4 @@ def sinks_grad(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Ten
         return _sinks_grad(plan, lse, D)
 
 
-def flops(B: int, H: int, T: int, d: int, causal: bool = True, backward: bool = False) -> float:
-    """FLOPs by DESIGN.md's convention: 4·B·H·T²·d, halved for causal; backward 2.5× that."""
-    f = 4.0 * B * H * T * T * d / (2.0 if causal else 1.0)
-    return f * 2.5 if backward else f
-
-
-__all__ = ["forward", "fwd", "bwd", "sinks_grad", "supports", "prefers", "available", "flops", "MEASURED"]
+__all__ = ["forward", "fwd", "bwd", "sinks_grad", "supports", "prefers", "available", "MEASURED"]
