@@ -93,12 +93,17 @@ def _check_heads(stage: str, name: str, width: int, n_heads: int) -> int:
     return width // n_heads
 
 
-def _split_heads(Y: np.ndarray, n_heads: int | None) -> np.ndarray:
+def split_heads(Y: np.ndarray, n_heads: int | None) -> np.ndarray:
     """(..., T, h·d) -> (..., h, T, d); unchanged when n_heads is None."""
     if n_heads is None:
         return Y
     *lead, T, hd = Y.shape
     return np.moveaxis(Y.reshape(*lead, T, n_heads, hd // n_heads), -2, -3)
+
+
+def merge_heads(Y: np.ndarray) -> np.ndarray:
+    """(..., h, T, d) -> (..., T, h·d): the heads side by side (split_heads undone)."""
+    return np.moveaxis(Y, -3, -2).reshape(*Y.shape[:-3], Y.shape[-2], -1)
 
 
 def trace(
@@ -171,9 +176,9 @@ def trace(
         d_k = W["W_q"].shape[1]
 
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/inf at unreadable positions is allowed
-        Q = _split_heads(X @ W["W_q"], n_heads)
-        K = _split_heads(X @ W["W_k"], n_heads)
-        V = _split_heads(X @ W["W_v"], n_heads)
+        Q = split_heads(X @ W["W_q"], n_heads)
+        K = split_heads(X @ W["W_k"], n_heads)
+        V = split_heads(X @ W["W_v"], n_heads)
 
     if scale is None:
         scale = 1.0 / np.sqrt(d_k)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import masks as _masks
+from ..reference import merge_heads as _merge_heads  # noqa: F401  (the stage checks' names)
+from ..reference import split_heads as _split_heads  # noqa: F401
 
 BLOCKED_BELOW = -1e4  # an additive M entry at or below this (or -inf) blocks the key
 _MAX_LIST = 8  # rows/cols shown as evidence
@@ -48,18 +50,6 @@ def _locate(bad: np.ndarray, lead_ndim: int, with_cols: bool = True) -> dict:
     if with_cols and sel.shape[1] > lead_ndim + 1:
         ev["cols"] = sorted({int(c) for c in sel[:, lead_ndim + 1]})[:_MAX_LIST]
     return ev
-
-
-def _split_heads(Y: np.ndarray, h: int | None) -> np.ndarray:
-    if h is None:
-        return Y
-    *lead, T, hd = Y.shape
-    return np.moveaxis(Y.reshape(*lead, T, h, hd // h), -2, -3)
-
-
-def _merge_heads(Y: np.ndarray) -> np.ndarray:
-    """(..., h, T, d) -> (..., T, h·d)."""
-    return np.moveaxis(Y, -3, -2).reshape(*Y.shape[:-3], Y.shape[-2], -1)
 
 
 def _mask_from_additive(M: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .. import masks
+from ..reference import merge_heads, split_heads
 
 __all__ = ["Probe", "split_heads", "merge_heads", "qkv_probe", "x_probe"]
 
@@ -66,17 +67,6 @@ def _fields(p: masks.Pattern) -> dict:
     return {n: getattr(p, n) for n in ("causal", "window", "chunk", "lengths",
                                         "key_padding_mask", "cu_seqlens", "prefix_lengths",
                                         "mask", "alibi_slopes", "softcap", "sinks")}
-
-
-def split_heads(Y: np.ndarray, h: int) -> np.ndarray:
-    """(..., T, h·d) -> (..., h, T, d)."""
-    *lead, T, hd = Y.shape
-    return np.moveaxis(Y.reshape(*lead, T, h, hd // h), -2, -3)
-
-
-def merge_heads(Y: np.ndarray) -> np.ndarray:
-    """(..., h, T, d) -> (..., T, h·d)."""
-    return np.moveaxis(Y, -3, -2).reshape(*Y.shape[:-3], Y.shape[-2], -1)
 
 
 def _cast(a, dtype):
