@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from causalattn.engines import exact as ref_engine
 from causalattn.engines import make_problem
-from causalattn.engines import reference as ref_engine
 from causalattn.engines import triton as tri
 from causalattn.shapes import attention_flops
 

@@ -27,8 +27,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from causalattn.engines import exact as ref_engine
 from causalattn.engines import make_problem
-from causalattn.engines import reference as ref_engine
 from causalattn.engines import triton as tri
 from causalattn.masks import Pattern
 

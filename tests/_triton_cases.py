@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from causalattn.engines import attention, contract, make_problem, pick_engine
-from causalattn.engines import reference as ref_engine
+from causalattn.engines import exact as ref_engine
 from causalattn.engines import triton as tri
 from causalattn.masks import Pattern
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from causalattn.engines import attention, make_problem, reference, tiled
+from causalattn.engines import attention, exact, make_problem, tiled
 
 F64 = torch.float64
 
@@ -60,7 +60,7 @@ def test_drop_fraction_of_readable_weights_within_a_binomial_bound():
     for p_drop in (0.1, 0.5, 0.9):
         p = make_problem(q, k, v, window=20, lengths=[64, 40], dropout_p=p_drop,
                          generator=_gen(4))
-        keep = reference.dropout_mask(p)
+        keep = exact.dropout_mask(p)
         readable = p.allowed().expand_as(keep)
         n = int(readable.sum())
         dropped = int((readable & ~keep).sum()) / n
@@ -93,7 +93,7 @@ def test_tiled_equals_reference_given_the_same_pattern_whatever_the_block_sizes(
     same one (a different pattern would move the output by O(0.1), far above 1e-10)."""
     q, k, v = _inputs(1, 2, 300, 8, seed=5)
     p = make_problem(q, k, v, window=100, dropout_p=0.4, generator=_gen(2))
-    want = reference.attend(p, keep=reference.dropout_mask(p))
+    want = exact.attend(p, keep=exact.dropout_mask(p))
     old, tiled.BLOCKS = tiled.BLOCKS, blocks
     try:
         got = attention(q, k, v, engine="tiled", window=100, dropout_p=0.4, generator=_gen(2))
@@ -105,7 +105,7 @@ def test_tiled_equals_reference_given_the_same_pattern_whatever_the_block_sizes(
     torch.testing.assert_close(got, want, atol=1e-10, rtol=1e-10)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     pr = make_problem(*leaves, window=100, dropout_p=0.4, generator=_gen(2))
-    rgrads = torch.autograd.grad((reference.forward(pr) * dout).sum(), leaves)
+    rgrads = torch.autograd.grad((exact.forward(pr) * dout).sum(), leaves)
     for a, b in zip(grads, rgrads):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
 
@@ -170,7 +170,7 @@ def test_placed_key_halves_merge_to_the_whole_as_ring_ranks_do():
         p = make_problem(q, k[:, :, k0:k1], v[:, :, k0:k1], pattern=pat, dropout_p=0.3,
                          generator=_gen(6))
         parts.append(tiled.fwd(p))
-        ref = reference.forward(p)
+        ref = exact.forward(p)
         torch.testing.assert_close(parts[-1][0], ref, atol=1e-12, rtol=1e-12)
     lse = torch.logaddexp(parts[0][1], parts[1][1])
     out = sum(torch.where(torch.isneginf(lh), 0.0, (lh - lse).exp())[..., None] * oh

@@ -21,7 +21,7 @@ import torch
 
 from causalattn import engines
 from causalattn.engines import attention, contract, make_problem
-from causalattn.engines import reference as ref_engine
+from causalattn.engines import exact as ref_engine
 
 
 class Row:

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from causalattn import dropout
-from causalattn.engines import attention, make_problem, reference
+from causalattn.engines import attention, exact, make_problem
 
 F64 = torch.float64
 
@@ -110,7 +110,7 @@ def test_reference_is_the_definition_row_by_row(case, p):
     out, lse = attention(q, k, v, engine="reference", return_lse=True, dropout_p=p,
                          generator=gen, **kw)
     prob = make_problem(q, k, v, dropout_p=p, generator=torch.Generator().manual_seed(5), **kw)
-    keep = reference.dropout_mask(prob)
+    keep = exact.dropout_mask(prob)
     want = by_rows(q, k, v, kw, keep, p)
     torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-10)
     empty = ~prob.allowed().expand(lse.shape + (k.shape[2],)).any(-1)
@@ -145,14 +145,14 @@ def test_sinks_gradient_reaches_a_learned_parameter():
 def test_reference_dropout_explicit_pattern_and_inspection():
     q, k, v = _inputs(2, 2, 1, 6, 6, 4, 4, seed=2)
     p = make_problem(q, k, v, window=3, dropout_p=0.4, generator=torch.Generator().manual_seed(1))
-    keep = reference.dropout_mask(p)
+    keep = exact.dropout_mask(p)
     assert keep.shape == (2, 2, 6, 6) and keep.dtype == torch.bool
     again = dropout.keep_mask(*p.dropout_seed, 1, 0, torch.arange(6), torch.arange(6), 0.4)
     assert torch.equal(keep[1, 0], again)  # the pattern is the hash of global positions
-    assert torch.equal(reference.attend(p, keep=keep), reference.forward(p))
+    assert torch.equal(exact.attend(p, keep=keep), exact.forward(p))
     other = ~keep
-    assert not torch.equal(reference.attend(p, keep=other), reference.forward(p))
-    torch.testing.assert_close(reference.attend(p, keep=other),
+    assert not torch.equal(exact.attend(p, keep=other), exact.forward(p))
+    torch.testing.assert_close(exact.attend(p, keep=other),
                                by_rows(q, k, v, {"window": 3}, other, 0.4))
 
 

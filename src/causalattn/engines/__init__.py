@@ -23,7 +23,7 @@ __all__ = ["attention", "KVCache", "Problem", "make_problem", "ENGINES", "pick_e
 
 # engine name -> module with forward(problem, return_lse)
 ENGINES = {
-    "reference": "causalattn.engines.reference",
+    "reference": "causalattn.engines.exact",  # the engine named "reference"
     "sdpa": "causalattn.engines.sdpa",
     "tiled": "causalattn.engines.tiled",
     "triton": "causalattn.engines.triton",

@@ -1,4 +1,5 @@
-"""Materialized attention in float64 torch: the truth the fast engines are tested against.
+"""The engine named "reference": materialized attention in float64 torch, the truth the fast
+engines are tested against (``causalattn.reference`` is the NumPy trace of every stage).
 
 O(T_q·T_k) memory; differentiable by autograd (in q, k, v and learned sinks), so it also
 gives reference gradients. The result is returned in the input dtype. Everything the
