@@ -389,3 +389,14 @@ def test_a_row_reading_nan_keeps_exact_zeros_where_it_may_not_read():
     mask = np.array([[True, True], [False, True]])  # row 1 reads the NaN key; (2, 1) blocked
     tr = ca.trace(X, np.eye(1), np.eye(1), np.eye(1), mask=mask)
     assert np.isnan(tr.A[0]).all() and tr.A[1, 0] == 0.0
+
+
+def test_explore_of_long_sentences_stays_within_max_bytes(tmp_path):
+    corpus = tmp_path / "long.txt"
+    corpus.write_text("\n".join(" ".join(f"w{k % 97}" for k in range(1500)) for _ in range(4)))
+    (res,) = cli_many([["explore", "--file", str(corpus), "-o", str(tmp_path / "e.html"),
+                        "--json", "--max-bytes", str(2**29)]], mem=3 * GiB, cpu=120, timeout=300)
+    assert res.returncode == 0, res.stderr
+    d = json.loads(res.stdout)
+    # one 1,500-token sentence's float64 stages take ~300 MB: only one fits 512 MiB
+    assert d["sequences"] == 1 and "of memory can trace at N = 1500" in res.stderr

@@ -671,16 +671,20 @@ def _check_width_options(d_model: int, heads: int) -> None:
         _fail(f"--d-model {d_model} must be divisible by --heads {heads} (d_k = d_model / h)")
 
 
-def _check_widths(batch, d_model: int, heads: int, max_bytes: int) -> None:
-    """--d-model and --heads of the seeded random weights: valid, and the arrays affordable."""
+def _check_widths(batch, d_model: int, heads: int, max_bytes: int) -> int:
+    """--d-model and --heads of the seeded random weights: valid, and one sentence's trace
+    affordable. Returns the bytes one sentence's trace takes (held until the page is written)."""
     from .text import check_bytes
 
     _check_width_options(d_model, heads)
     N = batch.N
-    # E (vocab×d), four d×d weights, and per sentence X, Q, K, V, H (N×d) and the T×T stages
-    need = 8 * (d_model * (len(batch.vocab) + 4 * d_model + 5 * N) + 8 * heads * N * N)
-    check_bytes(f"the seeded weights (d_model = {d_model}, {heads} heads, N = {N})", need,
-                max_bytes, "lower --d-model or --max-len, or raise --max-bytes")
+    fixed = 8 * d_model * (len(batch.vocab) + 4 * d_model)  # E (vocab×d), four d×d weights
+    # X, Q, K, V, H (N×d) and the T×T float64 stages S, M, Z, A, with room for temporaries
+    per = 8 * (5 * d_model * N + 8 * heads * N * N)
+    check_bytes(f"the seeded weights and one sentence's trace (d_model = {d_model}, {heads} "
+                f"heads, N = {N})", fixed + per, max_bytes,
+                "lower --d-model or --max-len, or raise --max-bytes")
+    return per
 
 
 def _seeded_attention(batch, d_model: int, seed: int):
@@ -1127,14 +1131,17 @@ def explore(
             corpus = (_read_corpus(file, max_bytes) if file is not None
                       else (sentences or list(text.SEED_SENTENCES)))
             batch = _encode_quiet(corpus, max_len=max_len, max_bytes=max_bytes)
-            _check_widths(batch, d_model, heads, max_bytes)
-            n = _page_sentences(batch, max_page_bytes)
+            per = _check_widths(batch, d_model, heads, max_bytes)
+            n_page = _page_sentences(batch, max_page_bytes)
+            n_mem = max(1, max_bytes // per)  # their traces are held until the page is written
+            n = min(n_page, n_mem)
             if n < batch.B:
-                typer.echo(f"note: the page shows sentences 1..{n} of {batch.B}, as many as fit "
-                           f"{_human_bytes(max_page_bytes)} (--max-page-bytes to show more)",
-                           err=True)
+                why = (f"as many as fit {_human_bytes(max_page_bytes)} (--max-page-bytes to show "
+                       "more)" if n == n_page else f"as many as {_human_bytes(max_bytes)} of "
+                       f"memory can trace at N = {batch.N} (--max-bytes to show more)")
+                typer.echo(f"note: the page shows sentences 1..{n} of {batch.B}, {why}", err=True)
             traces = []
-            step = 512  # sentences per call (batched): the same seeded weights every call
+            step = min(512, n)  # sentences per call (batched): the same seeded weights every call
             for b0 in _progress(range(0, n, step), "tracing", as_json):
                 part = slice(b0, min(b0 + step, n))
                 sub = dataclasses.replace(batch, ids=batch.ids[part], lengths=batch.lengths[part],
