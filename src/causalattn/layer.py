@@ -24,15 +24,12 @@ from torch import nn
 from . import dropout as _dropout
 from . import masks as _masks
 from .engines import KVCache, attention
+from .masks import shape_str as _shape_str
 
 __all__ = ["CausalSelfAttention", "from_gpt2_attention", "from_nanogpt_state_dict"]
 
 # One materialized T×T stage of the float64 trace (B·h·T²·8 bytes) may take at most this.
 TRACE_LIMIT_BYTES = 64 * 2**20
-
-
-def _shape(t) -> str:
-    return str(tuple(t.shape))
 
 
 def _positive(name: str, value) -> int:
@@ -156,12 +153,12 @@ class CausalSelfAttention(nn.Module):
 
     def _check_x(self, x) -> None:
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
-            got = _shape(x) if isinstance(x, torch.Tensor) else type(x).__name__
+            got = _shape_str(x) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(
                 f"CausalSelfAttention: x must be (B, T, d_model) with d_model={self.d_model}, got {got}"
             )
         if x.shape[1] == 0:
-            raise ValueError(f"CausalSelfAttention: x is {_shape(x)}; a sequence needs T >= 1 token")
+            raise ValueError(f"CausalSelfAttention: x is {_shape_str(x)}; a sequence needs T >= 1 token")
         if x.dtype != self.W_q.dtype:
             raise ValueError(
                 f"CausalSelfAttention: x is {x.dtype} but the weights are {self.W_q.dtype}; "
@@ -172,7 +169,7 @@ class CausalSelfAttention(nn.Module):
         if key_padding_mask is not None:
             kpm = key_padding_mask
             if not isinstance(kpm, torch.Tensor) or kpm.dtype != torch.bool or tuple(kpm.shape) != (B, T_k):
-                got = f"{_shape(kpm)} {kpm.dtype}" if isinstance(kpm, torch.Tensor) else type(kpm).__name__
+                got = f"{_shape_str(kpm)} {kpm.dtype}" if isinstance(kpm, torch.Tensor) else type(kpm).__name__
                 raise ValueError(
                     f"key_padding_mask: expected a bool tensor (B, T_k) = ({B}, {T_k}) (True = may "
                     f"read; T_k counts cached positions too), got {got}"
@@ -186,7 +183,7 @@ class CausalSelfAttention(nn.Module):
                 ) from exc
             if L.dim() != 1 or L.shape[0] != B or L.dtype.is_floating_point or L.dtype == torch.bool:
                 raise ValueError(
-                    f"lengths: expected an integer tensor (B,) = ({B},), got shape {_shape(L)} "
+                    f"lengths: expected an integer tensor (B,) = ({B},), got shape {_shape_str(L)} "
                     f"and dtype {L.dtype}"
                 )
 
@@ -198,8 +195,8 @@ class CausalSelfAttention(nn.Module):
             want = (x.shape[0], self.n_kv_heads, self.d_k)
             if (k.shape[0], k.shape[1], k.shape[3]) != want or kv_cache.v.shape[3] != self.d_v:
                 raise ValueError(
-                    f"kv_cache: holds k {_shape(k)} and v {_shape(kv_cache.v)} (B, H_kv, T, d); this "
-                    f"layer with x {_shape(x)} needs (B, H_kv, ·, d_k) = ({want[0]}, {want[1]}, ·, "
+                    f"kv_cache: holds k {_shape_str(k)} and v {_shape_str(kv_cache.v)} (B, H_kv, T, d); this "
+                    f"layer with x {_shape_str(x)} needs (B, H_kv, ·, d_k) = ({want[0]}, {want[1]}, ·, "
                     f"{want[2]}) and d_v = {self.d_v} (a cache from another layer or batch size?)"
                 )
             if k.dtype != x.dtype or k.device != x.device:
@@ -378,7 +375,7 @@ class CausalSelfAttention(nn.Module):
         if tuple(W_qkv.shape) != want or tuple(W_o.shape) != (self.n_heads * self.d_v, D):
             raise ValueError(
                 f"{who}: expected W_Q|W_K|W_V {want[0]}×{want[1]} and W_O "
-                f"{self.n_heads * self.d_v}×{D}, got {_shape(W_qkv)} and {_shape(W_o)}"
+                f"{self.n_heads * self.d_v}×{D}, got {_shape_str(W_qkv)} and {_shape_str(W_o)}"
             )
         with torch.no_grad():
             Wq, Wk, Wv = W_qkv.split(self.n_heads * self.d_k, dim=1)

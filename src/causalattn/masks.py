@@ -40,7 +40,7 @@ import numpy as np
 
 __all__ = [
     "Pattern", "REASONS", "READABLE", "alibi_slopes", "causal", "key_padding", "query_padding",
-    "combine", "additive", "counts",
+    "combine", "additive", "counts", "shape_str",
 ]
 
 # Why a cell is blocked: the first reason in this order (0 = readable).
@@ -55,8 +55,10 @@ def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch")
 
 
-def _shape(x) -> str:
-    return str(tuple(int(s) for s in x.shape))  # (3,) for one axis, as Python writes it
+def shape_str(x) -> str:
+    """An array's shape for messages, as Python writes a tuple: ``(2, 5)``, ``(3,)``. The
+    one formatter (masks, problem, layer, hf_pattern)."""
+    return str(tuple(int(s) for s in x.shape))
 
 
 def _numpy(x) -> np.ndarray:
@@ -255,7 +257,7 @@ class Pattern:
             if v is None:
                 continue
             if v.shape != (B,):
-                raise ValueError(f"{name}: expected shape (B,) = ({B},), got {_shape(v)}")
+                raise ValueError(f"{name}: expected shape (B,) = ({B},), got {shape_str(v)}")
             if v.size and v.max() > T_all and not placed:
                 raise ValueError(f"{name}: each must lie in [0, T_k={T_k}], got {v.tolist()[:8]}")
         if self.prefix_lengths is not None and self.lengths is not None:
@@ -268,7 +270,7 @@ class Pattern:
         if kpm is not None and tuple(kpm.shape) != (B, T_k):
             raise ValueError(
                 f"key_padding_mask: expected a bool array (B, T_k) = ({B}, {T_k}), True = may "
-                f"read; got shape {_shape(kpm)}"
+                f"read; got shape {shape_str(kpm)}"
             )
         cu = self.cu_seqlens
         if cu is not None:
@@ -285,16 +287,16 @@ class Pattern:
             if (full[2:] != (T_q, T_k) or full[0] not in (1, B) or full[1] not in (1, H)):
                 raise ValueError(
                     f"mask: expected a bool array (B|1, H|1, T_q, T_k) with B={B}, H={H}, "
-                    f"T_q={T_q}, T_k={T_k}; got shape {_shape(m)}"
+                    f"T_q={T_q}, T_k={T_k}; got shape {shape_str(m)}"
                 )
         a = self.alibi_slopes
         if a is not None and tuple(a.shape) not in ((H,), (B, H)):
             raise ValueError(f"alibi_slopes: expected shape (H,) = ({H},) or (B, H) = ({B}, {H}), "
-                             f"got {_shape(a)}")
+                             f"got {shape_str(a)}")
         s = self.sinks
         if s is not None and tuple(s.shape) != (H,):
             raise ValueError(f"sinks: expected one logit per head, shape (H,) = ({H},), "
-                             f"got {_shape(s)}")
+                             f"got {shape_str(s)}")
 
     # ---- the dense forms ---------------------------------------------------------------
     def _rules(self, xp, b, q0, q1, k0, k1, T_q, T_k, dev):

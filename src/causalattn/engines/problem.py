@@ -24,6 +24,7 @@ import torch
 
 from .. import dropout as _dropout
 from ..masks import Pattern
+from ..masks import shape_str as _shape_str
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
@@ -38,10 +39,6 @@ PATTERN_KEYS = (
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Where engines compute and merge: fp32, or fp64 for fp64 inputs (tiled, ring)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _shape(t) -> str:
-    return "(" + ", ".join(str(int(s)) for s in t.shape) + ")"
 
 
 @dataclass
@@ -133,10 +130,10 @@ def _check_tensors(q, k, v) -> None:
                 f"attention: {name} must be a torch.Tensor (B, H, T, d), got {type(t).__name__}"
             )
         if t.dim() != 4:
-            raise ValueError(f"attention: {name} must be 4-D (B, H, T, d), got shape {_shape(t)}")
+            raise ValueError(f"attention: {name} must be 4-D (B, H, T, d), got shape {_shape_str(t)}")
         if t.dtype not in FLOAT_DTYPES:
             raise ValueError(
-                f"attention: {name} {_shape(t)} has dtype {t.dtype}; expected one of fp64, fp32, "
+                f"attention: {name} {_shape_str(t)} has dtype {t.dtype}; expected one of fp64, fp32, "
                 "bf16, fp16"
             )
     if not (q.dtype == k.dtype == v.dtype):
@@ -146,20 +143,20 @@ def _check_tensors(q, k, v) -> None:
     B, H_q, T_q, d_k = q.shape
     if k.shape[0] != B or v.shape[0] != B:
         raise ValueError(
-            f"attention: batch sizes differ: q {_shape(q)}, k {_shape(k)}, v {_shape(v)}"
+            f"attention: batch sizes differ: q {_shape_str(q)}, k {_shape_str(k)}, v {_shape_str(v)}"
         )
     if k.shape[3] != d_k:
         raise ValueError(
-            f"scores: q is (B, H, T_q, d_k) = {_shape(q)} but k is {_shape(k)}; "
+            f"scores: q is (B, H, T_q, d_k) = {_shape_str(q)} but k is {_shape_str(k)}; "
             "the inner d_k axes must match"
         )
     if k.shape[1] != v.shape[1] or k.shape[2] != v.shape[2]:
         raise ValueError(
-            f"attention: k {_shape(k)} and v {_shape(v)} must agree on (B, H_kv, T_k)"
+            f"attention: k {_shape_str(k)} and v {_shape_str(v)} must agree on (B, H_kv, T_k)"
         )
     if d_k == 0 or v.shape[3] == 0:
         raise ValueError(
-            f"attention: q {_shape(q)} and v {_shape(v)} need d_k >= 1 and d_v >= 1 (a head "
+            f"attention: q {_shape_str(q)} and v {_shape_str(v)} need d_k >= 1 and d_v >= 1 (a head "
             "of width 0 has no scores or values)"
         )
     H_kv = k.shape[1]
@@ -213,7 +210,7 @@ def make_problem(
     if pattern.cu_seqlens is not None and (B != 1 or (T_q != T_k and not placed)):
         raise ValueError(
             f"cu_seqlens: packed sequences need q, k, v of shape (1, H, T, d) with one T; "
-            f"got q {_shape(q)}, k {_shape(k)}"
+            f"got q {_shape_str(q)}, k {_shape_str(k)}"
         )
     pattern.check(B, H_q, T_q, T_k)
     if scale is None:

@@ -19,6 +19,7 @@ import weakref
 import torch
 
 from .. import masks
+from ..masks import shape_str as _shape_str
 
 __all__ = ["pattern_from_hf", "SUPPORTED_KWARGS"]
 
@@ -27,17 +28,13 @@ SUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "is_causal")
 REFUSED_KWARGS = ("position_bias", "alibi", "attn_bias")  # additive biases we cannot take yet
 
 
-def _shape(t) -> str:
-    return "(" + ", ".join(str(int(s)) for s in t.shape) + ")"
-
-
 def _boolean(mask: torch.Tensor, B: int, H: int, T_q: int, T_k: int) -> torch.Tensor:
     """HF's mask as booleans ``(B|1, 1|H, T_q, T_k)``, True = may read; checks shape and kind."""
     if (mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[1] not in (1, H)
             or tuple(mask.shape[2:]) != (T_q, T_k)):
         raise ValueError(
             f"causalattn attention: attention_mask must be (B, 1, T_q, T_k) = ({B}, 1, {T_q}, "
-            f"{T_k}), got {_shape(mask)}"
+            f"{T_k}), got {_shape_str(mask)}"
         )
     if mask.dtype == torch.bool:
         return mask
@@ -164,7 +161,7 @@ def pattern_from_hf(
     modifiers = {"softcap": kwargs.get("softcap") or None, "sinks": kwargs.get("s_aux")}
     if modifiers["sinks"] is not None and tuple(modifiers["sinks"].shape) != (H,):
         raise ValueError(f"causalattn attention: s_aux (sinks) must be one logit per head, "
-                         f"(H,) = ({H},); got {_shape(modifiers['sinks'])}")
+                         f"(H,) = ({H},); got {_shape_str(modifiers['sinks'])}")
     if attention_mask is None:
         n = T_k
         if causal and 1 < T_q < T_k:
