@@ -40,7 +40,7 @@ import numpy as np
 
 __all__ = [
     "Pattern", "REASONS", "READABLE", "alibi_slopes", "causal", "key_padding", "query_padding",
-    "combine", "additive", "counts", "shape_str",
+    "combine", "additive", "counts", "shape_str", "default_scale",
 ]
 
 # Why a cell is blocked: the first reason in this order (0 = readable).
@@ -53,6 +53,12 @@ REASONS = {
 
 def _is_torch(x) -> bool:
     return type(x).__module__.startswith("torch")
+
+
+def default_scale(d_k: int) -> float:
+    """The default scale of S = Q Kᵀ·scale, 1/√d_k (1.0 for an empty head, d_k = 0): the
+    one place the engines, the trace, the audit, diagnose and the HF capture take it from."""
+    return 1.0 / float(np.sqrt(d_k)) if d_k else 1.0
 
 
 def shape_str(x) -> str:

@@ -181,7 +181,7 @@ def trace(
         V = split_heads(X @ W["W_v"], n_heads)
 
     if scale is None:
-        scale = 1.0 / np.sqrt(d_k)
+        scale = _masks.default_scale(d_k)
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.number)) or not (
         np.isfinite(scale)
     ):

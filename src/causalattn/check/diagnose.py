@@ -220,7 +220,7 @@ class _Measurement:
             1.0, float(fin.max()) if fin.size else 1.0)
 
     def c0(self, p: Probe) -> float:
-        return self.scale if self.scale is not None else 1.0 / math.sqrt(p.d_k)
+        return self.scale if self.scale is not None else masks.default_scale(p.d_k)
 
     def weights(self, p: Probe) -> np.ndarray:
         A = self.s.values(p, _eye(p.T_k))

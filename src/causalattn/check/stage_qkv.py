@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import masks as _masks
 from .numerics import (
     BLOCKED_BELOW,
     _close,
@@ -90,7 +91,7 @@ def scores(st: AuditState) -> None:
             _square(st, "S", a["S"])
         return
     d_k = Q.shape[-1]
-    c0 = st.inp.scale if st.inp.scale is not None else 1.0 / np.sqrt(d_k)
+    c0 = st.inp.scale if st.inp.scale is not None else _masks.default_scale(d_k)
     if K.shape[-1] != d_k:
         st.add("S", "Q Kᵀ shapes", False,
                  f"Q is T×d_k = {Q.shape[-2]}×{d_k} but K is {K.shape[-2]}×{K.shape[-1]}; "

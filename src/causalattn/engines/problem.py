@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .. import dropout as _dropout
-from ..masks import Pattern
+from ..masks import Pattern, default_scale
 from ..masks import shape_str as _shape_str
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
@@ -214,7 +214,7 @@ def make_problem(
         )
     pattern.check(B, H_q, T_q, T_k)
     if scale is None:
-        scale = 1.0 / math.sqrt(d_k) if d_k else 1.0
+        scale = default_scale(d_k)
     if isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
         raise ValueError(f"attention: scale must be a number, got {scale!r}")
     scale = float(scale)

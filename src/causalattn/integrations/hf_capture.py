@@ -398,7 +398,7 @@ class _Recorder:
         out, _ = attention_forward(module, query.to(up), key.to(up), value.to(up),
                                    attention_mask, scaling, dropout, engine=self.engine, **kwargs)
         pat, n = pattern_from_hf(module, query, key, attention_mask, **kwargs)
-        scale = float(scaling) if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+        scale = float(scaling) if scaling is not None else masks.default_scale(query.shape[-1])
         kpm = self.key_padding
         if kpm is not None:
             kpm = kpm[:, :n] if kpm.shape[1] >= n else None
