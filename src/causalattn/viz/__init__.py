@@ -14,18 +14,11 @@ The explorer (no extra; one self-contained HTML file, no network)::
     write_explorer(sentence_traces(text.SEED_SENTENCES), "seed.html")
 """
 
-from .explorer import (
-    batch_traces,
-    explorer_data,
-    explorer_fragment,
-    explorer_html,
-    sentence_names,
-    sentence_traces,
-    write_explorer,
-)
+from .explorer import explorer_data, explorer_fragment, explorer_html, write_explorer
 from .heatmaps import plot_mask, plot_patterns, plot_stage, save, trace_figures, write_figures
 from .kinds import KINDS, mask_kinds, padding_positions, pattern_kinds, trace_kinds
 from .notebook import register as _register_notebook_display
+from .sentences import batch_traces, sentence_names, sentence_traces
 
 _register_notebook_display()
 

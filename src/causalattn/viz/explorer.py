@@ -40,15 +40,14 @@ from typing import NamedTuple
 import numpy as np
 
 from ..reference import softmax_last
-from ..reference import trace as _trace
 from ..trace import Trace
 from .kinds import KINDS, PAD, pad_of, sequences, tokens_of
+from .learnpanel import learn_data
+from .sentences import batch_traces, sentence_names
 from .summary import head_summary, thumbnail
 
-__all__ = [
-    "explorer_data", "explorer_html", "explorer_fragment", "write_explorer", "sentence_traces",
-    "batch_traces", "sentence_names", "MAX_BYTES", "V_SHOWN",
-]
+__all__ = ["explorer_data", "explorer_html", "explorer_fragment", "write_explorer", "MAX_BYTES",
+           "V_SHOWN"]
 
 MAX_BYTES = 18 * 2**20  # the size a page aims at (see the module docstring)
 V_SHOWN = 4  # float16 pages keep v_j's first components (the side panel shows 3, then "…")
@@ -101,11 +100,6 @@ def _cast(a: np.ndarray, prec: str) -> tuple[np.ndarray, str]:
     if p == "f2" and not np.isfinite(c[np.isfinite(a)]).all():
         p, c = "f4", a.astype("<f4")
     return c, p
-
-
-def _cast_all(a: np.ndarray, prec: str) -> tuple[np.ndarray, str]:
-    """:func:`_cast` for a stack of heads: one precision for all of them."""
-    return _cast(a, prec)
 
 
 def _stacked(tr: Trace, name: str) -> np.ndarray:
@@ -254,7 +248,7 @@ def _group_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
     with np.errstate(invalid="ignore", over="ignore"):
         vnorm = np.linalg.norm(V.astype(np.float64), axis=-1)
     cut = prec == "f2" and dv > V_SHOWN
-    Vc, pv = _cast_all(V[..., :V_SHOWN] if cut else V, prec)
+    Vc, pv = _cast(V[..., :V_SHOWN] if cut else V, prec)
     ok = np.zeros((n, H), bool)
     err = np.full((n, H), np.nan)
     mods = _modifiers(tr0, H)
@@ -265,8 +259,8 @@ def _group_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
             and st["Q"].shape == st["K"].shape:
         Q, K, S, A = st["Q"], st["K"], st["S"], st["A"]
         qprec = "f8" if fromW.all() else prec  # from weights, the page works in float64
-        Qc, pq = _cast_all(Q, qprec)
-        Kc, pk = _cast_all(K, qprec)
+        Qc, pq = _cast(Q, qprec)
+        Kc, pk = _cast(K, qprec)
         # What the page computes (in float64); float32 is as good a check for float32 or
         # float16 Q and K (its rounding, ~1e-7, is far below their tolerance), and faster.
         # A few heads at a time, so a 2048-token layer never holds more than a few T×T arrays.
@@ -515,7 +509,7 @@ def _build(obj, *, names, title, layers, max_bytes, questions):
         "version": 2, "title": str(title), "notes": notes,
         "kinds": [k._asdict() for k in KINDS.values()],
         "sequences": index, "xsets": xsets,
-        "learn": None if questions is None else _learn_data(questions),
+        "learn": None if questions is None else learn_data(questions),
     }
     return data, blocks
 
@@ -617,114 +611,3 @@ def write_explorer(traces, path, *, names=None, title: str = "causalattn explore
     path.write_text(explorer_html(traces, names=names, title=title, layers=layers,
                                   max_bytes=max_bytes, questions=questions), encoding="utf-8")
     return path
-
-
-# -- the check-yourself panel ------------------------------------------------------------------
-def _learn_matrix(q: dict) -> dict | None:
-    """The matrix a question's highlight points at, as the panel draws it (or None)."""
-    hl = q.get("highlight")
-    if not isinstance(hl, dict) or hl.get("matrix") not in ("M", "S", "A"):
-        return None
-    from .. import text
-
-    data = q.get("data") or {}
-    if all(k in data for k in ("X", "W_q", "W_k", "W_v")):
-        tr = _trace(np.asarray(data["X"], float), np.asarray(data["W_q"], float),
-                    np.asarray(data["W_k"], float), np.asarray(data["W_v"], float),
-                    mask=np.asarray(data["mask"], bool) if "mask" in data else None,
-                    tokens=data.get("tokens"))
-        kinds = sequences(tr)[0].kinds
-    elif isinstance(q.get("sentence"), int):
-        batch = text.encode(text.SEED_SENTENCES)
-        b = q["sentence"]
-        if not 0 <= b < batch.B:
-            return None
-        tr = batch_traces(batch)[b].select(0)
-        kinds = sequences(tr)[0].kinds
-    else:
-        return None
-    T = kinds.shape[0]
-    m = hl["matrix"]
-    vals = None
-    if m in ("S", "A"):
-        v = np.where(kinds == 0, tr[m], np.nan)
-        vals = [[None if not np.isfinite(x) else round(float(x), 4) for x in row] for row in v]
-    return {"matrix": m, "T": int(T), "tokens": tokens_of(tr, T),
-            "kinds": kinds.astype(int).tolist(), "values": vals}
-
-
-def _learn_data(questions) -> list[dict]:
-    """The questions as the panel needs them (prompt, choices, answer, hint, explanation,
-    highlight) plus the highlighted matrix computed here."""
-    if isinstance(questions, dict) or not hasattr(questions, "__iter__"):
-        raise ValueError("explorer: questions must be a list of question dicts "
-                         "(causalattn.learn.questions(seed, n))")
-    out = []
-    for k, q in enumerate(questions):
-        need = ("prompt", "choices", "answer")
-        if not isinstance(q, dict) or any(n not in q for n in need):
-            raise ValueError(f"explorer: question {k + 1} must be a dict with {need}")
-        choices = [str(c) for c in q["choices"]]
-        a = q["answer"]
-        if isinstance(a, bool) or not isinstance(a, (int, np.integer)) or not 0 <= a < len(choices):
-            raise ValueError(f"explorer: question {k + 1}: answer {a!r} is not an index of its "
-                             f"{len(choices)} choices")
-        hl = q.get("highlight") if isinstance(q.get("highlight"), dict) else None
-        out.append({"id": str(q.get("id", k + 1)), "prompt": str(q["prompt"]),
-                    "choices": choices, "answer": int(a), "hint": str(q.get("hint") or ""),
-                    "explanation": str(q.get("explanation") or ""),
-                    "highlight": json.loads(json.dumps(hl)) if hl else None,
-                    "picture": _learn_matrix(q)})
-    return out
-
-
-# -- sentences with seeded random weights ---------------------------------------------------
-def batch_traces(batch, *, d_model: int = 16, n_heads: int = 2, seed: int = 0,
-                 chunk: int = 512) -> list[Trace]:
-    """One Trace per sentence of a :class:`causalattn.text.Batch`, from seeded random weights.
-
-    The embedding (vocabulary×d_model) and W_Q, W_K, W_V, W_O are drawn from
-    ``numpy.random.default_rng(seed)``: the weights are made up, the pattern (causal, and
-    the padding after each sentence: ``lengths``) and the arithmetic are real. Sentences are
-    traced ``chunk`` at a time (one batched trace each); each returned Trace is one
-    sentence with its own tokens; C is left out (A and V give it).
-    """
-    if isinstance(n_heads, bool) or not isinstance(n_heads, (int, np.integer)) or n_heads < 1:
-        raise ValueError(f"explorer: n_heads must be a positive integer, got {n_heads!r}")
-    if isinstance(d_model, bool) or not isinstance(d_model, (int, np.integer)) or d_model < 1:
-        raise ValueError(f"explorer: d_model must be a positive integer, got {d_model!r}")
-    if d_model % n_heads:
-        raise ValueError(f"explorer: d_model={d_model} is not divisible by n_heads={n_heads}")
-    rng = np.random.default_rng(seed)
-    E = rng.normal(size=(len(batch.vocab), d_model))
-    W_q, W_k, W_v, W_o = (rng.normal(size=(d_model, d_model)) / np.sqrt(d_model) for _ in range(4))
-    out = []
-    for b0 in range(0, batch.ids.shape[0], chunk):
-        ids = batch.ids[b0:b0 + chunk]
-        tr = _trace(E[ids], W_q, W_k, W_v, W_o, lengths=np.asarray(batch.lengths[b0:b0 + chunk]),
-                    n_heads=n_heads)
-        # C (T×T×d_v per head) is most of a sentence's memory and A, V give it (explain()
-        # needs only those): 10,000 sentences keep a few hundred MiB, not a GiB.
-        tr = Trace({n: tr[n] for n in tr.names if n != "C"}, allowed=tr.allowed, scale=tr.scale,
-                   n_heads=tr.n_heads, pattern=tr.pattern, reasons=tr.reasons)
-        for b in range(ids.shape[0]):
-            one = tr.select(b)
-            one.tokens = list(batch.tokens[b0 + b])
-            out.append(one)
-    return out
-
-
-def sentence_traces(sentences, *, max_len: int | None = None, **kw) -> list[Trace]:
-    """:func:`batch_traces` of ``text.encode(sentences, max_len)``."""
-    from .. import text
-
-    return batch_traces(text.encode(sentences, max_len=max_len), **kw)
-
-
-def sentence_names(batch) -> list[str]:
-    """Short names for a batch's sentences: their real tokens, cut at 60 characters."""
-    names = []
-    for b, toks in enumerate(batch.tokens):
-        s = " ".join(toks[: int(batch.lengths[b])])
-        names.append(f"{b + 1}: " + (s if len(s) <= 60 else s[:59] + "…"))
-    return names
