@@ -18,8 +18,8 @@ from .state import AuditState
 
 def mask(st: AuditState) -> None:
     """M: the given mask, M or Z agree with each other and with the declared pattern;
-    with none of them, the keys A reads. Sets ``st.R`` (..., T_q, T_k), True = may read."""
-    a = st.a
+    with none of them, the keys A reads. Sets ``st.allowed`` (..., T_q, T_k), True = may read."""
+    a = st.arrays
     shape = None
     for s in ("S", "Z", "M", "A"):
         if s in a:
@@ -57,7 +57,7 @@ def mask(st: AuditState) -> None:
         _pattern_from_weights(st, a["A"], shape)
         return
     if not sources:
-        st.R = declared_allowed(st, shape)
+        st.allowed = declared_allowed(st, shape)
         st.recomputed.append("M")
         return
     name0, R = sources[0]
@@ -66,7 +66,7 @@ def mask(st: AuditState) -> None:
         st.add("M", f"{name} agrees with {name0}", same.all(),
                  f"{name} and {name0} " + ("agree" if same.all() else "disagree"),
                  _locate(~same, len(lead)))
-    st.R = R
+    st.allowed = R
     if name0 != "M" and "M" not in a:
         st.recomputed.append("M")
     _structure(st, R, name0)
@@ -100,7 +100,7 @@ def declared_allowed(st, shape, padding: bool = True) -> np.ndarray:
         if not lead:
             R = pat.allowed(1, 1, T_q, T_k)[0, 0]
         elif len(lead) == 1:
-            heads = st.h is not None and lead[0] == st.h and not batchy
+            heads = st.n_heads is not None and lead[0] == st.n_heads and not batchy
             R = pat.allowed(1, lead[0], T_q, T_k)[0] if heads else \
                 pat.allowed(lead[0], 1, T_q, T_k)[:, 0]
         else:
@@ -113,7 +113,7 @@ def declared_allowed(st, shape, padding: bool = True) -> np.ndarray:
 
 def _fit_lead(st, R):
     # a (B, T, T) mask with a head axis in the stages: insert it
-    if st.h is not None and R.ndim == 3:
+    if st.n_heads is not None and R.ndim == 3:
         R = R[:, None]
     return R
 
@@ -139,7 +139,7 @@ def _pattern_from_weights(st, A, shape):
     off = T_k - T_q
     E = declared_allowed(st, shape).copy()
     P = (A != 0) & ~np.isnan(A).all(-1, keepdims=True)
-    if "S" in st.a:  # a weight that underflowed to 0 is not a blocked key
+    if "S" in st.arrays:  # a weight that underflowed to 0 is not a blocked key
         with np.errstate(all="ignore"):
             ref = softmax_last(np.where(E, modified_scores(st, shape), 0.0), E)
         P |= E & (A == 0) & (ref < 1e-30)
@@ -159,7 +159,7 @@ def _pattern_from_weights(st, A, shape):
             "padding assumed from A (keys and query rows from L on read nothing): "
             + "; ".join(f"{list(i) if i else ''} L = {L}".strip() for i, L in inferred[:4])
             + (" ..." if len(inferred) > 4 else "") + "; declare lengths= to state it")
-    st.R = E
+    st.allowed = E
     st.recomputed.append("M")
     reads = P.any(-1, keepdims=True)
     Pc = np.where(reads, P, E)  # rows that read nothing: stage A says so
@@ -230,7 +230,7 @@ def softmax_expected(st, R):
 
 def modified_scores(st, shape):
     """S broadcast to ``shape``, with the declared softcap / ALiBi applied."""
-    S = np.broadcast_to(st.a["S"], shape)
+    S = np.broadcast_to(st.arrays["S"], shape)
     pat = _masks.Pattern(**{k: v for k, v in st.inp.pattern.items()
                             if k in ("softcap", "alibi_slopes")})
     if not pat.has_modifiers:

@@ -17,10 +17,10 @@ from .state import AuditState
 
 def values(st: AuditState) -> None:
     """H = A V (heads split when H is concatenated); empty rows give zero output."""
-    a = st.a
-    R = st.R
+    a = st.arrays
+    R = st.allowed
     A, V = a.get("A"), a.get("V")
-    if "H" in a and A is not None and V is not None and a["H"].ndim == A.ndim - 1 and st.h:
+    if "H" in a and A is not None and V is not None and a["H"].ndim == A.ndim - 1 and st.n_heads:
         a["H"] = _split_heads(a["H"], A.shape[-3])  # concatenated heads (..., T, h·d_v)
     if A is None or V is None:
         return
@@ -59,7 +59,7 @@ def values(st: AuditState) -> None:
 
 def contributions(st: AuditState) -> None:
     """Σ_j C[i, j] = H_i."""
-    a = st.a
+    a = st.arrays
     if "C" not in a or "H" not in a:
         return
     C, H = a["C"], a["H"]
@@ -75,11 +75,11 @@ def contributions(st: AuditState) -> None:
 
 def output(st: AuditState) -> None:
     """O = H W_O (H's heads merged)."""
-    a = st.a
+    a = st.arrays
     if "O" not in a or "H" not in a:
         return
     H, O = a["H"], a["O"]
-    Hc = _merge_heads(H) if (st.h and H.ndim >= 3 and H.shape[-3] == st.h
+    Hc = _merge_heads(H) if (st.n_heads and H.ndim >= 3 and H.shape[-3] == st.n_heads
                              and H.ndim == O.ndim + 1) else H
     if "W_o" not in a:
         return

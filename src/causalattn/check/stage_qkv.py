@@ -18,12 +18,12 @@ from .state import AuditState
 
 def projections(st: AuditState) -> None:
     """Q, K, V against X W_Q, X W_K, X W_V (recomputed when absent); the T's agree."""
-    a = st.a
+    a = st.arrays
     X = a.get("X")
-    if st.h is None and X is not None:
+    if st.n_heads is None and X is not None:
         for s in ("Q", "K", "V", "A", "S"):
             if s in a and a[s].ndim == X.ndim + 1:
-                st.h = a[s].shape[-3]
+                st.n_heads = a[s].shape[-3]
                 break
     for s, w in (("Q", "W_q"), ("K", "W_k"), ("V", "W_v")):
         if X is None or w not in a:
@@ -34,15 +34,15 @@ def projections(st: AuditState) -> None:
                      f"X is T×d_model = {X.shape[-2]}×{X.shape[-1]} but {w} is "
                      f"{W.shape[0]}×{W.shape[1]}; its rows must be d_model = {X.shape[-1]}")
             continue
-        if st.h is not None and W.shape[1] % st.h:
+        if st.n_heads is not None and W.shape[1] % st.n_heads:
             st.add(s, f"{s} = X {w}", False,
-                     f"{w} has {W.shape[1]} columns, not divisible by {st.h} heads")
+                     f"{w} has {W.shape[1]} columns, not divisible by {st.n_heads} heads")
             continue
-        ref = _split_heads(X @ W, st.h)
+        ref = _split_heads(X @ W, st.n_heads)
         if s not in a:
             st.recompute(s, ref, "X", w)
             continue
-        if (st.h is None and a[s].shape[:-1] == ref.shape[:-1]
+        if (st.n_heads is None and a[s].shape[:-1] == ref.shape[:-1]
                 and ref.shape[-1] % a[s].shape[-1] == 0 and ref.shape[-1] > a[s].shape[-1]):
             # one head of a multi-head projection (Trace.select(b, h)): find which
             heads = _split_heads(ref, ref.shape[-1] // a[s].shape[-1])
@@ -77,7 +77,7 @@ def projections(st: AuditState) -> None:
 
 def scores(st: AuditState) -> None:
     """S against Q Kᵀ·scale: its shape T_q×T_k, its scale (1/√d_k unless given)."""
-    a = st.a
+    a = st.arrays
     if "S" in a and "Z" not in a and _looks_masked(a["S"]):
         a["Z"] = a.pop("S")
         st.eps["Z"] = st.eps.pop("S")
@@ -163,14 +163,14 @@ def _square(st, name, S):
 
 def scale_from_weights(st, G, c0, d_k):
     """S is absent: read its scale back from A (log A_ij − log A_ik = S_ij − S_ik)."""
-    A = st.a.get("A")
+    A = st.arrays.get("A")
     if A is None or A.shape[-2:] != G.shape[-2:]:
         return
     with np.errstate(divide="ignore", invalid="ignore"):
         L = np.log(A)
     use = np.isfinite(L) & (A > 1e-30)
-    if st.R is not None and st.R.shape == A.shape:
-        use &= st.R
+    if st.allowed is not None and st.allowed.shape == A.shape:
+        use &= st.allowed
     Gb = np.broadcast_to(G, A.shape)
     n = use.sum(-1, keepdims=True)
     if (n >= 2).sum() < 2:

@@ -17,10 +17,10 @@ from .state import AuditState
 
 
 def weights(st: AuditState) -> None:
-    """A over ``st.R``: rows sum to 1, blocked entries are 0, readable rows finite,
+    """A over ``st.allowed``: rows sum to 1, blocked entries are 0, readable rows finite,
     empty rows zero, and A = softmax(S + M) when S is known."""
-    a = st.a
-    R = st.R
+    a = st.arrays
+    R = st.allowed
     if "A" not in a:
         if "S" in a and R is not None:
             with np.errstate(invalid="ignore"):
@@ -121,7 +121,7 @@ def _softmax_hint(st, A, R, has_key, tol):
         return "the whole matrix sums to 1: softmax ran over all entries at once"
     sums = np.where(R, Af, 0).sum(-1)
     if np.all(sums[has_key] <= 1 + tol) and not (~R & (Af != 0)).any():
-        S = st.a.get("S")
+        S = st.arrays.get("S")
         if S is not None:
             with np.errstate(invalid="ignore", over="ignore"):
                 full = softmax_last(np.broadcast_to(S, A.shape), np.ones(A.shape, bool))

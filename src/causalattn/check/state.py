@@ -27,16 +27,16 @@ class AuditState:
 
     def __init__(self, inp: _Inputs):
         self.inp = inp
-        self.a = dict(inp.arrays)
+        self.arrays = dict(inp.arrays)  # stage name -> array (given, then recomputed)
         self.eps = dict(inp.eps)
         self.given = [s for s in ("X", "W_q", "W_k", "W_v", "Q", "K", "V", "S", "M", "Z", "A",
-                                  "H", "C", "W_o", "O") if s in self.a]
+                                  "H", "C", "W_o", "O") if s in self.arrays]
         self.recomputed: list[str] = []
         self.checks: list[Check] = []
         self.empty_rows: list[dict] = []
         self.notes = list(inp.notes)
-        self.h = inp.n_heads
-        self.R: np.ndarray | None = None  # allowed, broadcast to (..., T_q, T_k)
+        self.n_heads = inp.n_heads
+        self.allowed: np.ndarray | None = None  # the dense bool (..., T_q, T_k); True = may read
         self.pending = None  # (Q Kᵀ, expected scale, d_k) when S must be read back from A
 
     def add(self, stage, name, ok, message, evidence=None, hint=None):
@@ -50,7 +50,7 @@ class AuditState:
         return ok
 
     def recompute(self, stage, value, *from_stages):
-        self.a[stage] = value
+        self.arrays[stage] = value
         self.eps[stage] = max((self.eps.get(s, 0.0) for s in from_stages), default=0.0)
         self.recomputed.append(stage)
 
