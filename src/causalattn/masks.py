@@ -40,7 +40,7 @@ import numpy as np
 
 __all__ = [
     "Pattern", "REASONS", "READABLE", "alibi_slopes", "causal", "key_padding", "query_padding",
-    "combine", "additive", "counts", "shape_str", "default_scale",
+    "combine", "additive", "counts", "shape_str", "default_scale", "check_lengths",
 ]
 
 # Why a cell is blocked: the first reason in this order (0 = readable).
@@ -597,16 +597,25 @@ def causal(T_q: int, T_k: int | None = None) -> np.ndarray:
     return Pattern().tile(1, 1, T_q, T_k)[0, 0]
 
 
-def _padding(lengths, T: int, what: str) -> np.ndarray:
-    T = _check_len("T", T)
-    arr = np.asarray(lengths)
-    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+def check_lengths(lengths, T: int, what: str, B: int | None = None, note: str = "") -> np.ndarray:
+    """``lengths`` as int64 NumPy (B,), each in [0, T]; else a ValueError from ``what``
+    naming the shape (B,) = (``B``,) when given. The one lengths check (masks, layer, ring)."""
+    arr = _numpy(lengths) if not isinstance(lengths, (list, tuple)) else np.asarray(lengths)
+    if (arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_
+            or (B is not None and arr.shape[0] != B)):
+        want = "(B,)" if B is None else f"(B,) = ({B},)"
         raise ValueError(
-            f"{what}: lengths must be a 1-D integer array (B,), got shape {arr.shape} "
-            f"and dtype {arr.dtype}"
+            f"{what}: lengths must be a 1-D integer array {want}, got shape "
+            f"{tuple(arr.shape)} and dtype {arr.dtype}"
         )
     if arr.size and (arr.min() < 0 or arr.max() > T):
-        raise ValueError(f"{what}: lengths must lie in [0, T={T}], got {arr.tolist()}")
+        raise ValueError(f"{what}: lengths must lie in [0, T={T}]{note}, got {arr.tolist()}")
+    return arr.astype(np.int64)
+
+
+def _padding(lengths, T: int, what: str) -> np.ndarray:
+    T = _check_len("T", T)
+    arr = check_lengths(lengths, T, what)
     # keys j < L_b: the padding rule of a bidirectional pattern, read along the key axis
     return Pattern(causal=False, lengths=arr).tile(len(arr), 1, T, T, 0, 1)[:, 0, 0, :]
 
@@ -684,8 +693,6 @@ def counts(lengths, T: int) -> dict[str, np.ndarray]:
     would walk 10^10 cells.
     """
     T = _check_len("T", T)
-    L = _int_vector("lengths", lengths).astype(np.int64)
-    if L.size and (L.min() < 0 or L.max() > T):
-        raise ValueError(f"mask counts: lengths must lie in [0, T={T}], got {L.tolist()}")
+    L = check_lengths(lengths, T, "mask counts")
     readable = L * (L + 1) // 2
     return {"readable": readable, "future": L * L - readable, "padding": T * T - L * L}

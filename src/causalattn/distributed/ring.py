@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..engines.problem import FLOAT_DTYPES, compute_dtype, make_problem
-from ..masks import Pattern
+from ..masks import Pattern, check_lengths
 from ..shapes import BACKWARD_FACTOR, score_flops
 from .layout import LAYOUTS, check_layout, rank_and_size, segments
 
@@ -422,11 +422,8 @@ def ring_attention(q, k, v, *, group=None, layout: str = "zigzag", lengths=None,
     T = T_local * P
     lengths_list = None
     if lengths is not None:
-        L = _to_lengths(lengths, q.shape[0])
-        lengths_list = L.tolist()
-        if any(not 0 <= x <= T for x in lengths_list):
-            raise ValueError(f"lengths: each length must lie in [0, T={T}] "
-                             f"(T = P·T/P = {P}·{T_local}), got {lengths_list}")
+        lengths_list = check_lengths(lengths, T, "ring_attention", B=q.shape[0],
+                                     note=f" (T = P·T/P = {P}·{T_local})").tolist()
     link = _Link(group, rank, P, stats if stats is not None else RingStats())
     seed = _agree(link, layout, q, k, v, lengths_list, window, local.dropout_seed or (0, 0))
     pattern = Pattern(causal=True, window=window, lengths=lengths_list)
@@ -436,11 +433,4 @@ def ring_attention(q, k, v, *, group=None, layout: str = "zigzag", lengths=None,
     return (out, lse) if return_lse else out
 
 
-def _to_lengths(lengths, B: int) -> torch.Tensor:
-    L = torch.as_tensor(lengths)
-    if L.dim() != 1 or L.shape[0] != B or L.dtype.is_floating_point or L.dtype == torch.bool:
-        raise ValueError(
-            f"lengths: expected an integer tensor of shape (B,) = ({B},), got shape "
-            f"{tuple(L.shape)} and dtype {L.dtype}"
-        )
-    return L.to(torch.int64)
+
