@@ -9,7 +9,6 @@ with that setting, and this process's other tests keep the compiled kernels.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -52,11 +51,6 @@ if not INTERPRETED:
 if not INTERPRETED and not torch.cuda.is_available():
 
     def test_kernels_in_the_interpreter():
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        here = Path(__file__)
-        cmd = [sys.executable, "-m", "pytest", str(here), "-q", "-p", "no:cacheprovider",
-               "-o", "addopts=", "--rootdir", str(here.parent.parent)]
-        run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=840)
-        tail = (run.stdout + run.stderr)[-6000:]
-        assert run.returncode == 0, f"interpreted Triton tests failed:\n{tail}"
-        print(tail.strip().splitlines()[-1])
+        from _helpers import run_in_triton_interpreter
+
+        print(run_in_triton_interpreter(__file__, timeout=840))
