@@ -491,6 +491,26 @@ def fwd(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---- backward --------------------------------------------------------------------------------
+@dataclass
+class _QueryRows:
+    """One query block of the backward, (N, g·rows, ·) each, prepared once for all the key
+    blocks that read it: Q in base 2 (q) with its non-finite rows zeroed (q0) and whether it
+    has any (q_flag: None = finite everywhere); dO likewise (dout, dout0, dout_flag); the
+    lse in base 2 (+inf where no key is readable, so P = 0) and whether it holds NaN; the
+    row term D, and whether dO and D are finite (then blocked entries of dS are exactly 0)."""
+
+    q: torch.Tensor
+    q0: torch.Tensor
+    q_flag: bool | None
+    dout: torch.Tensor
+    dout0: torch.Tensor
+    dout_flag: bool | None
+    lse: torch.Tensor
+    lse_nan: bool
+    D: torch.Tensor
+    d_finite: bool
+
+
 def _bwd_job(p, Q, K, V, dO, LSE, D, hd, b, dQ_out, dK, dV, workers, lanes):
     """Gradients of one job: writes dQ_out (N, g, m, d), dK (N, n, d), dV (N, n, d_v).
 
@@ -514,25 +534,23 @@ def _bwd_job(p, Q, K, V, dO, LSE, D, hd, b, dQ_out, dK, dV, workers, lanes):
         for c, _, mask in ts:
             readers.setdefault(c, []).append((ai, mask))
     zscale = 1.0 / (1.0 - drop) if drop < 1 else 0.0  # dropout's Z = keep / (1 - p)
-    qs, qs0, qfl, do, do0, dfl, lse, lnan, Dr, dfin = ([] for _ in range(10))
+    rows = []  # per query block: what every key block reading it needs (_QueryRows)
     for a, a2 in blocks:
         r = g * (a2 - a)
         x = _stack(Q[:, :, a:a2] * (p.scale * LOG2E), N, r)  # base-2 scores; dK·ln2 at the end
         x0, xb = _finite(x)
         y = _stack(dO[:, :, a:a2] * zscale if drop else dO[:, :, a:a2].contiguous(), N, r)
         y0, yb = _finite(y)
-        qs.append(x)
-        qs0.append(x0)
-        qfl.append(_flag(xb, 0, r))  # one block: one flag for the whole query block
-        do.append(y)
-        do0.append(y0)
-        dfl.append(_flag(yb, 0, r))
         L = _stack(LSE[:, :, a:a2].unsqueeze(-1), N, r)
-        lse.append(L.masked_fill(L == NEG_INF, float("inf")).mul_(LOG2E))  # no key: P = 0
-        lnan.append(bool(torch.isnan(L).any()))
-        Dr.append(_stack(D[:, :, a:a2].unsqueeze(-1), N, r))
-        # dS = P ∘ (dP - D) is 0 at blocked entries unless dP or D is non-finite there
-        dfin.append(yb is None and bool(torch.isfinite(Dr[-1]).all()))
+        Dr = _stack(D[:, :, a:a2].unsqueeze(-1), N, r)
+        rows.append(_QueryRows(
+            q=x, q0=x0, q_flag=_flag(xb, 0, r),  # one block: one flag for the whole block
+            dout=y, dout0=y0, dout_flag=_flag(yb, 0, r),
+            lse=L.masked_fill(L == NEG_INF, float("inf")).mul_(LOG2E),  # no key: P = 0
+            lse_nan=bool(torch.isnan(L).any()), D=Dr,
+            # dS = P ∘ (dP - D) is 0 at blocked entries unless dP or D is non-finite there
+            d_finite=yb is None and bool(torch.isfinite(Dr).all()),
+        ))
     tasks = [(h, min(N, h + nh), c, min(n, c + bk)) for h in range(0, N, nh) for c in readers]
 
     def cost(t):
@@ -561,24 +579,24 @@ def _bwd_job(p, Q, K, V, dO, LSE, D, hd, b, dQ_out, dK, dV, workers, lanes):
                 r = g * (a2 - a)
                 masked = mask is not None
                 shape = (M, g, a2 - a, w)
-                S = torch.bmm(qs[ai][h:h2], Kc.transpose(1, 2), out=_tile(bufS, M, r, w))
+                S = torch.bmm(rows[ai].q[h:h2], Kc.transpose(1, 2), out=_tile(bufS, M, r, w))
                 T = _tile(bufT, M, r, w).view(shape) if soft else None
                 _modify(S.view(shape), hd, h, h2, a, a2, c, c2, p, dcache, T)
                 # P mixes rows into dV: its blocked entries must be exactly 0, even where a
                 # query row, a key or the given lse is NaN (then the mask goes on P itself)
-                fast = not kflag and not qfl[ai] and not lnan[ai]
+                fast = not kflag and not rows[ai].q_flag and not rows[ai].lse_nan
                 if masked and fast:
                     S.view(shape).add_(mask.pick(mask.bias, heads))
-                P = S.sub_(lse[ai][h:h2]).exp2_()
+                P = S.sub_(rows[ai].lse[h:h2]).exp2_()
                 if masked and not fast:
                     P.view(shape).masked_fill_(~mask.pick(mask.allowed, heads), 0.0)
-                dS = torch.bmm(do[ai][h:h2], Vc.transpose(1, 2), out=_tile(bufP, M, r, w))
+                dS = torch.bmm(rows[ai].dout[h:h2], Vc.transpose(1, 2), out=_tile(bufP, M, r, w))
                 keep = None
                 if drop:  # dP ∘ Z, Z = keep / (1 - p): dO came scaled by 1 / (1 - p)
                     keep = _keep(p, hd, h, h2, a, a2, c, c2)
                     dS.view(shape).mul_(keep)
-                dS.sub_(Dr[ai][h:h2]).mul_(P)  # dS = P ∘ (dP·Z - D)
-                if masked and not (vfin and dfin[ai]):  # P is 0 there, dP or D is not finite
+                dS.sub_(rows[ai].D[h:h2]).mul_(P)  # dS = P ∘ (dP·Z - D)
+                if masked and not (vfin and rows[ai].d_finite):  # P is 0 there, dP or D is not finite
                     dS.view(shape).masked_fill_(~mask.pick(mask.allowed, heads), 0.0)
                 if soft:  # through the cap: d tanh = 1 - tanh²
                     T.mul_(T).neg_().add_(1.0)
@@ -587,8 +605,8 @@ def _bwd_job(p, Q, K, V, dO, LSE, D, hd, b, dQ_out, dK, dV, workers, lanes):
                     P.view(shape).mul_(keep)
                 Pt, dSt = P.transpose(1, 2), dS.transpose(1, 2)
                 zeros = masked or drop > 0
-                _acc(dvb, Pt, do[ai][h:h2], do0[ai][h:h2], dfl[ai], zeros)
-                _acc(dk, dSt, qs[ai][h:h2], qs0[ai][h:h2], qfl[ai], masked)
+                _acc(dvb, Pt, rows[ai].dout[h:h2], rows[ai].dout0[h:h2], rows[ai].dout_flag, zeros)
+                _acc(dk, dSt, rows[ai].q[h:h2], rows[ai].q0[h:h2], rows[ai].q_flag, masked)
                 _acc(dq[ai][h:h2], dS, Kc, K0c, kflag, masked)
             torch.mul(dk, LN2, out=dK[h:h2, c:c2])
             dV[h:h2, c:c2] = dvb
