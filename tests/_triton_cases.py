@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -176,7 +175,10 @@ def test_errors_and_choice():
         attention(q.double(), k.double(), v.double(), engine="triton")
     p = make_problem(q, k, v)
     assert not tri.prefers(make_problem(q.cpu(), k.cpu(), v.cpu()))
-    assert pick_engine(make_problem(q.cpu(), k.cpu(), v.cpu())) == "tiled"
+    from causalattn.engines import auto
+
+    on_cpu = make_problem(q.cpu(), k.cpu(), v.cpu())  # CPU: the measured table decides
+    assert pick_engine(on_cpu) == auto.choose_cpu("float32", "causal", 16, 4, False)
     if not ON_GPU:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(tri, "_interpreting", lambda: False)
@@ -187,10 +189,13 @@ def test_errors_and_choice():
         with pytest.raises(ValueError, match="not installed"):
             tri.forward(p)
         assert not tri.prefers(p)
-        on_cuda = SimpleNamespace(q=SimpleNamespace(device=SimpleNamespace(type="cuda")),
-                                  pattern=Pattern(), dropout_p=0.0)
-        assert pick_engine(on_cuda) == "sdpa"  # "auto" without triton: SDPA, never an error
-        assert pick_engine(on_cuda, return_lse=True) == "reference"
+        # "auto" on CUDA without triton: SDPA (the reference for lse), never an error
+        ask = dict(dtype="float16", d_k=16, d_v=16, H_q=1, H_kv=1, present=(), causal=True,
+                   window=None, chunk=None, softcap=None, dropout_p=0.0, lse=False)
+        assert auto.choose("cuda", 16, "causal", False, ("sdpa",), **ask) == [(2**62, "sdpa")]
+        ask["lse"] = True
+        assert auto.choose("cuda", 16, "causal", False, ("sdpa",), **ask) == [
+            (2**62, "reference")]
 
 
 def test_raw_passes_match_the_tiled_engine_with_a_given_global_lse():
@@ -337,7 +342,6 @@ def test_dense_mask_skipped_tiles_and_blocked_cells_never_leak():
 def test_row_ranges_are_the_pattern_exactly():
     """The kernels' per-row intervals (with the key padding and dense masks ANDed in) are
     the pattern's dense mask, for every keyword, also placed as a ring block pair."""
-    from causalattn.masks import Pattern
 
     cases = [dict(window=3), dict(chunk=4, causal=False), dict(prefix_lengths=[5, 0]),
              dict(cu_seqlens=[0, 4, 4, 11, 13], chunk=3, window=5),
@@ -374,7 +378,6 @@ def test_placed_block_pair_raw_passes_match_the_reference():
     window, ALiBi and dropout: the raw fwd and bwd (with an lse gradient) against the
     reference's autograd, all in global positions."""
     from causalattn.engines import run
-    from causalattn.masks import Pattern
 
     pat = Pattern(window=12, alibi_slopes=[0.2, 0.05], q_start=44, k_start=10)
     q, k, v = (t.detach() for t in _inputs(1, 2, 1, 20, 36, 16))

@@ -20,7 +20,7 @@ import math
 import numpy as np
 import torch
 
-__all__ = ["check_p", "seed_from", "keep_mask", "apply", "M32"]
+__all__ = ["check_p", "seed_from", "seed_tensor", "keep_mask", "apply", "M32"]
 
 M32 = 0xFFFFFFFF
 _C1, _C2 = 0x85EBCA6B, 0xC2B2AE35  # fmix32's multipliers
@@ -39,10 +39,17 @@ def check_p(dropout_p, where: str = "attention") -> float:
     return p
 
 
+def seed_tensor(generator: torch.Generator | None = None) -> torch.Tensor:
+    """(seed, offset) as an int64 CPU tensor (2,): the draw of :func:`seed_from`, left in a
+    tensor so that a compiled graph draws it anew on every call (the attention operator
+    reads it inside)."""
+    return torch.randint(0, 2**31 - 1, (2,), generator=generator, device="cpu")
+
+
 def seed_from(generator: torch.Generator | None = None) -> tuple[int, int]:
     """(seed, offset), two 31-bit integers drawn from torch's CPU RNG (or ``generator``),
     so ``torch.manual_seed(s)`` makes a call reproducible."""
-    r = torch.randint(0, 2**31 - 1, (2,), generator=generator, device="cpu")
+    r = seed_tensor(generator)
     return int(r[0]), int(r[1])
 
 

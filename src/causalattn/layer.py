@@ -14,8 +14,8 @@ attention: query head i reads key/value head ``i // (n_heads // n_kv_heads)``.
 
 from __future__ import annotations
 
+import itertools
 import math
-import weakref
 
 import numpy as np
 import torch
@@ -27,6 +27,8 @@ from .engines import KVCache, attention
 from .masks import shape_str as _shape_str
 
 __all__ = ["CausalSelfAttention", "from_gpt2_attention", "from_nanogpt_state_dict"]
+
+_CACHE_IDS = itertools.count(1)  # each layer's owner id for the KVCache it fills
 
 # One materialized T×T stage of the float64 trace (B·h·T²·8 bytes) may take at most this.
 TRACE_LIMIT_BYTES = 64 * 2**20
@@ -94,6 +96,7 @@ class CausalSelfAttention(nn.Module):
             raise ValueError(f"CausalSelfAttention: scale must be a finite number, got {scale!r}")
         self.scale = None if scale is None else float(scale)
         self.engine = engine
+        self.cache_id = next(_CACHE_IDS)
         # validated once here, by the one definition of M
         _masks.Pattern(window=window, chunk=chunk, softcap=softcap)
         self.window, self.chunk, self.softcap = window, chunk, softcap
@@ -203,12 +206,6 @@ class CausalSelfAttention(nn.Module):
                 raise ValueError(
                     f"kv_cache: holds {k.dtype} on {k.device}, but x is {x.dtype} on {x.device}"
                 )
-        owner = getattr(kv_cache, "_causalattn_owner", None)
-        if owner is not None and owner() is not self:
-            raise ValueError(
-                "kv_cache: this KVCache already holds keys and values of another "
-                "CausalSelfAttention layer; give every layer its own KVCache"
-            )
 
     def forward(
         self,
@@ -232,13 +229,14 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             self._check_cache(kv_cache, x)
         self._check_padding(B, T_k, key_padding_mask, lengths)
+        if kv_cache is not None:  # after every check: a refused call claims nothing
+            kv_cache.claim(self.cache_id, "CausalSelfAttention layer")
 
         q = self._project(x, self.W_q, self.b_q, self.n_heads)  # (B, h, T, d_k)
         k = self._project(x, self.W_k, self.b_k, self.n_kv_heads)  # (B, h_kv, T, d_k)
         v = self._project(x, self.W_v, self.b_v, self.n_kv_heads)  # (B, h_kv, T, d_v)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
-            kv_cache._causalattn_owner = weakref.ref(self)
         H = attention(
             q, k, v, causal=True, key_padding_mask=key_padding_mask, lengths=lengths,
             window=self.window, chunk=self.chunk, alibi_slopes=self.alibi_slopes,

@@ -14,43 +14,76 @@ The mask keywords and modifiers are :class:`causalattn.masks.Pattern`'s; dropout
 
 from __future__ import annotations
 
-import importlib
+import math
 
+import torch
+
+from .. import dropout as _dropout
+from . import auto as _auto
+from . import ops as _ops
 from .cache import KVCache
-from .problem import Problem, make_problem
+from .ops import ENGINES, NO_LSE, engine_problem
+from .problem import Problem, _check_tensors, make_problem
 
-__all__ = ["attention", "KVCache", "Problem", "make_problem", "ENGINES", "pick_engine"]
+__all__ = ["attention", "KVCache", "Problem", "make_problem", "ENGINES", "pick_engine", "run"]
 
-# engine name -> module with forward(problem, return_lse)
-ENGINES = {
-    "reference": "causalattn.engines.exact",  # the engine named "reference"
-    "sdpa": "causalattn.engines.sdpa",
-    "tiled": "causalattn.engines.tiled",
-    "triton": "causalattn.engines.triton",
-}
+_FALLBACK = {"cpu": ("tiled", "sdpa", "reference"), "cuda": ("triton", "sdpa", "reference")}
 
 
-def _supports(mod, p: Problem, return_lse: bool) -> bool:
-    """An engine module's own ``supports(p, return_lse)``; without one, the legacy patterns."""
-    fn = getattr(mod, "supports", None)
-    return fn(p, return_lse) if fn is not None else p.is_legacy
+def _features(q, k, v, causal, window, chunk, softcap, dropout_p, tensors: dict, lse: bool):
+    """What "auto" and the engines' supports() are asked about: plain values only."""
+    present = tuple(n for n in _ops.TENSORS if tensors.get(n) is not None)
+    masked = bool(set(present) - {"lengths", "key_padding_mask", "cu_seqlens"}) or any(
+        x is not None for x in (window, chunk, softcap)) or bool(dropout_p)
+    kind = _auto.kind(
+        causal=causal, T_q=q.shape[2], T_k=k.shape[2],
+        padded="lengths" in present or "key_padding_mask" in present,
+        packed="cu_seqlens" in present, masked=masked,
+    )
+    ask = dict(dtype=str(q.dtype).replace("torch.", ""), d_k=int(q.shape[-1]),
+               d_v=int(v.shape[-1]), H_q=int(q.shape[1]), H_kv=int(k.shape[1]),
+               present=present, causal=causal, window=window, chunk=chunk, softcap=softcap,
+               dropout_p=float(dropout_p), lse=lse)
+    return kind, ask
+
+
+def _choose(q, k, v, engine: str, kind: str, ask: dict, grad: bool) -> str:
+    """The engine to run: ``engine`` itself (checked), or what "auto" picks among those that
+    support the problem. Shapes only, so it runs at trace time."""
+    if engine != "auto":
+        why = engine_problem(engine)
+        # what the engine does not support: named now while tracing; in eager mode by the
+        # operator, after the data checks (which name the bad argument first)
+        if not why and torch.compiler.is_compiling():
+            why = _auto.refusal(engine, str(q.device), **ask)
+        if why:
+            raise ValueError(why)
+        return engine
+    name = _auto.pick(q, k, v, kind_=kind, grad=grad, ask=ask, no_lse=NO_LSE)
+    dev = str(q.device)
+    if engine_problem(name) == "" and not _auto.refusal(name, dev, **ask):
+        return name
+    for alt in _FALLBACK.get(q.device.type, ("tiled", "reference")):
+        if engine_problem(alt) == "" and not _auto.refusal(alt, dev, **ask):
+            return alt
+    return "reference"
 
 
 def pick_engine(p: Problem, return_lse: bool = False) -> str:
-    """The engine "auto" runs for this problem."""
-    if p.q.device.type == "cuda":
-        from . import sdpa
+    """The engine "auto" runs for this problem (see :mod:`causalattn.engines.auto`)."""
+    pt = p.pattern
+    tensors = {n: getattr(pt, n) for n in _ops.TENSORS}
+    kind, ask = _features(p.q, p.k, p.v, pt.causal, pt.window, pt.chunk, pt.softcap,
+                          p.dropout_p, tensors, return_lse)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v))
+    return _choose(p.q, p.k, p.v, "auto", kind, ask, grad)
 
-        try:
-            from . import triton as tr
-        except ImportError:
-            tr = None
-        if tr is not None and tr.available() and _supports(tr, p, return_lse):
-            return "triton" if tr.prefers(p) or return_lse else "sdpa"
-        return "sdpa" if sdpa.supports(p, return_lse) else "reference"
-    from . import tiled
 
-    return "tiled" if tiled.supports(p, return_lse) else "reference"
+def _tensor(x, device):
+    """A list or array argument as a tensor (tensors pass through; the operator checks them)."""
+    if x is None or isinstance(x, torch.Tensor):
+        return x
+    return torch.as_tensor(x, device=device)
 
 
 def attention(
@@ -76,31 +109,62 @@ def attention(
     return_lse: bool = False,
 ):
     """Causal self-attention ``dropout(softmax_last(modify(q kᵀ·scale) + M)) v`` on one of
-    the engines. ``sinks`` may be a learned Parameter (gradients flow to it)."""
-    p = make_problem(
-        q, k, v, causal=causal, window=window, lengths=lengths,
-        key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
-        prefix_lengths=prefix_lengths, chunk=chunk, mask=mask, alibi_slopes=alibi_slopes,
-        softcap=softcap, sinks=sinks, scale=scale, dropout_p=dropout_p, generator=generator,
-    )
-    return run(p, engine, return_lse)
+    the engines. ``sinks`` may be a learned Parameter (gradients flow to it).
+
+    One call of the ``causalattn::fwd`` operator (:mod:`causalattn.engines.ops`): it
+    compiles with ``torch.compile(fullgraph=True)``, exports, runs on meta tensors and
+    under torch.func. Shapes are checked here (at trace time); what needs the data
+    (lengths, cu_seqlens, finiteness) inside the operator.
+    """
+    _check_tensors(q, k, v)
+    if not isinstance(return_lse, bool):
+        raise ValueError(f"attention: return_lse must be True or False, got {return_lse!r}")
+    why = _auto.scalar_refusal(causal, window, chunk, softcap)
+    if why:
+        raise ValueError(why)
+    dropout_p = _dropout.check_p(dropout_p)
+    if generator is not None and (not isinstance(generator, torch.Generator)
+                                  or generator.device.type != "cpu"):
+        raise ValueError(
+            f"attention: generator must be a CPU torch.Generator (the dropout seed is drawn "
+            f"on the host), got {generator!r}"
+        )
+    if scale is None:
+        d_k = q.shape[-1]
+        scale = 1.0 / math.sqrt(d_k) if d_k else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"attention: scale must be a number, got {scale!r}")
+    given = dict(lengths=lengths, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
+                 prefix_lengths=prefix_lengths, mask=mask, alibi_slopes=alibi_slopes,
+                 sinks=sinks)
+    tensors = {n: _tensor(x, q.device) for n, x in given.items()}
+    kind, ask = _features(q, k, v, causal, window, chunk, softcap, dropout_p, tensors,
+                          return_lse)
+    grad = torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, tensors["sinks"]))
+    name = _choose(q, k, v, engine, kind, ask, grad)
+    if return_lse and name in NO_LSE:
+        raise ValueError(f"engine {name!r}: return_lse: PyTorch's SDPA does not return the "
+                         "log-sum-exp; use 'tiled'")
+    # the dropout seed stays a tensor: a compiled graph draws it anew on every call
+    seed = _dropout.seed_tensor(generator) if dropout_p else None
+    args = (q, k, v, *(tensors[n] for n in _ops.TENSORS), seed, causal, window, chunk,
+            None if softcap is None else float(softcap), float(scale), float(dropout_p), name,
+            return_lse)
+    if torch._C._are_functorch_transforms_active():  # torch.func.grad, vmap, ...
+        out, lse = _ops.FuncAttention.apply(*args)
+    else:
+        out, lse = torch.ops.causalattn.fwd(*args)
+    return (out, lse.float()) if return_lse else out
 
 
 def run(p: Problem, engine: str = "auto", return_lse: bool = False):
-    """Run a built :class:`Problem` on an engine (what :func:`attention` does after checking)."""
+    """Run a built :class:`Problem` on an engine, eagerly (its pattern may be placed, its
+    dropout seed drawn already); :func:`attention` is the traceable entry."""
     if not isinstance(return_lse, bool):
         raise ValueError(f"attention: return_lse must be True or False, got {return_lse!r}")
     name = pick_engine(p, return_lse) if engine == "auto" else engine
-    if name not in ENGINES:
-        raise ValueError(f"attention: unknown engine {engine!r}; choose from {['auto', *ENGINES]}")
-    try:
-        mod = importlib.import_module(ENGINES[name])
-    except ImportError as exc:
-        raise ValueError(f"attention: engine {name!r} is not available here ({exc})") from exc
-    if name == "triton" and not hasattr(mod, "supports") and not p.is_legacy:
-        raise ValueError(
-            f"attention: engine 'triton' does not support {p.pattern.describe()}"
-            + (f" with dropout_p={p.dropout_p}" if p.dropout_p else "")
-            + " yet; use engine='tiled' or 'reference'"
-        )
-    return mod.forward(p, return_lse)
+    why = engine_problem(name) or _ops.refusal(name, p, return_lse)
+    if why:
+        raise ValueError(why)
+    return _ops.engine_module(name).forward(p, return_lse)

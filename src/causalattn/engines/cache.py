@@ -26,6 +26,20 @@ class KVCache:
         self._k: torch.Tensor | None = None
         self._v: torch.Tensor | None = None
         self._len = 0
+        self.owner: int | None = None  # the layer whose keys and values this holds (claim)
+
+    def claim(self, owner: int, what: str = "layer") -> None:
+        """Mark this cache as holding ``owner``'s keys and values; a second owner is refused.
+
+        ``owner`` is a plain int (e.g. a layer's ``cache_id``), so that a compiled model
+        checks it without tracing weak references.
+        """
+        if self.owner is not None and self.owner != owner:
+            raise ValueError(
+                f"kv_cache: this KVCache already holds keys and values of another {what}; "
+                f"give every {what} its own KVCache"
+            )
+        self.owner = owner
 
     def __len__(self) -> int:
         return self._len
