@@ -325,3 +325,60 @@ def test_fake_and_real_operators_agree():
         det = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
         bargs = (dout, None, *det[:3], out.detach(), lse.detach(), *det[3:], "sinks" in kw)
         torch.library.opcheck(torch.ops.causalattn.bwd.default, bargs, test_utils=UTILS[:2])
+
+
+# ---- Hugging Face ------------------------------------------------------------------------
+
+
+def _hf_model(name):
+    """A one-layer tiny random model (_hf_tiny's config) on attn_implementation='causalattn'."""
+    transformers = pytest.importorskip("transformers")
+    import _hf_tiny as tiny
+
+    from causalattn.integrations.transformers import register
+
+    register()
+    cfg = tiny.CONFIGS[name]()
+    setattr(cfg, "n_layer" if name == "gpt2" else "num_hidden_layers", 1)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="causalattn")
+    ids = torch.randint(3, tiny.VOCAB, (2, 10), generator=torch.Generator().manual_seed(0))
+    am = torch.ones(2, 10, dtype=torch.long)
+    am[1, 7:] = 0  # right padding: HF hands the attention function a boolean mask
+    return model, ids, am
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hf_model_compiles_fullgraph_forward_and_backward(name):
+    model, ids, am = _hf_model(name)
+    model.train()  # no dropout in these configs; gradients on
+
+    def loss(m):
+        logits = m(ids, attention_mask=am, use_cache=False).logits
+        return (logits.float().square() * am[..., None]).mean()
+
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    got = loss(compiled)
+    got.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    want = loss(model)
+    want.backward()
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert grads
+    for n, p in model.named_parameters():
+        if n in grads:
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
+
+
+@pytest.mark.slow
+def test_hf_model_exports_and_the_program_matches():
+    model, ids, am = _hf_model("llama")
+    model.eval()
+    with torch.no_grad():
+        want = model(ids, attention_mask=am, use_cache=False).logits
+    ep = torch.export.export(model, (ids,), kwargs={"attention_mask": am, "use_cache": False})
+    assert any(n.target == torch.ops.causalattn.fwd.default for n in ep.graph.nodes)
+    got = ep.module()(ids, attention_mask=am, use_cache=False).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

@@ -1173,6 +1173,11 @@ def bench(
     io: bool = typer.Option(
         False, "--io", help="huge input through the CLI (100,000 words, 10,000 sentences): time, memory"
     ),
+    tune: bool = typer.Option(
+        False, "--tune", help="measure tiled vs SDPA per problem kind and write the table engine='auto' "
+        "reads ($XDG_CACHE_HOME/causalattn or ~/.cache/causalattn)"
+    ),
+    out: Path | None = typer.Option(None, "--out", help="with --tune: write the table here instead"),
 ):
     """Time the tiled engine against PyTorch's SDPA and naive attention (CPU), in alternation."""
     if io:
@@ -1188,6 +1193,17 @@ def bench(
     from .bench import layer as layer_bench
     from .bench import patterns as patterns_bench
 
+    if tune:
+        from .bench import tune as tuner
+
+        path, table = tuner.tune(out)
+        if as_json:
+            _print_json(table)
+            return
+        tuner.render(table, path, _console())
+        return
+    if out is not None:
+        raise typer.BadParameter("--out goes with --tune")
     if patterns:
         mod, rows = patterns_bench, patterns_bench.run(quick=quick)
     else:

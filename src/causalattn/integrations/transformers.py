@@ -92,18 +92,39 @@ def attention_forward(
     ``dropout`` (HF passes the config's attention dropout in ``train()`` mode, 0 in
     ``eval()``) is causalattn's ``dropout_p``, drawn from torch's global RNG.
     """
-    pat, n = pattern_from_hf(module, query, key, attention_mask, **kwargs)
-    kw = engine_kwargs(pat)
+    if torch.compiler.is_compiling():  # no look at the mask's data while tracing
+        kw, n = _traced_kwargs(module, query, key, attention_mask, **kwargs)
+    else:
+        pat, n = pattern_from_hf(module, query, key, attention_mask, **kwargs)
+        kw = engine_kwargs(pat)
+        missing = sorted(set(kw) - _accepted())
+        if missing:
+            raise ValueError(
+                f"causalattn attention: this causalattn.attention does not take {missing} yet "
+                f"(the layer's pattern: {pat.describe()}); use attn_implementation='eager'"
+            )
     if dropout:
         kw["dropout_p"] = float(dropout)
-    missing = sorted(set(kw) - _accepted())
-    if missing:
-        raise ValueError(
-            f"causalattn attention: this causalattn.attention does not take {missing} yet "
-            f"(the layer's pattern: {pat.describe()}); use attn_implementation='eager'"
-        )
     H_out = attention(query, key[:, :, :n], value[:, :, :n], scale=scaling, engine=engine, **kw)
     return H_out.transpose(1, 2).contiguous(), None
+
+
+def _traced_kwargs(module, query, key, attention_mask, **kwargs) -> tuple[dict, int]:
+    """The attention keywords while torch.compile / torch.export trace: HF's boolean mask
+    goes in whole as ``mask`` (the operator reads it; no structure is searched, which would
+    read data), else the plain causal problem :func:`pattern_from_hf` gives for no mask."""
+    if attention_mask is None:
+        pat, n = pattern_from_hf(module, query, key, None, **kwargs)
+        return engine_kwargs(pat), n
+    if attention_mask.dtype != torch.bool:
+        raise ValueError(
+            "causalattn attention: under torch.compile/torch.export the attention_mask must be "
+            f"boolean (the 'causalattn' mask function gives one), got {attention_mask.dtype}"
+        )
+    pat, n = pattern_from_hf(module, query, key, None, **kwargs)  # keywords and modifiers
+    kw = {"causal": False, "mask": attention_mask}
+    kw.update({k: v for k, v in engine_kwargs(pat).items() if k in ("softcap", "sinks")})
+    return kw, key.shape[2]
 
 
 def register(engine: str = "auto", name: str = NAME) -> str:
