@@ -124,6 +124,7 @@ def provenance() -> dict:
         "machine": platform.machine(), "processor": platform.processor() or None,
         "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
         "torch": torch.__version__, "python": platform.python_version(),
+        "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
 
 
