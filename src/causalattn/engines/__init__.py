@@ -14,16 +14,17 @@ The mask keywords and modifiers are :class:`causalattn.masks.Pattern`'s; dropout
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import dropout as _dropout
+from ..masks import default_scale
 from . import auto as _auto
 from . import ops as _ops
 from .cache import KVCache
 from .ops import ENGINES, NO_LSE, engine_problem
 from .problem import Problem, _check_tensors, make_problem
+
+_default_scale = torch.compiler.assume_constant_result(default_scale)
 
 __all__ = ["attention", "KVCache", "Problem", "make_problem", "ENGINES", "pick_engine", "run"]
 
@@ -130,8 +131,7 @@ def attention(
             f"on the host), got {generator!r}"
         )
     if scale is None:
-        d_k = q.shape[-1]
-        scale = 1.0 / math.sqrt(d_k) if d_k else 1.0
+        scale = _default_scale(int(q.shape[-1]))
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise ValueError(f"attention: scale must be a number, got {scale!r}")
     given = dict(lengths=lengths, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,

@@ -26,6 +26,7 @@ import importlib
 import torch
 from torch import Tensor
 
+from .problem import compute_dtype as lse_dtype
 from .problem import make_problem
 
 ENGINES = {
@@ -56,10 +57,6 @@ def engine_problem(name: str) -> str:
     except ValueError as exc:
         return str(exc)
     return ""
-
-
-def lse_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # the pattern's tensors, in the operators' argument order (after q, k, v)
