@@ -289,12 +289,14 @@ def test_score_modifiers_travel_as_parameters_not_as_dense_matrices():
     tr = ca.trace(rng.normal(size=(1, 12, 8)), *W, n_heads=2, window=5, softcap=3.0,
                   alibi_slopes=np.array([0.5, 0.25]), sinks=np.array([0.3, 2.0]))
     bare = ca.Trace({n: tr[n][0] for n in ("Q", "K", "V", "S", "A", "H")}, n_heads=2,
-                    allowed=tr.allowed[0], scale=tr.scale, pattern=tr.pattern)  # no X: Q, K
+                    allowed=np.broadcast_to(tr.allowed, tr.A.shape)[0], scale=tr.scale,
+                    pattern=tr.pattern)  # no X: Q, K
     lay = viz.explorer_data(bare)["sequences"][0]["layers"][0]
     assert [h["form"] for h in lay["heads"]] == ["qk", "qk"]
     assert lay["mods"] == {"softcap": 3.0, "slopes": [0.5, 0.25], "sinks": [0.3, 2.0]}
     no_pattern = ca.Trace({n: tr[n][0] for n in ("Q", "K", "V", "S", "A")}, n_heads=2,
-                          allowed=tr.allowed[0], scale=tr.scale)  # modifiers unknown: as is
+                          allowed=np.broadcast_to(tr.allowed, tr.A.shape)[0],
+                          scale=tr.scale)  # modifiers unknown: as is
     lay = viz.explorer_data(no_pattern)["sequences"][0]["layers"][0]
     assert [h["form"] for h in lay["heads"]] == ["dense", "dense"]
 

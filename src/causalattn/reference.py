@@ -199,6 +199,8 @@ def trace(
         alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
     )
     reasons, lay = _pattern_cells(pattern, X.shape[:-2], n_heads, T)
+    while reasons.ndim > 2 and reasons.shape[0] == 1:  # T×T when the same for every sequence/head
+        reasons = reasons[0]
 
     if mask is not None and pattern.mask is None:  # a general broadcastable mask, ANDed
         allowed = np.asarray(mask)
