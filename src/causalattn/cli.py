@@ -179,13 +179,13 @@ def _print_tables(console, tables: list) -> None:
     console.print()
 
 
-def _encode_quiet(sentences, max_len=None, max_bytes=DEFAULT_MAX_BYTES):
+def _encode_quiet(sentences, max_len=None, max_bytes=DEFAULT_MAX_BYTES, **rules):
     """text.encode, with its truncation warning shown as a note on stderr."""
     from . import text
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        batch = text.encode(sentences, max_len=max_len, max_bytes=max_bytes)
+        batch = text.encode(sentences, max_len=max_len, max_bytes=max_bytes, **rules)
     for w in caught:
         typer.echo(f"note: {w.message}", err=True)
     return batch
@@ -352,13 +352,13 @@ class _MaskView:
         if self.dense:
             return
         # the four corners of every sentence's mask, (B, 2k, 2k), without the N×N rest
-        causal = _m.Pattern(causal=True)
+        causal = _m.Pattern(causal=True, window=batch.window, chunk=batch.chunk)
         self._corners = np.block([[batch.mask_block(r0, r0 + k, c0, c0 + k)
                                    for c0 in (0, N - k)] for r0 in (0, N - k)])
         self._causal = np.block([[causal.tile(1, 1, N, N, r0, r0 + k, c0, c0 + k)[0, 0]
                                   for c0 in (0, N - k)] for r0 in (0, N - k)])
         self._counts = batch.mask_counts()
-        self._causal_counts = _m.counts(np.array([N]), N)
+        self._causal_counts = _m.counts(np.array([N]), N, window=batch.window, chunk=batch.chunk)
 
     def causal(self):
         return self.batch.causal_mask if self.dense else self._causal
@@ -386,9 +386,9 @@ class _MaskView:
         if self.dense:
             return ""
         c = self.counts(b)
-        return (f"{c['readable']:,} readable, {c['future']:,} blocked (future), "
-                f"{c['padding']:,} blocked (padding); first and last {len(self.pos) // 2} rows "
-                "and columns shown (--full for every cell)")
+        blocked = ", ".join(f"{v:,} blocked ({k})" for k, v in c.items() if k != "readable")
+        return (f"{c['readable']:,} readable, {blocked}; first and last {len(self.pos) // 2} "
+                "rows and columns shown (--full for every cell)")
 
 
 @app.command()
@@ -400,9 +400,14 @@ def masks(
     full: bool = typer.Option(False, "--full", help="Every cell of every mask, however large."),
     png: Path = typer.Option(None, "--png", help="Also draw each sentence's mask into DIR as PNG."),
     max_bytes: int = typer.Option(DEFAULT_MAX_BYTES, "--max-bytes", help=_MAX_BYTES_HELP),
+    window: int = typer.Option(None, "--window", help="Each query reads its last W positions."),
+    chunk: int = typer.Option(None, "--chunk", help="Each query reads only its own chunk of C."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """Token-labelled causal, padding and combined masks for each sentence (large ones summarized)."""
+    """Token-labelled causal, padding and combined masks for each sentence (large ones summarized).
+
+    --window and --chunk add those rules of the one M (masks.Pattern) to causal AND padding.
+    """
     from . import text
 
     if form not in _FORMS:
@@ -413,7 +418,8 @@ def masks(
         _check_out_dir("--png", png)
     corpus = _read_corpus(file, max_bytes) if file is not None else (sentences or list(text.SEED_SENTENCES))
     with _library_errors():
-        batch = _encode_quiet(corpus, max_len=max_len, max_bytes=max_bytes)
+        batch = _encode_quiet(corpus, max_len=max_len, max_bytes=max_bytes, window=window,
+                              chunk=chunk)
         if full:  # everything below is dense: refuse now rather than half-way
             text.check_bytes(f"--full: the masks (B, N, N) = ({batch.B}, {batch.N}, {batch.N})",
                              batch.B * batch.N * batch.N * (60 if as_json else 1), max_bytes,
@@ -422,12 +428,13 @@ def masks(
     if png is not None:
         with _library_errors():
             _write_pngs(png, lambda viz: {f"mask_sentence{b + 1}": viz.plot_mask(
-                batch.sentence_mask(b), batch.tokens[b]) for b in _progress(range(batch.B),
-                                                                          "drawing", as_json)})
+                batch.pattern, batch.tokens[b], T=batch.N, b=b)
+                for b in _progress(range(batch.B), "drawing", as_json)})
     if as_json:
         _print_json(
             {
                 "N": batch.N,
+                "pattern": batch.pattern.describe(),
                 "positions": "1-based",
                 "vocab": batch.vocab.tokens,
                 "causal": view.to_json(None),
@@ -450,7 +457,8 @@ def masks(
     console = _console()
     longest = batch.tokens[int(batch.lengths.argmax())]
     pos = view.pos
-    _print_tables(console, _mask_pair(f"causal {batch.N}×{batch.N}", view.causal(),
+    rules = batch.pattern.describe().replace(" + padding", "")  # "causal + window 3"
+    _print_tables(console, _mask_pair(f"{rules} {batch.N}×{batch.N}", view.causal(),
                                       [longest[p] for p in pos], [longest[p] for p in pos], form,
                                       pos, pos))
     if view.note(None):
@@ -467,7 +475,7 @@ def masks(
         labels = [toks[p] for p in pos]
         _print_tables(console, _mask_pair("key padding", view.key_padding(b)[None],
                                           ["keys"], labels, form, [0], pos))
-        _print_tables(console, _mask_pair("combined (causal AND padding)", view.combined(b),
+        _print_tables(console, _mask_pair(f"combined ({rules} AND padding)", view.combined(b),
                                           labels, labels, form, pos, pos))
         if view.note(b):
             console.print(view.note(b), style="dim", markup=False)

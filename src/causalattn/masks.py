@@ -683,16 +683,30 @@ def additive(
     return np.where(a, dt.type(0), dt.type(blocked)).astype(dt)
 
 
-def counts(lengths, T: int) -> dict[str, np.ndarray]:
-    """How many of the T×T entries of the seed's causal AND padding pattern
-    (``Pattern(causal=True, lengths=lengths)``) are of each kind, per sequence.
+def counts(lengths, T: int, *, window: int | None = None, chunk: int | None = None
+           ) -> dict[str, np.ndarray]:
+    """How many of the T×T entries of causal (+ window, chunk) AND padding
+    (``Pattern(window=..., chunk=..., lengths=lengths)``) are of each kind, per sequence.
 
-    ``readable`` (may read), ``future`` (blocked by causality alone) and ``padding`` (query
-    or key is padding), each ``(B,)`` int64, summing to T². Closed form from the lengths:
-    O(B) however long the sequences are, where a dense count of a 100,000-token sentence
-    would walk 10^10 cells.
+    ``readable`` (may read), ``future`` (a later key of the sequence), ``window`` or
+    ``chunk`` (an earlier key the rule hides; present only with that rule) and ``padding``
+    (query or key is padding), each ``(B,)`` int64, summing to T². From the per-row key
+    ranges (:meth:`Pattern.row_ranges`): O(B·T) however wide, where a dense count of a
+    100,000-token sentence would walk 10^10 cells.
     """
     T = _check_len("T", T)
     L = check_lengths(lengths, T, "mask counts")
-    readable = L * (L + 1) // 2
-    return {"readable": readable, "future": L * L - readable, "padding": T * T - L * L}
+    B = len(L)
+    if window is None and chunk is None:  # closed form, O(B)
+        readable = L * (L + 1) // 2
+        return {"readable": readable, "future": L * L - readable, "padding": T * T - L * L}
+    lo, hi = Pattern(window=window, chunk=chunk, lengths=L).row_ranges(B, T, T)
+    real = np.arange(T)[None, :] < L[:, None]  # query rows of real tokens
+    width = np.where(real, hi - lo, 0)
+    readable = width.sum(axis=1)
+    i = np.arange(T)[None, :]
+    future = np.where(real, L[:, None] - 1 - i, 0).sum(axis=1)  # keys j > i, j < L
+    out = {"readable": readable, "future": future}
+    out["window" if window is not None else "chunk"] = L * L - readable - future
+    out["padding"] = T * T - L * L
+    return out

@@ -185,6 +185,8 @@ class Batch:
     tokens: Sequence[list[str]]
     truncated: tuple[int, ...] = ()
     max_bytes: int | None = None  # None: MAX_BYTES
+    window: int | None = None  # each query reads its last `window` positions (masks.Pattern)
+    chunk: int | None = None  # each query reads its own chunk of `chunk` positions
 
     @property
     def B(self) -> int:
@@ -210,14 +212,17 @@ class Batch:
 
     @property
     def causal_mask(self) -> np.ndarray:
-        """The plain ``N×N`` causal mask shared by every sentence."""
+        """The ``N×N`` mask shared by every sentence: causal (and window, chunk), no padding."""
         self._dense(f"causal mask {self.N}×{self.N}", self.N * self.N)
-        return _masks.causal(self.N)
+        rules = _masks.Pattern(causal=True, window=self.window, chunk=self.chunk)
+        return rules.tile(1, 1, self.N, self.N)[0, 0]
 
     @property
     def pattern(self) -> _masks.Pattern:
-        """The seed's mask as a :class:`causalattn.masks.Pattern`: causal AND padding."""
-        return _masks.Pattern(causal=True, lengths=self.lengths)
+        """The mask as a :class:`causalattn.masks.Pattern`: causal (+ window, chunk) AND
+        padding (the seed's mask when neither window nor chunk is set)."""
+        return _masks.Pattern(causal=True, window=self.window, chunk=self.chunk,
+                              lengths=self.lengths)
 
     def _tile(self, q0: int, q1: int, k0: int, k1: int, b=None) -> np.ndarray:
         """(B or 1, q1-q0, k1-k0) of the pattern, nothing else materialized."""
@@ -253,7 +258,7 @@ class Batch:
 
     def mask_counts(self) -> dict[str, np.ndarray]:
         """Per sentence ``(B,)``: readable, future (causally blocked) and padding entries."""
-        return _masks.counts(self.lengths, self.N)
+        return _masks.counts(self.lengths, self.N, window=self.window, chunk=self.chunk)
 
 
 def _sentences(sentences) -> list[str]:
@@ -280,6 +285,8 @@ def encode(
     vocab: Vocabulary | None = None,
     *,
     max_bytes: int | None = None,
+    window: int | None = None,
+    chunk: int | None = None,
 ) -> Batch:
     """Tokenize, build (or use) a vocabulary, pad to N and build the masks.
 
@@ -288,7 +295,8 @@ def encode(
     ``batch.truncated`` and reported with a warning. With ``vocab`` given it is used as
     is (unknown tokens -> ``<UNK>``); otherwise one is built from the sentences.
     ``max_bytes`` (default :data:`MAX_BYTES`) bounds the ids (B×N int64) and every dense
-    mask the batch builds later; past it a ValueError names the size.
+    mask the batch builds later; past it a ValueError names the size. ``window`` and
+    ``chunk`` add those rules of :class:`causalattn.masks.Pattern` to causal AND padding.
     """
     texts = _sentences(sentences)
     toks = [tokenize(s) for s in texts]
@@ -321,4 +329,5 @@ def encode(
     ids = np.zeros((B, N), dtype=np.int64)  # <PAD> = 0
     for b, t in enumerate(toks):
         ids[b, : len(t)] = vocab.encode(t)
-    return Batch(vocab, ids, lengths, _PaddedTokens(toks, N), truncated, max_bytes)
+    _masks.Pattern(window=window, chunk=chunk)  # checked here, by the one definition of M
+    return Batch(vocab, ids, lengths, _PaddedTokens(toks, N), truncated, max_bytes, window, chunk)
