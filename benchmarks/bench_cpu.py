@@ -1,6 +1,6 @@
 """CPU benchmark: the tiled engine against SDPA and naive attention (same as `causalattn bench`).
 
-    python benchmarks/bench_cpu.py [--quick] [--json]
+python benchmarks/bench_cpu.py [--quick] [--json]
 """
 
 import json

@@ -41,8 +41,15 @@ def model_layers(L: int, H: int, T: int, d_k: int = 64, seed: int = 0) -> list[c
         Q, K, V = (rng.normal(size=(H, T, d_k)).astype(np.float32) for _ in range(3))
         S = (Q @ np.swapaxes(K, -1, -2)) / np.float32(np.sqrt(d_k))
         A = softmax_last(S.astype(np.float64), allowed).astype(np.float32)
-        out.append(ca.Trace({"Q": Q, "K": K, "V": V, "S": S, "A": A, "H": A @ V},
-                            allowed=allowed, scale=1 / np.sqrt(d_k), n_heads=H, tokens=toks))
+        out.append(
+            ca.Trace(
+                {"Q": Q, "K": K, "V": V, "S": S, "A": A, "H": A @ V},
+                allowed=allowed,
+                scale=1 / np.sqrt(d_k),
+                n_heads=H,
+                tokens=toks,
+            )
+        )
     return out
 
 
@@ -91,8 +98,9 @@ def main() -> None:
         tmp = Path(tmp)
         X = np.array([[1, 0], [0, 1], [1, 1], [-1, 1]], float)
         peer = viz.write_explorer(ca.trace(X, np.eye(2), np.eye(2), np.eye(2)), tmp / "peer.html")
-        browser = pw.chromium.launch(executable_path=CHROMIUM,
-                                     args=["--no-sandbox", "--disable-gpu"])
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
+        )
 
         def case(name, build, after=None):
             t0 = time.perf_counter()
@@ -101,17 +109,25 @@ def main() -> None:
             t = open_times(browser, path, peer, reps, after)
             rows.append((name, built, path.stat().st_size / 2**20, t))
 
-        case("model 12 layers × 12 heads, T = 512",
-             lambda: viz.write_explorer(model_layers(12, 12, 512), tmp / "model.html"),
-             after=lambda pg: pg.locator("button.ca-thumb").nth(143).click())
-        case("T = 2048, 12 heads",
-             lambda: viz.write_explorer(model_layers(1, 12, 2048)[0], tmp / "t2048.html"))
+        case(
+            "model 12 layers × 12 heads, T = 512",
+            lambda: viz.write_explorer(model_layers(12, 12, 512), tmp / "model.html"),
+            after=lambda pg: pg.locator("button.ca-thumb").nth(143).click(),
+        )
+        case(
+            "T = 2048, 12 heads",
+            lambda: viz.write_explorer(model_layers(1, 12, 2048)[0], tmp / "t2048.html"),
+        )
 
         def tenk():
             batch = text.encode(sentences(n_sent))
             trs = viz.batch_traces(batch)
-            return viz.write_explorer(trs, tmp / "sent.html", names=viz.sentence_names(batch),
-                                      max_bytes=20 * 10**6 - 2**20)
+            return viz.write_explorer(
+                trs,
+                tmp / "sent.html",
+                names=viz.sentence_names(batch),
+                max_bytes=20 * 10**6 - 2**20,
+            )
 
         def last(pg):
             pg.select_option("[data-role=seq]", index=n_sent - 1)
@@ -120,16 +136,22 @@ def main() -> None:
         case(f"{n_sent:,} sentences (paged)", tenk, after=last)
         browser.close()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"{'case':<40} {'build s':>8} {'MiB':>7} {'drawn ms':>9} {'peer ms':>8} "
-          f"{'wall ms':>8} {'then ms':>8}")
+    print(
+        f"{'case':<40} {'build s':>8} {'MiB':>7} {'drawn ms':>9} {'peer ms':>8} "
+        f"{'wall ms':>8} {'then ms':>8}"
+    )
     for name, built, mib, t in rows:
         then = f"{t['after']:.0f}" if t["after"] is not None else "–"
-        print(f"{name:<40} {built:>8.1f} {mib:>7.1f} {t['page']:>9.0f} {t['peer']:>8.0f} "
-              f"{t['wall']:>8.0f} {then:>8}")
+        print(
+            f"{name:<40} {built:>8.1f} {mib:>7.1f} {t['page']:>9.0f} {t['peer']:>8.0f} "
+            f"{t['wall']:>8.0f} {then:>8}"
+        )
     print(f"peak resident memory of this process: {rss:.0f} MiB (Python side; Chromium apart)")
-    print("drawn ms: navigation to the first view drawn, in the page (median of "
-          f"{reps}); peer: the four-token page, opened alternately; then: the thumbnail of "
-          "layer 12 head 12 opened / the last sentence opened")
+    print(
+        "drawn ms: navigation to the first view drawn, in the page (median of "
+        f"{reps}); peer: the four-token page, opened alternately; then: the thumbnail of "
+        "layer 12 head 12 opened / the last sentence opened"
+    )
     sys.stdout.flush()
 
 

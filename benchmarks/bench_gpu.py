@@ -27,9 +27,15 @@ from causalattn.engines import triton as tri
 from causalattn.shapes import attention_flops
 
 SHAPES = [(4, 32, T, 128) for T in (1024, 2048, 4096, 8192, 16384)] + [
-    (1, 1, 2048, 1000), (1, 8, 16384, 1000)]
-BACKENDS = [("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
-            ("cudnn", SDPBackend.CUDNN_ATTENTION), ("math", SDPBackend.MATH)]
+    (1, 1, 2048, 1000),
+    (1, 8, 16384, 1000),
+]
+BACKENDS = [
+    ("flash", SDPBackend.FLASH_ATTENTION),
+    ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+    ("cudnn", SDPBackend.CUDNN_ATTENTION),
+    ("math", SDPBackend.MATH),
+]
 DEV = "cuda"
 DT = torch.bfloat16
 FLOOR = 1e-3
@@ -51,15 +57,87 @@ CANDIDATES = {
         ("dq", dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=5)),
     ],
     1024: [
-        ("fwd", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=256, num_warps=8, num_stages=3)),
+        (
+            "fwd",
+            dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=256, num_warps=8, num_stages=3),
+        ),
         ("fwd", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=256, num_warps=8, num_stages=2)),
-        ("fwd", dict(BLOCK_M=128, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=128, num_warps=8, num_stages=2)),
-        ("dkdv", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=256, num_warps=8, num_stages=1)),
-        ("dkdv", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=128, BLOCK_C=256, num_warps=8, num_stages=2)),
-        ("dkdv", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=128, num_warps=8, num_stages=2)),
-        ("dq", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=256, num_warps=8, num_stages=2)),
-        ("dq", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=128, BLOCK_C=256, num_warps=8, num_stages=2)),
-        ("dq", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=64, BLOCK_C=128, num_warps=8, num_stages=2)),
+        (
+            "fwd",
+            dict(BLOCK_M=128, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=128, num_warps=8, num_stages=2),
+        ),
+        (
+            "dkdv",
+            dict(
+                BLOCK_M=64,
+                BLOCK_N=64,
+                BLOCK_DK=64,
+                BLOCK_DV=64,
+                BLOCK_C=256,
+                num_warps=8,
+                num_stages=1,
+            ),
+        ),
+        (
+            "dkdv",
+            dict(
+                BLOCK_M=64,
+                BLOCK_N=64,
+                BLOCK_DK=128,
+                BLOCK_DV=128,
+                BLOCK_C=256,
+                num_warps=8,
+                num_stages=2,
+            ),
+        ),
+        (
+            "dkdv",
+            dict(
+                BLOCK_M=64,
+                BLOCK_N=64,
+                BLOCK_DK=64,
+                BLOCK_DV=64,
+                BLOCK_C=128,
+                num_warps=8,
+                num_stages=2,
+            ),
+        ),
+        (
+            "dq",
+            dict(
+                BLOCK_M=64,
+                BLOCK_N=64,
+                BLOCK_DK=64,
+                BLOCK_DV=64,
+                BLOCK_C=256,
+                num_warps=8,
+                num_stages=2,
+            ),
+        ),
+        (
+            "dq",
+            dict(
+                BLOCK_M=64,
+                BLOCK_N=64,
+                BLOCK_DK=128,
+                BLOCK_DV=128,
+                BLOCK_C=256,
+                num_warps=8,
+                num_stages=2,
+            ),
+        ),
+        (
+            "dq",
+            dict(
+                BLOCK_M=64,
+                BLOCK_N=64,
+                BLOCK_DK=64,
+                BLOCK_DV=64,
+                BLOCK_C=128,
+                num_warps=8,
+                num_stages=2,
+            ),
+        ),
     ],
 }
 TUNE_SHAPE = {128: (4, 32, 4096, 128), 1024: (1, 8, 8192, 1000)}
@@ -67,8 +145,10 @@ TUNE_SHAPE = {128: (4, 32, 4096, 128), 1024: (1, 8, 8192, 1000)}
 
 def _inputs(B, H, T, d, seed=0):
     g = torch.Generator(device=DEV).manual_seed(seed)
-    return [torch.randn(B, H, T, d, device=DEV, dtype=DT, generator=g).requires_grad_()
-            for _ in range(3)]
+    return [
+        torch.randn(B, H, T, d, device=DEV, dtype=DT, generator=g).requires_grad_()
+        for _ in range(3)
+    ]
 
 
 def _triton(q, k, v):
@@ -79,6 +159,7 @@ def _sdpa(backend):
     def run(q, k, v):
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
     return run
 
 
@@ -91,6 +172,7 @@ def _ms(fn, q, k, v, backward, rep=100):
         out = fn(q, k, v)
         if backward:
             out.backward(dO)
+
     return triton.testing.do_bench(step, warmup=10, rep=rep, grad_to_none=[q, k, v])
 
 
@@ -160,7 +242,9 @@ def tune(cls, deadline):
             try:
                 ms = _ms(_triton, q, k, v, backward=kernel != "fwd", rep=60)
             except Exception as exc:  # a tile that does not compile or fit: skip it
-                print(f"  tune d<={cls} {kernel} {over}: failed ({type(exc).__name__}: {str(exc)[:120]})")
+                print(
+                    f"  tune d<={cls} {kernel} {over}: failed ({type(exc).__name__}: {str(exc)[:120]})"
+                )
                 continue
             print(f"  tune d<={cls} {kernel} {over}: {ms:.3f} ms", flush=True)
             results.append((ms, over))
@@ -184,9 +268,11 @@ def main():
         for cls in (int(c) for c in args.tune_classes.split(",")):
             best[cls] = tune(cls, deadline=t0 + 100)
     shapes = SHAPES[:1] + SHAPES[5:6] if args.quick else SHAPES
-    print("\n| (B, H, T, d) | triton fwd TF/s | SDPA fwd TF/s (backend) | fwd ratio "
-          "| triton fwd+bwd TF/s | SDPA fwd+bwd TF/s (backend) | fwd+bwd ratio "
-          "| accuracy fwd: err <= bound |")
+    print(
+        "\n| (B, H, T, d) | triton fwd TF/s | SDPA fwd TF/s (backend) | fwd ratio "
+        "| triton fwd+bwd TF/s | SDPA fwd+bwd TF/s (backend) | fwd+bwd ratio "
+        "| accuracy fwd: err <= bound |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     ratios = {}
     for B, H, T, d in shapes:
@@ -206,9 +292,12 @@ def main():
         tf = lambda flops, ms: flops / ms / 1e9  # noqa: E731  (TFLOP/s)
         r_f, r_b = ts_f / t_f, ts_b / t_b
         ratios[(B, H, T, d)] = (r_f, r_b, be_f, be_b)
-        print(f"| ({B}, {H}, {T}, {d}) | {tf(f_fwd, t_f):.1f} | {tf(f_fwd, ts_f):.1f} ({be_f}) "
-              f"| {r_f:.2f}× | {tf(f_all, t_b):.1f} | {tf(f_all, ts_b):.1f} ({be_b}) | {r_b:.2f}× "
-              f"| {'ok' if ok else 'FAIL'}: {err:.2e} <= {bound:.2e} |", flush=True)
+        print(
+            f"| ({B}, {H}, {T}, {d}) | {tf(f_fwd, t_f):.1f} | {tf(f_fwd, ts_f):.1f} ({be_f}) "
+            f"| {r_f:.2f}× | {tf(f_all, t_b):.1f} | {tf(f_all, ts_b):.1f} ({be_b}) | {r_b:.2f}× "
+            f"| {'ok' if ok else 'FAIL'}: {err:.2e} <= {bound:.2e} |",
+            flush=True,
+        )
         del q, k, v
         torch.cuda.empty_cache()
     tri.CONFIG_OVERRIDE = None
@@ -217,21 +306,36 @@ def main():
     print("|---|---|---|---|")
     for B, H, T, d in ((1, 2, 1024, 128), (1, 1, 1024, 1000)):
         tri.CONFIG_OVERRIDE = best.get(128 if d <= 128 else 1024) or None
-        cells = [f"{'ok' if ok else 'FAIL'}: {e:.2e} <= {b:.2e}" for e, b, ok in grad_accuracy(B, H, T, d)]
+        cells = [
+            f"{'ok' if ok else 'FAIL'}: {e:.2e} <= {b:.2e}"
+            for e, b, ok in grad_accuracy(B, H, T, d)
+        ]
         print(f"| ({B}, {H}, {T}, {d}) | " + " | ".join(cells) + " |")
     tri.CONFIG_OVERRIDE = None
 
-    print("\ntargets (from issue 8, the Triton engine: >= 0.9x the best SDPA backend at d <= 128,"
-          " >= 2x at d = 1000):")
+    print(
+        "\ntargets (from issue 8, the Triton engine: >= 0.9x the best SDPA backend at d <= 128,"
+        " >= 2x at d = 1000):"
+    )
     for (B, H, T, d), (r_f, r_b, be_f, be_b) in ratios.items():
         bar = 0.9 if d <= 128 else 2.0
         verdict = "reached" if min(r_f, r_b) >= bar else "not yet"
-        print(f"  ({B}, {H}, {T}, {d}): fwd {r_f:.2f}× vs {be_f}, fwd+bwd {r_b:.2f}× vs {be_b}; "
-              f"target {bar}× {verdict}")
-    table = {cls: {T: round(r_b, 2) for (B, H, T, d), (_, r_b, _, _) in ratios.items()
-                   if (d <= 128) == (cls == 128)} for cls in (128, 1024)}
-    print(f"\nprefers table for engines/triton.py (fwd+bwd ratios): _RATIOS = {table}  "
-          f"# {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}")
+        print(
+            f"  ({B}, {H}, {T}, {d}): fwd {r_f:.2f}× vs {be_f}, fwd+bwd {r_b:.2f}× vs {be_b}; "
+            f"target {bar}× {verdict}"
+        )
+    table = {
+        cls: {
+            T: round(r_b, 2)
+            for (B, H, T, d), (_, r_b, _, _) in ratios.items()
+            if (d <= 128) == (cls == 128)
+        }
+        for cls in (128, 1024)
+    }
+    print(
+        f"\nprefers table for engines/triton.py (fwd+bwd ratios): _RATIOS = {table}  "
+        f"# {torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')}"
+    )
     print(f"\ntotal {time.time() - t0:.0f} s")
 
 

@@ -32,8 +32,13 @@ def _worker(rank, P, port, layout, a, out_q):
     try:
         torch.set_num_threads(1)
         pin_malloc()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=P, timeout=timedelta(seconds=300))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=P,
+            timeout=timedelta(seconds=300),
+        )
         T_local = a.T // P
         g = torch.Generator().manual_seed(rank)
 
@@ -62,9 +67,20 @@ def _worker(rank, P, port, layout, a, out_q):
             times.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
         bw = _pingpong(rank) if P == 2 and layout == "zigzag" else None
-        out_q.put((rank, dict(peak=mem.bytes, step=sorted(times)[len(times) // 2], cpu=sum(cpu) / a.steps,
-                              sent=stats.bytes_sent / a.steps, flops=stats.flops / a.steps,
-                              wait=stats.wait_s / a.steps, bw=bw)))
+        out_q.put(
+            (
+                rank,
+                dict(
+                    peak=mem.bytes,
+                    step=sorted(times)[len(times) // 2],
+                    cpu=sum(cpu) / a.steps,
+                    sent=stats.bytes_sent / a.steps,
+                    flops=stats.flops / a.steps,
+                    wait=stats.wait_s / a.steps,
+                    bw=bw,
+                ),
+            )
+        )
         dist.destroy_process_group()
     except BaseException as exc:  # noqa: BLE001
         out_q.put((rank, f"{type(exc).__name__}: {exc}"))
@@ -99,7 +115,9 @@ def run(P, layout, a):
                 raise RuntimeError(f"P={P} {layout}: rank {r} failed: {res}")
             rows[r] = res
     except queue_mod.Empty:
-        raise RuntimeError(f"P={P} {layout}: ranks {sorted(set(range(P)) - set(rows))} gave no result") from None
+        raise RuntimeError(
+            f"P={P} {layout}: ranks {sorted(set(range(P)) - set(rows))} gave no result"
+        ) from None
     finally:
         for p in procs:
             p.join(timeout=30)
@@ -109,7 +127,9 @@ def run(P, layout, a):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--H", type=int, default=4)
     ap.add_argument("--d", type=int, default=64)
@@ -119,25 +139,31 @@ def main():
     for P in a.P:
         if a.T % (2 * P):
             raise SystemExit(f"--T {a.T} must be a multiple of 2P = {2 * P}")
-    print(f"ring attention, gloo on 127.0.0.1: B=1, H={a.H}, T={a.T}, d={a.d}, fp32, causal; "
-          f"1 thread/rank; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start")
-    head = (f"{'P':>2} {'layout':<10} {'T/P':>5} {'peak MB/rank':>12} {'x P=1':>6} {'MB sent/rank':>12} "
-            f"{'step s':>7} {'GFLOP/rank min-max':>19} {'balance':>7} {'wait s':>6} {'CPU s':>6} {'GFLOP/CPU s':>11}")
+    print(
+        f"ring attention, gloo on 127.0.0.1: B=1, H={a.H}, T={a.T}, d={a.d}, fp32, causal; "
+        f"1 thread/rank; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start"
+    )
+    head = (
+        f"{'P':>2} {'layout':<10} {'T/P':>5} {'peak MB/rank':>12} {'x P=1':>6} {'MB sent/rank':>12} "
+        f"{'step s':>7} {'GFLOP/rank min-max':>19} {'balance':>7} {'wait s':>6} {'CPU s':>6} {'GFLOP/CPU s':>11}"
+    )
     print(head)
     print("-" * len(head))
     base, bw = None, None
     for P in a.P:
-        for layout in (["zigzag"] if P == 1 else ["zigzag", "contiguous"]):
+        for layout in ["zigzag"] if P == 1 else ["zigzag", "contiguous"]:
             rows = run(P, layout, a)
             peak = max(r["peak"] for r in rows) / 2**20
             base = base or peak
             fl = [r["flops"] / 1e9 for r in rows]
             bw = bw or next((r["bw"] for r in rows if r["bw"]), None)
-            print(f"{P:>2} {layout if P > 1 else '-':<10} {a.T // P:>5} {peak:>12.1f} {peak / base:>6.2f} "
-                  f"{max(r['sent'] for r in rows) / 2**20:>12.1f} {max(r['step'] for r in rows):>7.2f} "
-                  f"{min(fl):>9.2f}-{max(fl):<9.2f} {max(fl) / min(fl):>7.2f} {max(r['wait'] for r in rows):>6.2f} "
-                  f"{sum(r['cpu'] for r in rows):>6.2f} {sum(fl) / sum(r['cpu'] for r in rows):>11.1f}",
-                  flush=True)
+            print(
+                f"{P:>2} {layout if P > 1 else '-':<10} {a.T // P:>5} {peak:>12.1f} {peak / base:>6.2f} "
+                f"{max(r['sent'] for r in rows) / 2**20:>12.1f} {max(r['step'] for r in rows):>7.2f} "
+                f"{min(fl):>9.2f}-{max(fl):<9.2f} {max(fl) / min(fl):>7.2f} {max(r['wait'] for r in rows):>6.2f} "
+                f"{sum(r['cpu'] for r in rows):>6.2f} {sum(fl) / sum(r['cpu'] for r in rows):>11.1f}",
+                flush=True,
+            )
     if bw:
         print(f"gloo loopback bandwidth (32 MiB ping-pong, P=2): {bw:.2f} GB/s")
     print(f"load average {os.getloadavg()[0]:.1f} at the end (other jobs share these cores)")

@@ -67,14 +67,16 @@ def _step(f, inputs, dO, backward: bool):
         out = f(*inputs)
         if backward:
             out.backward(dO)
+
     return run
 
 
 def accuracy(w: int = 256, T: int = 2048) -> dict:
     """max error / bound of the accuracy rule on (1, 2, T, 64), window w: out, dQ, dK, dV."""
     g = torch.Generator(device=DEV).manual_seed(0)
-    q, k, v = (torch.randn(1, 2, T, 64, device=DEV, generator=g).to(DT).requires_grad_()
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(1, 2, T, 64, device=DEV, generator=g).to(DT).requires_grad_() for _ in range(3)
+    )
     out = tri.forward(make_problem(q, k, v, window=w))
     dO = torch.randn(out.shape, device=DEV, generator=g).to(DT)
     out.backward(dO)
@@ -83,13 +85,16 @@ def accuracy(w: int = 256, T: int = 2048) -> dict:
     ref.backward(dO.double())
     qp, kp, vp = (t.detach().requires_grad_() for t in (q, k, v))
     allowed = Pattern(window=w).allowed(1, 2, T, T, like=qp)
-    S = ((qp @ kp.transpose(-1, -2)) * 64 ** -0.5).masked_fill(~allowed, float("-inf"))
+    S = ((qp @ kp.transpose(-1, -2)) * 64**-0.5).masked_fill(~allowed, float("-inf"))
     plain = torch.softmax(S, -1) @ vp  # the yardstick: matmul, softmax, matmul in bf16
     plain.backward(dO)
     res = {}
-    for name, got, want, base in (("H", out, ref, plain), ("dQ", q.grad, q64.grad, qp.grad),
-                                  ("dK", k.grad, k64.grad, kp.grad),
-                                  ("dV", v.grad, v64.grad, vp.grad)):
+    for name, got, want, base in (
+        ("H", out, ref, plain),
+        ("dQ", q.grad, q64.grad, qp.grad),
+        ("dK", k.grad, k64.grad, kp.grad),
+        ("dV", v.grad, v64.grad, vp.grad),
+    ):
         err = (got.double() - want).abs().max().item()
         bound = 2 * (base.double() - want).abs().max().item() + 1e-3
         res[name] = (err, bound, err <= bound)
@@ -110,23 +115,32 @@ def main():
     T, w = (8192, 1024) if args.quick else (args.T, args.window)
     B, H, d = 1, args.heads, 128
     name = torch.cuda.get_device_name() if DEV == "cuda" else DEV
-    print(f"device {name}, torch {torch.__version__}, shape ({B}, {H}, {T}, {d}) bf16, "
-          f"window {w}", flush=True)
+    print(
+        f"device {name}, torch {torch.__version__}, shape ({B}, {H}, {T}, {d}) bf16, window {w}",
+        flush=True,
+    )
     T_acc, w_acc = min(T, 2048), min(w, 256)
     acc = accuracy(w_acc, T_acc)
-    print(f"accuracy (1, 2, {T_acc}, 64) window {w_acc}, err / bound: " + ", ".join(
-        f"{n} {e:.2e}/{b:.2e} {'ok' if ok else 'FAIL'}" for n, (e, b, ok) in acc.items()))
+    print(
+        f"accuracy (1, 2, {T_acc}, 64) window {w_acc}, err / bound: "
+        + ", ".join(
+            f"{n} {e:.2e}/{b:.2e} {'ok' if ok else 'FAIL'}" for n, (e, b, ok) in acc.items()
+        )
+    )
 
     g = torch.Generator(device=DEV).manual_seed(0)
-    q, k, v = (torch.randn(B, H, T, d, device=DEV, dtype=DT, generator=g).requires_grad_()
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(B, H, T, d, device=DEV, dtype=DT, generator=g).requires_grad_()
+        for _ in range(3)
+    )
     dO = torch.randn_like(q)
     allowed = Pattern(window=w).allowed(B, H, T, T, like=q)  # (1, 1, T, T) bool, T² bytes
     peers = {
         "triton window": lambda q, k, v: tri.forward(make_problem(q, k, v, window=w)),
         "triton causal": lambda q, k, v: tri.forward(make_problem(q, k, v)),
-        "sdpa dense mask": lambda q, k, v: F.scaled_dot_product_attention(q, k, v,
-                                                                          attn_mask=allowed),
+        "sdpa dense mask": lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed
+        ),
     }
     with torch.no_grad():
         a = peers["triton window"](q, k, v)
@@ -143,15 +157,29 @@ def main():
         ratio = {n: statistics.median(p / o for p, o in zip(t, ours)) for n, t in times.items()}
         pass_ = "fwd+bwd" if backward else "fwd"
         rows.append({"pass": pass_, "ms": ms, "ratio_vs_window": ratio})
-        print(f"{pass_:8s} " + "  ".join(f"{n} {ms[n]:.2f} ms (×{ratio[n]:.2f})" for n in ms),
-              flush=True)
-    print(f"work: the window reads {readable:.3f} of causal's cells, so at most "
-          f"×{1 / readable:.2f} faster than causal")
+        print(
+            f"{pass_:8s} " + "  ".join(f"{n} {ms[n]:.2f} ms (×{ratio[n]:.2f})" for n in ms),
+            flush=True,
+        )
+    print(
+        f"work: the window reads {readable:.3f} of causal's cells, so at most "
+        f"×{1 / readable:.2f} faster than causal"
+    )
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "bench_window.json"), "w") as f:
-            json.dump({"T": T, "window": w, "shape": [B, H, T, d], "rows": rows,
-                       "accuracy": acc, "max_diff_vs_sdpa": diff}, f, indent=1)
+            json.dump(
+                {
+                    "T": T,
+                    "window": w,
+                    "shape": [B, H, T, d],
+                    "rows": rows,
+                    "accuracy": acc,
+                    "max_diff_vs_sdpa": diff,
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

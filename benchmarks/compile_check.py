@@ -27,8 +27,13 @@ from causalattn.engines import make_problem
 from causalattn.engines import triton as tri
 
 SMEM_LIMIT = 232448  # bytes of shared memory per block on sm_90
-TY = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
-      torch.int32: "i32", torch.int8: "i8"}
+TY = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int32: "i32",
+    torch.int8: "i8",
+}
 
 
 class _Recorder:
@@ -43,6 +48,7 @@ class _Recorder:
         class _Launch:
             def __getitem__(self, grid):
                 return lambda *args, **kw: rec.calls.append((name, args, kw))
+
         return _Launch()
 
 
@@ -78,8 +84,11 @@ def _ptxas(ptx: str, arch: int) -> str:
     for name in ("ptxas", "ptxas-blackwell"):
         if not os.path.exists(os.path.join(bin_, name)):
             continue
-        out = subprocess.run([os.path.join(bin_, name), f"-arch=sm_{arch}a", "-v", f.name,
-                              "-o", os.devnull], capture_output=True, text=True)
+        out = subprocess.run(
+            [os.path.join(bin_, name), f"-arch=sm_{arch}a", "-v", f.name, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+        )
         if out.returncode == 0:
             break
     os.unlink(f.name)
@@ -89,16 +98,21 @@ def _ptxas(ptx: str, arch: int) -> str:
     return f"regs {regs.group(1) if regs else '?'}, spills {spill.group(1) if spill else '?'} B"
 
 
-def launches(dtype, T: int, d: int, lengths: bool, causal: bool, kpm: bool, over=None,
-             **pattern):
+def launches(dtype, T: int, d: int, lengths: bool, causal: bool, kpm: bool, over=None, **pattern):
     """The kernel launches of one forward + backward, recorded (CPU tensors, nothing runs).
     ``pattern``: more keywords of :func:`causalattn.attention` (window, mask, softcap,
     alibi_slopes, sinks, dropout_p, ...)."""
     rec = _Recorder()
     q, k, v = (torch.zeros(1, 2, T, d, dtype=dtype) for _ in range(3))
-    p = make_problem(q, k, v, causal=causal, lengths=torch.tensor([T - 3]) if lengths else None,
-                     key_padding_mask=torch.ones(1, T, dtype=torch.bool) if kpm else None,
-                     **pattern)
+    p = make_problem(
+        q,
+        k,
+        v,
+        causal=causal,
+        lengths=torch.tensor([T - 3]) if lengths else None,
+        key_padding_mask=torch.ones(1, T, dtype=torch.bool) if kpm else None,
+        **pattern,
+    )
     cfg = tri._configs(d, d, dtype, interpret=False)
     for name, o in (over or {}).items():
         cfg[name] = {**cfg[name], **o}
@@ -118,8 +132,9 @@ def compile_launch(name, args, kw, arch=90):
     """Compile one recorded launch for sm_<arch> -> triton's CompiledKernel (no GPU needed)."""
     kw = dict(kw)
     opts = dict(num_warps=kw.pop("num_warps", 4), num_stages=kw.pop("num_stages", 3))
-    return triton.compile(_source(getattr(K, name), args, kw), target=GPUTarget("cuda", arch, 32),
-                          options=opts)
+    return triton.compile(
+        _source(getattr(K, name), args, kw), target=GPUTarget("cuda", arch, 32), options=opts
+    )
 
 
 def pipelined(k) -> bool:
@@ -136,10 +151,12 @@ def check(name, args, kw, arch):
     ttgir = k.asm["ttgir"]
     opts = {"num_warps": kw.get("num_warps", 4), "num_stages": kw.get("num_stages", 3)}
     tiles = {a: kw[a] for a in ("BLOCK_M", "BLOCK_N") if a in kw} | opts
-    return (f"smem {smem} B{' OVER LIMIT' if smem > SMEM_LIMIT else ''}, {_ptxas(k.asm['ptx'], arch)}, "
-            f"wgmma {'yes' if 'warp_group_dot' in ttgir else 'no'}, "
-            f"pipelined {'yes' if pipelined(k) else 'no'}, "
-            f"{time.time() - t:.0f} s, {tiles}")
+    return (
+        f"smem {smem} B{' OVER LIMIT' if smem > SMEM_LIMIT else ''}, {_ptxas(k.asm['ptx'], arch)}, "
+        f"wgmma {'yes' if 'warp_group_dot' in ttgir else 'no'}, "
+        f"pipelined {'yes' if pipelined(k) else 'no'}, "
+        f"{time.time() - t:.0f} s, {tiles}"
+    )
 
 
 VARIANTS = [  # (dtype, T, d, lengths, causal, kpm, pattern keywords)
@@ -150,10 +167,24 @@ VARIANTS = [  # (dtype, T, d, lengths, causal, kpm, pattern keywords)
     (torch.float16, 1024, 256, True, True, False, {}),
     # issues 11 and 12: window (host row ranges), dense mask (block table), modifiers, dropout
     (torch.bfloat16, 4096, 128, False, True, False, {"window": 512}),
-    (torch.bfloat16, 1024, 128, False, True, False,
-     {"mask": torch.ones(1, 2, 1024, 1024, dtype=torch.bool)}),
-    (torch.bfloat16, 1024, 128, False, True, False,
-     {"softcap": 30.0, "alibi_slopes": [0.5, 0.25], "sinks": [0.0, 1.0], "dropout_p": 0.1}),
+    (
+        torch.bfloat16,
+        1024,
+        128,
+        False,
+        True,
+        False,
+        {"mask": torch.ones(1, 2, 1024, 1024, dtype=torch.bool)},
+    ),
+    (
+        torch.bfloat16,
+        1024,
+        128,
+        False,
+        True,
+        False,
+        {"softcap": 30.0, "alibi_slopes": [0.5, 0.25], "sinks": [0.0, 1.0], "dropout_p": 0.1},
+    ),
 ]
 
 
@@ -166,8 +197,11 @@ def main():
         for name, a, kw in launches(dtype, T, d, lengths, causal, kpm, **pat):
             res = check(name, a, kw, args.arch)
             extra = " ".join(sorted(pat))
-            print(f"{name:11s} {TY[dtype]} T={T} d={d} lengths={lengths} causal={causal} "
-                  f"kpm={kpm} {extra}: {res}", flush=True)
+            print(
+                f"{name:11s} {TY[dtype]} T={T} d={d} lengths={lengths} causal={causal} "
+                f"kpm={kpm} {extra}: {res}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -21,5 +21,16 @@ Z = S + M
 E = np.exp(Z - Z.max(axis=0, keepdims=True))
 A = E / E.sum(axis=0, keepdims=True)  # the bug: normalized down the columns (axis 0)
 H = A @ V
-np.savez(Path(__file__).with_name("dump.npz"), X=X, W_q=W_q, W_k=W_k, W_v=W_v, Q=Q, K=K, V=V,
-         S=S, A=A, H=H)
+np.savez(
+    Path(__file__).with_name("dump.npz"),
+    X=X,
+    W_q=W_q,
+    W_k=W_k,
+    W_v=W_v,
+    Q=Q,
+    K=K,
+    V=V,
+    S=S,
+    A=A,
+    H=H,
+)

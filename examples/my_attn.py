@@ -1,6 +1,6 @@
 """An attention function with a classic bug, for `causalattn diagnose` to find.
 
-    causalattn diagnose examples/my_attn.py:attention --signature qkv
+causalattn diagnose examples/my_attn.py:attention --signature qkv
 """
 
 import math

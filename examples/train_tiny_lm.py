@@ -37,7 +37,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(d_model)
         self.attn = CausalSelfAttention(d_model, n_heads, engine=engine)
         self.ln2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
 
     def forward(self, x, kv_cache=None):
         x = x + self.attn(self.ln1(x), kv_cache=kv_cache)
@@ -47,7 +49,9 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """Token + position embeddings, n_layers blocks, a linear head: ids (B, T) -> logits (B, T, V)."""
 
-    def __init__(self, vocab: int, block: int, d_model: int, n_heads: int, n_layers: int, engine: str):
+    def __init__(
+        self, vocab: int, block: int, d_model: int, n_heads: int, n_layers: int, engine: str
+    ):
         super().__init__()
         self.block = block
         self.tok = nn.Embedding(vocab, d_model)
@@ -103,16 +107,24 @@ def train(
     data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
     model = TinyLM(len(chars), block, d_model, n_heads, n_layers, engine)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
     console = Console()
     losses: list[float] = []
-    cols = (TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("loss {task.fields[loss]:.3f}"), TimeElapsedColumn())
+    cols = (
+        TextColumn("[bold]train"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}"),
+        TimeElapsedColumn(),
+    )
     with Progress(*cols, console=console, disable=not progress) as bar:
         task = bar.add_task("train", total=steps, loss=float("nan"))
         for step in range(steps):
             starts = torch.randint(0, len(data) - block - 1, (batch,))
-            x = torch.stack([data[s:s + block] for s in starts])
-            y = torch.stack([data[s + 1:s + block + 1] for s in starts])
+            x = torch.stack([data[s : s + block] for s in starts])
+            y = torch.stack([data[s + 1 : s + block + 1] for s in starts])
             logits = model(x)
             loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             opt.zero_grad(set_to_none=True)
@@ -135,12 +147,18 @@ def train(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--engine", default="auto", help="causalattn engine: auto, tiled, sdpa, reference")
+    ap.add_argument(
+        "--engine", default="auto", help="causalattn engine: auto, tiled, sdpa, reference"
+    )
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--d-model", type=int, default=64)
     args = ap.parse_args()
-    losses = train(args.steps, engine=args.engine, n_layers=args.layers, d_model=args.d_model, sample=True)
-    print(f"loss: {losses[0]:.3f} at the start, {sum(losses[-10:]) / len(losses[-10:]):.3f} over the last 10 steps")
+    losses = train(
+        args.steps, engine=args.engine, n_layers=args.layers, d_model=args.d_model, sample=True
+    )
+    print(
+        f"loss: {losses[0]:.3f} at the start, {sum(losses[-10:]) / len(losses[-10:]):.3f} over the last 10 steps"
+    )
 
 
 if __name__ == "__main__":

@@ -13,8 +13,19 @@ def run_in_triton_interpreter(test_file: str, timeout: float = 600) -> str:
     before triton is first imported); fail with its output's tail; return the summary line."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     here = Path(test_file)
-    cmd = [sys.executable, "-m", "pytest", str(here), "-q", "-p", "no:cacheprovider",
-           "-o", "addopts=", "--rootdir", str(here.parent.parent)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(here),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "--rootdir",
+        str(here.parent.parent),
+    ]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     tail = (run.stdout + run.stderr)[-6000:]
     assert run.returncode == 0, f"{here.name} failed in Triton's interpreter:\n{tail}"

@@ -20,7 +20,7 @@ CORPUS = [
     "A dog is not a cat, but both like the warm mat.",
     "Attention reads the past: each token looks at the tokens before it.",
     "Queries, keys and values; scores, weights and contributions.",
-    "<script>alert(1)</script> & \"quotes\" are only text.",
+    '<script>alert(1)</script> & "quotes" are only text.',
 ]
 
 
@@ -32,26 +32,48 @@ def tokenizer():
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=VOCAB,
+        special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(CORPUS, trainer)
     return transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
     )
 
 
 def _common(n_layers=2):
-    return dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                num_hidden_layers=n_layers, num_attention_heads=4, num_key_value_heads=2,
-                max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                head_dim=8)
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=n_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        head_dim=8,
+    )
 
 
 def gpt2(attn_pdrop=0.0):
     return transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4,
-        attn_pdrop=attn_pdrop, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=1, eos_token_id=2,
+        vocab_size=VOCAB,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        attn_pdrop=attn_pdrop,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
         pad_token_id=0,
     )
 
@@ -65,28 +87,43 @@ def mistral():
 
 
 def qwen2():  # window on layers >= max_window_layers only
-    return transformers.Qwen2Config(**_common(3), use_sliding_window=True,
-                                    sliding_window=WINDOW, max_window_layers=1)
+    return transformers.Qwen2Config(
+        **_common(3), use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1
+    )
 
 
 def gemma2():  # window on alternate layers, softcapped scores
-    return transformers.Gemma2Config(**_common(), sliding_window=WINDOW,
-                                     attn_logit_softcapping=5.0, final_logit_softcapping=None,
-                                     query_pre_attn_scalar=8)
+    return transformers.Gemma2Config(
+        **_common(),
+        sliding_window=WINDOW,
+        attn_logit_softcapping=5.0,
+        final_logit_softcapping=None,
+        query_pre_attn_scalar=8,
+    )
 
 
 def gpt_oss():  # sinks + window on alternate layers
     kw = _common()
     kw.pop("intermediate_size")
-    return transformers.GptOssConfig(**kw, intermediate_size=32, sliding_window=WINDOW,
-                                     num_local_experts=2, num_experts_per_tok=1)
+    return transformers.GptOssConfig(
+        **kw,
+        intermediate_size=32,
+        sliding_window=WINDOW,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+    )
 
 
 def llama4():  # chunked attention on the rope layers
     kw = _common(4)
-    return transformers.Llama4TextConfig(**kw, attention_chunk_size=CHUNK,
-                                         intermediate_size_mlp=64, num_local_experts=2,
-                                         no_rope_layer_interval=4, interleave_moe_layer_step=4)
+    return transformers.Llama4TextConfig(
+        **kw,
+        attention_chunk_size=CHUNK,
+        intermediate_size_mlp=64,
+        num_local_experts=2,
+        no_rope_layer_interval=4,
+        interleave_moe_layer_step=4,
+    )
 
 
 def phi3():
@@ -94,19 +131,26 @@ def phi3():
 
 
 def starcoder2():  # attention dropout 0.1 in its config, as the real one
-    return transformers.Starcoder2Config(**_common(), sliding_window=WINDOW,
-                                         attention_dropout=0.1)
+    return transformers.Starcoder2Config(**_common(), sliding_window=WINDOW, attention_dropout=0.1)
 
 
 def qwen3():
-    return transformers.Qwen3Config(**_common(), use_sliding_window=True, sliding_window=WINDOW,
-                                    max_window_layers=0)
+    return transformers.Qwen3Config(
+        **_common(), use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0
+    )
 
 
 MORE = {"phi3": phi3, "starcoder2": starcoder2, "qwen3": qwen3}  # a lighter check only
 
-CONFIGS = {"gpt2": gpt2, "llama": llama, "mistral": mistral, "qwen2": qwen2,
-           "gemma2": gemma2, "gpt_oss": gpt_oss, "llama4": llama4}
+CONFIGS = {
+    "gpt2": gpt2,
+    "llama": llama,
+    "mistral": mistral,
+    "qwen2": qwen2,
+    "gemma2": gemma2,
+    "gpt_oss": gpt_oss,
+    "llama4": llama4,
+}
 
 
 def model(name: str, seed: int = 0, impl: str = "eager", boldness: float = 8.0, **cfg_kw):

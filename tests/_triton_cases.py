@@ -190,12 +190,23 @@ def test_errors_and_choice():
             tri.forward(p)
         assert not tri.prefers(p)
         # "auto" on CUDA without triton: SDPA (the reference for lse), never an error
-        ask = dict(dtype="float16", d_k=16, d_v=16, H_q=1, H_kv=1, present=(), causal=True,
-                   window=None, chunk=None, softcap=None, dropout_p=0.0, lse=False)
+        ask = dict(
+            dtype="float16",
+            d_k=16,
+            d_v=16,
+            H_q=1,
+            H_kv=1,
+            present=(),
+            causal=True,
+            window=None,
+            chunk=None,
+            softcap=None,
+            dropout_p=0.0,
+            lse=False,
+        )
         assert auto.choose("cuda", 16, "causal", False, ("sdpa",), **ask) == [(2**62, "sdpa")]
         ask["lse"] = True
-        assert auto.choose("cuda", 16, "causal", False, ("sdpa",), **ask) == [
-            (2**62, "reference")]
+        assert auto.choose("cuda", 16, "causal", False, ("sdpa",), **ask) == [(2**62, "reference")]
 
 
 def test_raw_passes_match_the_tiled_engine_with_a_given_global_lse():
@@ -241,24 +252,67 @@ PATTERNS = {  # name -> (B, H_q, H_kv, T_q, T_k, pattern keywords)
     "window_decoding": (1, 2, 1, 9, 40, dict(window=20, lengths=torch.tensor([37]))),
     "window_not_causal": (1, 2, 2, 33, 33, dict(causal=False, window=7)),
     "chunk": (1, 2, 1, 40, 40, dict(chunk=12)),
-    "documents_window_chunk": (1, 2, 1, 40, 40,
-                               dict(cu_seqlens=torch.tensor([0, 5, 5, 29, 40]), window=10,
-                                    chunk=8)),
-    "prefix_lengths": (3, 2, 1, 34, 34, dict(prefix_lengths=torch.tensor([20, 0, 7]),
-                                            lengths=torch.tensor([34, 19, 7]))),
+    "documents_window_chunk": (
+        1,
+        2,
+        1,
+        40,
+        40,
+        dict(cu_seqlens=torch.tensor([0, 5, 5, 29, 40]), window=10, chunk=8),
+    ),
+    "prefix_lengths": (
+        3,
+        2,
+        1,
+        34,
+        34,
+        dict(prefix_lengths=torch.tensor([20, 0, 7]), lengths=torch.tensor([34, 19, 7])),
+    ),
     "dense_mask": (2, 2, 1, 32, 32, dict(mask=_per_head_mask(2, 2, 32, 32))),  # no padding
-    "mask_and_key_padding": (1, 2, 2, 33, 33,
-                             dict(mask=_per_head_mask(1, 1, 33, 33)[0, 0],
-                                  key_padding_mask=(torch.arange(33) % 5 != 2)[None])),
+    "mask_and_key_padding": (
+        1,
+        2,
+        2,
+        33,
+        33,
+        dict(
+            mask=_per_head_mask(1, 1, 33, 33)[0, 0],
+            key_padding_mask=(torch.arange(33) % 5 != 2)[None],
+        ),
+    ),
     "softcap": (1, 2, 1, 35, 35, dict(softcap=2.0, lengths=torch.tensor([30]))),
-    "alibi": (2, 2, 1, 35, 35, dict(alibi_slopes=torch.tensor([[0.5, 0.125], [0.25, 1.0]]),
-                                   window=20)),
-    "sinks": (2, 2, 1, 35, 35, dict(sinks=torch.tensor([0.5, -1.0], requires_grad=True),
-                                   lengths=torch.tensor([35, 12]))),
+    "alibi": (
+        2,
+        2,
+        1,
+        35,
+        35,
+        dict(alibi_slopes=torch.tensor([[0.5, 0.125], [0.25, 1.0]]), window=20),
+    ),
+    "sinks": (
+        2,
+        2,
+        1,
+        35,
+        35,
+        dict(sinks=torch.tensor([0.5, -1.0], requires_grad=True), lengths=torch.tensor([35, 12])),
+    ),
     "dropout": (2, 2, 1, 35, 35, dict(dropout_p=0.3, generator=_gen())),
-    "everything": (1, 2, 1, 37, 37, dict(window=16, softcap=3.0, alibi_slopes=[0.3, 0.1],
-                                         sinks=torch.tensor([0.0, 1.0], requires_grad=True),
-                                         dropout_p=0.2, generator=_gen(6))),
+    "everything": (
+        1,
+        2,
+        1,
+        37,
+        37,
+        dict(
+            window=16,
+            softcap=3.0,
+            alibi_slopes=[0.3, 0.1],
+            sinks=torch.tensor([0.0, 1.0], requires_grad=True),
+            dropout_p=0.2,
+            generator=_gen(6),
+        ),
+    ),
 }
 
 
@@ -267,8 +321,14 @@ def test_pattern_matches_the_reference(name):
     """Each rule of M, each modifier and dropout, forward, lse and gradients (and the sinks'
     gradient) against the float64 reference engine, over several 16×16 tiles."""
     B, H, H_kv, T_q, T_k, kw = PATTERNS[name]
-    kw = {n: (x.detach().clone().requires_grad_() if isinstance(x, torch.Tensor)
-              and x.requires_grad else x) for n, x in kw.items()}
+    kw = {
+        n: (
+            x.detach().clone().requires_grad_()
+            if isinstance(x, torch.Tensor) and x.requires_grad
+            else x
+        )
+        for n, x in kw.items()
+    }
     if "generator" in kw:
         kw["generator"] = _gen(kw["generator"].initial_seed())
     _check(*_inputs(B, H, H_kv, T_q, T_k, 16), **kw)
@@ -288,8 +348,10 @@ def test_dropout_pattern_is_the_reference_keep_mask_bit_for_bit():
     assert torch.equal(out != 0, keep)
     plain = attention(q, k, v, engine="triton")
     assert torch.equal(attention(q, k, v, engine="triton", dropout_p=0.0), plain)
-    assert torch.equal(attention(q, k, v, engine="triton", dropout_p=1.0, generator=_gen()),
-                       torch.zeros_like(plain))
+    assert torch.equal(
+        attention(q, k, v, engine="triton", dropout_p=1.0, generator=_gen()),
+        torch.zeros_like(plain),
+    )
 
 
 def test_window_keeps_old_nan_and_inf_out_of_later_rows_bit_for_bit():
@@ -343,10 +405,15 @@ def test_row_ranges_are_the_pattern_exactly():
     """The kernels' per-row intervals (with the key padding and dense masks ANDed in) are
     the pattern's dense mask, for every keyword, also placed as a ring block pair."""
 
-    cases = [dict(window=3), dict(chunk=4, causal=False), dict(prefix_lengths=[5, 0]),
-             dict(cu_seqlens=[0, 4, 4, 11, 13], chunk=3, window=5),
-             dict(lengths=[13, 6], window=4, prefix_lengths=[3, 6]),
-             dict(window=4, q_start=20, k_start=13), dict(chunk=5, q_start=3, k_start=8)]
+    cases = [
+        dict(window=3),
+        dict(chunk=4, causal=False),
+        dict(prefix_lengths=[5, 0]),
+        dict(cu_seqlens=[0, 4, 4, 11, 13], chunk=3, window=5),
+        dict(lengths=[13, 6], window=4, prefix_lengths=[3, 6]),
+        dict(window=4, q_start=20, k_start=13),
+        dict(chunk=5, q_start=3, k_start=8),
+    ]
     for kw in cases:
         B = 1 if "cu_seqlens" in kw else 2
         pat = Pattern(**kw)
@@ -399,6 +466,12 @@ def test_placed_block_pair_raw_passes_match_the_reference():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_with_window_modifiers_and_dropout(dtype):
-    kw = dict(window=12, softcap=4.0, alibi_slopes=[0.1, 0.02], sinks=[0.5, -0.5],
-              dropout_p=0.1, generator=_gen(9))
+    kw = dict(
+        window=12,
+        softcap=4.0,
+        alibi_slopes=[0.1, 0.02],
+        sinks=[0.5, -0.5],
+        dropout_p=0.1,
+        generator=_gen(9),
+    )
     _check(*_inputs(1, 2, 1, 33, 33, 32, dtype=dtype), dtype=dtype, **kw)

@@ -27,28 +27,61 @@ from causalattn.text import tokenize
 
 OUT = Path(sys.argv[1])
 N = int(sys.argv[2]) if len(sys.argv) > 2 else 60
-SETTINGS = settings(max_examples=N, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=list(HealthCheck))
+SETTINGS = settings(
+    max_examples=N,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=list(HealthCheck),
+)
 
 # -- the CLI's argument space ---------------------------------------------------------------
 
 WORDS = st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=30)
-INTS = st.sampled_from(["-1", "0", "1", "2", "3", "7", "100", "100000", "1000000000000", "x",
-                        "1.5", ""])
-PATHS = st.sampled_from(["missing.txt", "nodir/out.html", "corpus.txt", "mine.json",
-                         "empty.txt", "out.html", ".", "bad.json"])
+INTS = st.sampled_from(
+    ["-1", "0", "1", "2", "3", "7", "100", "100000", "1000000000000", "x", "1.5", ""]
+)
+PATHS = st.sampled_from(
+    [
+        "missing.txt",
+        "nodir/out.html",
+        "corpus.txt",
+        "mine.json",
+        "empty.txt",
+        "out.html",
+        ".",
+        "bad.json",
+    ]
+)
 OPTS = {
-    "masks": [("--max-len", INTS), ("--form", st.sampled_from(["both", "check", "nope", ""])),
-              ("--file", PATHS), ("--max-bytes", st.sampled_from(["0", "100", "1000000"])),
-              ("--full", None), ("--json", None), ("--bogus", None)],
-    "trace": [("-i", PATHS), ("-q", INTS), ("--save", PATHS), ("--json", None),
-              ("--max-bytes", st.sampled_from(["0", "100", "1000000"]))],
-    "explore": [("--max-len", INTS), ("--heads", INTS), ("--d-model", INTS), ("-o", PATHS),
-                ("--file", PATHS), ("--max-page-bytes", INTS), ("--json", None),
-                ("--trace", PATHS)],
+    "masks": [
+        ("--max-len", INTS),
+        ("--form", st.sampled_from(["both", "check", "nope", ""])),
+        ("--file", PATHS),
+        ("--max-bytes", st.sampled_from(["0", "100", "1000000"])),
+        ("--full", None),
+        ("--json", None),
+        ("--bogus", None),
+    ],
+    "trace": [
+        ("-i", PATHS),
+        ("-q", INTS),
+        ("--save", PATHS),
+        ("--json", None),
+        ("--max-bytes", st.sampled_from(["0", "100", "1000000"])),
+    ],
+    "explore": [
+        ("--max-len", INTS),
+        ("--heads", INTS),
+        ("--d-model", INTS),
+        ("-o", PATHS),
+        ("--file", PATHS),
+        ("--max-page-bytes", INTS),
+        ("--json", None),
+        ("--trace", PATHS),
+    ],
     "demo": [("--d-model", INTS), ("--seed", INTS), ("--json", None)],
-    "shapes": [("-T", INTS), ("--d-model", INTS), ("-H", INTS), ("--d-k", INTS),
-               ("--json", None)],
+    "shapes": [("-T", INTS), ("--d-model", INTS), ("-H", INTS), ("--d-k", INTS), ("--json", None)],
     "nosuch": [],
 }
 
@@ -76,26 +109,45 @@ def fuzz_cli(args):
         lines = res.stderr.splitlines()
         errors = [k for k, ln in enumerate(lines) if ln.startswith("error: ")]
         assert len(errors) == 1, (args, res.stderr[-2000:])
-        after = lines[errors[0] + 1:]
+        after = lines[errors[0] + 1 :]
         assert all(ln.startswith("Try '") for ln in after), (args, res.stderr[-2000:])
-        assert all(ln.startswith("note: ") for ln in lines[:errors[0]]), (args, res.stderr)
+        assert all(ln.startswith("note: ") for ln in lines[: errors[0]]), (args, res.stderr)
 
 
 # -- attention ---------------------------------------------------------------------------------
 
-SCALES = st.one_of(st.none(), st.floats(-1e3, 1e3), st.sampled_from([float("nan"), float("inf"),
-                                                                       -float("inf"), 0.0]),
-                   st.integers(-3, 3), st.text(max_size=3))
-LENGTHS = st.one_of(st.none(), st.lists(st.integers(-2, 8), max_size=3), st.text(max_size=5),
-                    st.floats(), st.lists(st.floats(0, 8), max_size=3))
+SCALES = st.one_of(
+    st.none(),
+    st.floats(-1e3, 1e3),
+    st.sampled_from([float("nan"), float("inf"), -float("inf"), 0.0]),
+    st.integers(-3, 3),
+    st.text(max_size=3),
+)
+LENGTHS = st.one_of(
+    st.none(),
+    st.lists(st.integers(-2, 8), max_size=3),
+    st.text(max_size=5),
+    st.floats(),
+    st.lists(st.floats(0, 8), max_size=3),
+)
 
 
 @SETTINGS
-@given(B=st.integers(0, 2), H_kv=st.integers(1, 2), g=st.integers(1, 2), T_k=st.integers(1, 7),
-       dT=st.integers(0, 3), d_k=st.integers(0, 5), d_v=st.integers(0, 5), scale=SCALES,
-       causal=st.sampled_from([True, False, None, 0, 1, "yes"]), lengths=LENGTHS,
-       dtype=st.sampled_from([torch.float32, torch.float64]),
-       engine=st.sampled_from(["auto", "reference", "tiled", "sdpa"]), seed=st.integers(0, 99))
+@given(
+    B=st.integers(0, 2),
+    H_kv=st.integers(1, 2),
+    g=st.integers(1, 2),
+    T_k=st.integers(1, 7),
+    dT=st.integers(0, 3),
+    d_k=st.integers(0, 5),
+    d_v=st.integers(0, 5),
+    scale=SCALES,
+    causal=st.sampled_from([True, False, None, 0, 1, "yes"]),
+    lengths=LENGTHS,
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+    engine=st.sampled_from(["auto", "reference", "tiled", "sdpa"]),
+    seed=st.integers(0, 99),
+)
 def fuzz_attention(B, H_kv, g, T_k, dT, d_k, d_v, scale, causal, lengths, dtype, engine, seed):
     T_q = max(1, T_k - dT)
     gen = torch.Generator().manual_seed(seed)
@@ -113,8 +165,15 @@ def fuzz_attention(B, H_kv, g, T_k, dT, d_k, d_v, scale, causal, lengths, dtype,
     readable = readable.expand(B, H_kv * g, T_q)
     assert torch.isfinite(out[readable]).all(), "NaN or inf in a row that reads keys"
     assert (out[~readable] == 0).all(), "a row with no readable key is not zero"
-    ref = ca.attention(q.double(), k.double(), v.double(), causal=causal, lengths=lengths,
-                       scale=scale, engine="reference")
+    ref = ca.attention(
+        q.double(),
+        k.double(),
+        v.double(),
+        causal=causal,
+        lengths=lengths,
+        scale=scale,
+        engine="reference",
+    )
     if out.numel():
         tol = 1e-9 if dtype == torch.float64 else 2e-4 * (1 + ref.abs().max().item())
         assert (out.double() - ref).abs().max().item() <= tol
@@ -124,14 +183,23 @@ def fuzz_attention(B, H_kv, g, T_k, dT, d_k, d_v, scale, causal, lengths, dtype,
 
 
 @SETTINGS
-@given(T=st.integers(1, 6), d=st.integers(1, 4), d_k=st.integers(1, 4), heads=st.sampled_from(
-       [None, 1, 2, 0, -1]), scale=SCALES, use_mask=st.booleans(), seed=st.integers(0, 99),
-       nan_future=st.booleans())
+@given(
+    T=st.integers(1, 6),
+    d=st.integers(1, 4),
+    d_k=st.integers(1, 4),
+    heads=st.sampled_from([None, 1, 2, 0, -1]),
+    scale=SCALES,
+    use_mask=st.booleans(),
+    seed=st.integers(0, 99),
+    nan_future=st.booleans(),
+)
 def fuzz_trace(T, d, d_k, heads, scale, use_mask, seed, nan_future):
     rng = np.random.default_rng(seed)
     X = rng.normal(size=(T, d))
-    Ws = [rng.normal(size=(d, d_k * (heads if isinstance(heads, int) and heads > 0 else 1)))
-          for _ in range(3)]
+    Ws = [
+        rng.normal(size=(d, d_k * (heads if isinstance(heads, int) and heads > 0 else 1)))
+        for _ in range(3)
+    ]
     mask = rng.random((T, T)) < 0.7 if use_mask else None
     if nan_future and T > 1:
         X[-1] = np.nan  # the last token: causally unreadable by every other query
@@ -155,9 +223,16 @@ def fuzz_trace(T, d, d_k, heads, scale, use_mask, seed, nan_future):
 
 
 @SETTINGS
-@given(sentences=st.one_of(st.lists(WORDS, max_size=4), WORDS, st.integers(), st.none(),
-                           st.lists(st.one_of(WORDS, st.integers()), max_size=3)),
-       max_len=st.one_of(st.none(), st.integers(-2, 12), st.sampled_from([10**12, 2.5, "3"])))
+@given(
+    sentences=st.one_of(
+        st.lists(WORDS, max_size=4),
+        WORDS,
+        st.integers(),
+        st.none(),
+        st.lists(st.one_of(WORDS, st.integers()), max_size=3),
+    ),
+    max_len=st.one_of(st.none(), st.integers(-2, 12), st.sampled_from([10**12, 2.5, "3"])),
+)
 def fuzz_encode(sentences, max_len):
     try:
         b = ca.encode(sentences, max_len=max_len)
@@ -175,8 +250,10 @@ def fuzz_encode(sentences, max_len):
 def _fixtures(folder: Path) -> None:
     (folder / "corpus.txt").write_text("I love pizza\nCheese and burgers go well together\n")
     (folder / "empty.txt").write_text("\n\n")
-    (folder / "mine.json").write_text('{"X": [[1, 0], [0, 1]], "W_q": [[1, 0], [0, 1]], '
-                                      '"W_k": [[1, 0], [0, 1]], "W_v": [[1, 1], [1, -1]]}')
+    (folder / "mine.json").write_text(
+        '{"X": [[1, 0], [0, 1]], "W_q": [[1, 0], [0, 1]], '
+        '"W_k": [[1, 0], [0, 1]], "W_v": [[1, 1], [1, -1]]}'
+    )
     (folder / "bad.json").write_text('{"X": ' + "[" * 5000 + "]" * 5000 + "}")
 
 

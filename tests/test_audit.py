@@ -38,8 +38,11 @@ def _pipeline(X, W, *, scale=None, mask="causal", axis=-1, after=False):
     """Plain NumPy attention with one knob per planted fault -> dict of stages."""
     Q, K, V = X @ W["W_q"], X @ W["W_k"], X @ W["W_v"]
     S = Q @ K.T * (1 / np.sqrt(DK) if scale is None else scale)
-    al = {"causal": masks.causal(T), "none": np.ones((T, T), bool),
-          "diag": np.tril(np.ones((T, T), bool), -1)}[mask]
+    al = {
+        "causal": masks.causal(T),
+        "none": np.ones((T, T), bool),
+        "diag": np.tril(np.ones((T, T), bool), -1),
+    }[mask]
     if after:
         A = _softmax(S, -1) * al
     elif axis is None:
@@ -56,8 +59,12 @@ def test_clean_trace_and_chapter_example(parts):
     X, W = parts
     rep = audit(causalattn.trace(X, *W.values()))
     assert rep.ok and rep.first_failure is None, str(rep)
-    chapter = causalattn.trace(np.array([[1, 0], [0, 1], [1, 1], [-1, 1.0]]), np.eye(2), np.eye(2),
-                               np.array([[1, 1], [1, -1.0]]))
+    chapter = causalattn.trace(
+        np.array([[1, 0], [0, 1], [1, 1], [-1, 1.0]]),
+        np.eye(2),
+        np.eye(2),
+        np.array([[1, 1], [1, -1.0]]),
+    )
     assert audit(chapter).ok
     assert audit(_pipeline(X, W)).ok
     d = audit(_pipeline(X, W)).to_dict()
@@ -98,7 +105,7 @@ def _check(rep, name):
 
 
 def test_tiny_weight_on_a_blocked_key_is_caught(parts):
-    """"Forbidden entries exactly 0" means exactly: 1e-7 on each future key (taken from the
+    """ "Forbidden entries exactly 0" means exactly: 1e-7 on each future key (taken from the
     diagonal so rows still sum to 1, H recomputed) fails the check."""
     X, W = parts
     st = _pipeline(X, W)
@@ -143,8 +150,11 @@ def test_k_not_transposed_and_output_projection(parts):
 def test_padding_rows_listed_not_failed_and_nan_rows_fail(parts):
     X, W = parts
     Xb = np.stack([X, X])
-    al = masks.combine(masks.causal(T), masks.key_padding([T, 4], T)[:, None, :],
-                       masks.query_padding([T, 4], T)[:, :, None])
+    al = masks.combine(
+        masks.causal(T),
+        masks.key_padding([T, 4], T)[:, None, :],
+        masks.query_padding([T, 4], T)[:, :, None],
+    )
     tr = causalattn.trace(Xb, *W.values(), mask=al)
     rep = audit(tr)
     assert rep.ok, str(rep)
@@ -168,8 +178,9 @@ def test_torch_dump_audits(tmp_path):
     a = torch.softmax(s, dim=-1)
     h = a @ v
     path = tmp_path / "torch.npz"
-    np.savez(path, q=q.numpy(), k=k.numpy(), v=v.numpy(), scores=s.numpy(), attn=a.numpy(),
-             out=h.numpy())
+    np.savez(
+        path, q=q.numpy(), k=k.numpy(), v=v.numpy(), scores=s.numpy(), attn=a.numpy(), out=h.numpy()
+    )
     rep = audit(path)
     assert rep.ok, str(rep)
     assert "Z" in rep.given  # scores carrying -inf are read as Z = S + M
@@ -187,8 +198,14 @@ def test_transformerlens_shaped_dict():
     p = _softmax(s, -1)
     z = np.moveaxis(p @ vh, 1, 2)  # (batch, pos, head, d)
     pre = "blocks.0.attn."
-    cache = {pre + "hook_q": q, pre + "hook_k": k, pre + "hook_v": v,
-             pre + "hook_attn_scores": s, pre + "hook_pattern": p, pre + "hook_z": z}
+    cache = {
+        pre + "hook_q": q,
+        pre + "hook_k": k,
+        pre + "hook_v": v,
+        pre + "hook_attn_scores": s,
+        pre + "hook_pattern": p,
+        pre + "hook_z": z,
+    }
     rep = audit(cache)
     assert rep.ok, str(rep)
     bad = p.copy()
@@ -209,8 +226,10 @@ def test_folder_and_safetensors(tmp_path, parts):
         np.save(folder / f"{name}.npy", st[name])
     assert audit(folder).first_failure.stage == "S"
     sf = pytest.importorskip("safetensors.numpy")
-    sf.save_file({"Q": st["Q"], "K": st["K"], "weights": _pipeline(X, W)["A"]},
-                 str(tmp_path / "a.safetensors"))
+    sf.save_file(
+        {"Q": st["Q"], "K": st["K"], "weights": _pipeline(X, W)["A"]},
+        str(tmp_path / "a.safetensors"),
+    )
     assert audit(tmp_path / "a.safetensors").ok
 
 
@@ -263,8 +282,9 @@ def test_heads_per_head_selection_decode_and_rendering(parts):
     rep = audit(tr.select(1, 1))  # one head: Q is found as head 1 of X W_q
     assert rep.ok and "head 1" in rep.checks[0].message
     # only X, weights and O: everything between is recomputed, heads split and merged
-    rep = audit({"X": X, "W_q": W[0], "W_k": W[1], "W_v": W[2], "W_o": W[3], "O": tr.O,
-                 "n_heads": 2})
+    rep = audit(
+        {"X": X, "W_q": W[0], "W_k": W[1], "W_v": W[2], "W_o": W[3], "O": tr.O, "n_heads": 2}
+    )
     assert rep.ok and {"Q", "S", "A", "H"} <= set(rep.recomputed)
     # decoding against a cache: T_q < T_k, bottom-right causal alignment
     q, k, v = rng.normal(size=(2, 4)), rng.normal(size=(6, 4)), rng.normal(size=(6, 3))

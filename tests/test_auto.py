@@ -43,8 +43,7 @@ def test_the_package_ships_a_measured_table_with_provenance(packaged):
     prov = packaged["provenance"]
     assert prov["command"] == "causalattn bench --tune" and prov["torch"] and prov["date"]
     kinds = {(e["kind"], e["pass"]) for e in packaged["entries"]}
-    assert {("causal", "fwd"), ("causal", "fwd+bwd"), ("padded", "fwd"),
-            ("decode", "fwd")} <= kinds
+    assert {("causal", "fwd"), ("causal", "fwd+bwd"), ("padded", "fwd"), ("decode", "fwd")} <= kinds
     for e in packaged["entries"]:  # the winner by the median of the paired ratios
         assert e["best"] == ("tiled" if e["tiled_over_sdpa_speed"] >= 1 else "sdpa")
         assert set(e["ms"]) == {"tiled", "sdpa"} and e["reps"] >= 3
@@ -67,8 +66,16 @@ def test_the_user_table_and_the_variable_override(tmp_path, monkeypatch):
     path = auto.user_table_path()
     assert path == tmp_path / "causalattn" / "auto_table.json"
     path.parent.mkdir(parents=True)
-    entry = {"device": "cpu", "dtype": "float32", "kind": "causal", "d": 8, "T": 16,
-             "pass": "fwd", "best": "sdpa", "ms": {"tiled": 2.0, "sdpa": 1.0}}
+    entry = {
+        "device": "cpu",
+        "dtype": "float32",
+        "kind": "causal",
+        "d": 8,
+        "T": 16,
+        "pass": "fwd",
+        "best": "sdpa",
+        "ms": {"tiled": 2.0, "sdpa": 1.0},
+    }
     path.write_text(json.dumps({"provenance": {}, "entries": [entry]}))
     try:
         auto.table(reload=True)

@@ -5,10 +5,12 @@ from causalattn.bench import patterns as bench
 
 def test_rows_name_their_peers_and_bars_read_them():
     rows = []
-    for case, peers, pass_ in (("window", ("sdpa (bool mask)",), "fwd+bwd"),
-                               ("documents", ("sdpa (bool mask)",), "fwd"),
-                               ("modifiers", ("tiled",), "fwd"),
-                               ("dropout", ("tiled p=0", "sdpa p=0.1"), "fwd+bwd")):
+    for case, peers, pass_ in (
+        ("window", ("sdpa (bool mask)",), "fwd+bwd"),
+        ("documents", ("sdpa (bool mask)",), "fwd"),
+        ("modifiers", ("tiled",), "fwd"),
+        ("dropout", ("tiled p=0", "sdpa p=0.1"), "fwd+bwd"),
+    ):
         gr = bench.Group(case, (1, 2, 256, 8), pass_, peers, budget_s=0.01)
         rows += bench._rows(gr)
     assert all(r["ms"] > 0 and r["reps"] >= 3 for r in rows)

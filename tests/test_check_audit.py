@@ -70,8 +70,12 @@ def test_nothing_to_check(tr):
 
 
 def test_declared_modifiers_and_a_trace_brings_its_pattern(tr):
-    for kw in ({"window": 2, "softcap": 3.0}, {"chunk": 2}, {"sinks": [0.3]},
-               {"alibi_slopes": [0.5]}):
+    for kw in (
+        {"window": 2, "softcap": 3.0},
+        {"chunk": 2},
+        {"sinks": [0.3]},
+        {"alibi_slopes": [0.5]},
+    ):
         t = ca.trace(tr.X, tr["W_q"], tr["W_k"], tr["W_v"], **kw)
         assert audit(t).ok, (kw, str(audit(t)))
         rep = audit({**_qkv(t), "A": t.A}, **kw)

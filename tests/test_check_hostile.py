@@ -24,15 +24,21 @@ GiB = 2**30
 
 def _run(code: str, *, timeout=120, mem=6 * GiB):
     """Run Python code in a capped subprocess: (exit code, output, seconds, max RSS in MiB)."""
+
     def caps():
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
         resource.setrlimit(resource.RLIMIT_FSIZE, (256 * 2**20, 256 * 2**20))
 
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     t0 = time.monotonic()
-    p = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, env=env, preexec_fn=caps,
-                         start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+        preexec_fn=caps,
+        start_new_session=True,
+    )
     try:
         out, _ = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -100,14 +106,18 @@ def test_fifo_is_refused_not_waited_on(tmp_path):
     assert "not a regular file" in out
 
 
-@pytest.mark.parametrize("header", [
-    b"[1, 2, 3]",
-    b'{"A": 5}',
-    b'{"A": {"dtype": "F64", "shape": [2, 2], "data_offsets": ["0", "32"]}}',
-    b"[" * 100000 + b"]" * 100000,
-    b'{"A": {"dtype": "F64", "shape": [2, 2], "data_offsets": [0, 9999]}}',
-    b'{"A": {"dtype": "OBJ", "shape": [2], "data_offsets": [0, 16]}}',
-], ids=["list", "not-object", "string-offsets", "deep", "out-of-range", "dtype"])
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"[1, 2, 3]",
+        b'{"A": 5}',
+        b'{"A": {"dtype": "F64", "shape": [2, 2], "data_offsets": ["0", "32"]}}',
+        b"[" * 100000 + b"]" * 100000,
+        b'{"A": {"dtype": "F64", "shape": [2, 2], "data_offsets": [0, 9999]}}',
+        b'{"A": {"dtype": "OBJ", "shape": [2], "data_offsets": [0, 16]}}',
+    ],
+    ids=["list", "not-object", "string-offsets", "deep", "out-of-range", "dtype"],
+)
 def test_malformed_safetensors(tmp_path, header):
     p = tmp_path / "x.safetensors"
     p.write_bytes(struct.pack("<Q", len(header)) + header + bytes(32))
@@ -115,14 +125,27 @@ def test_malformed_safetensors(tmp_path, header):
     _one_error(rc, out)
 
 
-@pytest.mark.parametrize("extra", [{"scale": np.array(0.0)}, {"lengths": np.array([4.0])},
-                                   {"scale": np.array(np.nan)}, {"n_heads": np.array(0)}],
-                         ids=["scale0", "float-lengths", "scale-nan", "heads0"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"scale": np.array(0.0)},
+        {"lengths": np.array([4.0])},
+        {"scale": np.array(np.nan)},
+        {"n_heads": np.array(0)},
+    ],
+    ids=["scale0", "float-lengths", "scale-nan", "heads0"],
+)
 def test_bad_metadata(tmp_path, extra):
     rng = np.random.default_rng(0)
     p = tmp_path / "x.npz"
-    np.savez(p, q=rng.normal(size=(4, 2)), k=rng.normal(size=(4, 2)), v=rng.normal(size=(4, 2)),
-             A=np.tril(np.ones((4, 4))) / np.arange(1, 5)[:, None], **extra)
+    np.savez(
+        p,
+        q=rng.normal(size=(4, 2)),
+        k=rng.normal(size=(4, 2)),
+        v=rng.normal(size=(4, 2)),
+        A=np.tril(np.ones((4, 4))) / np.arange(1, 5)[:, None],
+        **extra,
+    )
     rc, out, _, _ = _cli("audit", str(p))
     _one_error(rc, out)
     assert next(iter(extra)) in out
@@ -147,8 +170,10 @@ def test_bf16_safetensors_is_read(tmp_path):
     rng = np.random.default_rng(1)
     X = rng.normal(size=(5, 4))
     tr = trace(X, *(rng.normal(size=(4, 4)) for _ in range(3)))
-    tensors = {n: torch.from_numpy(np.ascontiguousarray(tr[n])).to(torch.bfloat16)
-               for n in ("Q", "K", "V", "A")}
+    tensors = {
+        n: torch.from_numpy(np.ascontiguousarray(tr[n])).to(torch.bfloat16)
+        for n in ("Q", "K", "V", "A")
+    }
     p = tmp_path / "x.safetensors"
     st.save_file(tensors, str(p))
     got = load_arrays(p)
@@ -230,8 +255,11 @@ def test_grandchildren_are_killed(hostile, tmp_path, form):
     pid_file = tmp_path / "pid"
     os.environ["PID_FILE"] = str(pid_file)
     try:
-        target = (repr(f"{hostile}:spawns") if form == "file" else
-                  f"__import__('runpy').run_path({str(hostile)!r})['spawns']")
+        target = (
+            repr(f"{hostile}:spawns")
+            if form == "file"
+            else f"__import__('runpy').run_path({str(hostile)!r})['spawns']"
+        )
         d = _diagnose(f"diagnose({target}, timeout=25)")
     finally:
         del os.environ["PID_FILE"]
@@ -244,13 +272,19 @@ def test_grandchildren_are_killed(hostile, tmp_path, form):
     assert _gone(pid), f"grandchild {pid} survived"
 
 
-@pytest.mark.parametrize("name, status, words", [
-    ("exits", "crashed", "sys.exit(3)"), ("hard_exit", "crashed", "exit code 4"),
-    ("allocates", "crashed", "memory"), ("prints", None, ""),
-])
+@pytest.mark.parametrize(
+    "name, status, words",
+    [
+        ("exits", "crashed", "sys.exit(3)"),
+        ("hard_exit", "crashed", "exit code 4"),
+        ("allocates", "crashed", "memory"),
+        ("prints", None, ""),
+    ],
+)
 def test_exit_memory_and_output(hostile, name, status, words):
-    d = _diagnose(f"diagnose({str(hostile) + ':' + name!r}, timeout=60, max_memory=2**28)",
-                  timeout=180)
+    d = _diagnose(
+        f"diagnose({str(hostile) + ':' + name!r}, timeout=60, max_memory=2**28)", timeout=180
+    )
     if status:
         assert d["status"] == status and words in d["message"], d
     else:  # a flood of output is capped: the worker stops, the caller does not

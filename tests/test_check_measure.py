@@ -90,8 +90,9 @@ def test_torch_code_behind_a_helper_is_called_with_tensors():
 
 def _declared_fn(**kw):
     def fn(q, k, v):
-        q4, k4, v4 = (np.asarray(a, np.float64).reshape((1,) * (4 - a.ndim) + a.shape)
-                      for a in (q, k, v))
+        q4, k4, v4 = (
+            np.asarray(a, np.float64).reshape((1,) * (4 - a.ndim) + a.shape) for a in (q, k, v)
+        )
         pat = masks.Pattern(**kw)
         R = pat.allowed(1, q4.shape[1], q4.shape[2], k4.shape[2])
         S = pat.modify_scores(q4 @ np.swapaxes(k4, -1, -2) / np.sqrt(q4.shape[-1]))
@@ -99,17 +100,28 @@ def _declared_fn(**kw):
         if pat.sinks is not None:
             sink = np.broadcast_to(np.asarray(pat.sinks)[None, :, None, None], S.shape[:3] + (1,))
             has = R.any(-1, keepdims=True)
-            A = softmax_last(np.concatenate([np.where(R, S, 0), sink], -1),
-                             np.concatenate([R, has], -1))[..., :-1]
+            A = softmax_last(
+                np.concatenate([np.where(R, S, 0), sink], -1), np.concatenate([R, has], -1)
+            )[..., :-1]
         else:
             A = softmax_last(np.where(R, S, 0), R)
         return (A @ v4).reshape(q.shape[:-1] + (v.shape[-1],))
+
     return fn
 
 
-@pytest.mark.parametrize("kw", [{"window": 3}, {"chunk": 2}, {"softcap": 5.0},
-                                {"alibi_slopes": [0.5]}, {"sinks": [0.3]}, {"causal": False}],
-                         ids=str)
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"window": 3},
+        {"chunk": 2},
+        {"softcap": 5.0},
+        {"alibi_slopes": [0.5]},
+        {"sinks": [0.3]},
+        {"causal": False},
+    ],
+    ids=str,
+)
 def test_declared_patterns(kw):
     fn = _declared_fn(**kw)
     d = diagnose(fn, isolate=False, **kw)
@@ -133,8 +145,9 @@ def test_timeout_values_are_refused():
         with pytest.raises(ValueError, match="timeout"):
             diagnose(numpy_qkv.correct, timeout=bad)
     for bad in ("inf", "0", "-5", "nan"):
-        r = CliRunner().invoke(app, ["diagnose", f"{FAULTY / 'numpy_qkv.py'}:correct",
-                                     "--timeout", bad])
+        r = CliRunner().invoke(
+            app, ["diagnose", f"{FAULTY / 'numpy_qkv.py'}:correct", "--timeout", bad]
+        )
         assert r.exit_code == 2 and r.output.count("error:") == 1, r.output
         assert "timeout" in r.output and "Traceback" not in r.output
 
@@ -151,13 +164,15 @@ def test_isolate_false_runs_here():
     assert diagnose(fn).ok and not calls  # by default a worker process ran it
 
 
-CLI_CASES = [("more_faults.py:window_off_by_one", ["--window", "3"], "M"),
-             ("more_faults.py:finite_fill_too_weak", [], "M"),
-             ("more_faults.py:scale_by_sqrt_dv", [], "S"),
-             ("more_faults.py:some_heads_only", [], "M"),
-             ("mutations.py:patched_first_row", [], "M"),
-             ("mutations.py:epsilon_in_denominator", [], "A"),
-             ("mutations.py:temperature", [], "S")]
+CLI_CASES = [
+    ("more_faults.py:window_off_by_one", ["--window", "3"], "M"),
+    ("more_faults.py:finite_fill_too_weak", [], "M"),
+    ("more_faults.py:scale_by_sqrt_dv", [], "S"),
+    ("more_faults.py:some_heads_only", [], "M"),
+    ("mutations.py:patched_first_row", [], "M"),
+    ("mutations.py:epsilon_in_denominator", [], "A"),
+    ("mutations.py:temperature", [], "S"),
+]
 
 
 @pytest.mark.parametrize("target, opts, stage", CLI_CASES, ids=[c[0] for c in CLI_CASES])

@@ -38,8 +38,15 @@ def assert_clean_error(res, *fragments: str):
 
 def test_demo_text():
     out = run("demo").stdout
-    for s in ("Vocabulary (23 ids", "Padded to N = 10", "causal mask M, 10×10", "together",
-              "sentence 4, causal AND padding", "audit: ok", "[ 0.592 -1.279]"):
+    for s in (
+        "Vocabulary (23 ids",
+        "Padded to N = 10",
+        "causal mask M, 10×10",
+        "together",
+        "sentence 4, causal AND padding",
+        "audit: ok",
+        "[ 0.592 -1.279]",
+    ):
         assert s in out, s
 
 
@@ -62,8 +69,10 @@ def test_demo_json():
 
 def test_trace_default_is_the_chapter_in_dependency_order():
     out = run("trace").stdout
-    order = [out.index(f"\n{sym}  ") if not out.startswith(sym) else 0
-             for sym in ("X", "W_Q", "Q", "S", "M", "Z", "A", "H", "C")]
+    order = [
+        out.index(f"\n{sym}  ") if not out.startswith(sym) else 0
+        for sym in ("X", "W_Q", "Q", "S", "M", "Z", "A", "H", "C")
+    ]
     assert order == sorted(order)
     assert "S = Q Kᵀ / √d_k   T×T = 4×4" in out
     assert "C[i, j] = A_ij v_j" in out  # rich markup must not eat the brackets
@@ -93,8 +102,18 @@ def test_trace_from_json_and_npz(tmp_path):
     mask = np.tril(np.ones((5, 5), bool))
     mask[4, :] = False
     js = tmp_path / "in.json"
-    js.write_text(json.dumps({"X": X.tolist(), "W_q": Wq.tolist(), "W_k": Wk.tolist(),
-                              "W_v": Wv.tolist(), "W_o": Wo.tolist(), "mask": mask.tolist()}))
+    js.write_text(
+        json.dumps(
+            {
+                "X": X.tolist(),
+                "W_q": Wq.tolist(),
+                "W_k": Wk.tolist(),
+                "W_v": Wv.tolist(),
+                "W_o": Wo.tolist(),
+                "mask": mask.tolist(),
+            }
+        )
+    )
     npz = tmp_path / "in.npz"
     np.savez(npz, X=X, W_q=Wq, W_k=Wk, W_v=Wv, W_o=Wo, mask=mask)
     for f in (js, npz):
@@ -106,8 +125,9 @@ def test_trace_from_json_and_npz(tmp_path):
 
 def test_trace_errors_are_clean(tmp_path):
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"X": [[1, 0], [0, 1]], "W_q": [[1, 0, 0]], "W_k": [[1]],
-                               "W_v": [[1]]}))
+    bad.write_text(
+        json.dumps({"X": [[1, 0], [0, 1]], "W_q": [[1, 0, 0]], "W_k": [[1]], "W_v": [[1]]})
+    )
     assert_clean_error(runner.invoke(app, ["trace", "-i", str(bad)]), "projections", "2×2")
     miss = tmp_path / "miss.json"
     miss.write_text(json.dumps({"X": [[1]]}))

@@ -56,8 +56,10 @@ LEGACY = ("plain", "full", "lengths", "key_padding_mask", "cu_seqlens", "decode"
 SDPA_TOO = ("window", "chunk", "prefix_lengths", "mask", "alibi_slopes", "dropout_p")
 ONLY_OURS = ("softcap", "sinks")
 KEYWORDS = {
-    "auto": LEGACY + SDPA_TOO + ONLY_OURS, "reference": LEGACY + SDPA_TOO + ONLY_OURS,
-    "tiled": LEGACY, "sdpa": LEGACY + SDPA_TOO[:-1],  # SDPA's dropout is its own draw
+    "auto": LEGACY + SDPA_TOO + ONLY_OURS,
+    "reference": LEGACY + SDPA_TOO + ONLY_OURS,
+    "tiled": LEGACY,
+    "sdpa": LEGACY + SDPA_TOO[:-1],  # SDPA's dropout is its own draw
 }
 
 
@@ -75,16 +77,19 @@ def _all_masks(q, k, v, sinks, engine):
         "full": lambda: ca.attention(q, k, v, engine=engine, causal=False),
         "lengths": lambda: ca.attention(q, k, v, engine=engine, lengths=torch.tensor([T, 5])),
         "key_padding_mask": lambda: ca.attention(q, k, v, engine=engine, key_padding_mask=kpm),
-        "cu_seqlens": lambda: ca.attention(q[:1], k[:1], v[:1], engine=engine,
-                                           cu_seqlens=torch.tensor([0, 5, 9, T])),
+        "cu_seqlens": lambda: ca.attention(
+            q[:1], k[:1], v[:1], engine=engine, cu_seqlens=torch.tensor([0, 5, 9, T])
+        ),
         "decode": lambda: ca.attention(q[:, :, -3:], k, v, engine=engine),  # T_q < T_k
         "window": lambda: ca.attention(q, k, v, engine=engine, window=3),
         "chunk": lambda: ca.attention(q, k, v, engine=engine, chunk=4),
-        "prefix_lengths": lambda: ca.attention(q, k, v, engine=engine,
-                                               prefix_lengths=torch.tensor([4, 2])),
+        "prefix_lengths": lambda: ca.attention(
+            q, k, v, engine=engine, prefix_lengths=torch.tensor([4, 2])
+        ),
         "mask": lambda: ca.attention(q, k, v, engine=engine, mask=dense),
-        "alibi_slopes": lambda: ca.attention(q, k, v, engine=engine,
-                                             alibi_slopes=torch.linspace(0.1, 1, H)),
+        "alibi_slopes": lambda: ca.attention(
+            q, k, v, engine=engine, alibi_slopes=torch.linspace(0.1, 1, H)
+        ),
         "dropout_p": lambda: ca.attention(q, k, v, engine=engine, dropout_p=0.25),
         "softcap": lambda: ca.attention(q, k, v, engine=engine, softcap=2.0),
         "sinks": lambda: ca.attention(q, k, v, engine=engine, sinks=sinks),
@@ -122,13 +127,13 @@ def test_compile_fullgraph_every_mask_matches_eager_with_gradients(engine):
 def test_sinks_gradient_equals_the_reference_autograd():
     q, k, v = inputs(grad=False)
     sinks = torch.nn.Parameter(torch.tensor([0.5, -1.0, 2.0, 0.0]))
-    f = torch.compile(lambda q, s: ca.attention(q, k, v, sinks=s, window=5), fullgraph=True,
-                      backend="aot_eager")
+    f = torch.compile(
+        lambda q, s: ca.attention(q, k, v, sinks=s, window=5), fullgraph=True, backend="aot_eager"
+    )
     f(q, sinks).square().sum().backward()
     got = sinks.grad.clone()
     s64 = sinks.detach().double().requires_grad_()
-    out = ca.attention(q.double(), k.double(), v.double(), sinks=s64, window=5,
-                       engine="reference")
+    out = ca.attention(q.double(), k.double(), v.double(), sinks=s64, window=5, engine="reference")
     out.square().sum().backward()
     torch.testing.assert_close(got.double(), s64.grad, rtol=1e-4, atol=1e-5)
 
@@ -136,8 +141,9 @@ def test_sinks_gradient_equals_the_reference_autograd():
 def test_compiled_attention_meets_the_accuracy_rule():
     q, k, v = inputs(grad=False)
     lengths = torch.tensor([12, 7])
-    f = torch.compile(lambda q, k, v: ca.attention(q, k, v, lengths=lengths), fullgraph=True,
-                      backend="aot_eager")
+    f = torch.compile(
+        lambda q, k, v: ca.attention(q, k, v, lengths=lengths), fullgraph=True, backend="aot_eager"
+    )
     out = f(q, k, v)
     ref64 = ca.attention(q.double(), k.double(), v.double(), lengths=lengths, engine="reference")
     i = torch.arange(12)
@@ -148,8 +154,9 @@ def test_compiled_attention_meets_the_accuracy_rule():
 
 def test_return_lse_compiles_and_its_gradient_flows():
     q, k, v = inputs()
-    f = torch.compile(lambda q, k, v: ca.attention(q, k, v, return_lse=True), fullgraph=True,
-                      backend="aot_eager")
+    f = torch.compile(
+        lambda q, k, v: ca.attention(q, k, v, return_lse=True), fullgraph=True, backend="aot_eager"
+    )
     out, lse = f(q, k, v)
     (out.sum() + lse.sum()).backward()
     g = q.grad.clone()
@@ -234,8 +241,15 @@ def test_attention_on_meta_tensors_gives_meta_of_the_right_shape():
     q = torch.empty(2, 4, 6, 8, device="meta")
     k = torch.empty(2, 2, 10, 8, device="meta")
     v = torch.empty(2, 2, 10, 5, device="meta")
-    out, lse = ca.attention(q, k, v, lengths=torch.tensor([10, 7], device="meta"),
-                            sinks=torch.zeros(4, device="meta"), window=3, return_lse=True)
+    out, lse = ca.attention(
+        q,
+        k,
+        v,
+        lengths=torch.tensor([10, 7], device="meta"),
+        sinks=torch.zeros(4, device="meta"),
+        window=3,
+        return_lse=True,
+    )
     assert out.device.type == "meta" and out.shape == (2, 4, 6, 5) and out.dtype == q.dtype
     assert lse.device.type == "meta" and lse.shape == (2, 4, 6) and lse.dtype == torch.float32
 
@@ -255,8 +269,9 @@ def test_layer_built_on_meta_then_materialized_and_loaded():
 
 def test_torch_func_grad_equals_autograd():
     q, k, v = inputs(grad=False)
-    g = torch.func.grad(lambda q, k: ca.attention(q, k, v, engine="tiled").square().sum(),
-                        argnums=(0, 1))(q, k)
+    g = torch.func.grad(
+        lambda q, k: ca.attention(q, k, v, engine="tiled").square().sum(), argnums=(0, 1)
+    )(q, k)
     q2, k2 = q.clone().requires_grad_(), k.clone().requires_grad_()
     ca.attention(q2, k2, v, engine="tiled").square().sum().backward()
     torch.testing.assert_close(g[0], q2.grad, rtol=0, atol=1e-6)
@@ -282,20 +297,23 @@ def test_torch_func_vmap_over_a_leading_axis():
 
 def test_trace_time_errors_name_the_argument():
     q, k, v = inputs(grad=False)
-    bad_engine = torch.compile(lambda q: ca.attention(q, q, q, engine="fast"), fullgraph=True,
-                               backend="aot_eager")
+    bad_engine = torch.compile(
+        lambda q: ca.attention(q, q, q, engine="fast"), fullgraph=True, backend="aot_eager"
+    )
     with pytest.raises(Exception, match="unknown engine 'fast'"):
         bad_engine(q)
-    bad_shape = torch.compile(lambda q, k: ca.attention(q, k, k), fullgraph=True,
-                              backend="aot_eager")
+    bad_shape = torch.compile(
+        lambda q, k: ca.attention(q, k, k), fullgraph=True, backend="aot_eager"
+    )
     with pytest.raises(Exception, match="inner d_k axes must match"):
         bad_shape(q, torch.randn(2, 2, 12, 5))
 
 
 def test_data_checks_run_inside_the_operator_when_compiled():
     q, k, v = inputs(grad=False)
-    f = torch.compile(lambda q, k, v, L: ca.attention(q, k, v, lengths=L), fullgraph=True,
-                      backend="aot_eager")
+    f = torch.compile(
+        lambda q, k, v, L: ca.attention(q, k, v, lengths=L), fullgraph=True, backend="aot_eager"
+    )
     f(q, k, v, torch.tensor([12, 3]))
     with pytest.raises(ValueError, match=r"lengths: each must lie in \[0, T_k=12\]"):
         f(q, k, v, torch.tensor([12, 13]))
@@ -304,8 +322,20 @@ def test_data_checks_run_inside_the_operator_when_compiled():
 def _op_args(q, k, v, engine, **kw):
     tensors = [kw.get(n) for n in ops.TENSORS]
     seed = torch.tensor([3, 4]) if kw.get("dropout_p") else None
-    return (q, k, v, *tensors, seed, True, kw.get("window"), None, kw.get("softcap"), 0.3,
-            kw.get("dropout_p", 0.0), engine)
+    return (
+        q,
+        k,
+        v,
+        *tensors,
+        seed,
+        True,
+        kw.get("window"),
+        None,
+        kw.get("softcap"),
+        0.3,
+        kw.get("dropout_p", 0.0),
+        engine,
+    )
 
 
 UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
@@ -314,9 +344,11 @@ UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
 def test_fake_and_real_operators_agree():
     q, k, v = inputs()
     sinks = torch.randn(4, requires_grad=True)
-    cases = [("tiled", {"lengths": torch.tensor([12, 5])}),
-             ("sdpa", {"window": 3}),
-             ("reference", {"sinks": sinks, "softcap": 3.0, "dropout_p": 0.2})]
+    cases = [
+        ("tiled", {"lengths": torch.tensor([12, 5])}),
+        ("sdpa", {"window": 3}),
+        ("reference", {"sinks": sinks, "softcap": 3.0, "dropout_p": 0.2}),
+    ]
     for engine, kw in cases:
         args = _op_args(q, k, v, engine, **kw)
         torch.library.opcheck(torch.ops.causalattn.fwd.default, (*args, False), test_utils=UTILS)

@@ -63,8 +63,10 @@ def test_planted_fault_is_named(fault):
 
 
 @pytest.mark.parametrize(
-    "fn", [numpy_qkv.correct, torch_qkv.correct, xweights.correct,
-           xweights.CausalSelfAttention()], ids=["numpy", "torch", "x-weights", "module"])
+    "fn",
+    [numpy_qkv.correct, torch_qkv.correct, xweights.correct, xweights.CausalSelfAttention()],
+    ids=["numpy", "torch", "x-weights", "module"],
+)
 def test_correct_implementations_are_clean(fn):
     d = diagnose(fn)
     assert d.ok and d.fault is None and "matches the reference" in d.message, str(d)
@@ -81,22 +83,28 @@ def test_module_and_whitebox_location():
     assert d.fault == "softmax-query-axis"
     assert d.details["whitebox"]["softmax over the key axis"] is False
     src = (FAULTY / "torch_qkv.py").read_text().splitlines()
-    for fault, marker in [("softmax-query-axis", "fault: over the query axis"),
-                          ("mask-after-softmax", "fault: zeroed after the softmax"),
-                          ("missing-scale", "fault: no / sqrt(d_k)")]:
+    for fault, marker in [
+        ("softmax-query-axis", "fault: over the query axis"),
+        ("mask-after-softmax", "fault: zeroed after the softmax"),
+        ("missing-scale", "fault: no / sqrt(d_k)"),
+    ]:
         line = next(i + 1 for i, s in enumerate(src) if marker in s)
         d = diagnose(PLANTED[fault])
         # relative to the current directory, as documented
         assert d.location == f"{os.path.relpath(FAULTY / 'torch_qkv.py')}:{line}", (fault, str(d))
     # NumPy code is recorded too (an ndarray subclass sees every ufunc and np.where)
     src = (FAULTY / "numpy_qkv.py").read_text().splitlines()
-    for fault, marker in [("scale-by-dk", "fault: / d_k"),
-                          ("softmax-all-entries", "fault: one distribution over T×T")]:
+    for fault, marker in [
+        ("scale-by-dk", "fault: / d_k"),
+        ("softmax-all-entries", "fault: one distribution over T×T"),
+    ]:
         line = next(i + 1 for i, s in enumerate(src) if marker in s)
         d = diagnose(PLANTED[fault])
         assert d.location == f"{os.path.relpath(FAULTY / 'numpy_qkv.py')}:{line}", (fault, str(d))
-    assert diagnose(PLANTED["softmax-all-entries"]).details["whitebox"][
-        "normalized over axis"] == (-2, -1)
+    assert diagnose(PLANTED["softmax-all-entries"]).details["whitebox"]["normalized over axis"] == (
+        -2,
+        -1,
+    )
 
 
 def test_bad_signature():

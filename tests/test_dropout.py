@@ -47,8 +47,12 @@ def test_unbiased_mean_within_a_bound_from_the_variance(engine):
     q, k, v = _inputs(1, 2, 12, 4)
     truth = attention(q, k, v, engine=engine, window=6)
     n = 300
-    outs = torch.stack([attention(q, k, v, engine=engine, window=6, dropout_p=0.3,
-                                  generator=_gen(s)) for s in range(n)])
+    outs = torch.stack(
+        [
+            attention(q, k, v, engine=engine, window=6, dropout_p=0.3, generator=_gen(s))
+            for s in range(n)
+        ]
+    )
     mean, sd = outs.mean(0), outs.std(0)
     z = (mean - truth).abs() / (sd / n**0.5).clamp_min(1e-12)
     assert z.max() < 5.5, z.max()  # 96 elements: P(any |z| > 5.5) ~ 4e-6
@@ -58,8 +62,7 @@ def test_unbiased_mean_within_a_bound_from_the_variance(engine):
 def test_drop_fraction_of_readable_weights_within_a_binomial_bound():
     q, k, v = _inputs(2, 3, 64, 4)
     for p_drop in (0.1, 0.5, 0.9):
-        p = make_problem(q, k, v, window=20, lengths=[64, 40], dropout_p=p_drop,
-                         generator=_gen(4))
+        p = make_problem(q, k, v, window=20, lengths=[64, 40], dropout_p=p_drop, generator=_gen(4))
         keep = exact.dropout_mask(p)
         readable = p.allowed().expand_as(keep)
         n = int(readable.sum())
@@ -143,17 +146,20 @@ def test_the_cpu_hash_is_the_same_arithmetic_as_the_torch_one():
         i = torch.randint(0, 2**31 - 1, (37,), generator=g)
         j = torch.randint(0, 2**31 - 1, (53,), generator=g)
         b, h = torch.arange(3)[:, None], torch.arange(4)[None, :]
-        head = dropout._fmix((dropout._int(b, None) * dropout._GOLD + h + off * 0x27D4EB2F)
-                             & dropout.M32)
+        head = dropout._fmix(
+            (dropout._int(b, None) * dropout._GOLD + h + off * 0x27D4EB2F) & dropout.M32
+        )
         head = dropout._fmix(head ^ seed)
         row = dropout._fmix(head[..., None] ^ ((i * dropout._GOLD + dropout._ROW) & dropout.M32))
         col = dropout._fmix((j * dropout._GOLD + dropout._COL) & dropout.M32)
         for p in (0.1, 0.5, 0.97):
             thr = dropout.threshold(p)
-            assert torch.equal(dropout._cells_numpy(row, col, thr),
-                               dropout._cells_torch(row, col, thr))
-            assert torch.equal(dropout.keep_mask(seed, off, b, h, i, j, p),
-                               dropout._cells_torch(row, col, thr))
+            assert torch.equal(
+                dropout._cells_numpy(row, col, thr), dropout._cells_torch(row, col, thr)
+            )
+            assert torch.equal(
+                dropout.keep_mask(seed, off, b, h, i, j, p), dropout._cells_torch(row, col, thr)
+            )
 
 
 def test_placed_key_halves_merge_to_the_whole_as_ring_ranks_do():
@@ -167,13 +173,15 @@ def test_placed_key_halves_merge_to_the_whole_as_ring_ranks_do():
     parts = []
     for k0, k1 in ((0, 120), (120, 200)):
         pat = Pattern(window=60, q_start=0, k_start=k0)
-        p = make_problem(q, k[:, :, k0:k1], v[:, :, k0:k1], pattern=pat, dropout_p=0.3,
-                         generator=_gen(6))
+        p = make_problem(
+            q, k[:, :, k0:k1], v[:, :, k0:k1], pattern=pat, dropout_p=0.3, generator=_gen(6)
+        )
         parts.append(tiled.fwd(p))
         ref = exact.forward(p)
         torch.testing.assert_close(parts[-1][0], ref, atol=1e-12, rtol=1e-12)
     lse = torch.logaddexp(parts[0][1], parts[1][1])
-    out = sum(torch.where(torch.isneginf(lh), 0.0, (lh - lse).exp())[..., None] * oh
-              for oh, lh in parts)
+    out = sum(
+        torch.where(torch.isneginf(lh), 0.0, (lh - lse).exp())[..., None] * oh for oh, lh in parts
+    )
     torch.testing.assert_close(lse, want_lse)
     torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)

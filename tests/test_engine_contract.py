@@ -26,8 +26,9 @@ class Row:
     fwd/bwd: BlockKernels), future (bit-for-bit NaN causality at future keys), guarded_grads
     (that promise also for the gradients), gpu (runs only on CUDA or the interpreter)."""
 
-    def __init__(self, lse=True, f64=True, kernels=False, future=True, guarded_grads=True,
-                 gpu=False):
+    def __init__(
+        self, lse=True, f64=True, kernels=False, future=True, guarded_grads=True, gpu=False
+    ):
         self.lse, self.f64, self.kernels, self.future, self.gpu = lse, f64, kernels, future, gpu
         self.guarded_grads = guarded_grads
 
@@ -239,8 +240,11 @@ def test_accuracy_rule(name, dtype):
 def test_gradcheck_float64(name):
     if not ROWS[name].f64:
         pytest.skip(f"{name}: no float64")
-    for shape, kw in (((1, 2, 1, 6, 6, 3, 2), {}), ((2, 1, 1, 5, 5, 2, 2), {"lengths": [3, 5]}),
-                      ((1, 2, 2, 7, 7, 3, 3), {"cu_seqlens": [0, 2, 7]})):
+    for shape, kw in (
+        ((1, 2, 1, 6, 6, 3, 2), {}),
+        ((2, 1, 1, 5, 5, 2, 2), {"lengths": [3, 5]}),
+        ((1, 2, 2, 7, 7, 3, 3), {"cu_seqlens": [0, 2, 7]}),
+    ):
         q, k, v = (t.requires_grad_() for t in _inputs(name, *shape, dtype=torch.float64, seed=7))
         fn = lambda a, b, c, kw=kw: attention(a, b, c, engine=name, **kw)  # noqa: E731
         assert torch.autograd.gradcheck(fn, (q, k, v)), kw
@@ -255,8 +259,10 @@ def test_block_results_merge_by_lse_and_bwd_takes_the_global_softmax(name):
 
     kern = importlib.import_module(engines.ENGINES[name])
     q, k, v = _inputs(name, 1, 2, 1, 24, 48, 8, d_v=4, seed=23)
-    halves = [make_problem(q, k[:, :, s], v[:, :, s], causal=False)
-              for s in (slice(0, 24), slice(24, None))]
+    halves = [
+        make_problem(q, k[:, :, s], v[:, :, s], causal=False)
+        for s in (slice(0, 24), slice(24, None))
+    ]
     (o1, l1), (o2, l2) = (kern.fwd(p) for p in halves)
     L = torch.logaddexp(l1, l2)
     out = o1 * (l1 - L).exp()[..., None] + o2 * (l2 - L).exp()[..., None]
@@ -270,8 +276,9 @@ def test_block_results_merge_by_lse_and_bwd_takes_the_global_softmax(name):
     (dq1, dk1, dv1), (dq2, dk2, dv2) = (kern.bwd(p, out, L, dout, dlse) for p in halves)
     leaves = [t.detach().double().cpu().requires_grad_() for t in (q, k, v)]
     o64, l64 = ref_engine.forward(make_problem(*leaves, causal=False), return_lse=True)
-    want = torch.autograd.grad((o64 * dout.cpu().double()).sum()
-                               + (l64 * dlse.cpu().double()).sum(), leaves)
+    want = torch.autograd.grad(
+        (o64 * dout.cpu().double()).sum() + (l64 * dlse.cpu().double()).sum(), leaves
+    )
     got = (dq1 + dq2, torch.cat([dk1, dk2], 2), torch.cat([dv1, dv2], 2))
     for n, a, w in zip("qkv", got, want):
         assert (a.cpu().double() - w).abs().max() < 1e-4, f"d{n}"

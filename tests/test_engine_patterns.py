@@ -51,7 +51,7 @@ def by_rows(q, k, v, kw, keep=None, p=0.0):
                     s = s - sl * (i + Tk - Tq - cols).abs().double()
                 terms = s
                 if kw.get("sinks") is not None:
-                    terms = torch.cat([s, torch.as_tensor(kw["sinks"], dtype=F64)[h:h + 1]])
+                    terms = torch.cat([s, torch.as_tensor(kw["sinks"], dtype=F64)[h : h + 1]])
                 a = torch.exp(s - terms.max()) / torch.exp(terms - terms.max()).sum()
                 if p > 0:
                     a = torch.where(keep[b, h, i, cols], a / (1 - p), 0.0) if p < 1 else a * 0
@@ -77,23 +77,26 @@ def cases(draw, modifiers=True, max_T=24):
         if draw(st.booleans()):
             kw["lengths"] = draw(st.lists(st.integers(0, Tk), min_size=B, max_size=B))
         if draw(st.booleans()):
-            kw["key_padding_mask"] = torch.tensor(draw(st.lists(
-                st.booleans(), min_size=B * Tk, max_size=B * Tk))).view(B, Tk)
+            kw["key_padding_mask"] = torch.tensor(
+                draw(st.lists(st.booleans(), min_size=B * Tk, max_size=B * Tk))
+            ).view(B, Tk)
         if draw(st.booleans()):
             top = kw.get("lengths", [Tk] * B)
             kw["prefix_lengths"] = [draw(st.integers(0, t)) for t in top]
         if draw(st.booleans()):
             bb, hh = draw(st.sampled_from([1, B])), draw(st.sampled_from([1, Hq]))
             g = torch.Generator().manual_seed(draw(st.integers(0, 2**16)))
-            kw["mask"] = torch.rand(bb, hh, Tq, Tk, generator=g) < draw(st.sampled_from(
-                [0.1, 0.5, 0.9]))
+            kw["mask"] = torch.rand(bb, hh, Tq, Tk, generator=g) < draw(
+                st.sampled_from([0.1, 0.5, 0.9])
+            )
     if modifiers:
         if draw(st.booleans()):
             kw["softcap"] = draw(st.sampled_from([0.5, 2.0, 30.0]))
         if draw(st.booleans()):
             shape = draw(st.sampled_from([(Hq,), (B, Hq)]))
-            kw["alibi_slopes"] = torch.rand(shape, generator=torch.Generator().manual_seed(3),
-                                            dtype=F64)
+            kw["alibi_slopes"] = torch.rand(
+                shape, generator=torch.Generator().manual_seed(3), dtype=F64
+            )
         if draw(st.booleans()):
             kw["sinks"] = torch.randn(Hq, generator=torch.Generator().manual_seed(4), dtype=F64)
     d = draw(st.integers(1, 9))
@@ -107,8 +110,9 @@ def cases(draw, modifiers=True, max_T=24):
 def test_reference_is_the_definition_row_by_row(case, p):
     (q, k, v), kw = case
     gen = torch.Generator().manual_seed(5)
-    out, lse = attention(q, k, v, engine="reference", return_lse=True, dropout_p=p,
-                         generator=gen, **kw)
+    out, lse = attention(
+        q, k, v, engine="reference", return_lse=True, dropout_p=p, generator=gen, **kw
+    )
     prob = make_problem(q, k, v, dropout_p=p, generator=torch.Generator().manual_seed(5), **kw)
     keep = exact.dropout_mask(prob)
     want = by_rows(q, k, v, kw, keep, p)
@@ -139,7 +143,8 @@ def test_sinks_gradient_reaches_a_learned_parameter():
     assert g.shape == (2,) and (g != 0).all()
     assert torch.autograd.gradcheck(
         lambda s: attention(q, k, v, sinks=s, window=2, engine="reference"),
-        (sinks.detach().clone().requires_grad_(),))
+        (sinks.detach().clone().requires_grad_(),),
+    )
 
 
 def test_reference_dropout_explicit_pattern_and_inspection():
@@ -152,32 +157,36 @@ def test_reference_dropout_explicit_pattern_and_inspection():
     assert torch.equal(exact.attend(p, keep=keep), exact.forward(p))
     other = ~keep
     assert not torch.equal(exact.attend(p, keep=other), exact.forward(p))
-    torch.testing.assert_close(exact.attend(p, keep=other),
-                               by_rows(q, k, v, {"window": 3}, other, 0.4))
+    torch.testing.assert_close(
+        exact.attend(p, keep=other), by_rows(q, k, v, {"window": 3}, other, 0.4)
+    )
 
 
-@pytest.mark.parametrize("kw, words", [
-    ({"window": 0}, ["window", ">= 1"]),
-    ({"chunk": -2}, ["chunk"]),
-    ({"window": 2.5}, ["window"]),
-    ({"prefix_lengths": [7, 1]}, ["prefix_lengths", "T_k=6"]),
-    ({"prefix_lengths": [3, 4], "lengths": [6, 2]}, ["prefix_lengths", "length"]),
-    ({"prefix_lengths": [1]}, ["prefix_lengths", "(2,)", "(1,)"]),
-    ({"alibi_slopes": torch.ones(3)}, ["alibi_slopes", "(4,)", "(3,)"]),
-    ({"alibi_slopes": [float("nan")] * 4}, ["alibi_slopes", "finite"]),
-    ({"softcap": 0.0}, ["softcap"]),
-    ({"softcap": float("inf")}, ["softcap"]),
-    ({"sinks": torch.zeros(2)}, ["sinks", "(4,)", "(2,)"]),
-    ({"mask": torch.ones(2, 1, 6, 5, dtype=torch.bool)}, ["mask", "(2, 1, 6, 5)"]),
-    ({"mask": torch.ones(2, 1, 6, 6)}, ["mask", "bool"]),
-    ({"mask": torch.ones(1, 6, 6, dtype=torch.bool), "cu_seqlens": [0, 6]}, ["cu_seqlens"]),
-    ({"dropout_p": 1.5}, ["dropout_p", "[0, 1]"]),
-    ({"dropout_p": -0.1}, ["dropout_p"]),
-    ({"dropout_p": "0.1"}, ["dropout_p"]),
-    ({"dropout_p": float("nan")}, ["dropout_p"]),
-    ({"dropout_p": 0.1, "generator": 3}, ["generator"]),
-    ({"scale": "x"}, ["scale"]),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        ({"window": 0}, ["window", ">= 1"]),
+        ({"chunk": -2}, ["chunk"]),
+        ({"window": 2.5}, ["window"]),
+        ({"prefix_lengths": [7, 1]}, ["prefix_lengths", "T_k=6"]),
+        ({"prefix_lengths": [3, 4], "lengths": [6, 2]}, ["prefix_lengths", "length"]),
+        ({"prefix_lengths": [1]}, ["prefix_lengths", "(2,)", "(1,)"]),
+        ({"alibi_slopes": torch.ones(3)}, ["alibi_slopes", "(4,)", "(3,)"]),
+        ({"alibi_slopes": [float("nan")] * 4}, ["alibi_slopes", "finite"]),
+        ({"softcap": 0.0}, ["softcap"]),
+        ({"softcap": float("inf")}, ["softcap"]),
+        ({"sinks": torch.zeros(2)}, ["sinks", "(4,)", "(2,)"]),
+        ({"mask": torch.ones(2, 1, 6, 5, dtype=torch.bool)}, ["mask", "(2, 1, 6, 5)"]),
+        ({"mask": torch.ones(2, 1, 6, 6)}, ["mask", "bool"]),
+        ({"mask": torch.ones(1, 6, 6, dtype=torch.bool), "cu_seqlens": [0, 6]}, ["cu_seqlens"]),
+        ({"dropout_p": 1.5}, ["dropout_p", "[0, 1]"]),
+        ({"dropout_p": -0.1}, ["dropout_p"]),
+        ({"dropout_p": "0.1"}, ["dropout_p"]),
+        ({"dropout_p": float("nan")}, ["dropout_p"]),
+        ({"dropout_p": 0.1, "generator": 3}, ["generator"]),
+        ({"scale": "x"}, ["scale"]),
+    ],
+)
 @pytest.mark.parametrize("engine", ["reference", "sdpa", "tiled"])
 def test_bad_input_is_refused_by_name(kw, words, engine):
     q, k, v = _inputs(2, 4, 2, 6, 6, 8, 8)
@@ -202,8 +211,10 @@ def test_sdpa_dropout_is_its_own_but_unbiased_in_shape():
     a = attention(q, k, v, engine="sdpa", dropout_p=0.5, window=4)
     assert a.shape == q.shape and torch.isfinite(a).all()
     assert not torch.equal(a, attention(q, k, v, engine="sdpa", window=4))
-    assert torch.equal(attention(q, k, v, engine="sdpa", dropout_p=0.0, window=4),
-                       attention(q, k, v, engine="sdpa", window=4))
+    assert torch.equal(
+        attention(q, k, v, engine="sdpa", dropout_p=0.0, window=4),
+        attention(q, k, v, engine="sdpa", window=4),
+    )
 
 
 def test_problem_fields():
@@ -227,8 +238,14 @@ def _grads(engine, q, k, v, kw, p=0.0, seed=5, with_lse=True):
     if kw.get("sinks") is not None:
         kw["sinks"] = torch.nn.Parameter(torch.as_tensor(kw["sinks"], dtype=q.dtype).clone())
         leaves.append(kw["sinks"])
-    out, lse = attention(*leaves[:3], engine=engine, return_lse=True, dropout_p=p,
-                         generator=torch.Generator().manual_seed(seed), **kw)
+    out, lse = attention(
+        *leaves[:3],
+        engine=engine,
+        return_lse=True,
+        dropout_p=p,
+        generator=torch.Generator().manual_seed(seed),
+        **kw,
+    )
     g = torch.Generator().manual_seed(1)
     dout = torch.randn(out.shape, generator=g, dtype=F64).to(out.dtype)
     dl = torch.randn(lse.shape, generator=g, dtype=F64).to(lse.dtype)
@@ -274,13 +291,16 @@ ALIBI = torch.linspace(0.01, 0.2, 2, dtype=F64)
 SINKS = torch.tensor([0.3, -0.7], dtype=F64)
 
 
-@pytest.mark.parametrize("T,kw,p", [
-    (700, {"window": 130}, 0.0),
-    (700, {"window": 300, "softcap": 5.0, "alibi_slopes": ALIBI, "sinks": SINKS}, 0.2),
-    (640, {"chunk": 200, "prefix_lengths": [150]}, 0.0),
-    (900, {"cu_seqlens": [0, 5, 300, 301, 700, 900], "window": 260}, 0.1),
-    (600, {"lengths": [600], "causal": False, "window": 100}, 0.0),
-])
+@pytest.mark.parametrize(
+    "T,kw,p",
+    [
+        (700, {"window": 130}, 0.0),
+        (700, {"window": 300, "softcap": 5.0, "alibi_slopes": ALIBI, "sinks": SINKS}, 0.2),
+        (640, {"chunk": 200, "prefix_lengths": [150]}, 0.0),
+        (900, {"cu_seqlens": [0, 5, 300, 301, 700, 900], "window": 260}, 0.1),
+        (600, {"lengths": [600], "causal": False, "window": 100}, 0.0),
+    ],
+)
 def test_tiled_matches_reference_across_blocks(T, kw, p):
     q, k, v = _inputs(1, 2, 1, T, T, 8, 8, seed=T)
     _same(q, k, v, kw, p)
@@ -293,11 +313,14 @@ def test_tiled_dense_mask_per_head_across_blocks():
     _same(q, k, v, {"mask": mask, "causal": False}, 0.25)
 
 
-@pytest.mark.parametrize("kw,p", [
-    ({"window": 2, "softcap": 3.0, "alibi_slopes": ALIBI, "sinks": SINKS}, 0.0),
-    ({"chunk": 3, "prefix_lengths": [2, 4]}, 0.3),
-    ({"mask": torch.rand(1, 2, 5, 7, generator=torch.Generator().manual_seed(0)) > 0.3}, 0.5),
-])
+@pytest.mark.parametrize(
+    "kw,p",
+    [
+        ({"window": 2, "softcap": 3.0, "alibi_slopes": ALIBI, "sinks": SINKS}, 0.0),
+        ({"chunk": 3, "prefix_lengths": [2, 4]}, 0.3),
+        ({"mask": torch.rand(1, 2, 5, 7, generator=torch.Generator().manual_seed(0)) > 0.3}, 0.5),
+    ],
+)
 def test_gradcheck_float64(kw, p):
     q, k, v = _inputs(2, 2, 1, 5, 7, 3, 3, seed=11)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -307,14 +330,21 @@ def test_gradcheck_float64(kw, p):
 
     def f(*xs):
         s = {"sinks": xs[3]} if len(xs) > 3 else {}
-        return attention(*xs[:3], engine="tiled", dropout_p=p, **kw, **s,  # lse: fp32, no
-                         generator=torch.Generator().manual_seed(3))  # (its grad: _same)
+        return attention(
+            *xs[:3],
+            engine="tiled",
+            dropout_p=p,
+            **kw,
+            **s,  # lse: fp32, no
+            generator=torch.Generator().manual_seed(3),
+        )  # (its grad: _same)
 
     assert torch.autograd.gradcheck(f, tuple(leaves))
 
 
-@pytest.mark.parametrize("dtype,floor", [(torch.float32, 1e-6), (torch.bfloat16, 1e-3),
-                                         (torch.float16, 1e-4)])
+@pytest.mark.parametrize(
+    "dtype,floor", [(torch.float32, 1e-6), (torch.bfloat16, 1e-3), (torch.float16, 1e-4)]
+)
 def test_accuracy_rule_low_precision_with_window_and_modifiers(dtype, floor):
     """max|tiled - ref64| <= 2·max|plain_t - ref64| + floor, output and gradients; plain_t:
     the reference's own math run in the low precision (materialized, same modifiers)."""

@@ -8,7 +8,11 @@ import causalattn as ca
 
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"lengths": [7, 3]}, {"key_padding_mask": torch.tensor([[True] * 7, [True] * 4 + [False] * 3])}],
+    [
+        {},
+        {"lengths": [7, 3]},
+        {"key_padding_mask": torch.tensor([[True] * 7, [True] * 4 + [False] * 3])},
+    ],
 )
 def test_sdpa_and_reference_agree(kw):
     torch.manual_seed(2)

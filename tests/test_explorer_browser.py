@@ -21,8 +21,14 @@ from causalattn import masks, text, viz
 pytestmark = pytest.mark.browser
 
 CHROMIUM = os.environ.get("CAUSALATTN_CHROMIUM", "/usr/bin/chromium")
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 DOCS_PNG = Path(__file__).resolve().parents[1] / "docs" / "explorer.png"
 LOCAL = ("file:", "data:", "blob:", "about:")
 
@@ -116,8 +122,9 @@ def page(browser):
 
 def chapter_trace():
     X = np.array([[1, 0], [0, 1], [1, 1], [-1, 1]], float)
-    return ca.trace(X, np.eye(2), np.eye(2), np.array([[1, 1], [1, -1]], float),
-                    tokens=["x1", "x2", "x3", "x4"])
+    return ca.trace(
+        X, np.eye(2), np.eye(2), np.array([[1, 1], [1, -1]], float), tokens=["x1", "x2", "x3", "x4"]
+    )
 
 
 def test_chapter_row_4_shows_the_chapter_weights(page, tmp_path):
@@ -139,8 +146,12 @@ def test_chapter_row_4_shows_the_chapter_weights(page, tmp_path):
 def test_sentences_padding_heads_and_screenshot(page, tmp_path):
     batch = text.encode(text.SEED_SENTENCES)
     traces = viz.batch_traces(batch)
-    path = viz.write_explorer(traces, tmp_path / "seed.html", names=viz.sentence_names(batch),
-                              title="causalattn explorer: the seed's sentences")
+    path = viz.write_explorer(
+        traces,
+        tmp_path / "seed.html",
+        names=viz.sentence_names(batch),
+        title="causalattn explorer: the seed's sentences",
+    )
     page.open(path)
     page.page.select_option("[data-role=seq]", index=3)  # sentence 4: 6 tokens, 4 padding
     summary = page.page.inner_text("[data-role=summary]")
@@ -177,20 +188,33 @@ def window_traces():
     W = [rng.normal(size=(8, 8)) / np.sqrt(8) for _ in range(3)]
     out = []
     for b in range(batch.B):
-        out.append(ca.trace(E[batch.ids[b]][None], *W, window=3, lengths=batch.lengths[b:b + 1],
-                            n_heads=2, tokens=batch.tokens[b]))
+        out.append(
+            ca.trace(
+                E[batch.ids[b]][None],
+                *W,
+                window=3,
+                lengths=batch.lengths[b : b + 1],
+                n_heads=2,
+                tokens=batch.tokens[b],
+            )
+        )
     return batch, out
 
 
 def test_window_and_padding_in_one_view_each_kind_named(page, tmp_path):
     batch, tr = window_traces()
-    path = viz.write_explorer(tr, tmp_path / "window.html", names=viz.sentence_names(batch),
-                              title="causalattn explorer: window 3 + padding")
+    path = viz.write_explorer(
+        tr,
+        tmp_path / "window.html",
+        names=viz.sentence_names(batch),
+        title="causalattn explorer: window 3 + padding",
+    )
     page.open(path)
     page.page.select_option("[data-role=seq]", index=3)  # 6 tokens, 4 padding
     legend = page.texts("[data-role=legend] .ca-legend-item")
-    assert legend == [viz.KINDS[c].label for c in (masks.READABLE, masks.PADDING, masks.FUTURE,
-                                                    masks.WINDOW)]
+    assert legend == [
+        viz.KINDS[c].label for c in (masks.READABLE, masks.PADDING, masks.FUTURE, masks.WINDOW)
+    ]
     colours = page.page.evaluate("""() => {
         const c = document.querySelector('[data-panel=M] canvas.ca-base');
         const [ml, mt, cell] = c.nextElementSibling.getAttribute('data-grid').split(',').map(Number);
@@ -202,7 +226,8 @@ def test_window_and_padding_in_one_view_each_kind_named(page, tmp_path):
     page.hover_row("A", 4, 0)
     assert "blocked: outside the window" in page.page.inner_text("[data-role=cell]")
     kinds = page.page.locator("[data-role=side] tr[data-kind]").evaluate_all(
-        "rs => rs.map(r => r.getAttribute('data-kind'))")
+        "rs => rs.map(r => r.getAttribute('data-kind'))"
+    )
     assert kinds == ["window", "window", "future"] + ["padding"] * 4  # row 5: keys 3-5 readable
     page.clean()
     DOCS_PNG.parent.mkdir(exist_ok=True)
@@ -216,9 +241,16 @@ def test_score_modifiers_are_applied_by_the_page_itself(page, tmp_path):
     rng = np.random.default_rng(3)
     T = 12
     W = [rng.normal(size=(8, 8)) for _ in range(3)]
-    tr = ca.trace(rng.normal(size=(1, T, 8)), *W, n_heads=2, window=5, softcap=3.0,
-                  alibi_slopes=np.array([0.5, 0.25]), sinks=np.array([0.3, 2.0]),
-                  tokens=[f"t{i}" for i in range(T)])
+    tr = ca.trace(
+        rng.normal(size=(1, T, 8)),
+        *W,
+        n_heads=2,
+        window=5,
+        softcap=3.0,
+        alibi_slopes=np.array([0.5, 0.25]),
+        sinks=np.array([0.3, 2.0]),
+        tokens=[f"t{i}" for i in range(T)],
+    )
     page.open(viz.write_explorer(tr, tmp_path / "mods.html"))
     for h in (0, 1):
         page.page.select_option("[data-role=head]", index=h)
@@ -291,24 +323,39 @@ def test_model_view_opens_a_head_and_search_pins_a_query(page, tmp_path):
 
 
 QUESTIONS = [  # the shape causalattn.learn.questions() returns
-    {"id": "q1", "prompt": "Along which axis does softmax run?",
-     "choices": ["down each key column", "across each query row", "over all T×T scores"],
-     "answer": 1, "hint": "Each query's weights must sum to 1.",
-     "explanation": "Row i holds query i's scores over keys j.",
-     "highlight": {"matrix": "A", "axis": "row", "row": 2},
-     "data": {"X": [[1, 0], [0, 1], [1, 1], [-1, 1]], "W_q": [[1, 0], [0, 1]],
-              "W_k": [[1, 0], [0, 1]], "W_v": [[1, 1], [1, -1]],
-              "tokens": ["x1", "x2", "<b>x3</b>", "x4"]}},
-    {"id": "q2", "prompt": "Why is cell (8, 2) of sentence 4 blocked?",
-     "choices": ["future", "padding"], "answer": 1, "hint": "Look at row 8's token.",
-     "explanation": "Row 8 is <PAD>.", "highlight": {"matrix": "M", "cells": [[7, 1]]},
-     "sentence": 3},
+    {
+        "id": "q1",
+        "prompt": "Along which axis does softmax run?",
+        "choices": ["down each key column", "across each query row", "over all T×T scores"],
+        "answer": 1,
+        "hint": "Each query's weights must sum to 1.",
+        "explanation": "Row i holds query i's scores over keys j.",
+        "highlight": {"matrix": "A", "axis": "row", "row": 2},
+        "data": {
+            "X": [[1, 0], [0, 1], [1, 1], [-1, 1]],
+            "W_q": [[1, 0], [0, 1]],
+            "W_k": [[1, 0], [0, 1]],
+            "W_v": [[1, 1], [1, -1]],
+            "tokens": ["x1", "x2", "<b>x3</b>", "x4"],
+        },
+    },
+    {
+        "id": "q2",
+        "prompt": "Why is cell (8, 2) of sentence 4 blocked?",
+        "choices": ["future", "padding"],
+        "answer": 1,
+        "hint": "Look at row 8's token.",
+        "explanation": "Row 8 is <PAD>.",
+        "highlight": {"matrix": "M", "cells": [[7, 1]]},
+        "sentence": 3,
+    },
 ]
 
 
 def _learn(page):
-    return {r: page.page.inner_text(f"[data-role=learn-{r}]") for r in ("count", "feedback",
-                                                                          "score")}
+    return {
+        r: page.page.inner_text(f"[data-role=learn-{r}]") for r in ("count", "feedback", "score")
+    }
 
 
 def test_check_yourself_panel_choose_check_hint_and_the_answer_on_its_matrix(page, tmp_path):
@@ -367,7 +414,7 @@ HOSTILE = [
     "<img src=x onerror=alert(1)>",
     "<script>window.__pwned = 1</script>",
     "</script><script>window.__pwned = 2</script>",
-    "<b onmouseover=\"window.__pwned = 3\">bold</b>",
+    '<b onmouseover="window.__pwned = 3">bold</b>',
     "&lt;&amp;\u2028<!--",
 ]
 
@@ -375,8 +422,9 @@ HOSTILE = [
 def _hostile_trace():
     rng = np.random.default_rng(1)
     T = len(HOSTILE)
-    return ca.trace(rng.normal(size=(T, 4)), *(rng.normal(size=(4, 4)) for _ in range(3)),
-                    tokens=HOSTILE)
+    return ca.trace(
+        rng.normal(size=(T, 4)), *(rng.normal(size=(4, 4)) for _ in range(3)), tokens=HOSTILE
+    )
 
 
 @pytest.mark.parametrize("form", ["page", "notebook fragment"])
@@ -386,8 +434,10 @@ def test_hostile_tokens_are_text_and_no_script_runs(page, tmp_path, form):
     if form == "page":
         viz.write_explorer(tr, path, names=[HOSTILE[0]], title=HOSTILE[2])
     else:  # as Jupyter would insert it: no Content-Security-Policy to help
-        path.write_text(f"<!DOCTYPE html><meta charset='utf-8'><body>{tr._repr_html_()}</body>",
-                        encoding="utf-8")
+        path.write_text(
+            f"<!DOCTYPE html><meta charset='utf-8'><body>{tr._repr_html_()}</body>",
+            encoding="utf-8",
+        )
     page.open(path)
     for i in range(len(HOSTILE)):
         page.hover_row("A", i, i)
@@ -409,8 +459,11 @@ def test_2048_tokens_open_quickly(page, tmp_path):
     mib = path.stat().st_size / 2**20
     wall = page.open(path)
     in_page = float(page.page.get_attribute(".ca-explorer", "data-load-ms")) / 1000
-    print(f"\n2048-token explorer ({mib:.1f} MiB, 2 heads): navigation to drawn {in_page:.2f} s "
-          f"in the page, {wall:.2f} s wall clock", file=sys.stderr)
+    print(
+        f"\n2048-token explorer ({mib:.1f} MiB, 2 heads): navigation to drawn {in_page:.2f} s "
+        f"in the page, {wall:.2f} s wall clock",
+        file=sys.stderr,
+    )
     page.page.fill("[data-role=query]", str(T))
     page.page.dispatch_event("[data-role=query]", "change")
     assert "query i = 2048" in page.page.inner_text("[data-role=query-title]")

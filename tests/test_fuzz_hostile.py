@@ -22,10 +22,20 @@ def test_fuzz_clean_error_or_correct_result(tmp_path):
         resource.setrlimit(resource.RLIMIT_AS, (4 * GiB, 4 * GiB))
         resource.setrlimit(resource.RLIMIT_CPU, (600, 600))
 
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(HERE.parent / "src"), os.environ.get("PYTHONPATH")]))}
-    res = subprocess.run([sys.executable, str(HERE / "fuzz_hostile.py"), str(tmp_path), "80"],
-                         capture_output=True, text=True, timeout=900, preexec_fn=limits, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(HERE.parent / "src"), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    res = subprocess.run(
+        [sys.executable, str(HERE / "fuzz_hostile.py"), str(tmp_path), "80"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        preexec_fn=limits,
+        env=env,
+    )
     assert res.returncode == 0, (res.stdout + res.stderr)[-8000:]
     for name in ("fuzz_cli", "fuzz_attention", "fuzz_trace", "fuzz_encode"):
         assert f"ok {name}" in res.stdout, res.stdout

@@ -26,8 +26,13 @@ from causalattn.layer import CausalSelfAttention  # noqa: E402
 
 FLOOR = 1e-5
 T = 14
-NEEDS = {"mistral": {"window"}, "qwen2": {"window"}, "gemma2": {"window", "softcap"},
-         "gpt_oss": {"window", "sinks"}, "llama4": {"chunk"}}
+NEEDS = {
+    "mistral": {"window"},
+    "qwen2": {"window"},
+    "gemma2": {"window", "softcap"},
+    "gpt_oss": {"window", "sinks"},
+    "llama4": {"chunk"},
+}
 NAMES = list(tiny.CONFIGS)
 
 
@@ -62,7 +67,7 @@ def padded_batch(pad: str):
         am[2, 2:] = 0
     elif pad == "left":
         am[1, :5] = 0
-        am[2, :T - 1] = 0  # a single real token
+        am[2, : T - 1] = 0  # a single real token
     position_ids = (am.cumsum(-1) - 1).clamp(min=0)  # HF's convention for padded batches
     return ids, am, position_ids
 
@@ -127,14 +132,18 @@ def test_windows_bite(models):
 def test_greedy_generation_matches_eager(models, name):
     model, _ = models(name)
     ids, am, _ = padded_batch("left")
-    am[2, :T - 4] = 0
+    am[2, : T - 4] = 0
     if name == "llama4":
         am[:] = 1  # see test_logits_match_eager: chunks counted from a row's first token
     out = {}
     for impl in ("eager", "causalattn"):
         model.set_attn_implementation(impl)
         out[impl] = model.generate(
-            ids, attention_mask=am, max_new_tokens=8, do_sample=False, pad_token_id=0,
+            ids,
+            attention_mask=am,
+            max_new_tokens=8,
+            do_sample=False,
+            pad_token_id=0,
             eos_token_id=None,
         )
     assert out["causalattn"].shape == (3, T + 8)
@@ -150,8 +159,13 @@ def test_greedy_generation_with_a_static_cache(models, name):
     for impl in ("eager", "causalattn"):
         model.set_attn_implementation(impl)
         out[impl] = model.generate(
-            ids, attention_mask=am, max_new_tokens=5, do_sample=False, pad_token_id=0,
-            eos_token_id=None, cache_implementation="static",
+            ids,
+            attention_mask=am,
+            max_new_tokens=5,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            cache_implementation="static",
         )
     assert torch.equal(out["causalattn"], out["eager"])
 
@@ -185,11 +199,14 @@ def test_patterns_read_from_hf():
     """What each model hands the function becomes the expected causalattn pattern."""
     from causalattn.integrations.hf_capture import capture
 
-    want = {"gpt2": ("causal", "causal + padding"), "llama": ("causal", "causal + padding"),
-            "mistral": ("causal + window 4", "causal + window 4 + padding"),
-            "gemma2": ("causal + window 4 + softcap 5", "causal + window 4 + padding + softcap 5"),
-            "gpt_oss": ("causal + window 4 + sinks", "causal + window 4 + padding + sinks"),
-            "llama4": ("causal + chunk 4", "causal + chunk 4 + padding")}
+    want = {
+        "gpt2": ("causal", "causal + padding"),
+        "llama": ("causal", "causal + padding"),
+        "mistral": ("causal + window 4", "causal + window 4 + padding"),
+        "gemma2": ("causal + window 4 + softcap 5", "causal + window 4 + padding + softcap 5"),
+        "gpt_oss": ("causal + window 4 + sinks", "causal + window 4 + padding + sinks"),
+        "llama4": ("causal + chunk 4", "causal + chunk 4 + padding"),
+    }
     ids, am, _ = padded_batch("right")
     for name, (plain, padded) in want.items():
         if NEEDS.get(name, set()) - _accepted():
@@ -220,8 +237,9 @@ def test_from_gpt2_attention_equals_hf_module():
     layer = CausalSelfAttention.from_gpt2_attention(hf, engine="auto")
     assert torch.equal(layer.W_q, hf.c_attn.weight[:, :32])  # Conv1D is already X @ W
     x = torch.randn(2, 9, 32)
-    causal = torch.zeros(9, 9).masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1),
-                                           float("-inf"))
+    causal = torch.zeros(9, 9).masked_fill(
+        torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf")
+    )
     with torch.no_grad():
         want = hf(x, attention_mask=causal[None, None])[0]  # called alone, eager needs the mask
         got = layer(x)

@@ -19,8 +19,13 @@ from causalattn.integrations.transformers import _accepted, capture  # noqa: E40
 
 FLOOR = 1e-6
 T = 14  # longer than the windows and chunks (4) of the tiny models
-NEEDS = {"mistral": {"window"}, "qwen2": {"window"}, "gemma2": {"window", "softcap"},
-         "gpt_oss": {"window", "sinks"}, "llama4": {"chunk"}}
+NEEDS = {
+    "mistral": {"window"},
+    "qwen2": {"window"},
+    "gemma2": {"window", "softcap"},
+    "gpt_oss": {"window", "sinks"},
+    "llama4": {"chunk"},
+}
 
 
 def _model(name):
@@ -81,11 +86,13 @@ def test_capture_equals_eager_weights(name, pad):
 
 def test_capture_kinds_of_pattern():
     """The layers' patterns are read right: windows where the config puts them."""
-    names = {"mistral": ["causal + window 4"] * 2,
-             "qwen2": ["causal", "causal + window 4", "causal + window 4"],
-             "gemma2": ["causal + window 4 + softcap 5", "causal + softcap 5"],
-             "gpt_oss": ["causal + window 4 + sinks", "causal + sinks"],
-             "llama4": ["causal + chunk 4"] * 3 + ["causal"]}
+    names = {
+        "mistral": ["causal + window 4"] * 2,
+        "qwen2": ["causal", "causal + window 4", "causal + window 4"],
+        "gemma2": ["causal + window 4 + softcap 5", "causal + softcap 5"],
+        "gpt_oss": ["causal + window 4 + sinks", "causal + sinks"],
+        "llama4": ["causal + chunk 4"] * 3 + ["causal"],
+    }
     for name, want in names.items():
         if NEEDS[name] - _accepted():
             continue
@@ -153,8 +160,10 @@ def test_audit_passes_every_layer(name):
 
 
 def _first_failures(model, ids):
-    return [(tr.layer, None if ca.audit(tr).ok else ca.audit(tr).first_failure.stage)
-            for tr in capture(model, ids)]
+    return [
+        (tr.layer, None if ca.audit(tr).ok else ca.audit(tr).first_failure.stage)
+        for tr in capture(model, ids)
+    ]
 
 
 def test_dropped_mask_fails_at_that_layer_stage_m(monkeypatch):

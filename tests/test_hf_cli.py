@@ -91,7 +91,8 @@ def test_softmax_over_queries_fails_at_that_layer_and_stage_a(dirs, monkeypatch)
         if self.layer == 0:
             Z = st["Z"]
             st["A"] = torch.softmax(Z.masked_fill(Z == -torch.inf, -1e300), dim=-2).masked_fill(
-                Z == -torch.inf, 0.0)
+                Z == -torch.inf, 0.0
+            )
         return st
 
     monkeypatch.setattr(hf_capture.CapturedTrace, "_stages", broken)
@@ -114,8 +115,9 @@ def test_explore_writes_one_offline_page(dirs, tmp_path):
 def test_bad_input_is_one_error_line_exit_2(dirs, tmp_path):
     (tmp_path / "empty").mkdir()
     t5 = tmp_path / "t5"
-    transformers.T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=8, num_layers=1,
-                          num_heads=2).save_pretrained(t5)
+    transformers.T5Config(
+        vocab_size=32, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2
+    ).save_pretrained(t5)
     cases = [
         (["audit", "--model", tmp_path / "nope", TEXT], "no such folder"),
         (["audit", "--model", tmp_path / "empty", TEXT], "not a Hugging Face model folder"),
@@ -144,11 +146,18 @@ def test_real_command_in_a_subprocess(dirs, tmp_path):
     shutil.copytree(dirs["gpt2"], snap)
     (snap.parents[1] / "refs").mkdir()
     (snap.parents[1] / "refs" / "main").write_text(snap.name)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
-           "HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
+        "HF_HUB_CACHE": str(tmp_path / "hub"),
+        "HF_HUB_OFFLINE": "1",
+    }
     res = subprocess.run(
         [sys.executable, "-m", "causalattn.cli", "audit", "--model", "gpt2", TEXT],
-        capture_output=True, text=True, timeout=600, env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     assert res.returncode == 0, res.stderr
     assert res.stdout.splitlines()[-1] == "audit: ok"

@@ -27,18 +27,36 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 GiB = 2**30
 
 
-def capped(args: list[str], *, mem: int = 3 * GiB, cpu: int = 60, timeout: float = 120,
-           cwd=None, stdin=None) -> subprocess.CompletedProcess:
+def capped(
+    args: list[str],
+    *,
+    mem: int = 3 * GiB,
+    cpu: int = 60,
+    timeout: float = 120,
+    cwd=None,
+    stdin=None,
+) -> subprocess.CompletedProcess:
     """Run ``python args`` with address space and CPU time capped; wall clock bounded."""
 
     def limits():
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
         resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
 
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "COLUMNS": "100"}
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True,
-                          timeout=timeout, preexec_fn=limits, env=env, cwd=cwd, input=stdin)
+    env = {
+        **os.environ,
+        "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "COLUMNS": "100",
+    }
+    return subprocess.run(
+        [sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        preexec_fn=limits,
+        env=env,
+        cwd=cwd,
+        input=stdin,
+    )
 
 
 def cli(*args: str, **kw) -> subprocess.CompletedProcess:
@@ -94,8 +112,11 @@ def huge_sentence(tmp_path_factory) -> Path:
 
 def test_batch_masks_are_lazy_and_match_the_dense_definition():
     b = ca.encode(["a b c d e", "f g"], max_len=6)
-    dense = masks.combine(masks.causal(6)[None], masks.key_padding(b.lengths, 6)[:, None, :],
-                          masks.query_padding(b.lengths, 6)[:, :, None])
+    dense = masks.combine(
+        masks.causal(6)[None],
+        masks.key_padding(b.lengths, 6)[:, None, :],
+        masks.query_padding(b.lengths, 6)[:, :, None],
+    )
     np.testing.assert_array_equal(b.mask, dense)
     np.testing.assert_array_equal(b.sentence_mask(1), dense[1])
     np.testing.assert_array_equal(b.mask_block(1, 5, 2, 6), dense[:, 1:5, 2:6])
@@ -126,8 +147,10 @@ def test_huge_batch_refuses_dense_masks_but_summarizes():
 
 
 def test_encode_of_a_100000_word_sentence_is_linear(huge_sentence):
-    code = (f"import causalattn as ca; b = ca.encode([open({str(huge_sentence)!r}).read()]); "
-            "print(b.N, b.mask_counts()['readable'][0])")
+    code = (
+        f"import causalattn as ca; b = ca.encode([open({str(huge_sentence)!r}).read()]); "
+        "print(b.N, b.mask_counts()['readable'][0])"
+    )
     res = capped(["-c", code], mem=2 * GiB, cpu=60)
     assert res.returncode == 0, res.stderr
     assert res.stdout.split() == ["100000", str(100_000 * 100_001 // 2)]
@@ -138,11 +161,16 @@ def test_encode_of_a_100000_word_sentence_is_linear(huge_sentence):
 
 def test_huge_sentence_masks_summarized_and_refused_where_dense(huge_sentence, tmp_path):
     f = str(huge_sentence)
-    js, txt, exp = cli_many([
-        ["masks", "--file", f, "--json"],
-        ["masks", "--file", f, "--form", "check"],
-        ["explore", "--file", f, "-o", str(tmp_path / "e.html")],
-    ], mem=3 * GiB, cpu=120, timeout=300)
+    js, txt, exp = cli_many(
+        [
+            ["masks", "--file", f, "--json"],
+            ["masks", "--file", f, "--form", "check"],
+            ["explore", "--file", f, "-o", str(tmp_path / "e.html")],
+        ],
+        mem=3 * GiB,
+        cpu=120,
+        timeout=300,
+    )
     assert js.returncode == 0, js.stderr
     d = json.loads(js.stdout)
     s = d["sentences"][0]["combined"]
@@ -180,8 +208,20 @@ def test_oversized_or_invalid_sizes_are_one_error_line(tmp_path):
 def test_explore_page_is_capped_with_a_note(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text("\n".join(f"sentence number {k} is here" for k in range(3000)))
-    (res,) = cli_many([["explore", "--file", str(corpus), "-o", str(tmp_path / "e.html"),
-                        "--json", "--max-page-bytes", str(2**20)]])
+    (res,) = cli_many(
+        [
+            [
+                "explore",
+                "--file",
+                str(corpus),
+                "-o",
+                str(tmp_path / "e.html"),
+                "--json",
+                "--max-page-bytes",
+                str(2**20),
+            ]
+        ]
+    )
     assert res.returncode == 0, res.stderr
     d = json.loads(res.stdout)
     assert 1 <= d["sequences"] < 3000 and d["bytes"] < 1.3 * 2**20
@@ -192,13 +232,16 @@ def test_explore_page_is_capped_with_a_note(tmp_path):
 # -- one error line for every failure -----------------------------------------------------
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["masks", "--bogus"], "No such option: --bogus"),
-    (["trace", "-q"], "requires an argument"),
-    (["trace", "-q", "x"], "Invalid value for '--query'"),
-    (["nosuchcommand"], "No such command"),
-    (["diagnose"], "Missing argument"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["masks", "--bogus"], "No such option: --bogus"),
+        (["trace", "-q"], "requires an argument"),
+        (["trace", "-q", "x"], "Invalid value for '--query'"),
+        (["nosuchcommand"], "No such command"),
+        (["diagnose"], "Missing argument"),
+    ],
+)
 def test_usage_errors_lead_with_one_error_line(args, fragment):
     res = runner.invoke(app, args)
     assert res.exit_code == 2
@@ -213,8 +256,12 @@ def _write(tmp_path, name, content) -> str:
     return str(p)
 
 
-GOOD = {"X": [[1, 0], [0, 1]], "W_q": [[1, 0], [0, 1]], "W_k": [[1, 0], [0, 1]],
-        "W_v": [[1, 1], [1, -1]]}
+GOOD = {
+    "X": [[1, 0], [0, 1]],
+    "W_q": [[1, 0], [0, 1]],
+    "W_k": [[1, 0], [0, 1]],
+    "W_v": [[1, 1], [1, -1]],
+}
 
 
 TRACE_INPUTS = [
@@ -239,16 +286,18 @@ def test_trace_input_problems_are_one_error_line(tmp_path):
     nan = {**GOOD, "X": [[float("nan"), 0], [0, 1]]}
     big = {**GOOD, "X": [[1e308, 1e308], [1e308, 1e308]]}
     argvs = [["trace", "-i", _write(tmp_path, n, c)] for n, c, _ in TRACE_INPUTS]
-    argvs += [["trace", "-i", str(tmp_path / "big.npz")],
-              ["trace", "-i", str(tmp_path / "none.npz")],
-              ["trace", "-i", str(tmp_path)],
-              ["trace", "-i", _write(tmp_path, "x.txt", json.dumps(GOOD)), "--json"],
-              ["trace", "-i", _write(tmp_path, "n.json", json.dumps(nan)), "--json"],
-              ["trace", "-i", _write(tmp_path, "b.json", json.dumps(big)), "--json"]]
+    argvs += [
+        ["trace", "-i", str(tmp_path / "big.npz")],
+        ["trace", "-i", str(tmp_path / "none.npz")],
+        ["trace", "-i", str(tmp_path)],
+        ["trace", "-i", _write(tmp_path, "x.txt", json.dumps(GOOD)), "--json"],
+        ["trace", "-i", _write(tmp_path, "n.json", json.dumps(nan)), "--json"],
+        ["trace", "-i", _write(tmp_path, "b.json", json.dumps(big)), "--json"],
+    ]
     res = cli_many(argvs, mem=2 * GiB)
     for (_, _, fragment), r in zip(TRACE_INPUTS, res):
         one_error_line(r, fragment)
-    big_r, none_r, folder_r, txt_r, nan_r, over_r = res[len(TRACE_INPUTS):]
+    big_r, none_r, folder_r, txt_r, nan_r, over_r = res[len(TRACE_INPUTS) :]
     one_error_line(big_r, "--max-bytes")
     one_error_line(none_r, "holds no arrays")
     one_error_line(folder_r, "is a folder")
@@ -264,8 +313,9 @@ def test_output_folders_are_never_created(tmp_path):
     one_error_line(runner_result("masks", "--png", str(missing)), "does not exist")
     assert not (tmp_path / "nope").exists()
     with pytest.raises(ValueError, match="does not exist"):
-        ca.viz.write_explorer(ca.trace(np.eye(2), np.eye(2), np.eye(2), np.eye(2)),
-                              missing / "e.html")
+        ca.viz.write_explorer(
+            ca.trace(np.eye(2), np.eye(2), np.eye(2), np.eye(2)), missing / "e.html"
+        )
 
 
 class _Res:
@@ -308,11 +358,16 @@ def _qkv(B=2, H=2, T=8, d=4):
     return tuple(torch.randn(B, H, T, d, generator=g) for _ in range(3))
 
 
-@pytest.mark.parametrize("kw, match", [
-    ({"scale": float("nan")}, "scale"), ({"scale": float("inf")}, "scale"),
-    ({"causal": None}, "causal"), ({"lengths": "8,3"}, "lengths"),
-    ({"lengths": [8.0, 3.0]}, "lengths"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        ({"scale": float("nan")}, "scale"),
+        ({"scale": float("inf")}, "scale"),
+        ({"causal": None}, "causal"),
+        ({"lengths": "8,3"}, "lengths"),
+        ({"lengths": [8.0, 3.0]}, "lengths"),
+    ],
+)
 def test_attention_refuses_hostile_arguments(kw, match):
     q, k, v = _qkv()
     with pytest.raises(ValueError, match=match):
@@ -394,8 +449,23 @@ def test_a_row_reading_nan_keeps_exact_zeros_where_it_may_not_read():
 def test_explore_of_long_sentences_stays_within_max_bytes(tmp_path):
     corpus = tmp_path / "long.txt"
     corpus.write_text("\n".join(" ".join(f"w{k % 97}" for k in range(1500)) for _ in range(4)))
-    (res,) = cli_many([["explore", "--file", str(corpus), "-o", str(tmp_path / "e.html"),
-                        "--json", "--max-bytes", str(2**29)]], mem=3 * GiB, cpu=120, timeout=300)
+    (res,) = cli_many(
+        [
+            [
+                "explore",
+                "--file",
+                str(corpus),
+                "-o",
+                str(tmp_path / "e.html"),
+                "--json",
+                "--max-bytes",
+                str(2**29),
+            ]
+        ],
+        mem=3 * GiB,
+        cpu=120,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr
     d = json.loads(res.stdout)
     # one 1,500-token sentence's float64 stages take ~300 MB: only one fits 512 MiB

@@ -35,16 +35,16 @@ def manual(layer: CausalSelfAttention, x: torch.Tensor, lengths=None, dtype=torc
         n = T if lengths is None else int(lengths[b])
         for i_h in range(h):
             kv = i_h // g
-            q = Q[b, :, i_h * dk:(i_h + 1) * dk]
-            k = K[b, :, kv * dk:(kv + 1) * dk]
-            v = V[b, :, kv * dv:(kv + 1) * dv]
+            q = Q[b, :, i_h * dk : (i_h + 1) * dk]
+            k = K[b, :, kv * dk : (kv + 1) * dk]
+            v = V[b, :, kv * dv : (kv + 1) * dv]
             S = q @ k.T * scale
             i = torch.arange(T)[:, None]
             j = torch.arange(T)[None, :]
             allowed = (j <= i) & (j < n) & (i < n)
             Z = S.masked_fill(~allowed, float("-inf"))
             A = torch.softmax(Z, dim=-1).nan_to_num(0.0)  # padding rows: no readable key -> 0
-            out[b, :, i_h * dv:(i_h + 1) * dv] = A @ v
+            out[b, :, i_h * dv : (i_h + 1) * dv] = A @ v
     O = out @ p["W_o"]
     return O if p["b_o"] is None else O + p["b_o"]
 
@@ -111,7 +111,7 @@ def test_kv_cache_decoding_equals_full_pass(engine):
     full = layer(x)
     cache = KVCache(capacity=2)  # small, so decoding grows it
     chunks = [layer(x[:, :5], kv_cache=cache)]
-    chunks += [layer(x[:, t:t + 1], kv_cache=cache) for t in range(5, 9)]
+    chunks += [layer(x[:, t : t + 1], kv_cache=cache) for t in range(5, 9)]
     chunks.append(layer(x[:, 9:], kv_cache=cache))  # a chunk of 3 queries, bottom-right aligned
     assert len(cache) == 12
     assert (torch.cat(chunks, dim=1) - full).abs().max() < 1e-5
@@ -189,7 +189,9 @@ def test_from_nanogpt_state_dict():
 def test_bad_input_names_the_argument():
     layer = make_layer(engine="reference")
     x = torch.randn(2, 5, 32)
-    with pytest.raises(ValueError, match=r"x must be \(B, T, d_model\) with d_model=32, got \(2, 5, 16\)"):
+    with pytest.raises(
+        ValueError, match=r"x must be \(B, T, d_model\) with d_model=32, got \(2, 5, 16\)"
+    ):
         layer(torch.randn(2, 5, 16))
     with pytest.raises(ValueError, match=r"x must be .* got \(5, 32\)"):
         layer(torch.randn(5, 32))
@@ -230,7 +232,10 @@ def test_layer_bench_rows():
 
     rows = bench_layer.run(1, 48, 16, 2, budget_s=0.05, passes=("fwd", "fwd+bwd"))
     assert [(r["pass"], r["engine"]) for r in rows] == [
-        ("fwd", "auto (tiled)"), ("fwd", "sdpa"), ("fwd+bwd", "auto (tiled)"), ("fwd+bwd", "sdpa")
+        ("fwd", "auto (tiled)"),
+        ("fwd", "sdpa"),
+        ("fwd+bwd", "auto (tiled)"),
+        ("fwd+bwd", "sdpa"),
     ]
     assert all(r["ms"] > 0 and r["vs_sdpa"] > 0 and r["reps"] >= 3 for r in rows)
     assert rows[1]["vs_sdpa"] == 1.0 and rows[0]["max_abs_diff_vs_sdpa"] < 1e-5

@@ -7,10 +7,17 @@ import torch
 from causalattn import CausalSelfAttention, masks
 
 
-@pytest.mark.parametrize("kw", [
-    {"window": 3}, {"chunk": 4}, {"alibi": True}, {"softcap": 5.0}, {"sinks": True},
-    {"window": 2, "alibi": True, "sinks": True, "softcap": 3.0},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"window": 3},
+        {"chunk": 4},
+        {"alibi": True},
+        {"softcap": 5.0},
+        {"sinks": True},
+        {"window": 2, "alibi": True, "sinks": True, "softcap": 3.0},
+    ],
+)
 def test_the_layer_equals_its_own_float64_trace(kw):
     torch.manual_seed(0)
     layer = CausalSelfAttention(16, 4, engine="reference", **kw).double()
@@ -22,7 +29,7 @@ def test_the_layer_equals_its_own_float64_trace(kw):
     tr = layer.trace(x)
     np.testing.assert_allclose(out.detach().numpy(), tr.O, atol=1e-10)
     if "window" in kw:
-        assert (tr.A[..., 8, :8 - kw["window"] + 1] == 0).all()
+        assert (tr.A[..., 8, : 8 - kw["window"] + 1] == 0).all()
 
 
 def test_learned_sinks_get_a_gradient_and_alibi_slopes_are_not_saved():
@@ -49,11 +56,18 @@ def test_attention_dropout_acts_in_train_mode_only():
     assert torch.equal(c, d) and not torch.allclose(c, a)
 
 
-@pytest.mark.parametrize("kw, msg", [
-    ({"window": 0}, "window"), ({"chunk": 1.5}, "chunk"), ({"softcap": -1.0}, "softcap"),
-    ({"attn_dropout": 1.5}, "attn_dropout"), ({"alibi": 1}, "alibi"),
-    ({"scale": float("nan")}, "scale"), ({"sinks": "yes"}, "sinks"),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"window": 0}, "window"),
+        ({"chunk": 1.5}, "chunk"),
+        ({"softcap": -1.0}, "softcap"),
+        ({"attn_dropout": 1.5}, "attn_dropout"),
+        ({"alibi": 1}, "alibi"),
+        ({"scale": float("nan")}, "scale"),
+        ({"sinks": "yes"}, "sinks"),
+    ],
+)
 def test_bad_pattern_arguments_are_refused_at_construction(kw, msg):
     with pytest.raises(ValueError, match=msg):
         CausalSelfAttention(8, 2, **kw)

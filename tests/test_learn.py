@@ -59,20 +59,33 @@ PLANTS = {
         "A = torch.softmax(S, dim=-1).masked_fill(future, 0.0)",
     ),
     "unstable-softmax": ("softmax_numpy", "e = np.exp(z - m)", "e = np.exp(z)"),
-    "nan-on-empty-rows": ("softmax_torch", "torch.where(total > 0, e / total.clamp_min(1e-300), "
-                          "torch.zeros_like(e))", "e / total"),
-    "scale-by-sqrt-dv": ("attention_numpy", "S = q @ k.T / np.sqrt(d_k)",
-                         "S = q @ k.T / np.sqrt(v.shape[1])"),
+    "nan-on-empty-rows": (
+        "softmax_torch",
+        "torch.where(total > 0, e / total.clamp_min(1e-300), torch.zeros_like(e))",
+        "e / total",
+    ),
+    "scale-by-sqrt-dv": (
+        "attention_numpy",
+        "S = q @ k.T / np.sqrt(d_k)",
+        "S = q @ k.T / np.sqrt(v.shape[1])",
+    ),
     "scale-by-sqrt-dmodel": ("multihead_numpy", "/ np.sqrt(d_k) + M", "/ np.sqrt(x.shape[1]) + M"),
-    "some-heads-only": ("multihead_numpy", "/ np.sqrt(d_k) + M",
-                        "/ np.sqrt(d_k) + (M if n else 0)"),
+    "some-heads-only": (
+        "multihead_numpy",
+        "/ np.sqrt(d_k) + M",
+        "/ np.sqrt(d_k) + (M if n else 0)",
+    ),
     "output-projection-missing": ("multihead_numpy", "return H @ w_o", "return H"),
     "output-projection-transposed": ("multihead_torch", "@ w_o", "@ w_o.T"),
 }
 # Catalogued faults no exercise can hold: decoding (T_q < T_k), declared windows, fp16, and a
 # fill only scores beyond the probes' reach (≈ 10⁴) overcome.
-NOT_IN_EXERCISES = {"causal-top-left", "window-off-by-one", "finite-fill-too-weak",
-                    "softmax-fp16-accumulation"}
+NOT_IN_EXERCISES = {
+    "causal-top-left",
+    "window-off-by-one",
+    "finite-fill-too-weak",
+    "softmax-fp16-accumulation",
+}
 # With the seed's right padding a padding key is always in a real query's future, so blocking
 # only the padding query rows gives the very same M: nothing to find in this exercise.
 SAME_M = {"padding-queries-only"}
@@ -102,8 +115,11 @@ def _strings(obj):
 def _fixes(fault: str, planted: Path) -> list[str]:
     """The solution's lines that the planted file lacks: what a grade must never show."""
     mine = {s.strip() for s in planted.read_text().splitlines()}
-    return [s.strip() for s in (SOL / f"{PLANTS[fault][0]}.py").read_text().splitlines()
-            if s.strip() and s.strip() not in mine]
+    return [
+        s.strip()
+        for s in (SOL / f"{PLANTS[fault][0]}.py").read_text().splitlines()
+        if s.strip() and s.strip() not in mine
+    ]
 
 
 # -- exercises --------------------------------------------------------------------------------
@@ -132,7 +148,7 @@ def test_planted_fault_is_named_at_its_stage(tmp_path, fault):
     assert states[g.stage] == "wrong"
     order = [st["stage"] for st in g.stages]
     assert all(states[st] == "right" for st in order[: order.index(g.stage)])
-    assert all(states[st] == "not graded" for st in order[order.index(g.stage) + 1:])
+    assert all(states[st] == "not graded" for st in order[order.index(g.stage) + 1 :])
     found = (g.diagnosis or {}).get("location")  # diagnose's file:line, kept when it is theirs
     if found and Path(found.rsplit(":", 1)[0]).resolve() == planted.resolve():
         assert g.location == found
@@ -236,8 +252,9 @@ def test_check_in_a_subprocess_broken_and_hanging_files(tmp_path):
     g = grade.grade_file(boom)  # what the subprocess runs: the file's own exit is caught
     assert g.exit_code == 2 and "SystemExit" in g.message
     hang = tmp_path / "hang.py"
-    hang.write_text("import time\n\ndef attention(q, k, v):\n    while True:\n"
-                    "        time.sleep(0.1)\n")
+    hang.write_text(
+        "import time\n\ndef attention(q, k, v):\n    while True:\n        time.sleep(0.1)\n"
+    )
     g = grade.check(hang, timeout=3)
     assert g.exit_code == 2 and "did not finish" in g.message
     assert grade.check(tmp_path / "nope.py").exit_code == 2  # refused before any subprocess
@@ -256,9 +273,10 @@ def test_rendered_grade_shows_stages_pattern_and_hint(tmp_path):
 
     from causalattn.learn import session
 
-    for fault, wants in (("anti-causal-mask", ("a stage is wrong", "✗ M", "yours", "expected",
-                                                "hint:")),
-                         ("mask-after-softmax", ("✓ M", "✗ A", "· H", "not graded", "hint:"))):
+    for fault, wants in (
+        ("anti-causal-mask", ("a stage is wrong", "✗ M", "yours", "expected", "hint:")),
+        ("mask-after-softmax", ("✓ M", "✗ A", "· H", "not graded", "hint:")),
+    ):
         console = Console(record=True, width=100)
         session.render_grade(grade.grade_file(_plant(tmp_path, fault)), console)
         out = " ".join(console.export_text().split())
@@ -268,8 +286,9 @@ def test_rendered_grade_shows_stages_pattern_and_hint(tmp_path):
 def test_cli_writes_scaffolds(tmp_path):
     runner = CliRunner()
     out = tmp_path / "mine.py"
-    r = runner.invoke(app, ["learn", "--exercise", "softmax", "-o", str(out), "--framework",
-                            "torch"])
+    r = runner.invoke(
+        app, ["learn", "--exercise", "softmax", "-o", str(out), "--framework", "torch"]
+    )
     assert r.exit_code == 0 and out.read_text() == exercises.scaffold("softmax", "torch", str(out))
     assert f"causalattn learn --check {out}" in out.read_text()
     r = runner.invoke(app, ["learn", "--exercise", "softmax", "-o", str(out)])
@@ -303,9 +322,14 @@ def _recomputed(q):
         i, j = d["i"], d["j"]
         future, padded = j > i, i >= L or j >= L
         assert text.encode(list(text.SEED_SENTENCES)).mask[b][i, j] == (not future and not padded)
-        name = {(False, False): "readable", (True, False): "future", (False, True): "padding",
-                (True, True): "both"}[(bool(future), bool(padded))]
+        name = {
+            (False, False): "readable",
+            (True, False): "future",
+            (False, True): "padding",
+            (True, True): "both",
+        }[(bool(future), bool(padded))]
         from causalattn.learn.questions import _CELL
+
         return _CELL[name]
     if kind == "window-row":  # HF sliding_window: the last w positions, the query's included
         i, w = d["i"], d["window"]
@@ -378,11 +402,11 @@ def test_cli_json_bank_and_piped_answers():
     wrong = "".join(f"{(q['answer'] + 1) % len(q['choices']) + 1}\n" for q in bank[:3])
     r = runner.invoke(app, ["learn", "--seed", "5"], input=wrong)
     assert f"score: 0/{len(bank)} right (3 wrong, {len(bank) - 3} skipped" in r.output
-    r = runner.invoke(app, ["learn", "--json", "--kind", "shape", "--kind", "window-row",
-                            "-n", "3"])
+    r = runner.invoke(
+        app, ["learn", "--json", "--kind", "shape", "--kind", "window-row", "-n", "3"]
+    )
     assert [q["kind"] for q in json.loads(r.output)] == ["shape", "window-row", "shape"]
     r = runner.invoke(app, ["learn", "--kind", "nope"])
     assert r.exit_code == 2 and "unknown question kinds" in r.output
     r = runner.invoke(app, ["learn"], input="")  # nothing on stdin: no hang, a score
     assert r.exit_code == 0 and f"score: 0/{len(bank)}" in r.output
-

@@ -11,8 +11,9 @@ from causalattn import masks, text
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "causalattn.cli", *args], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "causalattn.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_window_masks_json_are_the_pattern_cell_by_cell():
@@ -23,7 +24,9 @@ def test_window_masks_json_are_the_pattern_cell_by_cell():
     want = masks.Pattern(window=3, lengths=[7, 3]).allowed(2, 1, 7, 7)[:, 0]
     for b, sent in enumerate(out["sentences"]):
         assert np.array_equal(np.array(sent["combined"], bool), want[b])
-    assert np.array_equal(np.array(out["causal"], bool), masks.Pattern(window=3).allowed(1, 1, 7, 7)[0, 0])
+    assert np.array_equal(
+        np.array(out["causal"], bool), masks.Pattern(window=3).allowed(1, 1, 7, 7)[0, 0]
+    )
 
 
 @pytest.mark.parametrize("rule", [{"window": 50}, {"chunk": 64}])
@@ -38,8 +41,10 @@ def test_summarized_counts_equal_a_dense_count(rule):
         assert counts["readable"][b] == dense[b].sum()
         assert counts["padding"][b] == (reasons[b] == masks.PADDING).sum()
         assert counts["future"][b] == (reasons[b] == masks.FUTURE).sum()
-        assert counts[name][b] == (reasons[b] != 0).sum() - counts["padding"][b] - counts["future"][b]
-        assert sum(int(v[b]) for v in counts.values()) == batch.N ** 2
+        assert (
+            counts[name][b] == (reasons[b] != 0).sum() - counts["padding"][b] - counts["future"][b]
+        )
+        assert sum(int(v[b]) for v in counts.values()) == batch.N**2
 
 
 def test_a_long_windowed_sentence_is_summarized_with_its_counts():
@@ -53,4 +58,6 @@ def test_a_long_windowed_sentence_is_summarized_with_its_counts():
 @pytest.mark.parametrize("args", [("--window", "0"), ("--chunk", "-2")])
 def test_bad_rules_are_one_error_line(args):
     r = _cli("masks", "a b c", *args)
-    assert r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.splitlines()) == 1, r.stderr
+    assert (
+        r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.splitlines()) == 1
+    ), r.stderr

@@ -10,8 +10,21 @@ from causalattn import masks
 from causalattn.masks import Pattern
 
 
-def brute(B, H, T_q, T_k, *, causal=True, window=None, chunk=None, lengths=None, kpm=None,
-          cu=None, prefix=None, mask=None):
+def brute(
+    B,
+    H,
+    T_q,
+    T_k,
+    *,
+    causal=True,
+    window=None,
+    chunk=None,
+    lengths=None,
+    kpm=None,
+    cu=None,
+    prefix=None,
+    mask=None,
+):
     """Cell by cell, in plain Python: the rules exactly as the module doc states them."""
     out = np.zeros((B, H, T_q, T_k), bool)
     for b in range(B):
@@ -40,8 +53,12 @@ def brute(B, H, T_q, T_k, *, causal=True, window=None, chunk=None, lengths=None,
                         ok = False
                     if kpm is not None and not kpm[b][j]:
                         ok = False
-                    if mask is not None and not mask[b if mask.shape[0] > 1 else 0,
-                                                     h if mask.shape[1] > 1 else 0, i, j]:
+                    if (
+                        mask is not None
+                        and not mask[
+                            b if mask.shape[0] > 1 else 0, h if mask.shape[1] > 1 else 0, i, j
+                        ]
+                    ):
                         ok = False
                     out[b, h, i, j] = ok
     return out
@@ -67,23 +84,38 @@ def patterns(draw):
             kw["lengths"] = draw(st.lists(st.integers(0, T_k), min_size=B, max_size=B))
         if draw(st.booleans()):
             kw["key_padding_mask"] = np.array(
-                draw(st.lists(st.lists(st.booleans(), min_size=T_k, max_size=T_k),
-                              min_size=B, max_size=B)))
+                draw(
+                    st.lists(
+                        st.lists(st.booleans(), min_size=T_k, max_size=T_k), min_size=B, max_size=B
+                    )
+                )
+            )
         if draw(st.booleans()):
             top = kw.get("lengths", [T_k] * B)
             kw["prefix_lengths"] = [draw(st.integers(0, t)) for t in top]
         if draw(st.booleans()):
             bb, hh = draw(st.sampled_from([1, B])), draw(st.sampled_from([1, H]))
-            kw["mask"] = np.array(draw(st.lists(st.booleans(), min_size=bb * hh * T_q * T_k,
-                                                max_size=bb * hh * T_q * T_k))
-                                  ).reshape(bb, hh, T_q, T_k)
+            kw["mask"] = np.array(
+                draw(
+                    st.lists(
+                        st.booleans(), min_size=bb * hh * T_q * T_k, max_size=bb * hh * T_q * T_k
+                    )
+                )
+            ).reshape(bb, hh, T_q, T_k)
     return B, H, T_q, T_k, kw
 
 
 def _brute_kw(kw):
-    return dict(causal=kw["causal"], window=kw.get("window"), chunk=kw.get("chunk"),
-                lengths=kw.get("lengths"), kpm=kw.get("key_padding_mask"),
-                cu=kw.get("cu_seqlens"), prefix=kw.get("prefix_lengths"), mask=kw.get("mask"))
+    return dict(
+        causal=kw["causal"],
+        window=kw.get("window"),
+        chunk=kw.get("chunk"),
+        lengths=kw.get("lengths"),
+        kpm=kw.get("key_padding_mask"),
+        cu=kw.get("cu_seqlens"),
+        prefix=kw.get("prefix_lengths"),
+        mask=kw.get("mask"),
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -133,29 +165,39 @@ def test_modifiers_softcap_then_alibi():
     assert np.allclose(tout.numpy(), expect)
 
 
-@pytest.mark.parametrize("kw, msg", [
-    ({"window": 0}, "window"), ({"chunk": -1}, "chunk"), ({"window": 2.5}, "window"),
-    ({"softcap": 0.0}, "softcap"), ({"softcap": float("inf")}, "softcap"),
-    ({"causal": None}, "causal"), ({"alibi_slopes": [float("nan")]}, "alibi_slopes"),
-    ({"mask": np.ones((2, 2), dtype=np.int64)}, "mask"),
-    ({"cu_seqlens": [0, 2], "lengths": [2]}, "cu_seqlens"),
-    ({"cu_seqlens": [0, 2], "mask": np.ones((2, 2), bool)}, "cu_seqlens"),
-    ({"lengths": [1.5]}, "lengths"),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"window": 0}, "window"),
+        ({"chunk": -1}, "chunk"),
+        ({"window": 2.5}, "window"),
+        ({"softcap": 0.0}, "softcap"),
+        ({"softcap": float("inf")}, "softcap"),
+        ({"causal": None}, "causal"),
+        ({"alibi_slopes": [float("nan")]}, "alibi_slopes"),
+        ({"mask": np.ones((2, 2), dtype=np.int64)}, "mask"),
+        ({"cu_seqlens": [0, 2], "lengths": [2]}, "cu_seqlens"),
+        ({"cu_seqlens": [0, 2], "mask": np.ones((2, 2), bool)}, "cu_seqlens"),
+        ({"lengths": [1.5]}, "lengths"),
+    ],
+)
 def test_bad_patterns_are_refused_by_name(kw, msg):
     with pytest.raises(ValueError, match=msg):
         Pattern(**kw)
 
 
-@pytest.mark.parametrize("kw, shape, msg", [
-    ({"lengths": [1, 2]}, (1, 1, 3, 3), "lengths"),
-    ({"prefix_lengths": [3]}, (1, 1, 3, 3), None),
-    ({"prefix_lengths": [3], "lengths": [2]}, (1, 1, 3, 3), "prefix_lengths"),
-    ({"sinks": [0.0, 1.0]}, (1, 3, 3, 3), "sinks"),
-    ({"alibi_slopes": [[0.1]]}, (2, 1, 3, 3), "alibi_slopes"),
-    ({"mask": np.ones((1, 1, 3, 4), bool)}, (1, 1, 3, 3), "mask"),
-    ({"cu_seqlens": [0, 2]}, (1, 1, 3, 3), "cu_seqlens"),
-])
+@pytest.mark.parametrize(
+    "kw, shape, msg",
+    [
+        ({"lengths": [1, 2]}, (1, 1, 3, 3), "lengths"),
+        ({"prefix_lengths": [3]}, (1, 1, 3, 3), None),
+        ({"prefix_lengths": [3], "lengths": [2]}, (1, 1, 3, 3), "prefix_lengths"),
+        ({"sinks": [0.0, 1.0]}, (1, 3, 3, 3), "sinks"),
+        ({"alibi_slopes": [[0.1]]}, (2, 1, 3, 3), "alibi_slopes"),
+        ({"mask": np.ones((1, 1, 3, 4), bool)}, (1, 1, 3, 3), "mask"),
+        ({"cu_seqlens": [0, 2]}, (1, 1, 3, 3), "cu_seqlens"),
+    ],
+)
 def test_shapes_are_checked_against_the_problem(kw, shape, msg):
     pat = Pattern(**kw)
     if msg is None:
@@ -168,17 +210,33 @@ def test_shapes_are_checked_against_the_problem(kw, shape, msg):
 def test_dropout_pattern_is_a_function_of_global_positions():
     from causalattn import dropout
 
-    full = dropout.keep_mask(7, 3, torch.arange(2)[:, None], torch.arange(3)[None, :],
-                             torch.arange(64), torch.arange(64), 0.25)
+    full = dropout.keep_mask(
+        7,
+        3,
+        torch.arange(2)[:, None],
+        torch.arange(3)[None, :],
+        torch.arange(64),
+        torch.arange(64),
+        0.25,
+    )
     assert full.shape == (2, 3, 64, 64)
     part = dropout.keep_mask(7, 3, 1, 2, torch.arange(10, 20), torch.arange(30, 50), 0.25)
     assert torch.equal(part, full[1, 2, 10:20, 30:50])
     n = full.numel()
     dropped = (~full).sum().item() / n  # binomial: 4 standard deviations
     assert abs(dropped - 0.25) < 4 * (0.25 * 0.75 / n) ** 0.5
-    assert not torch.equal(full, dropout.keep_mask(8, 3, torch.arange(2)[:, None],
-                                                   torch.arange(3)[None, :],
-                                                   torch.arange(64), torch.arange(64), 0.25))
+    assert not torch.equal(
+        full,
+        dropout.keep_mask(
+            8,
+            3,
+            torch.arange(2)[:, None],
+            torch.arange(3)[None, :],
+            torch.arange(64),
+            torch.arange(64),
+            0.25,
+        ),
+    )
     assert dropout.keep_mask(1, 1, 0, 0, torch.arange(5), torch.arange(5), 0.0).all()
     with pytest.raises(ValueError, match="dropout_p"):
         dropout.check_p(1.5)

@@ -50,8 +50,14 @@ def readme_blocks(text: str) -> list[dict]:
             marks[name] = arg or ""
             j -= 1
         end = next(e for e in range(k + 1, len(lines)) if lines[e].startswith("```"))
-        blocks.append({"lang": m.group(1), "code": "\n".join(lines[k + 1:end]) + "\n",
-                       "line": k + 1, "marks": marks})
+        blocks.append(
+            {
+                "lang": m.group(1),
+                "code": "\n".join(lines[k + 1 : end]) + "\n",
+                "line": k + 1,
+                "marks": marks,
+            }
+        )
         k = end + 1
     return blocks
 
@@ -117,21 +123,43 @@ def test_readme_block_runs(block, scratch):
 
         nproc = int(block["marks"]["torchrun"] or 2)
         (scratch / "ring.py").write_text(block["code"])
-        cmd = [str(VENV_BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_addr",
-               "127.0.0.1", "--master_port", str(free_port()), "ring.py"]
-        res = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, text=True,
-                             timeout=TIMEOUT)
+        cmd = [
+            str(VENV_BIN / "torchrun"),
+            "--nproc_per_node",
+            str(nproc),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            "ring.py",
+        ]
+        res = subprocess.run(
+            cmd, cwd=scratch, env=env, capture_output=True, text=True, timeout=TIMEOUT
+        )
         _check(res, where)
     elif block["lang"] == "python":
-        res = subprocess.run([sys.executable, "-c", block["code"]], cwd=scratch, env=env,
-                             capture_output=True, text=True, timeout=TIMEOUT)
+        res = subprocess.run(
+            [sys.executable, "-c", block["code"]],
+            cwd=scratch,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
         _check(res, where)
     else:  # one subprocess per command line, in order, sharing the scratch folder
         for line in block["code"].splitlines():
             if not line.strip() or line.lstrip().startswith("#"):
                 continue
-            res = subprocess.run(["bash", "-c", line], cwd=scratch, env=env, capture_output=True,
-                                 text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+            res = subprocess.run(
+                ["bash", "-c", line],
+                cwd=scratch,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=TIMEOUT,
+                stdin=subprocess.DEVNULL,
+            )
             finds_faults = re.search(r"causalattn (audit|diagnose)\b", line)
             _check(res, f"{where}: {line.strip()}", ok=(0, 1) if finds_faults else (0,))
 

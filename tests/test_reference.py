@@ -109,10 +109,14 @@ def test_readable_rows_sum_to_one_forbidden_exactly_zero(prob, data):
 
 
 @FAST
-@given(st.integers(1, 6).flatmap(lambda T: st.tuples(
-    hnp.arrays(np.float64, (T, T), elements=finite),
-    hnp.arrays(np.float64, (T,), elements=st.floats(-1e3, 1e3)),
-)))
+@given(
+    st.integers(1, 6).flatmap(
+        lambda T: st.tuples(
+            hnp.arrays(np.float64, (T, T), elements=finite),
+            hnp.arrays(np.float64, (T,), elements=st.floats(-1e3, 1e3)),
+        )
+    )
+)
 def test_adding_a_constant_to_a_row_of_S_changes_nothing(zc):
     Z, c = zc
     allowed = masks.causal(Z.shape[0])
@@ -201,7 +205,11 @@ def test_finite_fill_gives_the_same_weights_as_minus_inf(prob, data):
         ((np.array([["a", "b"]]), I2, I2, WV4), {}, r"projections: X must be a real numeric"),
         ((X4, [[1, "x"], [0, 1]], I2, WV4), {}, r"projections: W_q must be a real numeric"),
         ((X4 + 0j, I2, I2, WV4), {}, r"projections: X must be a real numeric"),
-        ((X4, I2, I2, WV4, np.eye(3)), {}, r"output projection: H is T×\(h·d_v\) = 4×2 but W_o is 3×3"),
+        (
+            (X4, I2, I2, WV4, np.eye(3)),
+            {},
+            r"output projection: H is T×\(h·d_v\) = 4×2 but W_o is 3×3",
+        ),
         ((X4, I2, I2, WV4), {"mask": np.ones((4, 4))}, r"mask: must be boolean"),
         ((X4, I2, I2, WV4), {"mask": np.ones((3, 3), bool)}, r"mask: must end in T×T = 4×4"),
         ((X4, np.eye(2, 3), np.eye(2, 3), WV4), {"n_heads": 3}, r"not divisible by n_heads=3"),

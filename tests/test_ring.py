@@ -29,9 +29,27 @@ CASES = {  # name: (B, H_q, H_kv, T as a function of P, d_k, d_v, layout, length
     "contiguous-T-not-multiple": (1, 2, 1, lambda P: 3 * P + 1, 8, 8, "contiguous", None),
     "zigzag-lengths": (3, 2, 1, lambda P: 8 * P, 8, 8, "zigzag", lambda T: [T, 5, 0]),
     "contiguous-lengths": (2, 2, 2, lambda P: 8 * P, 8, 8, "contiguous", lambda T: [T - 1, 7]),
-    "zigzag-T-not-multiple-lengths": (2, 2, 1, lambda P: 4 * P + 1, 8, 8, "zigzag", lambda T: [T, 3]),
+    "zigzag-T-not-multiple-lengths": (
+        2,
+        2,
+        1,
+        lambda P: 4 * P + 1,
+        8,
+        8,
+        "zigzag",
+        lambda T: [T, 3],
+    ),
     "zigzag-window": (2, 4, 2, lambda P: 8 * P, 8, 6, "zigzag", None),
-    "contiguous-window-lengths": (2, 2, 2, lambda P: 8 * P, 8, 8, "contiguous", lambda T: [T - 1, 7]),
+    "contiguous-window-lengths": (
+        2,
+        2,
+        2,
+        lambda P: 8 * P,
+        8,
+        8,
+        "contiguous",
+        lambda T: [T - 1, 7],
+    ),
     "zigzag-sinks": (2, 4, 2, lambda P: 8 * P, 8, 6, "zigzag", None),
     "zigzag-window-sinks-dropout": (1, 4, 2, lambda P: 8 * P, 8, 8, "zigzag", None),
 }
@@ -40,8 +58,7 @@ EXTRA = {
     "zigzag-window": {"window": 5},
     "contiguous-window-lengths": {"window": 3},  # a window shorter than a shard: fewer steps
     "zigzag-sinks": {"sinks": [0.5, -1.0, 2.0, 0.0]},
-    "zigzag-window-sinks-dropout": {"window": 6, "sinks": [0.0, 1.0, -2.0, 0.5],
-                                    "dropout_p": 0.3},
+    "zigzag-window-sinks-dropout": {"window": 6, "sinks": [0.0, 1.0, -2.0, 0.5], "dropout_p": 0.3},
 }
 
 
@@ -54,6 +71,8 @@ def _extra(name: str):
     if kw.get("dropout_p"):
         kw["generator"] = torch.Generator().manual_seed(7)
     return kw, sinks
+
+
 NAMES = ("out", "lse", "dq", "dk", "dv")
 # fork: children start at once with torch loaded (a fresh interpreter costs seconds per rank);
 # workers set 1 torch thread before any op, so no inherited thread pool is used.
@@ -77,8 +96,13 @@ def _init(rank, P, port, timeout_s):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=P, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=P,
+        timeout=timedelta(seconds=timeout_s),
+    )
     return dist
 
 
@@ -95,11 +119,14 @@ def _check_worker(rank, P, port, out_q):
             ql, kl, vl = (shard(t, layout=layout).requires_grad_() for t in (q, k, v))
             kw, sinks = _extra(name)
             stats = RingStats()
-            out, lse = ring_attention(ql, kl, vl, layout=layout, lengths=lengths, return_lse=True,
-                                      stats=stats, **kw)
+            out, lse = ring_attention(
+                ql, kl, vl, layout=layout, lengths=lengths, return_lse=True, stats=stats, **kw
+            )
             (out * shard(dout, layout=layout)).sum().backward()
-            got = {n: unshard(t, layout=layout, length=T)
-                   for n, t in zip(NAMES, (out, lse, ql.grad, kl.grad, vl.grad))}
+            got = {
+                n: unshard(t, layout=layout, length=T)
+                for n, t in zip(NAMES, (out, lse, ql.grad, kl.grad, vl.grad))
+            }
             if sinks is not None:  # each rank's share of d sinks, summed as DDP would
                 dist.all_reduce(sinks.grad)
                 got["dsinks"] = sinks.grad
@@ -111,10 +138,14 @@ def _check_worker(rank, P, port, out_q):
                 q, k, v = (t.masked_fill(bad[:, None, :, None], float("nan")) for t in (q, k, v))
                 ql, kl, vl = (shard(t, layout=layout).requires_grad_() for t in (q, k, v))
                 kw, _ = _extra(name)
-                out, lse = ring_attention(ql, kl, vl, layout=layout, lengths=lengths,
-                                          return_lse=True, **kw)
+                out, lse = ring_attention(
+                    ql, kl, vl, layout=layout, lengths=lengths, return_lse=True, **kw
+                )
                 (out * shard(dout, layout=layout)).sum().backward()
-                got = [unshard(t, layout=layout, length=T) for t in (out, lse, ql.grad, kl.grad, vl.grad)]
+                got = [
+                    unshard(t, layout=layout, length=T)
+                    for t in (out, lse, ql.grad, kl.grad, vl.grad)
+                ]
                 if rank == 0:
                     results[name + "-nan"] = {n: t.numpy() for n, t in zip(NAMES, got)}
         # bf16 in, fp32 merge: gathered output and gradients for the accuracy rule
@@ -128,7 +159,8 @@ def _check_worker(rank, P, port, out_q):
         # global positions of the local rows, as shard() lays them out
         for layout in ("zigzag", "contiguous"):
             results[f"positions-{layout}"] = torch.equal(
-                positions(8, layout=layout), shard(torch.arange(8 * P), layout=layout, dim=0))
+                positions(8, layout=layout), shard(torch.arange(8 * P), layout=layout, dim=0)
+            )
         if P == 4:  # two rings of 2 on subgroups {0, 1} and {2, 3}: group ranks != global ranks
             pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
             q, k, v, dout, _, _ = _inputs("zigzag", 2)
@@ -199,7 +231,9 @@ def _spawn(target, P, *extra, wait_for=None, timeout=SPAWN_TIMEOUT):
     ctx = mp.get_context(_START)
     out_q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(r, P, port, out_q, *extra), daemon=True) for r in range(P)]
+    procs = [
+        ctx.Process(target=target, args=(r, P, port, out_q, *extra), daemon=True) for r in range(P)
+    ]
     for p in procs:
         p.start()
     got, deadline = {}, time.monotonic() + timeout
@@ -247,9 +281,15 @@ def _expected(name: str, P: int):
         out = attention(qq, kk, vv, lengths=lengths, engine=engine, **kw)
         # lse without dropout (dropout acts after the softmax, lse is the same)
         kw.pop("dropout_p", None), kw.pop("generator", None)
-        lse = attention(qq.detach(), kk.detach(), vv.detach(), lengths=lengths, engine=engine,
-                        return_lse=True, **{**kw, "sinks": None if sinks is None else
-                                            sinks.detach()})[1]
+        lse = attention(
+            qq.detach(),
+            kk.detach(),
+            vv.detach(),
+            lengths=lengths,
+            engine=engine,
+            return_lse=True,
+            **{**kw, "sinks": None if sinks is None else sinks.detach()},
+        )[1]
         (out * dout.to(dtype)).sum().backward()
         res[engine] = dict(zip(NAMES, (out.detach(), lse, qq.grad, kk.grad, vv.grad)))
         if sinks is not None:
@@ -315,7 +355,12 @@ def test_bf16_accuracy_rule(P):
     q, k, v, dout = (t.bfloat16() for t in (q, k, v, dout))
     ref = _plain(*(t.double() for t in (q, k, v, dout)))
     plain = _plain(q, k, v, dout)
-    for n, g, r, p in zip(("out", "dq", "dk", "dv"), (torch.as_tensor(got[n]) for n in ("out", "dq", "dk", "dv")), ref, plain):
+    for n, g, r, p in zip(
+        ("out", "dq", "dk", "dv"),
+        (torch.as_tensor(got[n]) for n in ("out", "dq", "dk", "dv")),
+        ref,
+        plain,
+    ):
         err = (g.double() - r).abs().max().item()
         bound = 2 * (p.double() - r).abs().max().item() + 1e-3
         assert err <= bound, f"bf16 P={P} {n}: ring error {err:.3g} > {bound:.3g}"
@@ -343,7 +388,10 @@ def test_refuses_clearly(P):
     for r in range(P):
         errors = got[r][3]
         assert "T/P = 3" in errors.get("odd", "") and f"2P = {2 * P}" in errors["odd"], errors
-        assert "disagree" in errors.get("disagree", "") and "rank 1: q (1, 2, 6, 4)" in errors["disagree"], errors
+        assert (
+            "disagree" in errors.get("disagree", "")
+            and "rank 1: q (1, 2, 6, 4)" in errors["disagree"]
+        ), errors
         assert "no block kernels for meta tensors" in errors.get("device", ""), errors
 
 
@@ -382,10 +430,16 @@ def test_zigzag_is_the_documented_layout_and_balances_the_causal_work(P):
         assert segments(r, P, 2 * c, "contiguous") == [(r * 2 * c, 2 * c)]
 
     def work(layout):
-        return [sum(pair.units for src in range(P)
-                    for pair in plan(Pattern(), segments(r, P, 2 * c, layout),
-                                     segments(src, P, 2 * c, layout)))
-                for r in range(P)]
+        return [
+            sum(
+                pair.units
+                for src in range(P)
+                for pair in plan(
+                    Pattern(), segments(r, P, 2 * c, layout), segments(src, P, 2 * c, layout)
+                )
+            )
+            for r in range(P)
+        ]
 
     zig, cont = work("zigzag"), work("contiguous")
     assert len(set(zig)) == 1, zig

@@ -65,8 +65,15 @@ def test_table_agrees_with_a_real_trace():
     W = [rng.normal(size=(D, D)) for _ in range(4)]
     tr = trace(rng.normal(size=(T, D)), *W, n_heads=h)
     rows = {r.symbol: r for r in shape_table(T, D, n_heads=h)}
-    for sym, stage in (("Q", "Q"), ("K", "K"), ("V", "V"), ("A", "A"), ("H", "H"),
-                       ("W_Q", "W_q"), ("W_O", "W_o")):
+    for sym, stage in (
+        ("Q", "Q"),
+        ("K", "K"),
+        ("V", "V"),
+        ("A", "A"),
+        ("H", "H"),
+        ("W_Q", "W_q"),
+        ("W_O", "W_o"),
+    ):
         assert rows[sym].shape == tr[stage].shape, sym
     assert rows["QKᵀ/√d_k + M"].shape == tr.Z.shape
     assert rows["M"].shape == tr.allowed.shape

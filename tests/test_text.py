@@ -12,8 +12,28 @@ from causalattn import masks
 from causalattn.text import PAD, SEED_SENTENCES, Vocabulary, encode, tokenize
 
 SEED_VOCAB = [
-    "<PAD>", "<UNK>", "I", "love", "to", "eat", "pizza", "with", "extra", "cheese", "on",
-    "top", "burgers", "ketchup", "On", "of", "the", "is", "Cheese", "and", "go", "well",
+    "<PAD>",
+    "<UNK>",
+    "I",
+    "love",
+    "to",
+    "eat",
+    "pizza",
+    "with",
+    "extra",
+    "cheese",
+    "on",
+    "top",
+    "burgers",
+    "ketchup",
+    "On",
+    "of",
+    "the",
+    "is",
+    "Cheese",
+    "and",
+    "go",
+    "well",
     "together",
 ]
 
@@ -111,19 +131,24 @@ words = st.sampled_from(["a", "B", "cc", "a", ",", ".", "dd", "E"])
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.lists(words, min_size=1, max_size=7), min_size=1, max_size=5),
-       st.none() | st.integers(1, 8))
+@given(
+    st.lists(st.lists(words, min_size=1, max_size=7), min_size=1, max_size=5),
+    st.none() | st.integers(1, 8),
+)
 def test_masks_match_their_definition(corpus, max_len):
     sentences = [" ".join(ws) for ws in corpus]
-    with pytest.warns(UserWarning) if max_len is not None and max(map(len, corpus)) > max_len \
-            else _no_warning():
+    with (
+        pytest.warns(UserWarning)
+        if max_len is not None and max(map(len, corpus)) > max_len
+        else _no_warning()
+    ):
         b = encode(sentences, max_len=max_len)
     L = [min(len(ws), max_len or len(ws)) for ws in corpus]
     assert b.lengths.tolist() == L
     assert b.N == (max_len or max(L))
     for k, ws in enumerate(corpus):
         assert b.vocab.decode(b.ids[k, : L[k]]) == ws[: L[k]]
-        assert (b.ids[k, L[k]:] == 0).all()
+        assert (b.ids[k, L[k] :] == 0).all()
         for i in range(b.N):
             for j in range(b.N):
                 assert b.mask[k, i, j] == (j <= i and i < L[k] and j < L[k])

@@ -147,7 +147,10 @@ def test_bad_tensors_name_the_argument_and_shapes(make, words):
     [
         ({"lengths": [3, 7]}, ["lengths", "T_k=6", "[3, 7]"]),
         ({"lengths": [1.5, 2.0]}, ["lengths", "(2,)"]),
-        ({"key_padding_mask": torch.ones(2, 5, dtype=torch.bool)}, ["key_padding_mask", "(2, 6)", "(2, 5)"]),
+        (
+            {"key_padding_mask": torch.ones(2, 5, dtype=torch.bool)},
+            ["key_padding_mask", "(2, 6)", "(2, 5)"],
+        ),
         ({"key_padding_mask": torch.ones(2, 6)}, ["key_padding_mask", "bool"]),
     ],
 )
@@ -161,7 +164,11 @@ def test_bad_masks_name_the_argument_and_shapes(kw, words):
 
 def test_bad_cu_seqlens():
     q, k, v = _inputs(1, 2, 2, 6, 6, 8, 8)
-    for cu, word in (([0, 4, 2, 6], "never decrease"), ([0, 3, 5], "end at T=6"), ([1, 6], "start at 0")):
+    for cu, word in (
+        ([0, 4, 2, 6], "never decrease"),
+        ([0, 3, 5], "end at T=6"),
+        ([1, 6], "start at 0"),
+    ):
         with pytest.raises(ValueError, match="cu_seqlens") as e:
             attention(q, k, v, cu_seqlens=cu, engine="tiled")
         assert word in str(e.value)
@@ -180,7 +187,9 @@ def test_nan_query_row_leaves_other_rows_and_later_keys_bit_identical():
     others = [i for i in range(40) if i != 5]
     assert torch.equal(out[:, :, others], out2[:, :, others])
     assert torch.equal(grads[0][:, :, others], dq2[:, :, others])
-    assert torch.equal(grads[1][:, :, 6:], dk2[:, :, 6:]) and torch.equal(grads[2][:, :, 6:], dv2[:, :, 6:])
+    assert torch.equal(grads[1][:, :, 6:], dk2[:, :, 6:]) and torch.equal(
+        grads[2][:, :, 6:], dv2[:, :, 6:]
+    )
 
 
 def test_non_contiguous_inputs():
@@ -211,9 +220,17 @@ def _holed_mask():
     return m
 
 
-@pytest.mark.parametrize("kw", [{"window": 10}, {"cu_seqlens": [0, 30, 33, 80]},
-                                {"chunk": 16}, {"lengths": [50]}, {"mask": _holed_mask()}],
-                         ids=["window", "documents", "chunk", "lengths", "holed-mask"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"window": 10},
+        {"cu_seqlens": [0, 30, 33, 80]},
+        {"chunk": 16},
+        {"lengths": [50]},
+        {"mask": _holed_mask()},
+    ],
+    ids=["window", "documents", "chunk", "lengths", "holed-mask"],
+)
 def test_forward_touches_no_fully_blocked_key_block(monkeypatch, kw):
     """The forward computes scores only for key blocks the pattern lets some query read:
     the score cells it computes are at most those of the tiles block_kind does not skip

@@ -104,11 +104,16 @@ def test_a_saved_trace_keeps_its_stages_and_reasons(tmp_path):
     assert back.explain(4).blocked_by[0] == "window"
 
 
-@pytest.mark.parametrize("kw, msg", [
-    ({"window": 0}, "window"), ({"scale": float("nan")}, "scale"),
-    ({"lengths": [3, 2]}, "lengths"), ({"sinks": [0.1, 0.2]}, "sinks"),
-    ({"dropout_p": 2.0}, "dropout_p"),
-])
+@pytest.mark.parametrize(
+    "kw, msg",
+    [
+        ({"window": 0}, "window"),
+        ({"scale": float("nan")}, "scale"),
+        ({"lengths": [3, 2]}, "lengths"),
+        ({"sinks": [0.1, 0.2]}, "sinks"),
+        ({"dropout_p": 2.0}, "dropout_p"),
+    ],
+)
 def test_bad_pattern_arguments_name_themselves(kw, msg):
     X, W = _problem(T=4)
     with pytest.raises(ValueError, match=msg):

@@ -23,16 +23,20 @@ if INTERPRETED or torch.cuda.is_available():
     from _triton_cases import *  # noqa: F403
 
 if not INTERPRETED:
+    EVERYTHING = dict(
+        window=64, softcap=30.0, alibi_slopes=[0.5, 0.25], sinks=[0.0, 1.0], dropout_p=0.1
+    )
 
-    EVERYTHING = dict(window=64, softcap=30.0, alibi_slopes=[0.5, 0.25], sinks=[0.0, 1.0],
-                      dropout_p=0.1)
-
-    @pytest.mark.parametrize("dtype,d,lengths,kpm,pattern", [
-        (torch.bfloat16, 128, False, False, {}),  # the kernels' own causal intervals
-        (torch.float16, 1000, True, True, {}),  # host intervals, key mask, d-chunked
-        (torch.bfloat16, 128, False, False, EVERYTHING),  # window, modifiers, dropout
-        (torch.bfloat16, 64, False, False, {"mask": torch.ones(256, 256, dtype=torch.bool)}),
-    ], ids=["causal", "wide-padded", "window-modifiers-dropout", "dense-mask"])
+    @pytest.mark.parametrize(
+        "dtype,d,lengths,kpm,pattern",
+        [
+            (torch.bfloat16, 128, False, False, {}),  # the kernels' own causal intervals
+            (torch.float16, 1000, True, True, {}),  # host intervals, key mask, d-chunked
+            (torch.bfloat16, 128, False, False, EVERYTHING),  # window, modifiers, dropout
+            (torch.bfloat16, 64, False, False, {"mask": torch.ones(256, 256, dtype=torch.bool)}),
+        ],
+        ids=["causal", "wide-padded", "window-modifiers-dropout", "dense-mask"],
+    )
     def test_kernels_compile_for_hopper(dtype, d, lengths, kpm, pattern):
         """What the interpreter cannot show: the kernels compile for sm_90 (no GPU needed),
         fit its shared memory, use wgmma and pipeline their loads (the dense mask's tiles
@@ -47,6 +51,7 @@ if not INTERPRETED:
                 assert "warp_group_dot" in k.asm["ttgir"], f"{name}: no wgmma"
                 if "mask" not in pattern:
                     assert cc.pipelined(k), f"{name}: loads not pipelined"
+
 
 if not INTERPRETED and not torch.cuda.is_available():
 

@@ -69,12 +69,12 @@ def test_kinds_follow_the_pattern_reasons_not_just_the_boolean_mask():
     arrays = {n: tr[n] for n in ("Q", "K", "V", "S", "A")}
     bare = ca.Trace(arrays, allowed=tr.allowed, scale=tr.scale, pattern=pat)
     np.testing.assert_array_equal(viz.trace_kinds(bare), kinds)
-    other = ca.Trace(arrays, allowed=tr.allowed, scale=tr.scale,
-                     pattern=masks.Pattern(window=3, lengths=[3, 5]))  # disagrees: not used
+    other = ca.Trace(
+        arrays, allowed=tr.allowed, scale=tr.scale, pattern=masks.Pattern(window=3, lengths=[3, 5])
+    )  # disagrees: not used
     assert (viz.trace_kinds(other) == WINDOW).sum() == 0
     # the explorer carries the kinds; with a bare mask, a window reads "blocked by the mask"
-    plain = ca.Trace({n: a[1] for n, a in arrays.items()}, allowed=tr.allowed[1, 0],
-                     scale=tr.scale)
+    plain = ca.Trace({n: a[1] for n, a in arrays.items()}, allowed=tr.allowed[1, 0], scale=tr.scale)
     seq = viz.explorer_data(plain)["sequences"][0]
     assert _kinds(seq["layers"][0])[4, 1] == MASK
     seq = viz.explorer_data(tr)["sequences"][1]
@@ -92,10 +92,15 @@ def test_pattern_pictures_draw_each_kind_distinctly_with_a_legend():
         for b in range(a + 1, len(names)):
             assert np.abs(colours[names[a]] - colours[names[b]]).max() > 40, (names[a], names[b])
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
-        KINDS[c].label for c in (READABLE, PADDING, FUTURE, WINDOW)]
-    pats = {"causal": masks.Pattern(), "window 3": masks.Pattern(window=3),
-            "chunk 4": masks.Pattern(chunk=4), "documents": masks.Pattern(cu_seqlens=[0, 3, 8]),
-            "prefix 3": masks.Pattern(prefix_lengths=[3])}
+        KINDS[c].label for c in (READABLE, PADDING, FUTURE, WINDOW)
+    ]
+    pats = {
+        "causal": masks.Pattern(),
+        "window 3": masks.Pattern(window=3),
+        "chunk 4": masks.Pattern(chunk=4),
+        "documents": masks.Pattern(cu_seqlens=[0, 3, 8]),
+        "prefix 3": masks.Pattern(prefix_lengths=[3]),
+    }
     fig = viz.plot_patterns(pats, 8)
     assert [ax.get_title() for ax in fig.axes if ax.get_visible()][:5] == list(pats)
     legend = [t.get_text() for t in fig.legends[0].get_texts()]
@@ -114,7 +119,8 @@ def test_mask_figure_three_distinct_styles_and_token_ticks(batch):
     assert [t.get_text() for t in ax.get_xticklabels()] == batch.tokens[3]  # keys: columns
     assert [t.get_text() for t in ax.get_yticklabels()] == batch.tokens[3]  # queries: rows
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
-        KINDS[c].label for c in (READABLE, PADDING, FUTURE)]
+        KINDS[c].label for c in (READABLE, PADDING, FUTURE)
+    ]
 
 
 def test_stage_heatmaps_show_the_trace_values_per_head(traces, batch):
@@ -137,8 +143,9 @@ def test_stage_heatmaps_show_the_trace_values_per_head(traces, batch):
 
 def test_save_png_and_svg_by_extension(tmp_path):
     X = np.array([[1, 0], [0, 1], [1, 1], [-1, 1]], float)
-    tr = ca.trace(X, np.eye(2), np.eye(2), np.array([[1, 1], [1, -1]], float),
-                  tokens=["$x$", "<b>", "c", "d"])  # a token is text, never mathtext or markup
+    tr = ca.trace(
+        X, np.eye(2), np.eye(2), np.array([[1, 1], [1, -1]], float), tokens=["$x$", "<b>", "c", "d"]
+    )  # a token is text, never mathtext or markup
     fig = viz.plot_stage(tr, "S")
     png = viz.save(fig, tmp_path / "s.png")
     svg = viz.save(fig, tmp_path / "sub" / "s.SVG")
@@ -175,9 +182,14 @@ def _data(html: str) -> dict:
     """The page's index with every paged block put back in place (as explorer_data gives)."""
     m = re.search(r'<script type="application/json" class="ca-data">(.*?)</script>', html, re.S)
     index = json.loads(m.group(1))
-    blocks = {int(k): json.loads(b) for k, b in re.findall(
-        r'<script type="application/json" class="ca-block" data-k="(\d+)">(.*?)</script>',
-        html, re.S)}
+    blocks = {
+        int(k): json.loads(b)
+        for k, b in re.findall(
+            r'<script type="application/json" class="ca-block" data-k="(\d+)">(.*?)</script>',
+            html,
+            re.S,
+        )
+    }
     for s in index["sequences"]:
         s.update(blocks[s["block"]])
         for lay in s["layers"]:
@@ -236,9 +248,15 @@ def _model(L=3, H=2, T=6, dtype=np.float32, seed=0, d=4):
         Q, K, V = (rng.normal(size=(H, T, d)).astype(dtype) for _ in range(3))
         S = (Q @ np.swapaxes(K, -1, -2)) * dtype(0.5)
         A = ca.reference.softmax_last(S.astype(np.float64), masks.causal(T)).astype(dtype)
-        out.append(ca.Trace({"Q": Q, "K": K, "V": V, "S": S, "A": A, "H": A @ V},
-                            allowed=masks.causal(T), scale=0.5, n_heads=H,
-                            tokens=[f"t{i}" for i in range(T)]))
+        out.append(
+            ca.Trace(
+                {"Q": Q, "K": K, "V": V, "S": S, "A": A, "H": A @ V},
+                allowed=masks.causal(T),
+                scale=0.5,
+                n_heads=H,
+                tokens=[f"t{i}" for i in range(T)],
+            )
+        )
     return out
 
 
@@ -247,7 +265,10 @@ def test_a_list_of_layers_gets_a_model_view_with_head_summaries():
     data = viz.explorer_data(layers)
     (seq,) = data["sequences"]
     assert seq["n_layers"] == 3 and [lay["name"] for lay in seq["layers"]] == [
-        "layer 1", "layer 2", "layer 3"]
+        "layer 1",
+        "layer 2",
+        "layer 3",
+    ]
     lay = seq["layers"][1]
     A = layers[1].A.astype(np.float64)
     rows = np.arange(6)
@@ -273,8 +294,9 @@ def test_a_page_that_would_be_too_big_uses_float16_then_keeps_the_first_sequence
     assert head["qprec"] == "f2" and head["v_shown"] == 4 and head["form"] == "qk"
     assert any("float16" in n for n in small["notes"])
     assert len(_f(head["vnorm"], "<f4")) == 40  # exact norms beside the cut V
-    np.testing.assert_allclose(_f(head["vnorm"], "<f4"),
-                               np.linalg.norm(layers[0].V[0], axis=-1), rtol=1e-6)
+    np.testing.assert_allclose(
+        _f(head["vnorm"], "<f4"), np.linalg.norm(layers[0].V[0], axis=-1), rtol=1e-6
+    )
     sents = _model(L=30, H=2, T=20, d=8)  # as 30 sequences of their own (no shared weights)
     capped = viz.explorer_data(sents, max_bytes=20_000, layers=False)
     n = len(capped["sequences"])
@@ -286,34 +308,64 @@ def test_a_page_that_would_be_too_big_uses_float16_then_keeps_the_first_sequence
 def test_score_modifiers_travel_as_parameters_not_as_dense_matrices():
     rng = np.random.default_rng(3)
     W = [rng.normal(size=(8, 8)) for _ in range(3)]
-    tr = ca.trace(rng.normal(size=(1, 12, 8)), *W, n_heads=2, window=5, softcap=3.0,
-                  alibi_slopes=np.array([0.5, 0.25]), sinks=np.array([0.3, 2.0]))
-    bare = ca.Trace({n: tr[n][0] for n in ("Q", "K", "V", "S", "A", "H")}, n_heads=2,
-                    allowed=np.broadcast_to(tr.allowed, tr.A.shape)[0], scale=tr.scale,
-                    pattern=tr.pattern)  # no X: Q, K
+    tr = ca.trace(
+        rng.normal(size=(1, 12, 8)),
+        *W,
+        n_heads=2,
+        window=5,
+        softcap=3.0,
+        alibi_slopes=np.array([0.5, 0.25]),
+        sinks=np.array([0.3, 2.0]),
+    )
+    bare = ca.Trace(
+        {n: tr[n][0] for n in ("Q", "K", "V", "S", "A", "H")},
+        n_heads=2,
+        allowed=np.broadcast_to(tr.allowed, tr.A.shape)[0],
+        scale=tr.scale,
+        pattern=tr.pattern,
+    )  # no X: Q, K
     lay = viz.explorer_data(bare)["sequences"][0]["layers"][0]
     assert [h["form"] for h in lay["heads"]] == ["qk", "qk"]
     assert lay["mods"] == {"softcap": 3.0, "slopes": [0.5, 0.25], "sinks": [0.3, 2.0]}
-    no_pattern = ca.Trace({n: tr[n][0] for n in ("Q", "K", "V", "S", "A")}, n_heads=2,
-                          allowed=np.broadcast_to(tr.allowed, tr.A.shape)[0],
-                          scale=tr.scale)  # modifiers unknown: as is
+    no_pattern = ca.Trace(
+        {n: tr[n][0] for n in ("Q", "K", "V", "S", "A")},
+        n_heads=2,
+        allowed=np.broadcast_to(tr.allowed, tr.A.shape)[0],
+        scale=tr.scale,
+    )  # modifiers unknown: as is
     lay = viz.explorer_data(no_pattern)["sequences"][0]["layers"][0]
     assert [h["form"] for h in lay["heads"]] == ["dense", "dense"]
 
 
 QUESTIONS = [  # the shape causalattn.learn.questions() returns
-    {"id": "q1", "kind": "softmax-axis", "prompt": "Along which axis does softmax run?",
-     "choices": ["down each key column", "across each query row", "over all T×T scores"],
-     "answer": 1, "hint": "Each query's weights must sum to 1.",
-     "explanation": "Row i holds query i's scores over keys j.",
-     "highlight": {"matrix": "A", "axis": "row", "row": 2},
-     "data": {"X": [[1, 0], [0, 1], [1, 1], [-1, 1]], "W_q": [[1, 0], [0, 1]],
-              "W_k": [[1, 0], [0, 1]], "W_v": [[1, 1], [1, -1]],
-              "tokens": ["x1", "x2", "x3", "x4"]}},
-    {"id": "q2", "kind": "mask-cell", "prompt": "Why is cell (8, 2) of sentence 4 blocked?",
-     "choices": ["future", "padding"], "answer": 1, "hint": "Look at row 8's token.",
-     "explanation": "Row 8 is <PAD>.", "highlight": {"matrix": "M", "cells": [[7, 1]]},
-     "sentence": 3},
+    {
+        "id": "q1",
+        "kind": "softmax-axis",
+        "prompt": "Along which axis does softmax run?",
+        "choices": ["down each key column", "across each query row", "over all T×T scores"],
+        "answer": 1,
+        "hint": "Each query's weights must sum to 1.",
+        "explanation": "Row i holds query i's scores over keys j.",
+        "highlight": {"matrix": "A", "axis": "row", "row": 2},
+        "data": {
+            "X": [[1, 0], [0, 1], [1, 1], [-1, 1]],
+            "W_q": [[1, 0], [0, 1]],
+            "W_k": [[1, 0], [0, 1]],
+            "W_v": [[1, 1], [1, -1]],
+            "tokens": ["x1", "x2", "x3", "x4"],
+        },
+    },
+    {
+        "id": "q2",
+        "kind": "mask-cell",
+        "prompt": "Why is cell (8, 2) of sentence 4 blocked?",
+        "choices": ["future", "padding"],
+        "answer": 1,
+        "hint": "Look at row 8's token.",
+        "explanation": "Row 8 is <PAD>.",
+        "highlight": {"matrix": "M", "cells": [[7, 1]]},
+        "sentence": 3,
+    },
 ]
 
 
@@ -321,8 +373,12 @@ def test_questions_travel_with_their_matrix():
     learn = viz.explorer_data(_model(L=1), questions=QUESTIONS)["learn"]
     assert [q["answer"] for q in learn] == [1, 1]
     pic = learn[0]["picture"]
-    tr = ca.trace(np.array(QUESTIONS[0]["data"]["X"], float), np.eye(2), np.eye(2),
-                  np.array([[1, 1], [1, -1]], float))
+    tr = ca.trace(
+        np.array(QUESTIONS[0]["data"]["X"], float),
+        np.eye(2),
+        np.eye(2),
+        np.array([[1, 1], [1, -1]], float),
+    )
     assert pic["matrix"] == "A" and pic["values"][3] == [round(x, 4) for x in tr.A[3]]
     assert pic["values"][0][1] is None  # blocked: no value
     m = learn[1]["picture"]
@@ -367,8 +423,9 @@ def test_cli_explore_with_check_yourself_questions(tmp_path):
     from causalattn import learn
 
     out = tmp_path / "q.html"
-    r = runner.invoke(app, ["explore", "I love pizza", "--questions", "3", "--seed", "2",
-                            "-o", str(out)])
+    r = runner.invoke(
+        app, ["explore", "I love pizza", "--questions", "3", "--seed", "2", "-o", str(out)]
+    )
     assert r.exit_code == 0, r.output
     shown = _data(out.read_text())["learn"]
     want = learn.questions(2, 3)
@@ -381,10 +438,16 @@ def test_cli_explore_with_check_yourself_questions(tmp_path):
 def test_cli_png_for_masks_and_trace(tmp_path):
     r = runner.invoke(app, ["trace", "--png", str(tmp_path / "tr")])
     assert r.exit_code == 0, r.output
-    assert sorted(p.name for p in (tmp_path / "tr").iterdir()) == ["A.png", "M.png", "S.png",
-                                                                   "norm.png"]
+    assert sorted(p.name for p in (tmp_path / "tr").iterdir()) == [
+        "A.png",
+        "M.png",
+        "S.png",
+        "norm.png",
+    ]
     r = runner.invoke(app, ["masks", "a b c", "d e", "--png", str(tmp_path / "m")])
     assert r.exit_code == 0, r.output
-    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["mask_sentence1.png",
-                                                                  "mask_sentence2.png"]
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [
+        "mask_sentence1.png",
+        "mask_sentence2.png",
+    ]
     assert heatmaps.STAGE_TITLES["A"].startswith("weights A")

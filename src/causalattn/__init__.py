@@ -1,6 +1,6 @@
 """causalattn: causal self-attention in matrix form — understand it, check it, run it fast.
 
-    H = softmax_last( Q Kᵀ / √d_k + M ) V
+H = softmax_last( Q Kᵀ / √d_k + M ) V
 """
 
 from . import masks, shapes, text, viz
@@ -12,8 +12,18 @@ from .shapes import shape_table
 from .text import Batch, Vocabulary, encode
 from .trace import Trace
 
-__all__ = ["masks", "trace", "Trace", "attention", "KVCache", "audit", "Report", "AuditInputError",
-           "diagnose", "Diagnosis"]
+__all__ = [
+    "masks",
+    "trace",
+    "Trace",
+    "attention",
+    "KVCache",
+    "audit",
+    "Report",
+    "AuditInputError",
+    "diagnose",
+    "Diagnosis",
+]
 __all__ += ["text", "encode", "Vocabulary", "Batch", "shapes", "shape_table"]
 __all__ += ["viz"]
 __all__ += ["CausalSelfAttention"]

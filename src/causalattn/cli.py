@@ -34,8 +34,13 @@ class _OneLineErrors(TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         try:
-            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var,
-                              standalone_mode=False, **extra)
+            rv = super().main(
+                args=args,
+                prog_name=prog_name,
+                complete_var=complete_var,
+                standalone_mode=False,
+                **extra,
+            )
         except click.exceptions.NoArgsIsHelpError as exc:
             click.echo(exc.ctx.get_help())
             rv = 2
@@ -68,8 +73,11 @@ class _OneLineErrors(TyperGroup):
             if os.environ.get("CAUSALATTN_DEBUG"):
                 raise
             msg = str(exc).splitlines()[0] if str(exc) else ""
-            click.echo(f"error: internal error: {type(exc).__name__}: {msg} (CAUSALATTN_DEBUG=1 "
-                       "shows the traceback; please report it)", err=True)
+            click.echo(
+                f"error: internal error: {type(exc).__name__}: {msg} (CAUSALATTN_DEBUG=1 "
+                "shows the traceback; please report it)",
+                err=True,
+            )
             rv = 2
         if not standalone_mode:
             return rv
@@ -134,8 +142,9 @@ def _fmt(a, precision: int = 3) -> str:
     return np.array2string(np.asarray(a), precision=precision, suppress_small=True)
 
 
-def _mask_table(title: str, allowed, rows: list[str], cols: list[str], form: str,
-                row_pos=None, col_pos=None):
+def _mask_table(
+    title: str, allowed, rows: list[str], cols: list[str], form: str, row_pos=None, col_pos=None
+):
     """A token-labelled mask: rows are queries, columns keys; form 'additive' (0/-∞) or 'check' (✓/·).
 
     ``row_pos`` / ``col_pos`` (0-based, default 0, 1, ...) label a summarized mask's
@@ -168,8 +177,9 @@ def _mask_table(title: str, allowed, rows: list[str], cols: list[str], form: str
 def _mask_pair(title: str, allowed, rows, cols, form: str, row_pos=None, col_pos=None) -> list:
     forms = ["additive", "check"] if form == "both" else [form]
     names = {"additive": "M, 0/-∞", "check": "may read, ✓/·"}
-    return [_mask_table(f"{title}: {names[f]}", allowed, rows, cols, f, row_pos, col_pos)
-            for f in forms]
+    return [
+        _mask_table(f"{title}: {names[f]}", allowed, rows, cols, f, row_pos, col_pos) for f in forms
+    ]
 
 
 def _print_tables(console, tables: list) -> None:
@@ -245,20 +255,27 @@ def shapes(
         return
     from rich.table import Table
 
-    t = Table(title=f"T = {seq_len}, d_model = {d_model}, heads = {heads}", title_justify="left",
-              box=None)
+    t = Table(
+        title=f"T = {seq_len}, d_model = {d_model}, heads = {heads}", title_justify="left", box=None
+    )
     for c in ("Symbol", "Shape", "Params", "fp32", "bf16", "FLOPs"):
         t.add_column(c, no_wrap=True, justify="left" if c in ("Symbol", "Shape") else "right")
     for r in rows:
         t.add_row(
-            r.symbol, r.notation, _si(r.params), _human_bytes(r.bytes_fp32),
-            _human_bytes(r.bytes_bf16), _si(r.flops),
+            r.symbol,
+            r.notation,
+            _si(r.params),
+            _human_bytes(r.bytes_fp32),
+            _human_bytes(r.bytes_bf16),
+            _si(r.flops),
         )
     console = _console()
     console.print(t)
     console.print()
     for r in rows:
-        console.print(f"[bold]{_markup_escape(r.symbol)}[/] ({r.name}): {_markup_escape(r.explanation)}")
+        console.print(
+            f"[bold]{_markup_escape(r.symbol)}[/] ({r.name}): {_markup_escape(r.explanation)}"
+        )
     console.print(
         f"parameters {totals['params']:,}; attention FLOPs (QKᵀ + A V, DESIGN.md's 4·H·T²·d): "
         f"dense {_si(dense)}, causal {_si(dense // 2)}; all rows {_si(totals['flops'])}"
@@ -275,8 +292,10 @@ def _read_corpus(path: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> list[str]:
     try:
         size = path.stat().st_size
         if size > max_bytes:
-            _fail(f"text: corpus file {path} is {_human_bytes(size)} (limit "
-                  f"{_human_bytes(max_bytes)}, --max-bytes)")
+            _fail(
+                f"text: corpus file {path} is {_human_bytes(size)} (limit "
+                f"{_human_bytes(max_bytes)}, --max-bytes)"
+            )
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         _fail(f"text: cannot read corpus file {path}: {exc}")
@@ -353,10 +372,15 @@ class _MaskView:
             return
         # the four corners of every sentence's mask, (B, 2k, 2k), without the N×N rest
         causal = _m.Pattern(causal=True, window=batch.window, chunk=batch.chunk)
-        self._corners = np.block([[batch.mask_block(r0, r0 + k, c0, c0 + k)
-                                   for c0 in (0, N - k)] for r0 in (0, N - k)])
-        self._causal = np.block([[causal.tile(1, 1, N, N, r0, r0 + k, c0, c0 + k)[0, 0]
-                                  for c0 in (0, N - k)] for r0 in (0, N - k)])
+        self._corners = np.block(
+            [[batch.mask_block(r0, r0 + k, c0, c0 + k) for c0 in (0, N - k)] for r0 in (0, N - k)]
+        )
+        self._causal = np.block(
+            [
+                [causal.tile(1, 1, N, N, r0, r0 + k, c0, c0 + k)[0, 0] for c0 in (0, N - k)]
+                for r0 in (0, N - k)
+            ]
+        )
         self._counts = batch.mask_counts()
         self._causal_counts = _m.counts(np.array([N]), N, window=batch.window, chunk=batch.chunk)
 
@@ -379,16 +403,24 @@ class _MaskView:
             return cells
         N = self.batch.N
         pos = [p + 1 for p in self.pos]  # 1-based, as everything on the command line
-        return {"shape": [N, N], "summarized": True, "rows": pos, "cols": pos, "cells": cells,
-                **self.counts(b)}
+        return {
+            "shape": [N, N],
+            "summarized": True,
+            "rows": pos,
+            "cols": pos,
+            "cells": cells,
+            **self.counts(b),
+        }
 
     def note(self, b: int | None) -> str:
         if self.dense:
             return ""
         c = self.counts(b)
         blocked = ", ".join(f"{v:,} blocked ({k})" for k, v in c.items() if k != "readable")
-        return (f"{c['readable']:,} readable, {blocked}; first and last {len(self.pos) // 2} "
-                "rows and columns shown (--full for every cell)")
+        return (
+            f"{c['readable']:,} readable, {blocked}; first and last {len(self.pos) // 2} "
+            "rows and columns shown (--full for every cell)"
+        )
 
 
 @app.command()
@@ -416,20 +448,34 @@ def masks(
         _fail("give sentences or --file, not both")
     if png is not None:
         _check_out_dir("--png", png)
-    corpus = _read_corpus(file, max_bytes) if file is not None else (sentences or list(text.SEED_SENTENCES))
+    corpus = (
+        _read_corpus(file, max_bytes)
+        if file is not None
+        else (sentences or list(text.SEED_SENTENCES))
+    )
     with _library_errors():
-        batch = _encode_quiet(corpus, max_len=max_len, max_bytes=max_bytes, window=window,
-                              chunk=chunk)
+        batch = _encode_quiet(
+            corpus, max_len=max_len, max_bytes=max_bytes, window=window, chunk=chunk
+        )
         if full:  # everything below is dense: refuse now rather than half-way
-            text.check_bytes(f"--full: the masks (B, N, N) = ({batch.B}, {batch.N}, {batch.N})",
-                             batch.B * batch.N * batch.N * (60 if as_json else 1), max_bytes,
-                             "drop --full to see them summarized, or raise --max-bytes")
+            text.check_bytes(
+                f"--full: the masks (B, N, N) = ({batch.B}, {batch.N}, {batch.N})",
+                batch.B * batch.N * batch.N * (60 if as_json else 1),
+                max_bytes,
+                "drop --full to see them summarized, or raise --max-bytes",
+            )
         view = _MaskView(batch, full)
     if png is not None:
         with _library_errors():
-            _write_pngs(png, lambda viz: {f"mask_sentence{b + 1}": viz.plot_mask(
-                batch.pattern, batch.tokens[b], T=batch.N, b=b)
-                for b in _progress(range(batch.B), "drawing", as_json)})
+            _write_pngs(
+                png,
+                lambda viz: {
+                    f"mask_sentence{b + 1}": viz.plot_mask(
+                        batch.pattern, batch.tokens[b], T=batch.N, b=b
+                    )
+                    for b in _progress(range(batch.B), "drawing", as_json)
+                },
+            )
     if as_json:
         _print_json(
             {
@@ -444,9 +490,14 @@ def masks(
                         "tokens": batch.tokens[b],
                         "ids": batch.ids[b],
                         "length": batch.lengths[b],
-                        "key_padding": batch.key_padding_mask[b] if view.dense
-                        else {"shape": [batch.N], "summarized": True,
-                              "cols": [p + 1 for p in view.pos], "cells": view.key_padding(b)},
+                        "key_padding": batch.key_padding_mask[b]
+                        if view.dense
+                        else {
+                            "shape": [batch.N],
+                            "summarized": True,
+                            "cols": [p + 1 for p in view.pos],
+                            "cells": view.key_padding(b),
+                        },
                         "combined": view.to_json(b),
                     }
                     for b in range(batch.B)
@@ -458,9 +509,18 @@ def masks(
     longest = batch.tokens[int(batch.lengths.argmax())]
     pos = view.pos
     rules = batch.pattern.describe().replace(" + padding", "")  # "causal + window 3"
-    _print_tables(console, _mask_pair(f"{rules} {batch.N}×{batch.N}", view.causal(),
-                                      [longest[p] for p in pos], [longest[p] for p in pos], form,
-                                      pos, pos))
+    _print_tables(
+        console,
+        _mask_pair(
+            f"{rules} {batch.N}×{batch.N}",
+            view.causal(),
+            [longest[p] for p in pos],
+            [longest[p] for p in pos],
+            form,
+            pos,
+            pos,
+        ),
+    )
     if view.note(None):
         console.print(view.note(None), style="dim", markup=False)
         console.print()
@@ -470,19 +530,30 @@ def masks(
         words = " ".join(toks if full or batch.N <= _SHOW_N else toks[: int(batch.lengths[b])])
         if len(words) > 400 and not full:
             words = words[:400] + " …"
-        console.print(f"[bold]sentence {b + 1}[/] ({batch.lengths[b]} tokens): "
-                      f"{_markup_escape(words)}")
+        console.print(
+            f"[bold]sentence {b + 1}[/] ({batch.lengths[b]} tokens): {_markup_escape(words)}"
+        )
         labels = [toks[p] for p in pos]
-        _print_tables(console, _mask_pair("key padding", view.key_padding(b)[None],
-                                          ["keys"], labels, form, [0], pos))
-        _print_tables(console, _mask_pair(f"combined ({rules} AND padding)", view.combined(b),
-                                          labels, labels, form, pos, pos))
+        _print_tables(
+            console,
+            _mask_pair("key padding", view.key_padding(b)[None], ["keys"], labels, form, [0], pos),
+        )
+        _print_tables(
+            console,
+            _mask_pair(
+                f"combined ({rules} AND padding)", view.combined(b), labels, labels, form, pos, pos
+            ),
+        )
         if view.note(b):
             console.print(view.note(b), style="dim", markup=False)
             console.print()
     if shown < batch.B:
-        console.print(f"… {batch.B - shown:,} more sentences not shown (--full shows every "
-                      "one; --json lists every one)", style="dim", markup=False)
+        console.print(
+            f"… {batch.B - shown:,} more sentences not shown (--full shows every "
+            "one; --json lists every one)",
+            style="dim",
+            markup=False,
+        )
 
 
 # -- causalattn trace -------------------------------------------------------------------
@@ -512,13 +583,17 @@ def _load_trace_inputs(path: Path, max_bytes: int) -> dict:
         if path.is_dir():
             _fail(f"trace input {path}: is a folder; give a .npz or .json file")
         if size > max_bytes:
-            _fail(f"trace input {path}: the file is {_human_bytes(size)} (limit "
-                  f"{_human_bytes(max_bytes)}, --max-bytes)")
+            _fail(
+                f"trace input {path}: the file is {_human_bytes(size)} (limit "
+                f"{_human_bytes(max_bytes)}, --max-bytes)"
+            )
         with open(path, "rb") as fh:
             head = fh.read(64).lstrip()
         if not head:
-            _fail(f"trace input {path}: the file is empty; expected .npz or JSON with keys "
-                  "X, W_q, W_k, W_v")
+            _fail(
+                f"trace input {path}: the file is empty; expected .npz or JSON with keys "
+                "X, W_q, W_k, W_v"
+            )
         if head[:1] in (b"{", b"["):
             data = json.loads(path.read_text(encoding="utf-8"))
             if not isinstance(data, dict):
@@ -529,8 +604,9 @@ def _load_trace_inputs(path: Path, max_bytes: int) -> dict:
             if not data:
                 _fail(f"trace input {path}: the .npz holds no arrays; expected X, W_q, W_k, W_v")
         else:
-            _fail(f"trace input {path}: cannot be read as .npz or JSON (it starts with "
-                  f"{head[:12]!r})")
+            _fail(
+                f"trace input {path}: cannot be read as .npz or JSON (it starts with {head[:12]!r})"
+            )
     except RecursionError:
         _fail(f"trace input {path}: JSON nested too deeply")
     except json.JSONDecodeError as exc:
@@ -553,8 +629,11 @@ def _load_trace_inputs(path: Path, max_bytes: int) -> dict:
             except (ValueError, TypeError, RecursionError) as exc:
                 _fail(f"trace input {path}: {k} is not a rectangular array ({exc})")
             if arr.dtype == object or arr.dtype.kind not in "biuf":
-                _fail(f"trace input {path}: {k} must hold numbers"
-                      + (" or booleans" if k == "mask" else "") + f", got dtype {arr.dtype}")
+                _fail(
+                    f"trace input {path}: {k} must hold numbers"
+                    + (" or booleans" if k == "mask" else "")
+                    + f", got dtype {arr.dtype}"
+                )
             if k != "mask" and arr.size and not np.isfinite(arr).all():
                 n = int((~np.isfinite(arr)).sum())
                 typer.echo(f"warning: {k} holds {n} non-finite values (NaN or inf)", err=True)
@@ -568,8 +647,10 @@ def _load_trace_inputs(path: Path, max_bytes: int) -> dict:
         X = data["X"]
         if not ok or X.ndim < 1 or len(toks) != X.shape[-2 if X.ndim > 1 else 0]:
             T = X.shape[-2] if X.ndim > 1 else "T"
-            _fail(f"trace input {path}: tokens must be a list of T = {T} strings, one per row "
-                  f"of X, got {str(data['tokens'])[:60]}")
+            _fail(
+                f"trace input {path}: tokens must be a list of T = {T} strings, one per row "
+                f"of X, got {str(data['tokens'])[:60]}"
+            )
         data["tokens"] = [str(t) for t in toks]
     X = data["X"]
     if X.ndim >= 2:  # S, M, Z, A (and C, capped) are T×T float64 per sequence and head
@@ -577,8 +658,12 @@ def _load_trace_inputs(path: Path, max_bytes: int) -> dict:
         from .text import check_bytes
 
         with _library_errors():
-            check_bytes(f"trace: X {X.shape} makes T×T stages that", 6 * 8 * lead * T * T,
-                        max_bytes, "trace a shorter sequence, or raise --max-bytes")
+            check_bytes(
+                f"trace: X {X.shape} makes T×T stages that",
+                6 * 8 * lead * T * T,
+                max_bytes,
+                "trace a shorter sequence, or raise --max-bytes",
+            )
     return data
 
 
@@ -595,7 +680,9 @@ def trace_cmd(
     ),
     query: int = typer.Option(None, "--query", "-q", help="Explain query i (1-based, as h_i)."),
     save: Path = typer.Option(None, "--save", help="Write the whole trace to FILE.npz."),
-    png: Path = typer.Option(None, "--png", help="Also draw M, S, A and ‖A_ij v_j‖ into DIR as PNG."),
+    png: Path = typer.Option(
+        None, "--png", help="Also draw M, S, A and ‖A_ij v_j‖ into DIR as PNG."
+    ),
     max_bytes: int = typer.Option(DEFAULT_MAX_BYTES, "--max-bytes", help=_MAX_BYTES_HELP),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
@@ -611,8 +698,13 @@ def trace_cmd(
     data = _load_trace_inputs(input_file, max_bytes) if input_file is not None else dict(_CHAPTER)
     with _library_errors():
         tr = run_trace(
-            data["X"], data["W_q"], data["W_k"], data["W_v"], data.get("W_o"),
-            mask=data.get("mask"), tokens=data.get("tokens"),
+            data["X"],
+            data["W_q"],
+            data["W_k"],
+            data["W_v"],
+            data.get("W_o"),
+            mask=data.get("mask"),
+            tokens=data.get("tokens"),
         )
         T = tr.A.shape[-1]
         ex = None
@@ -626,13 +718,20 @@ def trace_cmd(
             except OSError as exc:
                 _fail(f"--save: cannot write {save} ({exc.strerror or exc})")
         if as_json:  # about 20 characters a value
-            check_bytes("trace --json: the printed stages", 20 * sum(st.value.size for st in tr),
-                        max_bytes, "use --save for a .npz instead, or raise --max-bytes")
+            check_bytes(
+                "trace --json: the printed stages",
+                20 * sum(st.value.size for st in tr),
+                max_bytes,
+                "use --save for a .npz instead, or raise --max-bytes",
+            )
     allowed = np.ones(tr.A.shape, bool) if tr.allowed is None else tr.allowed
     readable = np.broadcast_to(allowed, tr.A.shape).any(-1)  # rows that read a key
     if not np.isfinite(tr.H[readable]).all():
-        typer.echo("warning: H holds NaN or inf in rows that read keys: the inputs overflow "
-                   "float64 (values near 1e308?) or hold NaN/inf", err=True)
+        typer.echo(
+            "warning: H holds NaN or inf in rows that read keys: the inputs overflow "
+            "float64 (values near 1e308?) or hold NaN/inf",
+            err=True,
+        )
     if png is not None:
         _write_pngs(png, lambda viz: viz.trace_figures(tr))
     if as_json:
@@ -640,8 +739,14 @@ def trace_cmd(
             "positions": "1-based",
             "scale": tr.scale,
             "stages": [
-                {"name": st.name, "symbol": st.symbol, "formula": st.formula,
-                 "notation": st.notation, "shape": list(st.shape), "value": st.value}
+                {
+                    "name": st.name,
+                    "symbol": st.symbol,
+                    "formula": st.formula,
+                    "notation": st.notation,
+                    "shape": list(st.shape),
+                    "value": st.value,
+                }
                 for st in tr
             ],
         }
@@ -651,8 +756,10 @@ def trace_cmd(
         return
     console = _console()
     for st in tr:
-        console.print(f"[bold cyan]{st.symbol}[/]  {_markup_escape(st.formula)}   [dim]{st.notation} = "
-                      f"{'×'.join(map(str, st.shape))}[/]")
+        console.print(
+            f"[bold cyan]{st.symbol}[/]  {_markup_escape(st.formula)}   [dim]{st.notation} = "
+            f"{'×'.join(map(str, st.shape))}[/]"
+        )
         if st.value.size <= 256:
             console.print(_fmt(st.value), markup=False)
         else:
@@ -689,9 +796,13 @@ def _check_widths(batch, d_model: int, heads: int, max_bytes: int) -> int:
     fixed = 8 * d_model * (len(batch.vocab) + 4 * d_model)  # E (vocab×d), four d×d weights
     # X, Q, K, V, H (N×d) and the T×T float64 stages S, M, Z, A, with room for temporaries
     per = 8 * (5 * d_model * N + 8 * heads * N * N)
-    check_bytes(f"the seeded weights and one sentence's trace (d_model = {d_model}, {heads} "
-                f"heads, N = {N})", fixed + per, max_bytes,
-                "lower --d-model or --max-len, or raise --max-bytes")
+    check_bytes(
+        f"the seeded weights and one sentence's trace (d_model = {d_model}, {heads} "
+        f"heads, N = {N})",
+        fixed + per,
+        max_bytes,
+        "lower --d-model or --max-len, or raise --max-bytes",
+    )
     return per
 
 
@@ -762,8 +873,11 @@ def demo(
 
     console = _console()
     console.rule("1. The corpus, tokenized")
-    vt = Table(title=f"Vocabulary ({len(batch.vocab)} ids, by first appearance)",
-               title_justify="left", box=None)
+    vt = Table(
+        title=f"Vocabulary ({len(batch.vocab)} ids, by first appearance)",
+        title_justify="left",
+        box=None,
+    )
     for _ in range(4):
         vt.add_column("id", justify="right", style="dim")
         vt.add_column("token")
@@ -783,24 +897,37 @@ def demo(
     pt.add_column("tokens")
     pt.add_column("ids")
     for b in range(batch.B):
-        pt.add_row(str(b + 1), str(batch.lengths[b]), " ".join(batch.tokens[b]),
-                   " ".join(map(str, batch.ids[b])))
+        pt.add_row(
+            str(b + 1),
+            str(batch.lengths[b]),
+            " ".join(batch.tokens[b]),
+            " ".join(map(str, batch.ids[b])),
+        )
     console.print(pt)
     console.print()
 
     console.rule("2. Masks (rows are queries, columns keys)")
     s1 = batch.tokens[0]
-    _print_tables(console, [_mask_table(f"causal mask M, {batch.N}×{batch.N}", batch.causal_mask,
-                                        s1, s1, "additive")])
+    _print_tables(
+        console,
+        [_mask_table(f"causal mask M, {batch.N}×{batch.N}", batch.causal_mask, s1, s1, "additive")],
+    )
     s4 = batch.tokens[last]
-    _print_tables(console, _mask_pair(f"sentence {last + 1}, causal AND padding",
-                                      batch.mask[last], s4, s4, "both"))
+    _print_tables(
+        console,
+        _mask_pair(f"sentence {last + 1}, causal AND padding", batch.mask[last], s4, s4, "both"),
+    )
 
     console.rule(f"3. One seeded self-attention over the batch (d_model = {d_model}, seed {seed})")
-    console.print(f"X = E\\[ids] is {'×'.join(map(str, tr.X.shape))}; "
-                  f"A is {'×'.join(map(str, tr.A.shape))}; H is {'×'.join(map(str, tr.H.shape))}")
-    at = Table(title=f"A for sentence {last + 1} (rows sum to 1; padding rows are 0)",
-               title_justify="left", box=None)
+    console.print(
+        f"X = E\\[ids] is {'×'.join(map(str, tr.X.shape))}; "
+        f"A is {'×'.join(map(str, tr.A.shape))}; H is {'×'.join(map(str, tr.H.shape))}"
+    )
+    at = Table(
+        title=f"A for sentence {last + 1} (rows sum to 1; padding rows are 0)",
+        title_justify="left",
+        box=None,
+    )
     at.add_column("query \\ key", style="bold")
     for j, c in enumerate(s4):
         at.add_column(Text(f"{j + 1}\n{c[:5]}"), justify="right")
@@ -811,17 +938,20 @@ def demo(
     console.print()
 
     console.rule("4. The chapter's four-token trace")
-    console.print("X = [[1,0],[0,1],[1,1],[-1,1]], W_Q = W_K = I, W_V = [[1,1],[1,-1]]",
-                  markup=False)
+    console.print(
+        "X = [[1,0],[0,1],[1,1],[-1,1]], W_Q = W_K = I, W_V = [[1,1],[1,-1]]", markup=False
+    )
     console.print(f"scores of query 4   S_4 = {_fmt(chapter.S[3])}", markup=False)
     console.print(f"its weights         A_4 = {_fmt(chapter.A[3])}", markup=False)
     console.print(f"weighted values     h_4 = {_fmt(chapter.H[3])}", markup=False)
     console.print("The four quantities for query 4 (h_4; explain(3) in Python, 0-based):")
     console.print(ex.format(base=1), markup=False)
     console.print()
-    console.print("Learn it by doing: `causalattn learn` asks the chapter's check questions; "
-                  "`causalattn learn --exercise attention` writes an exercise to grade.",
-                  markup=False)
+    console.print(
+        "Learn it by doing: `causalattn learn` asks the chapter's check questions; "
+        "`causalattn learn --exercise attention` writes an exercise to grade.",
+        markup=False,
+    )
     if not report.ok:
         raise typer.Exit(1)
 
@@ -842,8 +972,9 @@ def _one_based(report):
         return out
 
     checks = [dataclasses.replace(c, evidence=shift(c.evidence)) for c in report.checks]
-    return dataclasses.replace(report, checks=checks,
-                               empty_rows=[shift(r) for r in report.empty_rows])
+    return dataclasses.replace(
+        report, checks=checks, empty_rows=[shift(r) for r in report.empty_rows]
+    )
 
 
 def _numbers(text: str | None, name: str, kind=float):
@@ -856,14 +987,20 @@ def _numbers(text: str | None, name: str, kind=float):
         _fail(f"{name}: expected comma-separated {kind.__name__}s, got {text!r}")
 
 
-def _declared(window, chunk, lengths, prefix_lengths, softcap, sinks, alibi_slopes,
-              bidirectional) -> dict:
+def _declared(
+    window, chunk, lengths, prefix_lengths, softcap, sinks, alibi_slopes, bidirectional
+) -> dict:
     """The pattern keywords of causalattn.attention, from the audit/diagnose options."""
-    kw = {"causal": not bidirectional, "window": window, "chunk": chunk, "softcap": softcap,
-          "lengths": _numbers(lengths, "--lengths", int),
-          "prefix_lengths": _numbers(prefix_lengths, "--prefix-lengths", int),
-          "sinks": _numbers(sinks, "--sinks"), "alibi_slopes": _numbers(alibi_slopes,
-                                                                        "--alibi-slopes")}
+    kw = {
+        "causal": not bidirectional,
+        "window": window,
+        "chunk": chunk,
+        "softcap": softcap,
+        "lengths": _numbers(lengths, "--lengths", int),
+        "prefix_lengths": _numbers(prefix_lengths, "--prefix-lengths", int),
+        "sinks": _numbers(sinks, "--sinks"),
+        "alibi_slopes": _numbers(alibi_slopes, "--alibi-slopes"),
+    }
     return {k: v for k, v in kw.items() if v is not None}
 
 
@@ -873,11 +1010,18 @@ _PATTERN_HELP = "The declared pattern, as for causalattn.attention (default: pla
 @app.command("audit")
 def audit_cmd(
     file: str = typer.Argument(
-        None, help="A .npz, a .npy, a folder of .npy files or a .safetensors; with --model, the text."),
+        None,
+        help="A .npz, a .npy, a folder of .npy files or a .safetensors; with --model, the text.",
+    ),
     model: Path = typer.Option(
-        None, "--model", help="A Hugging Face causal LM folder (save_pretrained): run it on the "
-        "text and audit every layer's attention."),
-    layers: str = typer.Option(None, "--layers", help="With --model: which layers, e.g. '0,3,5-7'."),
+        None,
+        "--model",
+        help="A Hugging Face causal LM folder (save_pretrained): run it on the "
+        "text and audit every layer's attention.",
+    ),
+    layers: str = typer.Option(
+        None, "--layers", help="With --model: which layers, e.g. '0,3,5-7'."
+    ),
     max_bytes: int = typer.Option(2 * 2**30, "--max-bytes", help="Refuse arrays larger than this."),
     window: int = typer.Option(None, "--window", help="Sliding window w: " + _PATTERN_HELP),
     chunk: int = typer.Option(None, "--chunk", help="Chunks of c positions."),
@@ -897,9 +1041,10 @@ def audit_cmd(
         _audit_model(model, file, layers, as_json)
         return
     if file is None:
-        _fail("give a file of arrays to audit, or --model DIR \"text\"")
-    declared = _declared(window, chunk, lengths, prefix_lengths, softcap, sinks, alibi_slopes,
-                         bidirectional)
+        _fail('give a file of arrays to audit, or --model DIR "text"')
+    declared = _declared(
+        window, chunk, lengths, prefix_lengths, softcap, sinks, alibi_slopes, bidirectional
+    )
     try:
         report = _one_based(audit(file, max_bytes=max_bytes, scale=scale, **declared))
     except (ValueError, OSError) as exc:
@@ -917,7 +1062,7 @@ def _captured(model_dir: Path, text: str | None, layers: str | None):
     from .integrations import hf_model
 
     if text is None:
-        _fail("--model needs the text to run the model on, e.g. --model DIR \"The cat sat.\"")
+        _fail('--model needs the text to run the model on, e.g. --model DIR "The cat sat."')
     with _library_errors():
         model, tokenizer = hf_model.load(model_dir)
         ids = hf_model.encode(tokenizer, text, model)
@@ -934,23 +1079,38 @@ def _audit_model(model_dir: Path, text: str | None, layers: str | None, as_json:
     rows = hf_model.audit_layers(traces)
     ok = all(r.ok for r in rows)
     if as_json:
-        _print_json({"model": str(model_dir), "architecture": type(model).__name__,
-                     "tokens": traces[0].tokens, "pattern": [t.pattern.describe() for t in traces],
-                     "ok": ok, "layers": [r.to_dict() for r in rows]})
+        _print_json(
+            {
+                "model": str(model_dir),
+                "architecture": type(model).__name__,
+                "tokens": traces[0].tokens,
+                "pattern": [t.pattern.describe() for t in traces],
+                "ok": ok,
+                "layers": [r.to_dict() for r in rows],
+            }
+        )
     else:  # plain lines, never wrapped: the table stays a table in a narrow terminal
         out = typer.echo
-        out(f"{type(model).__name__} from {model_dir}: {len(rows)} layer(s) audited on "
-            f"{len(traces[0].tokens)} tokens")
-        out(f"{'layer':>5}  {'heads':>5}  {'pattern':<30}  {'verdict':<12}  "
-            f"{'worst |row sum - 1|':>19}  {'empty rows':>10}")
+        out(
+            f"{type(model).__name__} from {model_dir}: {len(rows)} layer(s) audited on "
+            f"{len(traces[0].tokens)} tokens"
+        )
+        out(
+            f"{'layer':>5}  {'heads':>5}  {'pattern':<30}  {'verdict':<12}  "
+            f"{'worst |row sum - 1|':>19}  {'empty rows':>10}"
+        )
         for r, tr in zip(rows, traces):
             verdict = "ok" if r.ok else f"FAILED at {r.stage}"
-            out(f"{r.layer:>5}  {r.heads:>5}  {tr.pattern.describe():<30}  {verdict:<12}  "
-                f"{r.worst_row_sum_error:>19.3g}  {r.empty_rows:>10}")
+            out(
+                f"{r.layer:>5}  {r.heads:>5}  {tr.pattern.describe():<30}  {verdict:<12}  "
+                f"{r.worst_row_sum_error:>19.3g}  {r.empty_rows:>10}"
+            )
         for r in rows:
             if not r.ok:
-                out(f"layer {r.layer}, stage {r.stage}: {r.check}: {r.message}"
-                    + (f"\n  hint: {r.hint}" if r.hint else ""))
+                out(
+                    f"layer {r.layer}, stage {r.stage}: {r.check}: {r.message}"
+                    + (f"\n  hint: {r.hint}" if r.hint else "")
+                )
         out("audit: ok" if ok else "audit: FAILED")
     if not ok:
         raise typer.Exit(1)
@@ -958,9 +1118,15 @@ def _audit_model(model_dir: Path, text: str | None, layers: str | None, as_json:
 
 @app.command("diagnose")
 def diagnose_cmd(
-    target: str = typer.Argument(..., help="path/to/file.py:function_or_class (the file is executed)."),
-    signature: str = typer.Option(None, "--signature", help="qkv | x-weights | module (default: discovered)."),
-    timeout: float = typer.Option(60.0, "--timeout", help="Seconds before the user's code is stopped."),
+    target: str = typer.Argument(
+        ..., help="path/to/file.py:function_or_class (the file is executed)."
+    ),
+    signature: str = typer.Option(
+        None, "--signature", help="qkv | x-weights | module (default: discovered)."
+    ),
+    timeout: float = typer.Option(
+        60.0, "--timeout", help="Seconds before the user's code is stopped."
+    ),
     window: int = typer.Option(None, "--window", help="Sliding window w: " + _PATTERN_HELP),
     chunk: int = typer.Option(None, "--chunk", help="Chunks of c positions."),
     lengths: str = typer.Option(None, "--lengths", help="Sequence lengths, e.g. 6,3."),
@@ -981,8 +1147,9 @@ def diagnose_cmd(
 
     if ":" not in target:
         _fail(f"expected path/to/file.py:function_or_class, got {target!r}")
-    declared = _declared(window, chunk, lengths, prefix_lengths, softcap, sinks, alibi_slopes,
-                         bidirectional)
+    declared = _declared(
+        window, chunk, lengths, prefix_lengths, softcap, sinks, alibi_slopes, bidirectional
+    )
     with _library_errors():
         d = diagnose(target, signature=signature, timeout=timeout, scale=scale, **declared)
     if as_json:
@@ -1068,24 +1235,37 @@ def _page_sentences(batch, page_bytes: int) -> int:
 def explore(
     sentences: list[str] = typer.Argument(None, help="Sentences (default: the seed's four)."),
     file: Path = typer.Option(None, "--file", "-f", help="Corpus file, one sentence a line."),
-    trace_file: Path = typer.Option(None, "--trace", help="A trace saved by `trace --save` (.npz)."),
+    trace_file: Path = typer.Option(
+        None, "--trace", help="A trace saved by `trace --save` (.npz)."
+    ),
     model: Path = typer.Option(
-        None, "--model", help="A Hugging Face causal LM folder (save_pretrained): explore its "
-        "layers on the one text given."),
-    layers: str = typer.Option(None, "--layers", help="With --model: which layers, e.g. '0,3,5-7'."),
-    output: Path = typer.Option(Path("explorer.html"), "--output", "-o", help="HTML file to write."),
+        None,
+        "--model",
+        help="A Hugging Face causal LM folder (save_pretrained): explore its "
+        "layers on the one text given.",
+    ),
+    layers: str = typer.Option(
+        None, "--layers", help="With --model: which layers, e.g. '0,3,5-7'."
+    ),
+    output: Path = typer.Option(
+        Path("explorer.html"), "--output", "-o", help="HTML file to write."
+    ),
     max_len: int = typer.Option(None, "--max-len", help="Pad/truncate to this many tokens."),
     d_model: int = typer.Option(16, "--d-model", help="Width of the random embeddings."),
     heads: int = typer.Option(2, "--heads", help="Number of heads h."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random embeddings and weights."),
     max_page_bytes: int = typer.Option(
-        _PAGE_BYTES, "--max-page-bytes",
+        _PAGE_BYTES,
+        "--max-page-bytes",
         help="Put only the sentences that fit a page of this size (default 4 MiB).",
     ),
     max_bytes: int = typer.Option(DEFAULT_MAX_BYTES, "--max-bytes", help=_MAX_BYTES_HELP),
     questions: int = typer.Option(
-        0, "--questions", help="Add a 'check yourself' panel of this many questions "
-        "(`causalattn learn`'s, drawn with --seed)."),
+        0,
+        "--questions",
+        help="Add a 'check yourself' panel of this many questions "
+        "(`causalattn learn`'s, drawn with --seed).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """One self-contained HTML page (no network) to explore masks, S, A and each query's row."""
@@ -1110,15 +1290,20 @@ def explore(
             _fail(f"--model takes one text (quote it); got {len(sentences)} arguments")
         lm, traces = _captured(model, sentences[0] if sentences else None, layers)
         with _library_errors():
-            title = (f"causalattn explorer: {type(lm).__name__} from {model.name}, "
-                     f"{len(traces[0].tokens)} tokens")
+            title = (
+                f"causalattn explorer: {type(lm).__name__} from {model.name}, "
+                f"{len(traces[0].tokens)} tokens"
+            )
             viz.write_explorer(traces, output, layers=True, title=title, questions=qs)
         n = len(traces)
         if as_json:
             _print_json({"output": str(output), "layers": n, "bytes": output.stat().st_size})
         else:
-            _console().print(f"wrote {output} ({_human_bytes(output.stat().st_size)}): "
-                             f"{n} layer(s) of {type(lm).__name__}", markup=False)
+            _console().print(
+                f"wrote {output} ({_human_bytes(output.stat().st_size)}): "
+                f"{n} layer(s) of {type(lm).__name__}",
+                markup=False,
+            )
         return
     if sum(x is not None and x != [] for x in (sentences, file, trace_file)) > 1:
         _fail("give sentences, --file or --trace, only one of them")
@@ -1129,37 +1314,53 @@ def explore(
     with _library_errors():
         if trace_file is not None:
             if trace_file.is_file() and trace_file.stat().st_size > max_bytes:
-                _fail(f"--trace: {trace_file} is {_human_bytes(trace_file.stat().st_size)} "
-                      f"(limit {_human_bytes(max_bytes)}, --max-bytes)")
+                _fail(
+                    f"--trace: {trace_file} is {_human_bytes(trace_file.stat().st_size)} "
+                    f"(limit {_human_bytes(max_bytes)}, --max-bytes)"
+                )
             tr = Trace.load(trace_file)
             title = f"causalattn explorer: {trace_file.name}"
             viz.write_explorer(tr, output, title=title, questions=qs)
             n = len(viz.kinds.sequences(tr))
         else:
-            corpus = (_read_corpus(file, max_bytes) if file is not None
-                      else (sentences or list(text.SEED_SENTENCES)))
+            corpus = (
+                _read_corpus(file, max_bytes)
+                if file is not None
+                else (sentences or list(text.SEED_SENTENCES))
+            )
             batch = _encode_quiet(corpus, max_len=max_len, max_bytes=max_bytes)
             per = _check_widths(batch, d_model, heads, max_bytes)
             n_page = _page_sentences(batch, max_page_bytes)
             n_mem = max(1, max_bytes // per)  # their traces are held until the page is written
             n = min(n_page, n_mem)
             if n < batch.B:
-                why = (f"as many as fit {_human_bytes(max_page_bytes)} (--max-page-bytes to show "
-                       "more)" if n == n_page else f"as many as {_human_bytes(max_bytes)} of "
-                       f"memory can trace at N = {batch.N} (--max-bytes to show more)")
+                why = (
+                    f"as many as fit {_human_bytes(max_page_bytes)} (--max-page-bytes to show more)"
+                    if n == n_page
+                    else f"as many as {_human_bytes(max_bytes)} of "
+                    f"memory can trace at N = {batch.N} (--max-bytes to show more)"
+                )
                 typer.echo(f"note: the page shows sentences 1..{n} of {batch.B}, {why}", err=True)
             traces = []
             step = min(512, n)  # sentences per call (batched): the same seeded weights every call
             for b0 in _progress(range(0, n, step), "tracing", as_json):
                 part = slice(b0, min(b0 + step, n))
-                sub = dataclasses.replace(batch, ids=batch.ids[part], lengths=batch.lengths[part],
-                                          tokens=batch.tokens[part], truncated=())
+                sub = dataclasses.replace(
+                    batch,
+                    ids=batch.ids[part],
+                    lengths=batch.lengths[part],
+                    tokens=batch.tokens[part],
+                    truncated=(),
+                )
                 traces += viz.batch_traces(sub, d_model=d_model, n_heads=heads, seed=seed)
-            title = (f"causalattn explorer: {n} sentence(s), seeded random weights "
-                     f"(d_model = {d_model}, {heads} heads, seed {seed})")
+            title = (
+                f"causalattn explorer: {n} sentence(s), seeded random weights "
+                f"(d_model = {d_model}, {heads} heads, seed {seed})"
+            )
             names = viz.sentence_names(batch)[:n]
-            viz.write_explorer(traces, output, names=names, title=title, questions=qs,
-                               max_bytes=max_page_bytes)
+            viz.write_explorer(
+                traces, output, names=names, title=title, questions=qs, max_bytes=max_page_bytes
+            )
     size = output.stat().st_size
     if as_json:
         _print_json({"output": str(output), "sequences": n, "bytes": size})
@@ -1172,20 +1373,29 @@ def bench(
     quick: bool = typer.Option(False, "--quick", help="a subset that runs in under a minute"),
     as_json: bool = typer.Option(False, "--json", help="print the rows as a JSON list"),
     layer: bool = typer.Option(
-        False, "--layer", help="the whole CausalSelfAttention layer at GPT-2 small, fwd and fwd+bwd, vs SDPA"
+        False,
+        "--layer",
+        help="the whole CausalSelfAttention layer at GPT-2 small, fwd and fwd+bwd, vs SDPA",
     ),
     patterns: bool = typer.Option(
-        False, "--patterns",
+        False,
+        "--patterns",
         help="window, packed documents, softcap, sinks, ALiBi and dropout on the tiled engine vs their peers",
     ),
     io: bool = typer.Option(
-        False, "--io", help="huge input through the CLI (100,000 words, 10,000 sentences): time, memory"
+        False,
+        "--io",
+        help="huge input through the CLI (100,000 words, 10,000 sentences): time, memory",
     ),
     tune: bool = typer.Option(
-        False, "--tune", help="measure tiled vs SDPA per problem kind and write the table engine='auto' "
-        "reads ($XDG_CACHE_HOME/causalattn or ~/.cache/causalattn)"
+        False,
+        "--tune",
+        help="measure tiled vs SDPA per problem kind and write the table engine='auto' "
+        "reads ($XDG_CACHE_HOME/causalattn or ~/.cache/causalattn)",
     ),
-    out: Path | None = typer.Option(None, "--out", help="with --tune: write the table here instead"),
+    out: Path | None = typer.Option(
+        None, "--out", help="with --tune: write the table here instead"
+    ),
 ):
     """Time the tiled engine against PyTorch's SDPA and naive attention (CPU), in alternation."""
     if io:

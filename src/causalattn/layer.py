@@ -90,7 +90,8 @@ class CausalSelfAttention(nn.Module):
                 f"n_kv_heads={self.n_kv_heads} (grouped-query attention)"
             )
         if scale is not None and (
-            isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer))
+            isinstance(scale, bool)
+            or not isinstance(scale, (int, float, np.floating, np.integer))
             or not math.isfinite(scale)
         ):
             raise ValueError(f"CausalSelfAttention: scale must be a finite number, got {scale!r}")
@@ -111,10 +112,17 @@ class CausalSelfAttention(nn.Module):
         self.W_v = nn.Parameter(torch.empty(d_model, g * self.d_v, **f))
         self.W_o = nn.Parameter(torch.empty(h * self.d_v, d_model, **f))
         # fixed ALiBi slopes (not saved: they follow from n_heads) and learned sink logits
-        slopes = torch.as_tensor(_masks.alibi_slopes(h), dtype=dtype, device=device) if alibi else None
+        slopes = (
+            torch.as_tensor(_masks.alibi_slopes(h), dtype=dtype, device=device) if alibi else None
+        )
         self.register_buffer("alibi_slopes", slopes, persistent=False)
         self.sinks = nn.Parameter(torch.zeros(h, **f)) if sinks else None
-        for name, n in (("b_q", h * self.d_k), ("b_k", g * self.d_k), ("b_v", g * self.d_v), ("b_o", d_model)):
+        for name, n in (
+            ("b_q", h * self.d_k),
+            ("b_k", g * self.d_k),
+            ("b_v", g * self.d_v),
+            ("b_o", d_model),
+        ):
             self.register_parameter(name, nn.Parameter(torch.zeros(n, **f)) if bias else None)
         self.reset_parameters()
 
@@ -135,8 +143,11 @@ class CausalSelfAttention(nn.Module):
         )
 
     def _pattern_repr(self) -> str:
-        parts = [f"{n}={getattr(self, n)!r}" for n in ("window", "chunk", "softcap")
-                 if getattr(self, n) is not None]
+        parts = [
+            f"{n}={getattr(self, n)!r}"
+            for n in ("window", "chunk", "softcap")
+            if getattr(self, n) is not None
+        ]
         parts += [n + "=True" for n in ("alibi_slopes", "sinks") if getattr(self, n) is not None]
         if self.attn_dropout:
             parts.append(f"attn_dropout={self.attn_dropout}")
@@ -161,7 +172,9 @@ class CausalSelfAttention(nn.Module):
                 f"CausalSelfAttention: x must be (B, T, d_model) with d_model={self.d_model}, got {got}"
             )
         if x.shape[1] == 0:
-            raise ValueError(f"CausalSelfAttention: x is {_shape_str(x)}; a sequence needs T >= 1 token")
+            raise ValueError(
+                f"CausalSelfAttention: x is {_shape_str(x)}; a sequence needs T >= 1 token"
+            )
         if x.dtype != self.W_q.dtype:
             raise ValueError(
                 f"CausalSelfAttention: x is {x.dtype} but the weights are {self.W_q.dtype}; "
@@ -171,8 +184,16 @@ class CausalSelfAttention(nn.Module):
     def _check_padding(self, B: int, T_k: int, key_padding_mask, lengths) -> None:
         if key_padding_mask is not None:
             kpm = key_padding_mask
-            if not isinstance(kpm, torch.Tensor) or kpm.dtype != torch.bool or tuple(kpm.shape) != (B, T_k):
-                got = f"{_shape_str(kpm)} {kpm.dtype}" if isinstance(kpm, torch.Tensor) else type(kpm).__name__
+            if (
+                not isinstance(kpm, torch.Tensor)
+                or kpm.dtype != torch.bool
+                or tuple(kpm.shape) != (B, T_k)
+            ):
+                got = (
+                    f"{_shape_str(kpm)} {kpm.dtype}"
+                    if isinstance(kpm, torch.Tensor)
+                    else type(kpm).__name__
+                )
                 raise ValueError(
                     f"key_padding_mask: expected a bool tensor (B, T_k) = ({B}, {T_k}) (True = may "
                     f"read; T_k counts cached positions too), got {got}"
@@ -184,7 +205,12 @@ class CausalSelfAttention(nn.Module):
                 raise ValueError(
                     f"lengths: expected an integer tensor (B,) = ({B},), got {lengths!r:.40} ({exc})"
                 ) from exc
-            if L.dim() != 1 or L.shape[0] != B or L.dtype.is_floating_point or L.dtype == torch.bool:
+            if (
+                L.dim() != 1
+                or L.shape[0] != B
+                or L.dtype.is_floating_point
+                or L.dtype == torch.bool
+            ):
                 raise ValueError(
                     f"lengths: expected an integer tensor (B,) = ({B},), got shape {_shape_str(L)} "
                     f"and dtype {L.dtype}"
@@ -192,7 +218,9 @@ class CausalSelfAttention(nn.Module):
 
     def _check_cache(self, kv_cache, x: torch.Tensor) -> None:
         if not isinstance(kv_cache, KVCache):
-            raise ValueError(f"kv_cache: expected a causalattn.KVCache, got {type(kv_cache).__name__}")
+            raise ValueError(
+                f"kv_cache: expected a causalattn.KVCache, got {type(kv_cache).__name__}"
+            )
         if len(kv_cache):
             k = kv_cache.k
             want = (x.shape[0], self.n_kv_heads, self.d_k)
@@ -238,9 +266,19 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
         H = attention(
-            q, k, v, causal=True, key_padding_mask=key_padding_mask, lengths=lengths,
-            window=self.window, chunk=self.chunk, alibi_slopes=self.alibi_slopes,
-            softcap=self.softcap, sinks=self.sinks, scale=self.scale, engine=self.engine,
+            q,
+            k,
+            v,
+            causal=True,
+            key_padding_mask=key_padding_mask,
+            lengths=lengths,
+            window=self.window,
+            chunk=self.chunk,
+            alibi_slopes=self.alibi_slopes,
+            softcap=self.softcap,
+            sinks=self.sinks,
+            scale=self.scale,
+            engine=self.engine,
             dropout_p=self.attn_dropout if self.training else 0.0,
         )  # (B, h, T, d_v)
         H = H.transpose(1, 2).reshape(B, T, self.n_heads * self.d_v)
@@ -261,7 +299,11 @@ class CausalSelfAttention(nn.Module):
         """
         from .reference import trace as _trace
 
-        X = x.detach().to("cpu", torch.float64).numpy() if isinstance(x, torch.Tensor) else np.asarray(x, np.float64)
+        X = (
+            x.detach().to("cpu", torch.float64).numpy()
+            if isinstance(x, torch.Tensor)
+            else np.asarray(x, np.float64)
+        )
         if X.ndim not in (2, 3) or X.shape[-1] != self.d_model:
             raise ValueError(
                 f"trace: x must be T×d_model or (B, T, d_model) with d_model={self.d_model}, got {X.shape}"
@@ -277,7 +319,9 @@ class CausalSelfAttention(nn.Module):
         per_seq = {}
         if lengths is not None or key_padding_mask is not None:
             if X.ndim == 2:
-                raise ValueError("trace: lengths / key_padding_mask need a batch, x (B, T, d_model)")
+                raise ValueError(
+                    "trace: lengths / key_padding_mask need a batch, x (B, T, d_model)"
+                )
             self._check_padding(B, T, key_padding_mask, lengths)
             if lengths is not None:
                 per_seq["lengths"] = np.asarray(torch.as_tensor(lengths).cpu())
@@ -291,7 +335,9 @@ class CausalSelfAttention(nn.Module):
         W = {"W_q": w(self.W_q), "W_k": w(self.W_k), "W_v": w(self.W_v)}
         if g > 1:  # one copy of its K/V head per query head
             for n, d in (("W_k", self.d_k), ("W_v", self.d_v)):
-                W[n] = np.repeat(W[n].reshape(self.d_model, self.n_kv_heads, d), g, axis=1).reshape(self.d_model, -1)
+                W[n] = np.repeat(W[n].reshape(self.d_model, self.n_kv_heads, d), g, axis=1).reshape(
+                    self.d_model, -1
+                )
         if self.b_q is not None:
             X = np.concatenate([X, np.ones(X.shape[:-1] + (1,))], axis=-1)
             bias = {"W_q": w(self.b_q), "W_k": w(self.b_k), "W_v": w(self.b_v)}
@@ -301,11 +347,21 @@ class CausalSelfAttention(nn.Module):
                     b = np.repeat(b.reshape(self.n_kv_heads, -1), g, axis=0).reshape(-1)
                 W[n] = np.concatenate([W[n], b[None, :]], axis=0)
         return _trace(
-            X, W["W_q"], W["W_k"], W["W_v"], w(self.W_o), causal=True, **per_seq,
-            window=self.window, chunk=self.chunk, softcap=self.softcap,
+            X,
+            W["W_q"],
+            W["W_k"],
+            W["W_v"],
+            w(self.W_o),
+            causal=True,
+            **per_seq,
+            window=self.window,
+            chunk=self.chunk,
+            softcap=self.softcap,
             alibi_slopes=None if self.alibi_slopes is None else w(self.alibi_slopes),
             sinks=None if self.sinks is None else w(self.sinks),
-            scale=self.scale, n_heads=self.n_heads, tokens=tokens,
+            scale=self.scale,
+            n_heads=self.n_heads,
+            tokens=tokens,
         )
 
     def shape_table(self, T: int):
@@ -337,8 +393,13 @@ class CausalSelfAttention(nn.Module):
             if module.scale_attn_by_inverse_layer_idx:
                 scale /= float(module.layer_idx + 1)
         layer = cls(
-            d_model, n_heads, bias=True, scale=float(scale), engine=engine,
-            device=c_attn.weight.device, dtype=c_attn.weight.dtype,
+            d_model,
+            n_heads,
+            bias=True,
+            scale=float(scale),
+            engine=engine,
+            device=c_attn.weight.device,
+            dtype=c_attn.weight.dtype,
         )
         layer._load(c_attn.weight, c_attn.bias, c_proj.weight, c_proj.bias, "from_gpt2_attention")
         return layer

@@ -39,15 +39,31 @@ from typing import Literal
 import numpy as np
 
 __all__ = [
-    "Pattern", "REASONS", "READABLE", "alibi_slopes", "causal", "key_padding", "query_padding",
-    "combine", "additive", "counts", "shape_str", "default_scale", "check_lengths",
+    "Pattern",
+    "REASONS",
+    "READABLE",
+    "alibi_slopes",
+    "causal",
+    "key_padding",
+    "query_padding",
+    "combine",
+    "additive",
+    "counts",
+    "shape_str",
+    "default_scale",
+    "check_lengths",
 ]
 
 # Why a cell is blocked: the first reason in this order (0 = readable).
 READABLE, PADDING, DOCUMENT, FUTURE, WINDOW, CHUNK, MASK = range(7)
 REASONS = {
-    READABLE: "readable", PADDING: "padding", DOCUMENT: "document", FUTURE: "future",
-    WINDOW: "window", CHUNK: "chunk", MASK: "mask",
+    READABLE: "readable",
+    PADDING: "padding",
+    DOCUMENT: "document",
+    FUTURE: "future",
+    WINDOW: "window",
+    CHUNK: "chunk",
+    MASK: "mask",
 }
 
 
@@ -147,8 +163,9 @@ class Pattern:
         set_(self, "causal", bool(self.causal))
         for name in ("q_start", "k_start"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer))
-                                  or v < 0):
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0
+            ):
                 raise ValueError(f"mask: {name} must be a non-negative integer, got {v!r}")
         if self.window is not None:
             set_(self, "window", _positive_int("window", self.window))
@@ -173,8 +190,10 @@ class Pattern:
                     "cu_seqlens: give either packed sequences or lengths/key_padding_mask, not both"
                 )
             if self.mask is not None:
-                raise ValueError("cu_seqlens: a dense mask and packed sequences contradict; "
-                                 "give the document rule inside the mask, or cu_seqlens alone")
+                raise ValueError(
+                    "cu_seqlens: a dense mask and packed sequences contradict; "
+                    "give the document rule inside the mask, or cu_seqlens alone"
+                )
             if self.prefix_lengths is not None:
                 raise ValueError("cu_seqlens: prefix_lengths per packed document is not supported")
         for name, ndim in (("key_padding_mask", (2,)), ("mask", (2, 3, 4))):
@@ -184,7 +203,7 @@ class Pattern:
             if not _is_torch(v):
                 v = np.asarray(v)
                 set_(self, name, v)
-            is_bool = (str(v.dtype) in ("torch.bool", "bool"))
+            is_bool = str(v.dtype) in ("torch.bool", "bool")
             if not is_bool or v.ndim not in ndim:
                 raise ValueError(
                     f"mask: {name} must be boolean (True = may read) with "
@@ -290,19 +309,22 @@ class Pattern:
         m = self.mask
         if m is not None:
             full = (1,) * (4 - m.ndim) + tuple(m.shape)
-            if (full[2:] != (T_q, T_k) or full[0] not in (1, B) or full[1] not in (1, H)):
+            if full[2:] != (T_q, T_k) or full[0] not in (1, B) or full[1] not in (1, H):
                 raise ValueError(
                     f"mask: expected a bool array (B|1, H|1, T_q, T_k) with B={B}, H={H}, "
                     f"T_q={T_q}, T_k={T_k}; got shape {shape_str(m)}"
                 )
         a = self.alibi_slopes
         if a is not None and tuple(a.shape) not in ((H,), (B, H)):
-            raise ValueError(f"alibi_slopes: expected shape (H,) = ({H},) or (B, H) = ({B}, {H}), "
-                             f"got {shape_str(a)}")
+            raise ValueError(
+                f"alibi_slopes: expected shape (H,) = ({H},) or (B, H) = ({B}, {H}), "
+                f"got {shape_str(a)}"
+            )
         s = self.sinks
         if s is not None and tuple(s.shape) != (H,):
-            raise ValueError(f"sinks: expected one logit per head, shape (H,) = ({H},), "
-                             f"got {shape_str(s)}")
+            raise ValueError(
+                f"sinks: expected one logit per head, shape (H,) = ({H},), got {shape_str(s)}"
+            )
 
     # ---- the dense forms ---------------------------------------------------------------
     def _rules(self, xp, b, q0, q1, k0, k1, T_q, T_k, dev):
@@ -414,8 +436,9 @@ class Pattern:
         self.check(B, H, T_q, T_k)
         _, _, b = self._frame(B, None)
         rules = self._rules(np, b, 0, T_q, 0, T_k, T_q, T_k, None)
-        shape = np.broadcast_shapes((len(b) if self.per_batch else 1, 1, T_q, T_k),
-                                    *(r.shape for r in rules.values()))
+        shape = np.broadcast_shapes(
+            (len(b) if self.per_batch else 1, 1, T_q, T_k), *(r.shape for r in rules.values())
+        )
         out = np.zeros(shape, dtype=np.uint8)
         for code in sorted(rules, reverse=True):  # the first reason is written last
             out[~np.broadcast_to(rules[code], shape)] = code
@@ -514,10 +537,15 @@ class Pattern:
         lo, hi = self.key_range(b, q0, q1, T_q, T_k)
         if hi <= k0 or lo >= k1 or lo == hi:
             return "skip"
-        B = (len(self.lengths) if self.lengths is not None
-             else len(self.prefix_lengths) if self.prefix_lengths is not None
-             else self.key_padding_mask.shape[0] if self.key_padding_mask is not None
-             else b + 1)
+        B = (
+            len(self.lengths)
+            if self.lengths is not None
+            else len(self.prefix_lengths)
+            if self.prefix_lengths is not None
+            else self.key_padding_mask.shape[0]
+            if self.key_padding_mask is not None
+            else b + 1
+        )
         t = self.tile(max(B, b + 1), H, T_q, T_k, q0, q1, k0, k1, batch=[b])
         if t.all():
             return "full"
@@ -572,6 +600,7 @@ def alibi_slopes(n_heads: int) -> np.ndarray:
 
 # ---- the seeds' building blocks, on the one definition ----------------------------------
 
+
 def _check_len(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"mask: {name} must be an integer, got {type(value).__name__}")
@@ -601,8 +630,12 @@ def check_lengths(lengths, T: int, what: str, B: int | None = None, note: str = 
     """``lengths`` as int64 NumPy (B,), each in [0, T]; else a ValueError from ``what``
     naming the shape (B,) = (``B``,) when given. The one lengths check (masks, layer, ring)."""
     arr = _numpy(lengths) if not isinstance(lengths, (list, tuple)) else np.asarray(lengths)
-    if (arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_
-            or (B is not None and arr.shape[0] != B)):
+    if (
+        arr.ndim != 1
+        or not np.issubdtype(arr.dtype, np.integer)
+        or arr.dtype == np.bool_
+        or (B is not None and arr.shape[0] != B)
+    ):
         want = "(B,)" if B is None else f"(B,) = ({B},)"
         raise ValueError(
             f"{what}: lengths must be a 1-D integer array {want}, got shape "
@@ -659,9 +692,7 @@ def combine(*masks):
     return out
 
 
-def additive(
-    allowed, fill: Literal["-inf", "finite"] = "-inf", dtype=np.float64
-) -> np.ndarray:
+def additive(allowed, fill: Literal["-inf", "finite"] = "-inf", dtype=np.float64) -> np.ndarray:
     """The seeds' additive mask M: 0 where allowed, -inf (or dtype's finite minimum) where blocked.
 
     A finite fill is written once per blocked entry, never summed from two masks, so it
@@ -683,8 +714,9 @@ def additive(
     return np.where(a, dt.type(0), dt.type(blocked)).astype(dt)
 
 
-def counts(lengths, T: int, *, window: int | None = None, chunk: int | None = None
-           ) -> dict[str, np.ndarray]:
+def counts(
+    lengths, T: int, *, window: int | None = None, chunk: int | None = None
+) -> dict[str, np.ndarray]:
     """How many of the T×T entries of causal (+ window, chunk) AND padding
     (``Pattern(window=..., chunk=..., lengths=lengths)``) are of each kind, per sequence.
 

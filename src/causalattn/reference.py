@@ -29,14 +29,18 @@ def _as_float(name: str, stage: str, a, min_ndim: int, exact_ndim: int | None = 
         arr = np.asarray(a)
     except Exception as exc:  # ragged lists and the like
         raise ValueError(f"{stage}: {name} is not an array ({exc})") from exc
-    if arr.dtype == object or not (
-        np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_
-    ) or np.issubdtype(arr.dtype, np.complexfloating):
+    if (
+        arr.dtype == object
+        or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_)
+        or np.issubdtype(arr.dtype, np.complexfloating)
+    ):
         raise ValueError(f"{stage}: {name} must be a real numeric array, got dtype {arr.dtype}")
     if exact_ndim is not None and arr.ndim != exact_ndim:
         raise ValueError(f"{stage}: {name} must be 2-D, got shape {arr.shape}")
     if arr.ndim < min_ndim:
-        raise ValueError(f"{stage}: {name} must have at least {min_ndim} axes, got shape {arr.shape}")
+        raise ValueError(
+            f"{stage}: {name} must have at least {min_ndim} axes, got shape {arr.shape}"
+        )
     return arr.astype(np.float64)
 
 
@@ -182,8 +186,10 @@ def trace(
 
     if scale is None:
         scale = _masks.default_scale(d_k)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float, np.number)) or not (
-        np.isfinite(scale)
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float, np.number))
+        or not (np.isfinite(scale))
     ):
         raise ValueError(f"scores: scale must be a finite number, got {scale!r}")
     with np.errstate(invalid="ignore", over="ignore"):
@@ -193,10 +199,17 @@ def trace(
         rules = (window, chunk, lengths, key_padding_mask, cu_seqlens, prefix_lengths)
         causal = mask is None or any(r is not None for r in rules)
     pattern = _masks.Pattern(
-        causal=causal, window=window, chunk=chunk, lengths=lengths,
-        key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens, prefix_lengths=prefix_lengths,
+        causal=causal,
+        window=window,
+        chunk=chunk,
+        lengths=lengths,
+        key_padding_mask=key_padding_mask,
+        cu_seqlens=cu_seqlens,
+        prefix_lengths=prefix_lengths,
         mask=mask if _is_pattern_mask(mask, X.ndim, n_heads) else None,
-        alibi_slopes=alibi_slopes, softcap=softcap, sinks=sinks,
+        alibi_slopes=alibi_slopes,
+        softcap=softcap,
+        sinks=sinks,
     )
     reasons, lay = _pattern_cells(pattern, X.shape[:-2], n_heads, T)
     while reasons.ndim > 2 and reasons.shape[0] == 1:  # T×T when the same for every sequence/head
@@ -219,10 +232,16 @@ def trace(
         try:
             shape = np.broadcast_shapes(allowed.shape, reasons.shape, S.shape)
         except ValueError as exc:
-            raise ValueError(f"mask: shape {allowed.shape} does not broadcast to S {S.shape}") from exc
-        reasons = np.where(np.broadcast_to(allowed, shape), np.broadcast_to(reasons, shape),
-                           np.where(np.broadcast_to(reasons, shape) == 0, _masks.MASK,
-                                    np.broadcast_to(reasons, shape))).astype(np.uint8)
+            raise ValueError(
+                f"mask: shape {allowed.shape} does not broadcast to S {S.shape}"
+            ) from exc
+        reasons = np.where(
+            np.broadcast_to(allowed, shape),
+            np.broadcast_to(reasons, shape),
+            np.where(
+                np.broadcast_to(reasons, shape) == 0, _masks.MASK, np.broadcast_to(reasons, shape)
+            ),
+        ).astype(np.uint8)
     allowed = reasons == 0
 
     stages: dict[str, np.ndarray] = {}
@@ -235,7 +254,9 @@ def trace(
         stages["E"] = bias = bias.reshape(_lead_shape(bias.shape, X.shape[:-2], n_heads))
         with np.errstate(invalid="ignore", over="ignore"):
             Sm = Sm + bias
-    M = np.broadcast_to(_masks.additive(allowed, fill=fill), np.broadcast_shapes(allowed.shape, S.shape))
+    M = np.broadcast_to(
+        _masks.additive(allowed, fill=fill), np.broadcast_shapes(allowed.shape, S.shape)
+    )
     with np.errstate(invalid="ignore"):
         Z = Sm + M
     sink_logits = None
@@ -252,8 +273,7 @@ def trace(
         A_read = stages["A_drop"] = np.where(keep, A / (1.0 - p) if p < 1 else 0.0, 0.0)
     H = weighted_values(A_read, V, allowed)
 
-    arrays = {"X": X, **W, "Q": Q, "K": K, "V": V, "S": S, **stages, "M": M, "Z": Z, "A": A,
-              "H": H}
+    arrays = {"X": X, **W, "Q": Q, "K": K, "V": V, "S": S, **stages, "M": M, "Z": Z, "A": A, "H": H}
     if A.size * V.shape[-1] * 8 <= C_LIMIT_BYTES:
         al = np.broadcast_to(allowed, A.shape)[..., None]
         with np.errstate(invalid="ignore"):
@@ -268,8 +288,15 @@ def trace(
             )
         arrays["W_o"] = Wo
         arrays["O"] = H_cat @ Wo
-    return Trace(arrays, allowed=allowed, scale=float(scale), n_heads=n_heads, tokens=tokens,
-                 pattern=pattern, reasons=reasons)
+    return Trace(
+        arrays,
+        allowed=allowed,
+        scale=float(scale),
+        n_heads=n_heads,
+        tokens=tokens,
+        pattern=pattern,
+        reasons=reasons,
+    )
 
 
 def _is_pattern_mask(mask, x_ndim: int, n_heads) -> bool:

@@ -85,8 +85,14 @@ def _positive(name: str, value) -> int:
 
 
 def attention_flops(
-    seq_len: int, d_head: int, n_heads: int = 1, batch: int = 1, causal: bool = True,
-    *, keys: int | None = None, backward: bool = False,
+    seq_len: int,
+    d_head: int,
+    n_heads: int = 1,
+    batch: int = 1,
+    causal: bool = True,
+    *,
+    keys: int | None = None,
+    backward: bool = False,
 ) -> int:
     """docs/design.md's forward attention FLOPs: ``4·B·H·T²·d``, halved when causal
     (:func:`score_flops` over the needed entries). ``keys``: T_k when it differs from
@@ -140,32 +146,72 @@ def shape_table(
         rows.append(Row(name, symbol, tuple(shape), params, 4 * n, 2 * n, int(flops), explanation))
 
     proj_k = 2 * T * D * h * d_k  # X W_Q: (T×d_model)(d_model×h·d_k)
-    add("Query", "Q", per_head(T, d_k), proj_k,
-        f"Q = X W_Q: sequence length × d_k{each}")
+    add("Query", "Q", per_head(T, d_k), proj_k, f"Q = X W_Q: sequence length × d_k{each}")
     add("Key", "K", per_head(T, d_k), proj_k, "K = X W_K: sequence length × d_k")
-    add("Key transpose", "Kᵀ", per_head(d_k, T), 0,
-        "transposed from K so the inner d_k axes contract (a view, no copy)")
-    add("Product QKᵀ", "QKᵀ", per_head(T, T), 2 * h * T * T * d_k,
-        f"(T×d_k)(d_k×T) -> T×T{each}: one raw score per query-key pair")
-    add("Attention mask", "M", (T, T), 0,
-        "causal mask, 0 on and below the diagonal, -∞ above; T×T, shared by every head")
-    add("Scaled score + mask", "QKᵀ/√d_k + M", per_head(T, T), 2 * h * T * T,
-        "scale by 1/√d_k and add M element-wise: the shape is preserved")
-    add("Attention weights", "A", per_head(T, T), 4 * h * T * T,
-        "A = softmax_last(…), row-wise over the key axis: the shape is preserved")
-    add("Value", "V", per_head(T, d_v), 2 * T * D * h * d_v,
-        "V = X W_V: sequence length × d_v")
-    add("Output", "H", per_head(T, d_v), 2 * h * T * T * d_v,
-        f"H = A V: (T×T)(T×d_v) -> T×d_v{each}")
+    add(
+        "Key transpose",
+        "Kᵀ",
+        per_head(d_k, T),
+        0,
+        "transposed from K so the inner d_k axes contract (a view, no copy)",
+    )
+    add(
+        "Product QKᵀ",
+        "QKᵀ",
+        per_head(T, T),
+        2 * h * T * T * d_k,
+        f"(T×d_k)(d_k×T) -> T×T{each}: one raw score per query-key pair",
+    )
+    add(
+        "Attention mask",
+        "M",
+        (T, T),
+        0,
+        "causal mask, 0 on and below the diagonal, -∞ above; T×T, shared by every head",
+    )
+    add(
+        "Scaled score + mask",
+        "QKᵀ/√d_k + M",
+        per_head(T, T),
+        2 * h * T * T,
+        "scale by 1/√d_k and add M element-wise: the shape is preserved",
+    )
+    add(
+        "Attention weights",
+        "A",
+        per_head(T, T),
+        4 * h * T * T,
+        "A = softmax_last(…), row-wise over the key axis: the shape is preserved",
+    )
+    add("Value", "V", per_head(T, d_v), 2 * T * D * h * d_v, "V = X W_V: sequence length × d_v")
+    add(
+        "Output",
+        "H",
+        per_head(T, d_v),
+        2 * h * T * T * d_v,
+        f"H = A V: (T×T)(T×d_v) -> T×d_v{each}",
+    )
     for name, sym, cols, what in (
         ("Query weights", "W_Q", h * d_k, "Query"),
         ("Key weights", "W_K", h * d_k, "Key"),
         ("Value weights", "W_V", h * d_v, "Value"),
     ):
-        add(name, sym, (D, cols), 0,
+        add(
+            name,
+            sym,
+            (D, cols),
+            0,
             f"d_model×{hd.replace('×', '·')}d_{'v' if sym == 'W_V' else 'k'}: projects the "
-            f"input embedding to {what} space", params=D * cols)
-    add("Output weights", "W_O", (h * d_v, D), 2 * T * h * d_v * D,
+            f"input embedding to {what} space",
+            params=D * cols,
+        )
+    add(
+        "Output weights",
+        "W_O",
+        (h * d_v, D),
+        2 * T * h * d_v * D,
         f"{hd.replace('×', '·')}d_v×d_model: projects the attention output back to the model "
-        "dimension; FLOPs are those of O = H W_O", params=h * d_v * D)
+        "dimension; FLOPs are those of O = H W_O",
+        params=h * d_v * D,
+    )
     return rows

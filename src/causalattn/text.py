@@ -159,8 +159,11 @@ class _PaddedTokens(Sequence):
         return t + [PAD] * (self._N - len(t))
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, Sequence) and len(other) == len(self) and all(
-            list(a) == list(b) for a, b in zip(self, other))
+        return (
+            isinstance(other, Sequence)
+            and len(other) == len(self)
+            and all(list(a) == list(b) for a, b in zip(self, other))
+        )
 
     def __repr__(self) -> str:
         return f"<{len(self)} token lists padded to N = {self._N}>"
@@ -197,8 +200,12 @@ class Batch:
         return int(self.ids.shape[1])
 
     def _dense(self, what: str, cells: int) -> None:
-        check_bytes(f"text: the dense {what}", cells, self.max_bytes,
-                    "use batch.mask_block(...) or batch.mask_counts(), or raise max_bytes")
+        check_bytes(
+            f"text: the dense {what}",
+            cells,
+            self.max_bytes,
+            "use batch.mask_block(...) or batch.mask_counts(), or raise max_bytes",
+        )
 
     @property
     def key_padding_mask(self) -> np.ndarray:
@@ -221,8 +228,9 @@ class Batch:
     def pattern(self) -> _masks.Pattern:
         """The mask as a :class:`causalattn.masks.Pattern`: causal (+ window, chunk) AND
         padding (the seed's mask when neither window nor chunk is set)."""
-        return _masks.Pattern(causal=True, window=self.window, chunk=self.chunk,
-                              lengths=self.lengths)
+        return _masks.Pattern(
+            causal=True, window=self.window, chunk=self.chunk, lengths=self.lengths
+        )
 
     def _tile(self, q0: int, q1: int, k0: int, k1: int, b=None) -> np.ndarray:
         """(B or 1, q1-q0, k1-k0) of the pattern, nothing else materialized."""
@@ -239,7 +247,9 @@ class Batch:
     def sentence_mask(self, b: int) -> np.ndarray:
         """``N×N``: sentence b's causal AND padding mask (0-based b)."""
         if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not -self.B <= b < self.B:
-            raise ValueError(f"text: sentence index b must be an integer in 0..{self.B - 1}, got {b!r}")
+            raise ValueError(
+                f"text: sentence index b must be an integer in 0..{self.B - 1}, got {b!r}"
+            )
         self._dense(f"mask {self.N}×{self.N} of sentence {int(b) % self.B + 1}", self.N * self.N)
         return self._tile(0, self.N, 0, self.N, b=[int(b) % self.B])[0]
 
@@ -247,13 +257,14 @@ class Batch:
         """``(B, q1-q0, k1-k0)``: queries [q0, q1) × keys [k0, k1) of the mask (0-based)."""
         for name, v in (("q0", q0), ("q1", q1), ("k0", k0), ("k1", k1)):
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= self.N:
-                raise ValueError(f"text: mask block {name} must be an integer in 0..N={self.N}, "
-                                 f"got {v!r}")
+                raise ValueError(
+                    f"text: mask block {name} must be an integer in 0..N={self.N}, got {v!r}"
+                )
         if q1 < q0 or k1 < k0:
-            raise ValueError(f"text: mask block needs q0 <= q1 and k0 <= k1, got [{q0}, {q1}) × "
-                             f"[{k0}, {k1})")
-        self._dense(f"mask block ({self.B}, {q1 - q0}, {k1 - k0})",
-                    self.B * (q1 - q0) * (k1 - k0))
+            raise ValueError(
+                f"text: mask block needs q0 <= q1 and k0 <= k1, got [{q0}, {q1}) × [{k0}, {k1})"
+            )
+        self._dense(f"mask block ({self.B}, {q1 - q0}, {k1 - k0})", self.B * (q1 - q0) * (k1 - k0))
         return self._tile(q0, q1, k0, k1)
 
     def mask_counts(self) -> dict[str, np.ndarray]:
@@ -322,8 +333,12 @@ def encode(
         toks = [t[:max_len] for t in toks]
     N = max_len if max_len is not None else max(len(t) for t in toks)
     B = len(toks)
-    check_bytes(f"text: ids (B, N) = ({B}, {N}) int64", 8 * B * N, max_bytes,
-                "give a smaller max_len" if max_len is not None else "")
+    check_bytes(
+        f"text: ids (B, N) = ({B}, {N}) int64",
+        8 * B * N,
+        max_bytes,
+        "give a smaller max_len" if max_len is not None else "",
+    )
 
     lengths = np.array([len(t) for t in toks], dtype=np.int64)
     ids = np.zeros((B, N), dtype=np.int64)  # <PAD> = 0

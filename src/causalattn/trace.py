@@ -117,7 +117,9 @@ class Explanation:
         lines.append("  j  S_ij      A_ij     ‖A_ij v_j‖  ranks(S,A,‖·‖)  v_j")
         for r in self.rows():
             if not r["readable"]:
-                lines.append(f"{r['key'] + base:>3}  (blocked: {r['blocked_by']}; weight exactly 0)")
+                lines.append(
+                    f"{r['key'] + base:>3}  (blocked: {r['blocked_by']}; weight exactly 0)"
+                )
                 continue
             lines.append(
                 f"{r['key'] + base:>3}  {r['score']:>8.3f}  {r['weight']:>7.3f}  {r['norm']:>10.3f}"
@@ -232,8 +234,15 @@ class Trace:
             return a[tuple(0 if a.shape[k] == 1 else i for k, i in enumerate(index))]
 
         n_heads = None if head_pick or self.n_heads is None else self.n_heads
-        return Trace(arrays, allowed=pick(self.allowed), scale=self.scale, n_heads=n_heads,
-                     tokens=self.tokens, pattern=self.pattern, reasons=pick(self.reasons))
+        return Trace(
+            arrays,
+            allowed=pick(self.allowed),
+            scale=self.scale,
+            n_heads=n_heads,
+            tokens=self.tokens,
+            pattern=self.pattern,
+            reasons=pick(self.reasons),
+        )
 
     @property
     def heads(self) -> list[Trace]:
@@ -265,7 +274,9 @@ class Trace:
         if not (0 <= i < T):
             raise ValueError(f"explain: query i={i} is outside 0..{T - 1} (A is {T}×{A.shape[1]})")
         readable = (
-            np.ones(A.shape[1], bool) if self.allowed is None else np.broadcast_to(self.allowed, A.shape)[i]
+            np.ones(A.shape[1], bool)
+            if self.allowed is None
+            else np.broadcast_to(self.allowed, A.shape)[i]
         )
         weights = self["A_drop"] if "A_drop" in self else A  # what H really read
         contribution = np.where(readable[:, None], weights[i][:, None] * V, 0.0)
@@ -315,7 +326,9 @@ class Trace:
             with np.load(Path(path), allow_pickle=False) as f:
                 data = {k: f[k] for k in f.files}
         except (OSError, ValueError, EOFError) as exc:
-            raise ValueError(f"trace file {path}: cannot be read as .npz of arrays ({exc})") from exc
+            raise ValueError(
+                f"trace file {path}: cannot be read as .npz of arrays ({exc})"
+            ) from exc
         arrays = {k: v for k, v in data.items() if k in STAGES}
         return cls(
             arrays,

@@ -124,8 +124,18 @@ TRUE_PATTERN = {
     "scale_missing_one_head": _causal,
     "sinks_ignored": _causal,
 }
-STAGE = {"patched_first_row": "M", "reads_next_token": "M", "first_key_blocked": "M",
-         "first_row_unmasked": "M", "window_two": "M", "one_entry_dropped": "M",
-         "sink_and_local": "M", "temperature": "S", "epsilon_in_denominator": "A",
-         "wrong_axis_one_head": "A", "scale_missing_one_head": "S", "sinks_ignored": "A"}
+STAGE = {
+    "patched_first_row": "M",
+    "reads_next_token": "M",
+    "first_key_blocked": "M",
+    "first_row_unmasked": "M",
+    "window_two": "M",
+    "one_entry_dropped": "M",
+    "sink_and_local": "M",
+    "temperature": "S",
+    "epsilon_in_denominator": "A",
+    "wrong_axis_one_head": "A",
+    "scale_missing_one_head": "S",
+    "sinks_ignored": "A",
+}
 DECLARED = {"sinks_ignored": {"sinks": [0.5]}}

@@ -74,7 +74,8 @@ def finite_min_added_twice(q, k, v, key_padding_mask=None):
     scores = scores + causal
     if key_padding_mask is not None:  # fault: a second finite minimum added on top
         pad = torch.zeros(key_padding_mask.shape, dtype=scores.dtype).masked_fill(
-            ~key_padding_mask, neg)
+            ~key_padding_mask, neg
+        )
         scores = scores + pad[:, None, :]
     return torch.softmax(scores, dim=-1) @ v
 

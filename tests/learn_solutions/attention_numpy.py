@@ -1,5 +1,6 @@
 # causalattn learn exercise: attention (numpy)
 """Reference solution of the attention exercise (the tests plant faults into it)."""
+
 import numpy as np
 
 

@@ -1,5 +1,6 @@
 # causalattn learn exercise: attention (torch)
 """Reference solution of the attention exercise (the tests plant faults into it)."""
+
 import math
 
 import torch

@@ -1,5 +1,6 @@
 # causalattn learn exercise: mask (numpy)
 """Reference solution of the mask exercise (the tests plant faults into it)."""
+
 import numpy as np
 
 

@@ -1,5 +1,6 @@
 # causalattn learn exercise: mask (torch)
 """Reference solution of the mask exercise (the tests plant faults into it)."""
+
 import torch
 
 

@@ -1,5 +1,6 @@
 # causalattn learn exercise: multihead (numpy)
 """Reference solution of the multihead exercise (the tests plant faults into it)."""
+
 import numpy as np
 
 
@@ -10,8 +11,8 @@ def multihead(x, w_q, w_k, w_v, w_o, n_heads):
     M = np.where(np.arange(T)[None, :] <= np.arange(T)[:, None], 0.0, -np.inf)
     heads = []
     for n in range(n_heads):
-        q, k = Q[:, n * d_k:(n + 1) * d_k], K[:, n * d_k:(n + 1) * d_k]
-        v = V[:, n * d_v:(n + 1) * d_v]
+        q, k = Q[:, n * d_k : (n + 1) * d_k], K[:, n * d_k : (n + 1) * d_k]
+        v = V[:, n * d_v : (n + 1) * d_v]
         Z = q @ k.T / np.sqrt(d_k) + M
         E = np.exp(Z - Z.max(axis=-1, keepdims=True))
         heads.append(E / E.sum(axis=-1, keepdims=True) @ v)

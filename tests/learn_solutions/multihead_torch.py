@@ -1,5 +1,6 @@
 # causalattn learn exercise: multihead (torch)
 """Reference solution of the multihead exercise (the tests plant faults into it)."""
+
 import math
 
 import torch

@@ -1,5 +1,6 @@
 # causalattn learn exercise: scores (numpy)
 """Reference solution of the scores exercise (the tests plant faults into it)."""
+
 import numpy as np
 
 

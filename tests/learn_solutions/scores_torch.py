@@ -1,5 +1,6 @@
 # causalattn learn exercise: scores (torch)
 """Reference solution of the scores exercise (the tests plant faults into it)."""
+
 import math
 
 import torch

@@ -1,5 +1,6 @@
 # causalattn learn exercise: softmax (numpy)
 """Reference solution of the softmax exercise (the tests plant faults into it)."""
+
 import numpy as np
 
 

@@ -48,7 +48,9 @@ def cases(quick: bool = False) -> list[Case]:
         return [
             Case("seed", 1, 1, 2048, 1000, passes=("fwd",), budget_s=2, naive=False),
             Case("gpt2-small", 4, 12, 1024, 64, budget_s=3, naive=False),
-            Case("padded", 8, 12, 1024, 64, kind="padded", passes=("fwd",), budget_s=3, naive=False),
+            Case(
+                "padded", 8, 12, 1024, 64, kind="padded", passes=("fwd",), budget_s=3, naive=False
+            ),
             Case("decode", 1, 12, 4096, 64, kind="decode", passes=("fwd",), budget_s=1),
         ]
     return [
@@ -70,7 +72,7 @@ def _naive(q, k, v, allowed, scale):
     """Plain PyTorch: materialized scores, masked softmax, weighted values (in q's dtype)."""
     S = (q @ k.transpose(-1, -2)) * scale
     A = torch.softmax(S.masked_fill(~allowed, float("-inf")), dim=-1)
-    return (A.nan_to_num(0.0) @ v)
+    return A.nan_to_num(0.0) @ v
 
 
 def _lengths(B: int, T: int) -> list[int]:
@@ -115,6 +117,7 @@ def _group(case: Case, pass_: str) -> tuple[dict[str, Callable], dict]:
             def run():
                 k, v = cache.append(k1, v1)
                 return attention(q1, k, v, engine=engine)
+
             return run
 
         fns["tiled"] = step("tiled")
@@ -134,7 +137,12 @@ def _group(case: Case, pass_: str) -> tuple[dict[str, Callable], dict]:
         lengths = torch.tensor(L)
         allowed = make_problem(q, k, v, lengths=lengths).allowed()  # (B, 1, T, T)
         # packed: the real tokens of every sequence, one after another
-        packed = [torch.cat([t[b, :, : L[b]] for b in range(B)], dim=1)[None].detach().requires_grad_(grad) for t in (q, k, v)]
+        packed = [
+            torch.cat([t[b, :, : L[b]] for b in range(B)], dim=1)[None]
+            .detach()
+            .requires_grad_(grad)
+            for t in (q, k, v)
+        ]
         gp = torch.cat([g[b, :, : L[b]] for b in range(B)], dim=1)[None]
         cu = torch.tensor([0, *torch.tensor(L).cumsum(0).tolist()])
         pad = 1 - sum(L) / (B * T)
@@ -207,7 +215,9 @@ def memory_table(quick: bool = False) -> dict[str, float | None]:
 
 
 def _memory_subprocess(quick: bool) -> dict[str, float | None]:
-    cmd = [sys.executable, "-m", "causalattn.bench.cpu", "--memory"] + (["--quick"] if quick else [])
+    cmd = [sys.executable, "-m", "causalattn.bench.cpu", "--memory"] + (
+        ["--quick"] if quick else []
+    )
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, check=True)
         return json.loads(res.stdout.strip().splitlines()[-1])
@@ -245,8 +255,9 @@ def _rows(case: Case, pass_: str, memory: dict) -> list[dict]:
     auto = next((n for n in times if n.startswith("auto")), None)
     vs_best = None
     if auto and best:
-        vs_best = median_ratio([min(times[n][i] for n in best) for i in range(len(times[auto]))],
-                               times[auto])
+        vs_best = median_ratio(
+            [min(times[n][i] for n in best) for i in range(len(times[auto]))], times[auto]
+        )
     rows = []
     for name, ts in times.items():
         if name == "gemm":
@@ -286,14 +297,21 @@ def run(quick: bool = False, show_progress: bool = True) -> list[dict]:
     groups = [(c, p) for c in cases(quick) for p in c.passes]
     rows: list[dict] = []
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(), console=Console(stderr=True), disable=not show_progress, transient=True,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=not show_progress,
+        transient=True,
     ) as prog:
         task = prog.add_task("peak memory (a separate process)", total=len(groups) + 1)
         memory = _memory_subprocess(quick)
         prog.advance(task)
         for c, p in groups:
-            prog.update(task, description=f"{c.name} {list((c.B, c.H, c.T, c.d))} {str(c.dtype)[6:]} {p}")
+            prog.update(
+                task, description=f"{c.name} {list((c.B, c.H, c.T, c.d))} {str(c.dtype)[6:]} {p}"
+            )
             rows.extend(_rows(c, p, memory))
             prog.advance(task)
     return rows
@@ -307,9 +325,15 @@ TARGETS_FROM = "issue 3 (CPU engine)"
 def targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
     """The targets of :data:`TARGETS_FROM`, checked on these rows: (target, reached, the
     numbers)."""
+
     def find(case, engine, pass_="fwd", dtype="float32"):
         for r in rows:
-            if r["case"] == case and r["engine"] == engine and r["pass"] == pass_ and r["dtype"] == dtype:
+            if (
+                r["case"] == case
+                and r["engine"] == engine
+                and r["pass"] == pass_
+                and r["dtype"] == dtype
+            ):
                 return r
         return None
 
@@ -317,27 +341,59 @@ def targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
     r = find("seed", "tiled")
     if r:
         ok = r["vs_sdpa"] >= 1.3 and (r["vs_gemm"] or 0) >= 0.85
-        out.append(("seed fwd >= 1.3x SDPA and >= 85% of GEMM", ok, f"{r['vs_sdpa']:.2f}x SDPA, {r['vs_gemm']:.0%} of GEMM"))
+        out.append(
+            (
+                "seed fwd >= 1.3x SDPA and >= 85% of GEMM",
+                ok,
+                f"{r['vs_sdpa']:.2f}x SDPA, {r['vs_gemm']:.0%} of GEMM",
+            )
+        )
     for p in ("fwd", "fwd+bwd"):
         r = find("gpt2-small", "tiled", p)
         if r:
-            out.append((f"GPT-2 small {p} >= 1.0x SDPA", r["vs_sdpa"] >= 1.0, f"{r['vs_sdpa']:.2f}x"))
+            out.append(
+                (f"GPT-2 small {p} >= 1.0x SDPA", r["vs_sdpa"] >= 1.0, f"{r['vs_sdpa']:.2f}x")
+            )
     for p in ("fwd", "fwd+bwd"):
         for eng in ("tiled (lengths)", "tiled (cu_seqlens)"):
             r = find("padded", eng, p)
             if r:
                 need = 1 / (1 - r["padding_fraction"])
-                out.append((f"padded {p} {eng} >= 1/(1-padding) = {need:.2f}x masked SDPA", r["vs_sdpa"] >= need, f"{r['vs_sdpa']:.2f}x"))
+                out.append(
+                    (
+                        f"padded {p} {eng} >= 1/(1-padding) = {need:.2f}x masked SDPA",
+                        r["vs_sdpa"] >= need,
+                        f"{r['vs_sdpa']:.2f}x",
+                    )
+                )
     for r in rows:
         if "vs_best" in r:
-            out.append((f"{r['case']} {r['dtype']} {r['pass']} auto >= 0.95x the faster of SDPA "
-                        "and tiled", r["vs_best"] >= 0.95, f"{r['vs_best']:.2f}x"))
+            out.append(
+                (
+                    f"{r['case']} {r['dtype']} {r['pass']} auto >= 0.95x the faster of SDPA "
+                    "and tiled",
+                    r["vs_best"] >= 0.95,
+                    f"{r['vs_best']:.2f}x",
+                )
+            )
     r = find("memory", "tiled", "fwd+bwd")
     if r and r["peak_extra_mib"] is not None:
-        out.append(("T=32768 fwd+bwd < 100 MiB extra", r["peak_extra_mib"] < 100, f"{r['peak_extra_mib']:.1f} MiB"))
+        out.append(
+            (
+                "T=32768 fwd+bwd < 100 MiB extra",
+                r["peak_extra_mib"] < 100,
+                f"{r['peak_extra_mib']:.1f} MiB",
+            )
+        )
     r = find("decode", "tiled")
     if r:
-        out.append(("decode >= 20x faster than recomputing", r["recompute_over_decode"] >= 20, f"{r['recompute_over_decode']:.0f}x"))
+        out.append(
+            (
+                "decode >= 20x faster than recomputing",
+                r["recompute_over_decode"] >= 20,
+                f"{r['recompute_over_decode']:.0f}x",
+            )
+        )
     return out
 
 
@@ -347,18 +403,40 @@ def render(rows: list[dict], console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    t = Table(title=f"causalattn CPU benchmark ({torch.get_num_threads()} threads, torch {torch.__version__})")
-    for col in ("case", "shape", "dtype", "pass", "engine", "ms", "GFLOP/s", "vs SDPA", "vs GEMM", "peak MiB"):
-        t.add_column(col, justify="right" if col not in ("case", "engine", "pass", "dtype") else "left")
+    t = Table(
+        title=f"causalattn CPU benchmark ({torch.get_num_threads()} threads, torch {torch.__version__})"
+    )
+    for col in (
+        "case",
+        "shape",
+        "dtype",
+        "pass",
+        "engine",
+        "ms",
+        "GFLOP/s",
+        "vs SDPA",
+        "vs GEMM",
+        "peak MiB",
+    ):
+        t.add_column(
+            col, justify="right" if col not in ("case", "engine", "pass", "dtype") else "left"
+        )
 
     def fmt(x, spec):
         return "-" if x is None else format(x, spec)
 
     for r in rows:
         t.add_row(
-            r["case"], "x".join(map(str, r["shape"])), r["dtype"], r["pass"], r["engine"],
-            fmt(r["ms"], ".1f"), fmt(r["gflops"], ".1f"), fmt(r["vs_sdpa"], ".2f"),
-            fmt(r["vs_gemm"], ".0%"), fmt(r["peak_extra_mib"], ".1f"),
+            r["case"],
+            "x".join(map(str, r["shape"])),
+            r["dtype"],
+            r["pass"],
+            r["engine"],
+            fmt(r["ms"], ".1f"),
+            fmt(r["gflops"], ".1f"),
+            fmt(r["vs_sdpa"], ".2f"),
+            fmt(r["vs_gemm"], ".0%"),
+            fmt(r["peak_extra_mib"], ".1f"),
         )
     if not console.is_terminal:  # a pipe or file gets the whole table, not 80 squeezed columns
         console.width = max(console.width, 150)
@@ -368,7 +446,9 @@ def render(rows: list[dict], console=None) -> None:
         console.print(f"  {case}: {note}")
     for r in rows:
         if "recompute_over_decode" in r:
-            console.print(f"  decode: recomputing the whole pass takes {r['recompute_over_decode']:.0f}x one decode step")
+            console.print(
+                f"  decode: recomputing the whole pass takes {r['recompute_over_decode']:.0f}x one decode step"
+            )
     console.print(f"targets (from {TARGETS_FROM}):")
     for name, ok, nums in targets(rows):
         tag = "[green]reached[/]" if ok else "[red]not yet[/]"

@@ -45,8 +45,9 @@ def _corpus(folder: Path, rng) -> dict[str, Path]:
     files["huge"] = folder / "huge.txt"  # one sentence of 100,000 words
     files["huge"].write_text(" ".join(rng.choice(words, 100_000)) + "\n")
     files["many"] = folder / "many.txt"  # 10,000 sentences of 3..30 words
-    files["many"].write_text("\n".join(" ".join(rng.choice(words, rng.integers(3, 31)))
-                                       for _ in range(10_000)) + "\n")
+    files["many"].write_text(
+        "\n".join(" ".join(rng.choice(words, rng.integers(3, 31))) for _ in range(10_000)) + "\n"
+    )
     files["long"] = folder / "long.txt"  # 8 sentences of 2,048 tokens
     files["long"].write_text("\n".join(" ".join(rng.choice(words, 2048)) for _ in range(8)) + "\n")
     return files
@@ -54,16 +55,50 @@ def _corpus(folder: Path, rng) -> dict[str, Path]:
 
 def _cases(files: dict[str, Path], out: Path, quick: bool) -> list[dict]:
     cases = [
-        {"case": "masks --json, 1 sentence of 100,000 words", "bar_s": 10.0, "bar_mib": 1024,
-         "args": ["masks", "--file", str(files["huge"]), "--json"], "out": out / "huge.json"},
-        {"case": "explore, 10,000 sentences of 3-30 words", "bar_s": 20.0, "bar_bytes": 20e6,
-         "args": ["explore", "--file", str(files["many"]), "-o", str(out / "many.html"), "--json"],
-         "out": out / "many.out", "page": out / "many.html"},
-        {"case": "masks --json, 8 sentences of 2,048 tokens", "bar_s": None, "bar_mib": 1024,
-         "args": ["masks", "--file", str(files["long"]), "--json"], "out": out / "long.json"},
-        {"case": "explore, 8 sentences of 2,048 tokens", "bar_s": None, "bar_mib": 1024,
-         "args": ["explore", "--file", str(files["long"]), "-o", str(out / "long.html"), "--json"],
-         "out": out / "long.out", "page": out / "long.html"},
+        {
+            "case": "masks --json, 1 sentence of 100,000 words",
+            "bar_s": 10.0,
+            "bar_mib": 1024,
+            "args": ["masks", "--file", str(files["huge"]), "--json"],
+            "out": out / "huge.json",
+        },
+        {
+            "case": "explore, 10,000 sentences of 3-30 words",
+            "bar_s": 20.0,
+            "bar_bytes": 20e6,
+            "args": [
+                "explore",
+                "--file",
+                str(files["many"]),
+                "-o",
+                str(out / "many.html"),
+                "--json",
+            ],
+            "out": out / "many.out",
+            "page": out / "many.html",
+        },
+        {
+            "case": "masks --json, 8 sentences of 2,048 tokens",
+            "bar_s": None,
+            "bar_mib": 1024,
+            "args": ["masks", "--file", str(files["long"]), "--json"],
+            "out": out / "long.json",
+        },
+        {
+            "case": "explore, 8 sentences of 2,048 tokens",
+            "bar_s": None,
+            "bar_mib": 1024,
+            "args": [
+                "explore",
+                "--file",
+                str(files["long"]),
+                "-o",
+                str(out / "long.html"),
+                "--json",
+            ],
+            "out": out / "long.out",
+            "page": out / "long.html",
+        },
     ]
     return cases[:2] if quick else cases
 
@@ -74,9 +109,14 @@ def _run(args: list[str], out: Path, side: Path, timeout: float) -> dict:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [src, env.get("PYTHONPATH")]))
     t0 = time.perf_counter()
     with open(out, "w") as fh:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(args), str(side)],
-                              stdout=fh, stderr=subprocess.PIPE, text=True, env=env,
-                              timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, json.dumps(args), str(side)],
+            stdout=fh,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=timeout,
+        )
     wall = time.perf_counter() - t0
     if proc.returncode != 0 or not side.exists():
         raise RuntimeError(f"bench --io: {' '.join(args[:1])} failed: {proc.stderr[-500:]}")
@@ -103,10 +143,16 @@ def run(reps: int = 2, quick: bool = False, timeout: float = 300.0) -> list[dict
             def med(runs, key):
                 return float(np.median([r[key] for r in runs]))
 
-            row = {"case": c["case"], "wall_s": med(ours, "wall_s"),
-                   "command_s": med(ours, "command_s"), "peak_mib": med(ours, "peak_mib"),
-                   "peer_wall_s": med(peer, "wall_s"), "peer_peak_mib": med(peer, "peak_mib"),
-                   "output_bytes": c["out"].stat().st_size, "reps": reps}
+            row = {
+                "case": c["case"],
+                "wall_s": med(ours, "wall_s"),
+                "command_s": med(ours, "command_s"),
+                "peak_mib": med(ours, "peak_mib"),
+                "peer_wall_s": med(peer, "wall_s"),
+                "peer_peak_mib": med(peer, "peak_mib"),
+                "output_bytes": c["out"].stat().st_size,
+                "reps": reps,
+            }
             if "page" in c:
                 row["page_bytes"] = c["page"].stat().st_size
                 row["sentences_on_page"] = json.loads(c["out"].read_text())["sequences"]
@@ -117,10 +163,16 @@ def run(reps: int = 2, quick: bool = False, timeout: float = 300.0) -> list[dict
                 ok.append(row["peak_mib"] < c["bar_mib"])
             if c.get("bar_bytes"):
                 ok.append(row["page_bytes"] < c["bar_bytes"])
-            row["bar"] = ", ".join(filter(None, [
-                f"< {c['bar_s']:.0f} s" if c.get("bar_s") else "",
-                f"< {c['bar_mib'] / 1024:.0f} GiB" if c.get("bar_mib") else "",
-                f"page < {c['bar_bytes'] / 1e6:.0f} MB" if c.get("bar_bytes") else ""]))
+            row["bar"] = ", ".join(
+                filter(
+                    None,
+                    [
+                        f"< {c['bar_s']:.0f} s" if c.get("bar_s") else "",
+                        f"< {c['bar_mib'] / 1024:.0f} GiB" if c.get("bar_mib") else "",
+                        f"page < {c['bar_bytes'] / 1e6:.0f} MB" if c.get("bar_bytes") else "",
+                    ],
+                )
+            )
             row["meets_bar"] = all(ok)
             rows.append(row)
     return rows
@@ -132,17 +184,41 @@ def render(rows: list[dict], console=None) -> None:
 
     console = console or Console()
     t = Table(title="Huge input through the CLI: one fresh process per run (imports included)")
-    for col in ("case", "bar", "wall s", "command s", "peak MiB", "peer wall s", "peer MiB",
-                "output", "page", "met"):
+    for col in (
+        "case",
+        "bar",
+        "wall s",
+        "command s",
+        "peak MiB",
+        "peer wall s",
+        "peer MiB",
+        "output",
+        "page",
+        "met",
+    ):
         t.add_column(col, justify="left" if col in ("case", "bar") else "right")
     for r in rows:
-        page = (f"{r['page_bytes'] / 1e6:.1f} MB, {r['sentences_on_page']} sent."
-                if "page_bytes" in r else "")
-        t.add_row(r["case"], r["bar"], f"{r['wall_s']:.1f}", f"{r['command_s']:.1f}",
-                  f"{r['peak_mib']:.0f}", f"{r['peer_wall_s']:.1f}", f"{r['peer_peak_mib']:.0f}",
-                  f"{r['output_bytes'] / 1e6:.1f} MB", page, "yes" if r["meets_bar"] else "NO")
+        page = (
+            f"{r['page_bytes'] / 1e6:.1f} MB, {r['sentences_on_page']} sent."
+            if "page_bytes" in r
+            else ""
+        )
+        t.add_row(
+            r["case"],
+            r["bar"],
+            f"{r['wall_s']:.1f}",
+            f"{r['command_s']:.1f}",
+            f"{r['peak_mib']:.0f}",
+            f"{r['peer_wall_s']:.1f}",
+            f"{r['peer_peak_mib']:.0f}",
+            f"{r['output_bytes'] / 1e6:.1f} MB",
+            page,
+            "yes" if r["meets_bar"] else "NO",
+        )
     if not console.is_terminal:
         console.width = max(console.width, 160)
     console.print(t)
-    console.print("  peer: `causalattn shapes --json` in the same run, alternating (the cost of "
-                  "starting Python and importing the package); medians of the runs.")
+    console.print(
+        "  peer: `causalattn shapes --json` in the same run, alternating (the cost of "
+        "starting Python and importing the package); medians of the runs."
+    )

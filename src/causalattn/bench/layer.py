@@ -19,7 +19,9 @@ from ..shapes import BACKWARD_FACTOR, score_flops
 from .timing import median_ms, median_ratio, paired_times, peak_extra_mib, reps_for
 
 
-def layer_flops(B: int, T: int, d_model: int, n_heads: int, d_k: int, d_v: int, pass_: str) -> float:
+def layer_flops(
+    B: int, T: int, d_model: int, n_heads: int, d_k: int, d_v: int, pass_: str
+) -> float:
     """FLOPs of one layer call: projections X W_Q, X W_K, X W_V, H W_O plus causal attention."""
     proj = 2 * B * T * d_model * n_heads * (2 * d_k + d_v) + 2 * B * T * n_heads * d_v * d_model
     attn = score_flops(B * n_heads * T * T / 2, d_k, d_v)  # causal: half the entries
@@ -60,7 +62,9 @@ def run(
     grad = torch.randn(B, T, d_model, dtype=dtype)
     h, dk = n_heads, ours.d_k
     probe = torch.empty(B, h, T, dk, dtype=dtype)
-    name = engine if engine != "auto" else f"auto ({pick_engine(make_problem(probe, probe, probe))})"
+    name = (
+        engine if engine != "auto" else f"auto ({pick_engine(make_problem(probe, probe, probe))})"
+    )
 
     # same weights, same x: the two layers must agree before their times mean anything
     with torch.no_grad():
@@ -70,6 +74,7 @@ def run(
         def call():
             with torch.no_grad():
                 layer(x)
+
         return call
 
     def fwd_bwd(layer):
@@ -77,6 +82,7 @@ def run(
             layer.zero_grad(set_to_none=True)
             x.grad = None
             layer(x).backward(grad)
+
         return call
 
     rows = []
@@ -86,19 +92,23 @@ def run(
         times, mem = _time({name: make(ours), "sdpa": make(peer)}, budget_s)
         for eng, ts in times.items():
             ms = median_ms(ts)
-            rows.append({
-                "case": "layer gpt2-small" if (B, T, d_model, h) == (4, 1024, 768, 12) else "layer",
-                "shape": [B, T, d_model, h],
-                "dtype": str(dtype).replace("torch.", ""),
-                "pass": pass_,
-                "engine": eng,
-                "ms": round(ms, 1),
-                "gflops": round(flops / (ms / 1000) / 1e9, 1),
-                "vs_sdpa": round(median_ratio(times["sdpa"], ts), 3),
-                "peak_extra_mib": None if mem[eng] is None else round(mem[eng], 1),
-                "reps": len(ts),
-                "max_abs_diff_vs_sdpa": diff,
-            })
+            rows.append(
+                {
+                    "case": "layer gpt2-small"
+                    if (B, T, d_model, h) == (4, 1024, 768, 12)
+                    else "layer",
+                    "shape": [B, T, d_model, h],
+                    "dtype": str(dtype).replace("torch.", ""),
+                    "pass": pass_,
+                    "engine": eng,
+                    "ms": round(ms, 1),
+                    "gflops": round(flops / (ms / 1000) / 1e9, 1),
+                    "vs_sdpa": round(median_ratio(times["sdpa"], ts), 3),
+                    "peak_extra_mib": None if mem[eng] is None else round(mem[eng], 1),
+                    "reps": len(ts),
+                    "max_abs_diff_vs_sdpa": diff,
+                }
+            )
     return rows
 
 
@@ -108,14 +118,34 @@ def render(rows: list[dict], console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    t = Table(title=f"CausalSelfAttention, whole layer ({torch.get_num_threads()} threads, torch {torch.__version__})")
-    for col in ("case", "B×T×d_model×h", "dtype", "pass", "engine", "ms", "GFLOP/s", "vs SDPA", "peak MiB", "reps"):
+    t = Table(
+        title=f"CausalSelfAttention, whole layer ({torch.get_num_threads()} threads, torch {torch.__version__})"
+    )
+    for col in (
+        "case",
+        "B×T×d_model×h",
+        "dtype",
+        "pass",
+        "engine",
+        "ms",
+        "GFLOP/s",
+        "vs SDPA",
+        "peak MiB",
+        "reps",
+    ):
         t.add_column(col, justify="left" if col in ("case", "dtype", "pass", "engine") else "right")
     for r in rows:
         t.add_row(
-            r["case"], "×".join(map(str, r["shape"])), r["dtype"], r["pass"], r["engine"],
-            f"{r['ms']:.1f}", f"{r['gflops']:.1f}", f"{r['vs_sdpa']:.2f}",
-            "-" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.1f}", str(r["reps"]),
+            r["case"],
+            "×".join(map(str, r["shape"])),
+            r["dtype"],
+            r["pass"],
+            r["engine"],
+            f"{r['ms']:.1f}",
+            f"{r['gflops']:.1f}",
+            f"{r['vs_sdpa']:.2f}",
+            "-" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.1f}",
+            str(r["reps"]),
         )
     if not console.is_terminal:  # as bench/cpu.py: a pipe or file gets the whole table
         console.width = max(console.width, 150)

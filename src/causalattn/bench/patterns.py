@@ -44,17 +44,27 @@ def groups(quick: bool = False) -> list[Group]:
     """The groups, cheapest first (the T = 16384 window against SDPA takes minutes)."""
     gpt2 = (4, 12, 1024, 64)
     budget = 4 if quick else 10
-    out = [Group("modifiers", gpt2, p, ("tiled",), budget_s=budget)
-           for p in (("fwd",) if quick else ("fwd", "fwd+bwd"))]
+    out = [
+        Group("modifiers", gpt2, p, ("tiled",), budget_s=budget)
+        for p in (("fwd",) if quick else ("fwd", "fwd+bwd"))
+    ]
     out.append(Group("dropout", gpt2, "fwd+bwd", ("tiled p=0", "sdpa p=0.1"), budget_s=budget))
     for p in ("fwd",) if quick else ("fwd", "fwd+bwd"):
         out.append(Group("documents", (1, 8, 8192, 64), p, ("sdpa (bool mask)",), budget_s=budget))
-    for T in ((4096,) if quick else (4096, 16384)):
+    for T in (4096,) if quick else (4096, 16384):
         for p in ("fwd",) if quick else ("fwd", "fwd+bwd"):
             # SDPA's fwd+bwd at T = 16384 takes minutes a call here: tiled alone there
             peers = () if (T, p) == (16384, "fwd+bwd") else ("sdpa (bool mask)",)
-            out.append(Group("window", (1, 8, T, 64), p, peers, budget_s=budget,
-                             min_reps=2 if T > 4096 else 3))
+            out.append(
+                Group(
+                    "window",
+                    (1, 8, T, 64),
+                    p,
+                    peers,
+                    budget_s=budget,
+                    min_reps=2 if T > 4096 else 3,
+                )
+            )
     return out
 
 
@@ -86,6 +96,7 @@ def _calls(gr: Group) -> tuple[dict[str, Callable], dict]:
         def run():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, **kw)
             return out.masked_fill(~allowed.any(-1, keepdim=True), 0.0)
+
         return run
 
     if gr.case == "window":
@@ -98,22 +109,33 @@ def _calls(gr: Group) -> tuple[dict[str, Callable], dict]:
         lengths = _doc_lengths(T, 16)
         cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
         allowed = Pattern(cu_seqlens=cu).allowed(B, H, T, T, like=q)
-        calls = {"tiled (cu_seqlens)": tiled(cu_seqlens=cu),
-                 "sdpa (bool mask)": sdpa_masked(allowed)}
+        calls = {
+            "tiled (cu_seqlens)": tiled(cu_seqlens=cu),
+            "sdpa (bool mask)": sdpa_masked(allowed),
+        }
         readable = sum(L * (L + 1) / 2 for L in lengths)
         info["causal_over_readable"] = (T * (T + 1) / 2) / readable
-        info["note"] = (f"16 documents, lengths {min(lengths)}..{max(lengths)}: dense causal "
-                        f"work / readable work = {info['causal_over_readable']:.1f}")
+        info["note"] = (
+            f"16 documents, lengths {min(lengths)}..{max(lengths)}: dense causal "
+            f"work / readable work = {info['causal_over_readable']:.1f}"
+        )
     elif gr.case == "modifiers":
         slopes = torch.tensor([2 ** (-8 * (h + 1) / H) for h in range(H)])
         sinks = torch.randn(H, generator=gen)
-        calls = {"tiled": tiled(), "tiled (softcap 30)": tiled(softcap=30.0),
-                 "tiled (sinks)": tiled(sinks=sinks), "tiled (ALiBi)": tiled(alibi_slopes=slopes)}
+        calls = {
+            "tiled": tiled(),
+            "tiled (softcap 30)": tiled(softcap=30.0),
+            "tiled (sinks)": tiled(sinks=sinks),
+            "tiled (ALiBi)": tiled(alibi_slopes=slopes),
+        }
     else:  # dropout
-        calls = {"tiled p=0.1": tiled(dropout_p=0.1, generator=torch.Generator().manual_seed(1)),
-                 "tiled p=0": tiled(),
-                 "sdpa p=0.1": lambda: F.scaled_dot_product_attention(
-                     q, k, v, is_causal=True, scale=scale, dropout_p=0.1)}
+        calls = {
+            "tiled p=0.1": tiled(dropout_p=0.1, generator=torch.Generator().manual_seed(1)),
+            "tiled p=0": tiled(),
+            "sdpa p=0.1": lambda: F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=scale, dropout_p=0.1
+            ),
+        }
         info["note"] = "SDPA draws its own dropout pattern (torch's RNG); ours is counter-based"
     if not grad:
         return calls, info
@@ -123,6 +145,7 @@ def _calls(gr: Group) -> tuple[dict[str, Callable], dict]:
             for t in (q, k, v):
                 t.grad = None
             f().backward(dout)
+
         return run
 
     return {n: fwd_bwd(f) for n, f in calls.items()}, info
@@ -139,15 +162,28 @@ def _rows(gr: Group) -> list[dict]:
     times = paired_times(fns, reps=reps, warmup=0)
     rows = []
     for name, ts in times.items():
-        rows.append({
-            "case": gr.case, "shape": list(gr.shape), "dtype": "float32", "pass": gr.pass_,
-            "engine": name, "ms": round(median_ms(ts), 2),
-            "vs": {peer: round(median_ratio(times[peer], ts), 3)
-                   for peer in gr.peers if peer != name},
-            "reps": len(ts), "note": info["note"],
-            **({"causal_over_readable": round(info["causal_over_readable"], 2)}
-               if "causal_over_readable" in info else {}),
-        })
+        rows.append(
+            {
+                "case": gr.case,
+                "shape": list(gr.shape),
+                "dtype": "float32",
+                "pass": gr.pass_,
+                "engine": name,
+                "ms": round(median_ms(ts), 2),
+                "vs": {
+                    peer: round(median_ratio(times[peer], ts), 3)
+                    for peer in gr.peers
+                    if peer != name
+                },
+                "reps": len(ts),
+                "note": info["note"],
+                **(
+                    {"causal_over_readable": round(info["causal_over_readable"], 2)}
+                    if "causal_over_readable" in info
+                    else {}
+                ),
+            }
+        )
     return rows
 
 
@@ -159,8 +195,12 @@ def run(quick: bool = False, show_progress: bool = True) -> list[dict]:
     gs = groups(quick)
     rows: list[dict] = []
     with Progress(
-        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(), console=Console(stderr=True), disable=not show_progress,
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=Console(stderr=True),
+        disable=not show_progress,
         transient=True,
     ) as prog:
         task = prog.add_task("patterns", total=len(gs))
@@ -174,7 +214,8 @@ def run(quick: bool = False, show_progress: bool = True) -> list[dict]:
 def _find(rows, case, engine, pass_, T=None):
     for r in rows:
         if (r["case"], r["engine"], r["pass"]) == (case, engine, pass_) and (
-                T is None or r["shape"][2] == T):
+            T is None or r["shape"][2] == T
+        ):
             return r
     return None
 
@@ -197,15 +238,19 @@ def targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
         r16, r4 = _find(rows, "window", w, p, 16384), _find(rows, "window", w, p, 4096)
         if r16 and r4:
             g = r16["ms"] / r4["ms"]
-            out.append((f"window {p}: tiled time T=4096 -> 16384 grows <= 5x", g <= 5,
-                        f"{g:.2f}x"))
+            out.append((f"window {p}: tiled time T=4096 -> 16384 grows <= 5x", g <= 5, f"{g:.2f}x"))
     for p in ("fwd", "fwd+bwd"):
         r = _find(rows, "documents", "tiled (cu_seqlens)", p)
         if r:
             need = 0.8 * r["causal_over_readable"]
             x = r["vs"]["sdpa (bool mask)"]
-            out.append((f"documents {p}: >= 0.8 x causal/readable = {need:.1f}x SDPA",
-                        x >= need, f"{x:.2f}x"))
+            out.append(
+                (
+                    f"documents {p}: >= 0.8 x causal/readable = {need:.1f}x SDPA",
+                    x >= need,
+                    f"{x:.2f}x",
+                )
+            )
     for p in ("fwd", "fwd+bwd"):
         for mod in ("softcap 30", "sinks"):
             r = _find(rows, "modifiers", f"tiled ({mod})", p)
@@ -227,14 +272,17 @@ def render(rows: list[dict], console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    t = Table(title=f"causalattn pattern benchmark ({torch.get_num_threads()} threads, "
-                    f"torch {torch.__version__})")
+    t = Table(
+        title=f"causalattn pattern benchmark ({torch.get_num_threads()} threads, "
+        f"torch {torch.__version__})"
+    )
     for col in ("case", "shape", "pass", "engine", "ms", "vs peers (peer time / this)"):
         t.add_column(col, justify="right" if col == "ms" else "left")
     for r in rows:
         vs = ", ".join(f"{x:.2f}x {p}" for p, x in r["vs"].items()) or "(peer)"
-        t.add_row(r["case"], "x".join(map(str, r["shape"])), r["pass"], r["engine"],
-                  f"{r['ms']:.1f}", vs)
+        t.add_row(
+            r["case"], "x".join(map(str, r["shape"])), r["pass"], r["engine"], f"{r['ms']:.1f}", vs
+        )
     if not console.is_terminal:
         console.width = max(console.width, 150)
     console.print(t)

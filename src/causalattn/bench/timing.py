@@ -38,7 +38,9 @@ def peak_extra_mib(fn: Callable[[], object]) -> tuple[float | None, object]:
     return max(0.0, (peak - base) / 1024.0), result
 
 
-def paired_times(fns: dict[str, Callable[[], object]], reps: int = 5, warmup: int = 1) -> dict[str, list[float]]:
+def paired_times(
+    fns: dict[str, Callable[[], object]], reps: int = 5, warmup: int = 1
+) -> dict[str, list[float]]:
     """Seconds per call of each function, timed in alternation: a, b, c, a, b, c, ..."""
     for _ in range(warmup):
         for fn in fns.values():

@@ -88,6 +88,7 @@ def _calls(c: TuneCase, pass_: str) -> dict:
                 for t in (q, k, v):
                     t.grad = None
                 out.backward(g)
+
         return run
 
     return {"tiled": make("tiled"), "sdpa": make("sdpa")}
@@ -105,13 +106,21 @@ def measure(budget_s: float = 2.0, progress=None) -> list[dict]:
             reps = reps_for(time.perf_counter() - t0, budget_s, lo=3, hi=9)
             times = paired_times(fns, reps=reps, warmup=0)
             ratio = median_ratio(times["sdpa"], times["tiled"])  # > 1: tiled faster
-            entries.append({
-                "device": "cpu", "dtype": c.dtype, "kind": c.kind, "d": c.d, "T": c.T,
-                "pass": pass_, "best": "tiled" if ratio >= 1.0 else "sdpa",
-                "tiled_over_sdpa_speed": round(ratio, 3),
-                "ms": {n: round(median_ms(ts), 3) for n, ts in times.items()},
-                "shape": [c.B, c.H, c.T, c.d], "reps": reps,
-            })
+            entries.append(
+                {
+                    "device": "cpu",
+                    "dtype": c.dtype,
+                    "kind": c.kind,
+                    "d": c.d,
+                    "T": c.T,
+                    "pass": pass_,
+                    "best": "tiled" if ratio >= 1.0 else "sdpa",
+                    "tiled_over_sdpa_speed": round(ratio, 3),
+                    "ms": {n: round(median_ms(ts), 3) for n, ts in times.items()},
+                    "shape": [c.B, c.H, c.T, c.d],
+                    "reps": reps,
+                }
+            )
             if progress is not None:
                 progress(entries[-1])
     return entries
@@ -121,9 +130,12 @@ def provenance() -> dict:
     return {
         "command": "causalattn bench --tune",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "machine": platform.machine(), "processor": platform.processor() or None,
-        "cpus": os.cpu_count(), "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor() or None,
+        "cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
     }
 
@@ -148,17 +160,32 @@ def render(table: dict, path: Path, console=None) -> None:
 
     console = console or Console()
     prov = table["provenance"]
-    t = Table(title=f"auto's table ({prov['threads']} threads, torch {prov['torch']}, "
-                    f"{prov['date']})")
-    for col in ("dtype", "kind", "shape", "pass", "tiled ms", "sdpa ms", "tiled/sdpa speed",
-                "auto runs"):
+    t = Table(
+        title=f"auto's table ({prov['threads']} threads, torch {prov['torch']}, {prov['date']})"
+    )
+    for col in (
+        "dtype",
+        "kind",
+        "shape",
+        "pass",
+        "tiled ms",
+        "sdpa ms",
+        "tiled/sdpa speed",
+        "auto runs",
+    ):
         t.add_column(col, justify="right" if "ms" in col or "speed" in col else "left")
     for e in table["entries"]:
-        t.add_row(e["dtype"], e["kind"], "x".join(map(str, e["shape"])), e["pass"],
-                  f"{e['ms']['tiled']:.2f}", f"{e['ms']['sdpa']:.2f}",
-                  f"{e['tiled_over_sdpa_speed']:.2f}", e["best"])
+        t.add_row(
+            e["dtype"],
+            e["kind"],
+            "x".join(map(str, e["shape"])),
+            e["pass"],
+            f"{e['ms']['tiled']:.2f}",
+            f"{e['ms']['sdpa']:.2f}",
+            f"{e['tiled_over_sdpa_speed']:.2f}",
+            e["best"],
+        )
     if not console.is_terminal:
         console.width = max(console.width, 120)
     console.print(t)
     console.print(f"wrote {path}; engine='auto' reads it (CAUSALATTN_ENGINE=name overrides)")
-

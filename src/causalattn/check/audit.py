@@ -43,10 +43,22 @@ from .stages import run as _run_stages
 __all__ = ["audit"]
 
 
-def audit(obj, *, max_bytes: int = DEFAULT_MAX_BYTES, scale: float | None = None,
-          causal: bool = True, window: int | None = None, chunk: int | None = None,
-          lengths=None, key_padding_mask=None, cu_seqlens=None, prefix_lengths=None,
-          alibi_slopes=None, softcap: float | None = None, sinks=None) -> Report:
+def audit(
+    obj,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    scale: float | None = None,
+    causal: bool = True,
+    window: int | None = None,
+    chunk: int | None = None,
+    lengths=None,
+    key_padding_mask=None,
+    cu_seqlens=None,
+    prefix_lengths=None,
+    alibi_slopes=None,
+    softcap: float | None = None,
+    sinks=None,
+) -> Report:
     """Check an attention computation in dependency order (see the module docstring).
 
     ``obj``: a :class:`Trace`, a mapping of named arrays (NumPy or torch; aliases and
@@ -56,10 +68,17 @@ def audit(obj, *, max_bytes: int = DEFAULT_MAX_BYTES, scale: float | None = None
     :func:`causalattn.attention` (default: plain causal, 1/√d_k; a Trace brings its own).
     Unusable input raises :class:`AuditInputError` (a ValueError).
     """
-    declared = {"window": window, "chunk": chunk, "lengths": lengths,
-                "key_padding_mask": key_padding_mask, "cu_seqlens": cu_seqlens,
-                "prefix_lengths": prefix_lengths, "alibi_slopes": alibi_slopes,
-                "softcap": softcap, "sinks": sinks}
+    declared = {
+        "window": window,
+        "chunk": chunk,
+        "lengths": lengths,
+        "key_padding_mask": key_padding_mask,
+        "cu_seqlens": cu_seqlens,
+        "prefix_lengths": prefix_lengths,
+        "alibi_slopes": alibi_slopes,
+        "softcap": softcap,
+        "sinks": sinks,
+    }
     declared = {k: v for k, v in declared.items() if v is not None}
     if not causal:
         declared["causal"] = False
@@ -67,8 +86,9 @@ def audit(obj, *, max_bytes: int = DEFAULT_MAX_BYTES, scale: float | None = None
         _masks.Pattern(**declared)
     except ValueError as exc:
         raise AuditInputError(f"audit: {exc}") from None
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
-                                  and scale > 0):
+    if scale is not None and not (
+        isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0
+    ):
         raise AuditInputError(f"audit: scale must be a finite number > 0, got {scale!r}")
     if isinstance(obj, Trace):
         inp = _from_trace(obj)
@@ -78,8 +98,9 @@ def audit(obj, *, max_bytes: int = DEFAULT_MAX_BYTES, scale: float | None = None
     elif isinstance(obj, Mapping):
         inp = _from_mapping(obj)
     else:
-        raise AuditInputError(f"audit: expected a Trace, a mapping of arrays or a path, got "
-                              f"{type(obj).__name__}")
+        raise AuditInputError(
+            f"audit: expected a Trace, a mapping of arrays or a path, got {type(obj).__name__}"
+        )
     inp.pattern = {**inp.pattern, **declared}
     if scale is not None:
         inp.scale = float(scale)
@@ -90,4 +111,3 @@ def audit(obj, *, max_bytes: int = DEFAULT_MAX_BYTES, scale: float | None = None
         raise
     except ValueError as exc:  # shapes that do not fit together in a way no check foresaw
         raise AuditInputError(f"audit: the arrays do not fit together ({exc})") from None
-

@@ -52,17 +52,23 @@ def _discover_signature(fn) -> str:
     except ImportError:
         pass
     try:
-        params = [p for p in inspect.signature(fn).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+        params = [
+            p
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+        ]
     except (TypeError, ValueError):
-        raise ValueError("diagnose: cannot read the function's signature; pass signature=") from None
+        raise ValueError(
+            "diagnose: cannot read the function's signature; pass signature="
+        ) from None
     if len(params) == 3:
         return "qkv"
     if len(params) in (4, 5):
         return "x-weights"
     raise ValueError(
         f"diagnose: {len(params)} required arguments ({', '.join(p.name for p in params)}); "
-        "expected fn(q, k, v), fn(x, w_q, w_k, w_v[, w_o]) or an nn.Module; pass signature=")
+        "expected fn(q, k, v), fn(x, w_q, w_k, w_v[, w_o]) or an nn.Module; pass signature="
+    )
 
 
 _PROJ_NAMES = {
@@ -97,12 +103,16 @@ class _ModuleAdapter:
         if "qkv" in found:
             found.pop("q", None), found.pop("k", None), found.pop("v", None)
         elif not {"q", "k", "v"} <= set(found):
-            raise ValueError("diagnose: cannot find the module's query/key/value projections "
-                             "(looked for Linear children or parameters named q/k/v, q_proj, "
-                             "W_q, c_attn, qkv ...); wrap it as fn(x, w_q, w_k, w_v, w_o)")
+            raise ValueError(
+                "diagnose: cannot find the module's query/key/value projections "
+                "(looked for Linear children or parameters named q/k/v, q_proj, "
+                "W_q, c_attn, qkv ...); wrap it as fn(x, w_q, w_k, w_v, w_o)"
+            )
         self.found = found
-        h = next((getattr(module, a) for a in _HEAD_ATTRS if isinstance(getattr(module, a, None), int)),
-                 None)
+        h = next(
+            (getattr(module, a) for a in _HEAD_ATTRS if isinstance(getattr(module, a, None), int)),
+            None,
+        )
         self.heads = h if h and h > 1 else None
         shapes = {r: self._ours(r).shape for r in found}
         if "qkv" in found:
@@ -111,9 +121,15 @@ class _ModuleAdapter:
         else:
             dm, hk = shapes["q"]
             hv = shapes["v"][1]
-        self.dims = {"d_model": dm, "hd_k": hk, "hd_v": hv, "heads": self.heads,
-                     "d_k": hk // (self.heads or 1), "w_o": "o" in found,
-                     "d_out": shapes["o"][1] if "o" in found else None}
+        self.dims = {
+            "d_model": dm,
+            "hd_k": hk,
+            "hd_v": hv,
+            "heads": self.heads,
+            "d_k": hk // (self.heads or 1),
+            "w_o": "o" in found,
+            "d_out": shapes["o"][1] if "o" in found else None,
+        }
 
     def _get(self, mod, role):
         kind, name = self.found[role]
@@ -135,7 +151,9 @@ class _ModuleAdapter:
                     continue
                 self._set(mod, role, weights[key])
             if "qkv" in self.found:
-                self._set(mod, "qkv", np.concatenate([weights[k] for k in ("w_q", "w_k", "w_v")], 1))
+                self._set(
+                    mod, "qkv", np.concatenate([weights[k] for k in ("w_q", "w_k", "w_v")], 1)
+                )
             for sub in mod.modules():  # biases would move every stage: zero them
                 if isinstance(sub, torch.nn.Linear) and sub.bias is not None:
                     sub.bias.zero_()
@@ -197,8 +215,9 @@ class Subject:
     def _raw(self, out):
         out = _first(out)
         if type(out).__module__.startswith("torch"):
-            self.out_dtype = np.dtype(str(out.dtype).replace("torch.", "").replace(
-                "bfloat16", "float32"))
+            self.out_dtype = np.dtype(
+                str(out.dtype).replace("torch.", "").replace("bfloat16", "float32")
+            )
         else:
             self.out_dtype = np.asarray(out).dtype
         return _as_array(out).astype(np.float64)
@@ -229,15 +248,18 @@ class Subject:
         for fw in frameworks:
             for lead in layouts:
                 try:
-                    args = [self._conv(a.reshape(lead + a.shape[2:]).copy(), fw)
-                            for a in (p.inputs["q"], p.inputs["k"], V)]
+                    args = [
+                        self._conv(a.reshape(lead + a.shape[2:]).copy(), fw)
+                        for a in (p.inputs["q"], p.inputs["k"], V)
+                    ]
                     kwargs = {k: self._conv(np.asarray(v).copy(), fw) for k, v in p.kwargs.items()}
                     out = self.fn(*args, **kwargs)
                     self.weights = _returned_weights(out)
                     res = self._raw(out)
                     if res.size != B * H * p.T_q * n:
-                        raise ValueError(f"output has shape {res.shape}, expected "
-                                         f"{lead + (p.T_q, n)}")
+                        raise ValueError(
+                            f"output has shape {res.shape}, expected {lead + (p.T_q, n)}"
+                        )
                     self.layouts[key], self.framework = lead, fw
                     return res.reshape(B, H, p.T_q, n)
                 except MemoryError:  # not a layout problem: the worker reports it
@@ -284,8 +306,9 @@ class Subject:
     def _run_module(self, p: Probe, w_v, w_o):
         import torch
 
-        mod = self.adapter.instance({"w_q": p.inputs["w_q"], "w_k": p.inputs["w_k"],
-                                     "w_v": w_v, "w_o": w_o})
+        mod = self.adapter.instance(
+            {"w_q": p.inputs["w_q"], "w_k": p.inputs["w_k"], "w_v": w_v, "w_o": w_o}
+        )
         x = p.inputs["x"]
         dt = next(mod.parameters()).dtype
         with torch.no_grad():
@@ -301,7 +324,7 @@ class Subject:
         cols = []
         for c0 in range(0, n, dv):
             chunk = np.zeros((h, V.shape[1], dv))
-            chunk[..., : min(dv, n - c0)] = V[..., c0:c0 + dv]
+            chunk[..., : min(dv, n - c0)] = V[..., c0 : c0 + dv]
             w_v = merge_heads(pinv @ chunk)  # (d_model, h·d_v)
             w_o = np.eye(h * dv, d_out) if d["w_o"] else None
             out = self._raw(self._run_module(p, w_v, w_o))

@@ -52,16 +52,42 @@ from .report import Diagnosis, Status
 __all__ = ["diagnose", "PATTERN_KEYWORDS"]
 
 # the declared pattern: the keywords of causalattn.attention / masks.Pattern
-PATTERN_KEYWORDS = ("causal", "window", "chunk", "lengths", "key_padding_mask", "cu_seqlens",
-                    "prefix_lengths", "mask", "alibi_slopes", "softcap", "sinks")
+PATTERN_KEYWORDS = (
+    "causal",
+    "window",
+    "chunk",
+    "lengths",
+    "key_padding_mask",
+    "cu_seqlens",
+    "prefix_lengths",
+    "mask",
+    "alibi_slopes",
+    "softcap",
+    "sinks",
+)
 _LONG_T = 2500  # fp16 rows this long lose their sums when accumulated in fp16
 
 
-def diagnose(fn, *, signature: str | None = None, timeout: float = 60.0, isolate: bool = True,
-             scale: float | None = None, causal: bool = True, window: int | None = None,
-             chunk: int | None = None, lengths=None, key_padding_mask=None, cu_seqlens=None,
-             prefix_lengths=None, mask=None, alibi_slopes=None, softcap: float | None = None,
-             sinks=None, max_memory: int = 4 * 2**30) -> Diagnosis:
+def diagnose(
+    fn,
+    *,
+    signature: str | None = None,
+    timeout: float = 60.0,
+    isolate: bool = True,
+    scale: float | None = None,
+    causal: bool = True,
+    window: int | None = None,
+    chunk: int | None = None,
+    lengths=None,
+    key_padding_mask=None,
+    cu_seqlens=None,
+    prefix_lengths=None,
+    mask=None,
+    alibi_slopes=None,
+    softcap: float | None = None,
+    sinks=None,
+    max_memory: int = 4 * 2**30,
+) -> Diagnosis:
     """Measure ``fn``'s attention and name the first stage that differs from the declared one.
 
     ``fn``: a callable, an ``nn.Module`` or ``"path/file.py:name"`` (a function, a module
@@ -74,22 +100,34 @@ def diagnose(fn, *, signature: str | None = None, timeout: float = 60.0, isolate
     if signature is not None and signature not in SIGNATURES:
         raise ValueError(f"diagnose: signature must be one of {SIGNATURES}, got {signature!r}")
     timeout = _check_timeout(timeout)
-    declared = {"causal": causal, "window": window, "chunk": chunk, "lengths": lengths,
-                "key_padding_mask": key_padding_mask, "cu_seqlens": cu_seqlens,
-                "prefix_lengths": prefix_lengths, "mask": mask, "alibi_slopes": alibi_slopes,
-                "softcap": softcap, "sinks": sinks}
+    declared = {
+        "causal": causal,
+        "window": window,
+        "chunk": chunk,
+        "lengths": lengths,
+        "key_padding_mask": key_padding_mask,
+        "cu_seqlens": cu_seqlens,
+        "prefix_lengths": prefix_lengths,
+        "mask": mask,
+        "alibi_slopes": alibi_slopes,
+        "softcap": softcap,
+        "sinks": sinks,
+    }
     declared = {k: _plain(v) for k, v in declared.items() if v is not None}
     masks.Pattern(**declared)  # refuse a bad declaration here, naming the argument
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale)
-                                  and scale > 0):
+    if scale is not None and not (
+        isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0
+    ):
         raise ValueError(f"diagnose: scale must be a finite number > 0, got {scale!r}")
     from . import runner
 
     if isinstance(fn, (str, Path)):
         return runner.diagnose_path(str(fn), signature, declared, scale, timeout, max_memory)
     if not callable(fn):
-        raise ValueError(f"diagnose: expected a callable, an nn.Module or 'file.py:name', got "
-                         f"{type(fn).__name__}")
+        raise ValueError(
+            f"diagnose: expected a callable, an nn.Module or 'file.py:name', got "
+            f"{type(fn).__name__}"
+        )
     if signature is None:
         signature = _discover_signature(fn)  # bad signatures are refused here, not in a worker
     if not isolate:
@@ -128,14 +166,32 @@ class _Plan:
         if "mask" in declared:
             self.T_fixed = int(np.asarray(declared["mask"]).shape[-1])
         self.per_batch = bool(fixed) or "mask" in declared or "cu_seqlens" in declared
-        self.H = len(np.asarray(declared["sinks"])) if "sinks" in declared else (
-            np.asarray(declared["alibi_slopes"]).shape[-1] if "alibi_slopes" in declared else 1)
+        self.H = (
+            len(np.asarray(declared["sinks"]))
+            if "sinks" in declared
+            else (
+                np.asarray(declared["alibi_slopes"]).shape[-1] if "alibi_slopes" in declared else 1
+            )
+        )
 
     def pattern(self, **extra) -> masks.Pattern:
         return masks.Pattern(**{**self.declared, **extra})
 
-    def make(self, name, *, T_q=None, T=6, d_k=4, mag=1.2, dtype=None, B=None, H=None,
-             pattern=None, kwargs=None, negative=False):
+    def make(
+        self,
+        name,
+        *,
+        T_q=None,
+        T=6,
+        d_k=4,
+        mag=1.2,
+        dtype=None,
+        B=None,
+        H=None,
+        pattern=None,
+        kwargs=None,
+        negative=False,
+    ):
         dtype = dtype or self.dtype
         B = self.B if B is None else B
         if kwargs is None and self.pad_kind in self.declared:  # the function takes it: pass it
@@ -143,11 +199,34 @@ class _Plan:
         T = self.T_fixed or T
         pat = pattern or self.pattern()
         if self.sig == "qkv":
-            return qkv_probe(name, self.rng, B=B, H=H or self.H, T_q=T_q or T, T_k=T, d_k=d_k,
-                             mag=mag, dtype=dtype, pattern=pat, kwargs=kwargs, negative=negative)
+            return qkv_probe(
+                name,
+                self.rng,
+                B=B,
+                H=H or self.H,
+                T_q=T_q or T,
+                T_k=T,
+                d_k=d_k,
+                mag=mag,
+                dtype=dtype,
+                pattern=pat,
+                kwargs=kwargs,
+                negative=negative,
+            )
         d = self.dims
-        return x_probe(name, self.rng, B=B, T=T, d_model=d["d_model"], heads=d["heads"] or 1,
-                       d_k=d["d_k"], mag=mag, dtype=dtype, pattern=pat, kwargs=kwargs)
+        return x_probe(
+            name,
+            self.rng,
+            B=B,
+            T=T,
+            d_model=d["d_model"],
+            heads=d["heads"] or 1,
+            d_k=d["d_k"],
+            mag=mag,
+            dtype=dtype,
+            pattern=pat,
+            kwargs=kwargs,
+        )
 
     def main_probes(self) -> list[Probe]:
         """The main probe (T ≠ d_k), and T = d_k for code that only runs there."""
@@ -160,8 +239,7 @@ class _Plan:
             self.dims = {"d_model": 8, "d_k": 3, "heads": None, "hd_v": 6, "d_out": 6}
         T = self.T_fixed or 6
         d_k = 3 if T != 3 else 4
-        return [self.make("main probe", T=T, d_k=d_k),
-                self.make("T = d_k probe", T=T, d_k=T)]
+        return [self.make("main probe", T=T, d_k=d_k), self.make("T = d_k probe", T=T, d_k=T)]
 
 
 def diagnose_here(fn, sig, declared, scale) -> Diagnosis:
@@ -170,8 +248,10 @@ def diagnose_here(fn, sig, declared, scale) -> Diagnosis:
     adapter = _ModuleAdapter(fn) if sig == "module" else None
     dims = adapter.dims if adapter else {}
     if adapter and dims["w_o"] and dims["d_out"] < dims["hd_v"]:
-        raise ValueError(f"diagnose: W_O maps h·d_v = {dims['hd_v']} to d_out = "
-                         f"{dims['d_out']}; the weights cannot be read back through it")
+        raise ValueError(
+            f"diagnose: W_O maps h·d_v = {dims['hd_v']} to d_out = "
+            f"{dims['d_out']}; the weights cannot be read back through it"
+        )
     pad_kind = _pad_kind(fn) if sig != "module" else None
     subject = Subject(fn, sig, framework, adapter)
     has_wo = sig == "module" and dims["w_o"] or sig == "x-weights" and _n_required(fn) >= 5
@@ -180,15 +260,23 @@ def diagnose_here(fn, sig, declared, scale) -> Diagnosis:
     if adapter is not None:
         dtype = np.dtype(str(next(fn.parameters()).dtype).replace("torch.", ""))
     plan = _Plan(sig, dims, pad_kind, declared, dtype, has_wo)
-    details = {"signature": sig, "framework": framework, "padding": pad_kind,
-               "declared": plan.pattern().describe()}
+    details = {
+        "signature": sig,
+        "framework": framework,
+        "padding": pad_kind,
+        "declared": plan.pattern().describe(),
+    }
     return _Measurement(subject, plan, scale, details).run()
 
 
 def _n_required(fn) -> int:
-    return len([p for p in inspect.signature(fn).parameters.values()
-                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY,
-                                                       p.POSITIONAL_OR_KEYWORD)])
+    return len(
+        [
+            p
+            for p in inspect.signature(fn).parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    )
 
 
 def _eye(T):
@@ -216,8 +304,11 @@ class _Measurement:
         if self.plan.sig == "qkv":
             return 0.0
         fin = np.abs(A[np.isfinite(A)])
-        return 1e3 * float(np.finfo(self.work_dtype(p)).eps) * max(
-            1.0, float(fin.max()) if fin.size else 1.0)
+        return (
+            1e3
+            * float(np.finfo(self.work_dtype(p)).eps)
+            * max(1.0, float(fin.max()) if fin.size else 1.0)
+        )
 
     def c0(self, p: Probe) -> float:
         return self.scale if self.scale is not None else masks.default_scale(p.d_k)
@@ -255,31 +346,52 @@ class _Measurement:
             has = e.any(-1)
             bad = has & ~np.isfinite(a).all(-1)
             if bad.any():
-                out.append(Finding("A", None, f"A: {rows_text(np.flatnonzero(bad))} hold NaN or "
-                                   f"inf weights at ordinary scores (on {p.name})", (b, h), p.name))
+                out.append(
+                    Finding(
+                        "A",
+                        None,
+                        f"A: {rows_text(np.flatnonzero(bad))} hold NaN or "
+                        f"inf weights at ordinary scores (on {p.name})",
+                        (b, h),
+                        p.name,
+                    )
+                )
                 continue
             empty_nan = ~has & np.isnan(a).any(-1)
             if empty_nan.any():
                 rows = rows_text(np.flatnonzero(empty_nan))
-                out.append(Finding("A", "nan-on-empty-rows", f"A: {rows} have no readable key "
-                                   f"and come out NaN, not zero (on {p.name})", (b, h), p.name))
+                out.append(
+                    Finding(
+                        "A",
+                        "nan-on-empty-rows",
+                        f"A: {rows} have no readable key and come out NaN, not zero (on {p.name})",
+                        (b, h),
+                        p.name,
+                    )
+                )
             mode = normalization(a, r, e, tol)
             use = read_pattern(a, noise) & e & (np.abs(a) > 1e-3 * max(1e-300, np.abs(a).max()))
             sub = _slice(p, b, h)
-            fit = fit_scale(sub, a[None, None], use[None, None],
-                            "rows" if mode == "none" else mode)
+            fit = fit_scale(sub, a[None, None], use[None, None], "rows" if mode == "none" else mode)
             fit_ok = fit is not None and fit[1] <= 2e-3 + 1e3 * float(np.finfo(t).eps)
             if fit is not None and fit_ok:
                 self.scales[(p.name, b, h)] = fit[0]
             out += self._scale_findings(sub, fit, fit_ok, c0, b, h, a, use, mode)
-            out += self._norm_findings(p, a, e, r, tol, mode, b, h, fit if fit_ok else None,
-                                       noise)
+            out += self._norm_findings(p, a, e, r, tol, mode, b, h, fit if fit_ok else None, noise)
             if fit_ok and mode == "rows" and (read_pattern(a, noise) == e).all():
                 err = float(np.abs(np.where(has[:, None], a - r, 0)).max())
                 if err > tol and abs(fit[0] / c0 - 1) <= 2e-3:
-                    out.append(Finding("A", None, f"A: the weights differ from softmax(S + M) "
-                                       f"by up to {err:.3g} (the accuracy rule allows {tol:.2g} "
-                                       f"in {np.dtype(t).name}; on {p.name})", (b, h), p.name))
+                    out.append(
+                        Finding(
+                            "A",
+                            None,
+                            f"A: the weights differ from softmax(S + M) "
+                            f"by up to {err:.3g} (the accuracy rule allows {tol:.2g} "
+                            f"in {np.dtype(t).name}; on {p.name})",
+                            (b, h),
+                            p.name,
+                        )
+                    )
         return out
 
     def _scale_findings(self, p, fit, fit_ok, c0, b, h, a, use, mode):
@@ -291,28 +403,55 @@ class _Measurement:
             if abs(c / c0 - 1) <= 2e-3:
                 return []
             name = None
-            cands = [("missing-scale", 1.0), ("scale-by-dk", 1.0 / dk),
-                     ("scale-by-sqrt-dv", 1.0 / math.sqrt(p.T_k))]
+            cands = [
+                ("missing-scale", 1.0),
+                ("scale-by-dk", 1.0 / dk),
+                ("scale-by-sqrt-dv", 1.0 / math.sqrt(p.T_k)),
+            ]
             if self.plan.sig != "qkv":
                 cands.append(("scale-by-sqrt-dmodel", 1.0 / math.sqrt(self.plan.dims["d_model"])))
             for fid, want in cands:
                 if abs(c / want - 1) <= 2e-3 and abs(want / c0 - 1) > 2e-3:
                     name = fid
                     break
-            return [Finding("S", name, f"S: the weights are the softmax of Q Kᵀ · {c:.4g}; "
-                            f"expected · {c0:.4g} (1/√d_k, d_k = {dk}) (on {p.name})",
-                            (b, h), p.name)]
+            return [
+                Finding(
+                    "S",
+                    name,
+                    f"S: the weights are the softmax of Q Kᵀ · {c:.4g}; "
+                    f"expected · {c0:.4g} (1/√d_k, d_k = {dk}) (on {p.name})",
+                    (b, h),
+                    p.name,
+                )
+            ]
         if p.T_q == p.T_k == dk:  # Q K instead of Q Kᵀ?
             G2 = p.Q @ p.K
-            f2 = fit_scale(p, a[None, None], use[None, None], mode if mode != "none" else "rows",
-                           G=G2)
+            f2 = fit_scale(
+                p, a[None, None], use[None, None], mode if mode != "none" else "rows", G=G2
+            )
             if f2 is not None and f2[1] <= 2e-3 + 1e3 * float(np.finfo(np.float32).eps):
-                return [Finding("S", "k-not-transposed", f"S: the weights are the softmax of "
-                                f"Q K · {f2[0]:.4g} (K not transposed; only runs when T = d_k "
-                                f"= {dk})", (b, h), p.name)]
-        return [Finding("S", None, f"S: log A is not c·Q Kᵀ plus a constant per row on the "
-                        f"keys each row reads (misfit {fit[1]:.3g} in log space): the scores "
-                        f"are not a multiple of Q Kᵀ (on {p.name})", (b, h), p.name)]
+                return [
+                    Finding(
+                        "S",
+                        "k-not-transposed",
+                        f"S: the weights are the softmax of "
+                        f"Q K · {f2[0]:.4g} (K not transposed; only runs when T = d_k "
+                        f"= {dk})",
+                        (b, h),
+                        p.name,
+                    )
+                ]
+        return [
+            Finding(
+                "S",
+                None,
+                f"S: log A is not c·Q Kᵀ plus a constant per row on the "
+                f"keys each row reads (misfit {fit[1]:.3g} in log space): the scores "
+                f"are not a multiple of Q Kᵀ (on {p.name})",
+                (b, h),
+                p.name,
+            )
+        ]
 
     def _norm_findings(self, p, a, e, r, tol, mode, b, h, fit, noise):
         if mode == "rows":
@@ -321,28 +460,66 @@ class _Measurement:
         sums = np.where(np.isfinite(a), a, 0).sum(-1)
         k = float(np.median(sums[has] / r.sum(-1)[has])) if has.any() else 1.0
         if mode == "none" and k > 0 and np.abs(a - k * r).max() <= tol * max(1.0, k):
-            return [Finding("H", None, f"H: the output is {k:.6g}·A V: every row's weights "
-                            f"sum to {k:.6g}, and divided by that they are right (on {p.name})",
-                            (b, h), p.name)]
+            return [
+                Finding(
+                    "H",
+                    None,
+                    f"H: the output is {k:.6g}·A V: every row's weights "
+                    f"sum to {k:.6g}, and divided by that they are right (on {p.name})",
+                    (b, h),
+                    p.name,
+                )
+            ]
         if mode == "cols":
-            return [Finding("A", "softmax-query-axis", "A: columns sum to 1, rows do not "
-                            f"(row sums {_few(a.sum(-1))}): the softmax ran over the query axis",
-                            (b, h), p.name)]
+            return [
+                Finding(
+                    "A",
+                    "softmax-query-axis",
+                    "A: columns sum to 1, rows do not "
+                    f"(row sums {_few(a.sum(-1))}): the softmax ran over the query axis",
+                    (b, h),
+                    p.name,
+                )
+            ]
         if mode == "all":
-            return [Finding("A", "softmax-all-entries", f"A: the whole {p.T_q}×{p.T_k} matrix "
-                            f"sums to 1 (row sums {_few(a.sum(-1))}): one softmax over all "
-                            "entries", (b, h), p.name)]
+            return [
+                Finding(
+                    "A",
+                    "softmax-all-entries",
+                    f"A: the whole {p.T_q}×{p.T_k} matrix "
+                    f"sums to 1 (row sums {_few(a.sum(-1))}): one softmax over all "
+                    "entries",
+                    (b, h),
+                    p.name,
+                )
+            ]
         if fit is not None and (sums[has] <= 1 + tol).all() and (sums[has] < 1 - tol).any():
-            full = expected_weights(_slice(p, b, h), fit[0],
-                                    np.ones((1, 1, p.T_q, p.T_k), bool))[0, 0]
+            full = expected_weights(_slice(p, b, h), fit[0], np.ones((1, 1, p.T_q, p.T_k), bool))[
+                0, 0
+            ]
             if np.abs(a - full * read_pattern(a, noise)).max() <= max(tol, 1e-6):
-                return [Finding("A", "mask-after-softmax", f"A: rows sum to less than 1 "
-                                f"({_few(sums)}): the weights are softmax over all keys, then "
-                                "zeroed at blocked keys without renormalizing", (b, h), p.name)]
+                return [
+                    Finding(
+                        "A",
+                        "mask-after-softmax",
+                        f"A: rows sum to less than 1 "
+                        f"({_few(sums)}): the weights are softmax over all keys, then "
+                        "zeroed at blocked keys without renormalizing",
+                        (b, h),
+                        p.name,
+                    )
+                ]
         off = has & (np.abs(sums - r.sum(-1)) > tol)
-        return [Finding("A", None, f"A: {rows_text(np.flatnonzero(off))} sum to "
-                        f"{_few(sums[off])} instead of {_few(r.sum(-1)[off])} (on {p.name})",
-                        (b, h), p.name)]
+        return [
+            Finding(
+                "A",
+                None,
+                f"A: {rows_text(np.flatnonzero(off))} sum to "
+                f"{_few(sums[off])} instead of {_few(r.sum(-1)[off])} (on {p.name})",
+                (b, h),
+                p.name,
+            )
+        ]
 
     # -- linearity in V (stage H) and the d_v dependence of the scale (stage S)
     def linearity(self, p: Probe, A: np.ndarray) -> list[Finding]:
@@ -364,10 +541,18 @@ class _Measurement:
             return []
         zero = self.s.values(p, np.zeros((1, p.H, p.T_k, n)))
         z = float(np.nanmax(np.abs(zero))) if zero.size else 0.0
-        return [Finding("H", None, f"H: the output is not A V: with random values it differs "
-                        f"from (its weights measured with V = I) · V by up to {e:.3g} (the "
-                        f"accuracy rule allows {tol:.2g}); with V = 0 the output is up to "
-                        f"{z:.3g}, not 0", (), p.name)]
+        return [
+            Finding(
+                "H",
+                None,
+                f"H: the output is not A V: with random values it differs "
+                f"from (its weights measured with V = I) · V by up to {e:.3g} (the "
+                f"accuracy rule allows {tol:.2g}); with V = 0 the output is up to "
+                f"{z:.3g}, not 0",
+                (),
+                p.name,
+            )
+        ]
 
     def dv_dependence(self, p: Probe, A: np.ndarray) -> list[Finding]:
         if self.plan.sig == "module" or not np.isfinite(A).all():
@@ -382,13 +567,19 @@ class _Measurement:
         fit = fit_scale(p, A2, use, "rows")
         c1 = self.scales.get((p.name, 0, 0))
         name = None
-        if fit is not None and c1 is not None and abs(fit[0] * math.sqrt(2 * p.T_k) - 1) < 2e-3 \
-                and abs(c1 * math.sqrt(p.T_k) - 1) < 2e-3:
+        if (
+            fit is not None
+            and c1 is not None
+            and abs(fit[0] * math.sqrt(2 * p.T_k) - 1) < 2e-3
+            and abs(c1 * math.sqrt(p.T_k) - 1) < 2e-3
+        ):
             name = "scale-by-sqrt-dv"
         msg = "S: the weights change with the width of V (d_v)"
         if fit is not None and c1 is not None:
-            msg += (f": Q Kᵀ · {c1:.4g} with d_v = {p.T_k}, · {fit[0]:.4g} with d_v = "
-                    f"{2 * p.T_k}; expected · {self.c0(p):.4g} (1/√d_k, d_k = {p.d_k})")
+            msg += (
+                f": Q Kᵀ · {c1:.4g} with d_v = {p.T_k}, · {fit[0]:.4g} with d_v = "
+                f"{2 * p.T_k}; expected · {self.c0(p):.4g} (1/√d_k, d_k = {p.d_k})"
+            )
         return [Finding("S", name, msg, (), p.name)]
 
     # -- stability
@@ -399,8 +590,14 @@ class _Measurement:
         if plan.sig == "qkv":
             probes.append(("negative-score probe", 400.0, True))
         for name, mag, neg in probes:
-            p = plan.make(name, T=base.T_k, d_k=base.d_k, mag=mag / max(1.0, base.d_k ** 0.25),
-                          H=base.H, negative=neg)
+            p = plan.make(
+                name,
+                T=base.T_k,
+                d_k=base.d_k,
+                mag=mag / max(1.0, base.d_k**0.25),
+                H=base.H,
+                negative=neg,
+            )
             A = self.try_weights(p)
             if A is None:
                 continue
@@ -409,19 +606,34 @@ class _Measurement:
             S_max = float(np.abs(p.G() * self.c0(p)).max())
             bad = has & ~np.isfinite(A).all(-1)
             if bad.any():
-                out.append(Finding("A", "unstable-softmax", f"A: at scores up to |S| = "
-                                   f"{S_max:.3g} {rows_text(np.flatnonzero(bad.any((0, 1))))} "
-                                   "come out NaN or inf: exp overflows without the row maximum "
-                                   "subtracted", (), p.name))
+                out.append(
+                    Finding(
+                        "A",
+                        "unstable-softmax",
+                        f"A: at scores up to |S| = "
+                        f"{S_max:.3g} {rows_text(np.flatnonzero(bad.any((0, 1))))} "
+                        "come out NaN or inf: exp overflows without the row maximum "
+                        "subtracted",
+                        (),
+                        p.name,
+                    )
+                )
                 continue
             leak = ~E & has[..., None] & (np.abs(A) > self.noise(A, p))
             if leak.any():
                 wmax = float(np.abs(np.where(leak, A, 0)).max())
-                out.append(Finding("M", "finite-fill-too-weak", f"M: at scores up to |S| = "
-                                   f"{S_max:.3g} blocked keys get weight (up to {wmax:.3g}) on "
-                                   f"{rows_text(np.flatnonzero(leak.any((0, 1, 3))))}: the fill "
-                                   "that blocks them is finite and the scores overcome it",
-                                   (), p.name))
+                out.append(
+                    Finding(
+                        "M",
+                        "finite-fill-too-weak",
+                        f"M: at scores up to |S| = "
+                        f"{S_max:.3g} blocked keys get weight (up to {wmax:.3g}) on "
+                        f"{rows_text(np.flatnonzero(leak.any((0, 1, 3))))}: the fill "
+                        "that blocks them is finite and the scores overcome it",
+                        (),
+                        p.name,
+                    )
+                )
         return out
 
     def fp16(self, base: Probe) -> list[Finding]:
@@ -437,8 +649,9 @@ class _Measurement:
         if self.plan.declared.get("sinks") is not None:
             return out  # rows do not sum to 1 with sinks; the fp16 probe above covers them
         for T_q in (4, _LONG_T):  # decoding layout first: 4 long rows are cheap to run
-            p = self.plan.make("long fp16 rows", T_q=T_q, T=_LONG_T, d_k=3, mag=0.1,
-                               dtype=np.float16, H=1)
+            p = self.plan.make(
+                "long fp16 rows", T_q=T_q, T=_LONG_T, d_k=3, mag=0.1, dtype=np.float16, H=1
+            )
             try:
                 sums = self.s.values(p, np.ones((1, 1, p.T_k, 1)))[0, 0, :, 0]
                 self.ran.append(p.name)
@@ -456,11 +669,19 @@ class _Measurement:
         tol = 2 * float(np.abs(plain - 1).max()) + 8 * float(np.finfo(np.float16).eps)
         err = np.abs(got - 1)
         if not np.isfinite(err).all() or err.max() > tol:
-            out.append(Finding("A", "softmax-fp16-accumulation", f"A: in fp16, rows reading "
-                               f"{int(E[-1].sum())} keys sum to {_few(got)} instead of 1 "
-                               f"(plain fp16 math with fp32 accumulation is off by "
-                               f"{float(np.abs(plain - 1).max()):.2g}): the softmax "
-                               "accumulates in fp16", (), p.name))
+            out.append(
+                Finding(
+                    "A",
+                    "softmax-fp16-accumulation",
+                    f"A: in fp16, rows reading "
+                    f"{int(E[-1].sum())} keys sum to {_few(got)} instead of 1 "
+                    f"(plain fp16 math with fp32 accumulation is off by "
+                    f"{float(np.abs(plain - 1).max()):.2g}): the softmax "
+                    "accumulates in fp16",
+                    (),
+                    p.name,
+                )
+            )
         return out
 
     # -- the output projection
@@ -475,8 +696,15 @@ class _Measurement:
         try:
             got = self.s.output(p, w_v, w_o)
         except Exception as exc:
-            return [Finding("O", None, f"O: with random W_V, W_O the function raised "
-                            f"{type(exc).__name__}: {exc}", (), p.name)]
+            return [
+                Finding(
+                    "O",
+                    None,
+                    f"O: with random W_V, W_O the function raised {type(exc).__name__}: {exc}",
+                    (),
+                    p.name,
+                )
+            ]
         Vh = split_heads(p.inputs["x"].astype(np.float64) @ w_v.astype(np.float64), h)
         Hm = merge_heads(A @ Vh)
         ref = Hm @ w_o.astype(np.float64)
@@ -494,9 +722,14 @@ class _Measurement:
         elif w_o.shape[0] == w_o.shape[1] and close(got, Hm @ w_o.T.astype(np.float64)):
             fid, what = "output-projection-transposed", "O equals H W_Oᵀ"
         else:
-            fid, what = None, (f"O has shape {got.shape[1:]}, H W_O is {ref.shape[1:]}"
-                               if got.shape != ref.shape else
-                               f"O differs from H W_O by up to {np.abs(got - ref).max():.3g}")
+            fid, what = (
+                None,
+                (
+                    f"O has shape {got.shape[1:]}, H W_O is {ref.shape[1:]}"
+                    if got.shape != ref.shape
+                    else f"O differs from H W_O by up to {np.abs(got - ref).max():.3g}"
+                ),
+            )
         return [Finding("O", fid, f"O: {what} (H from the measured weights)", (), p.name)]
 
     # -- the whole run
@@ -516,9 +749,15 @@ class _Measurement:
                 first_err = first_err or (p, exc)
         if main is None:
             p, exc = first_err
-            return Diagnosis(None, None, f"the function raised on the first probe ({p.name}, "
-                             f"T×d_k = {p.T_k}×{p.d_k}): {type(exc).__name__}: {exc}",
-                             status=Status.ERROR, details=self.details, d_k=p.d_k)
+            return Diagnosis(
+                None,
+                None,
+                f"the function raised on the first probe ({p.name}, "
+                f"T×d_k = {p.T_k}×{p.d_k}): {type(exc).__name__}: {exc}",
+                status=Status.ERROR,
+                details=self.details,
+                d_k=p.d_k,
+            )
         with np.errstate(all="ignore"):
             lin = self.linearity(main, A) if np.isfinite(A).all() else []  # NaN: stage A says
             if lin:
@@ -559,8 +798,9 @@ class _Measurement:
             else:
                 pad = np.array([[True] * 6, [False, False] + [True] * 4])  # left padding
                 pat = plan.pattern(key_padding_mask=pad)
-            p = plan.make("padding probe", T=6, d_k=main.d_k, B=2, pattern=pat,
-                          kwargs={plan.pad_kind: pad})
+            p = plan.make(
+                "padding probe", T=6, d_k=main.d_k, B=2, pattern=pat, kwargs={plan.pad_kind: pad}
+            )
             A = self.try_weights(p)
             if A is not None:
                 self.findings += self.analyze(p, A)
@@ -591,11 +831,17 @@ class _Measurement:
         E = main.allowed()[sl]
         c = self.scales.get((main.name,) + tuple(sl))
         untested = self._untested(main)
-        base = dict(untested=untested, details=self.details, pattern=P, expected=E, scale=c,
-                    d_k=main.d_k)
+        base = dict(
+            untested=untested, details=self.details, pattern=P, expected=E, scale=c, d_k=main.d_k
+        )
         if not f:
-            return Diagnosis(None, None, "matches the reference on every probe ("
-                             + ", ".join(self.ran) + ")", status=Status.CLEAN, **base)
+            return Diagnosis(
+                None,
+                None,
+                "matches the reference on every probe (" + ", ".join(self.ran) + ")",
+                status=Status.CLEAN,
+                **base,
+            )
         top = f[0]
         fault, stage, msg = top.fault, top.stage, top.message
         also = []
@@ -609,9 +855,12 @@ class _Measurement:
                 also.append(x.fault)
         if top.probe != main.name and top.probe in self.measured and top.slice:
             pr, Ar = self.measured[top.probe]
-            self.details["pattern_of"] = {"probe": top.probe, "slice": list(top.slice),
-                                          "pattern": read_pattern(Ar[top.slice]).tolist(),
-                                          "expected": pr.allowed()[top.slice].tolist()}
+            self.details["pattern_of"] = {
+                "probe": top.probe,
+                "slice": list(top.slice),
+                "pattern": read_pattern(Ar[top.slice]).tolist(),
+                "expected": pr.allowed()[top.slice].tolist(),
+            }
         if fault and fault in BY_ID:
             msg = f"{fault}: {msg}"
         location, code, facts = None, "", {}
@@ -622,8 +871,9 @@ class _Measurement:
         except Exception as exc:  # the white-box pass is a bonus; never let it hide the verdict
             facts = {"error": f"{type(exc).__name__}: {exc}"}
         self.details.update({"whitebox": facts, "code": code})
-        return Diagnosis(fault, stage, msg, location,
-                         Status.FAULT if fault else Status.UNKNOWN, also, **base)
+        return Diagnosis(
+            fault, stage, msg, location, Status.FAULT if fault else Status.UNKNOWN, also, **base
+        )
 
     def _heads_only(self, f: list[Finding]):
         """A message when the first stage's findings sit in some heads of a multi-head
@@ -634,20 +884,29 @@ class _Measurement:
         H = self.measured[top.probe][0].H if top.probe in self.measured else 1
         if H > 1 and 0 < len(heads_bad) < H:
             ok = [h for h in range(H) if h not in heads_bad]
-            return (f"{'head' if len(heads_bad) == 1 else 'heads'} "
-                    f"{', '.join(str(h + 1) for h in heads_bad)} of {H}: {top.message}; "
-                    f"{'head' if len(ok) == 1 else 'heads'} {', '.join(str(h + 1) for h in ok)}"
-                    f" {'matches' if len(ok) == 1 else 'match'} the reference")
+            return (
+                f"{'head' if len(heads_bad) == 1 else 'heads'} "
+                f"{', '.join(str(h + 1) for h in heads_bad)} of {H}: {top.message}; "
+                f"{'head' if len(ok) == 1 else 'heads'} {', '.join(str(h + 1) for h in ok)}"
+                f" {'matches' if len(ok) == 1 else 'match'} the reference"
+            )
         return None
 
     def _untested(self, main: Probe) -> list[str]:
         out = []
         if not self.plan.has_wo:
             out += ["output-projection-missing", "output-projection-transposed"]
-        if not self.plan.pad_kind and "lengths" not in self.plan.declared and \
-                "key_padding_mask" not in self.plan.declared:
-            out += ["padding-ignored", "padding-queries-only", "finite-min-added-twice",
-                    "nan-on-empty-rows"]
+        if (
+            not self.plan.pad_kind
+            and "lengths" not in self.plan.declared
+            and "key_padding_mask" not in self.plan.declared
+        ):
+            out += [
+                "padding-ignored",
+                "padding-queries-only",
+                "finite-min-added-twice",
+                "nan-on-empty-rows",
+            ]
         if not any(n.startswith("decoding") for n in self.ran):
             out.append("causal-top-left")
         if "window" not in self.plan.declared:
@@ -667,18 +926,19 @@ def _slice(p: Probe, b: int, h: int) -> Probe:
     """One (b, h) slice of a probe as a (1, 1, T_q, T_k) probe, its pattern fitted to it."""
     from dataclasses import replace
 
-    E = p.allowed()[b:b + 1, h:h + 1]
+    E = p.allowed()[b : b + 1, h : h + 1]
     pat = p.pattern
     kw = {"causal": False, "mask": E}
     if pat.softcap is not None:
         kw["softcap"] = pat.softcap
     if pat.alibi_slopes is not None:
         sl = np.asarray(pat.alibi_slopes)
-        kw["alibi_slopes"] = (sl[b] if sl.ndim == 2 else sl)[h:h + 1]
+        kw["alibi_slopes"] = (sl[b] if sl.ndim == 2 else sl)[h : h + 1]
     if pat.sinks is not None:
-        kw["sinks"] = np.asarray(pat.sinks)[h:h + 1]
-    return replace(p, Q=p.Q[b:b + 1, h:h + 1], K=p.K[b:b + 1, h:h + 1],
-                   pattern=masks.Pattern(**kw))
+        kw["sinks"] = np.asarray(pat.sinks)[h : h + 1]
+    return replace(
+        p, Q=p.Q[b : b + 1, h : h + 1], K=p.K[b : b + 1, h : h + 1], pattern=masks.Pattern(**kw)
+    )
 
 
 def _plain_fp16_row_sums(Z: np.ndarray) -> np.ndarray:
@@ -699,4 +959,3 @@ def _few(x) -> str:
     x = np.ravel(x)
     s = ", ".join(f"{v:.4g}" for v in x[:4])
     return s + (" ..." if x.size > 4 else "")
-

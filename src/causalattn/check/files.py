@@ -30,9 +30,21 @@ MAX_MEMBERS = 256
 MAX_SAFETENSORS_HEADER = 16 * 2**20
 _NPY_MAGIC = b"\x93NUMPY"
 _ZIP_MAGIC = b"PK\x03\x04"
-_ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "bf16", "I64": "<i8",
-              "I32": "<i4", "I16": "<i2", "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2",
-              "U8": "u1", "BOOL": "?"}
+_ST_DTYPES = {
+    "F64": "<f8",
+    "F32": "<f4",
+    "F16": "<f2",
+    "BF16": "bf16",
+    "I64": "<i8",
+    "I32": "<i4",
+    "I16": "<i2",
+    "I8": "i1",
+    "U64": "<u8",
+    "U32": "<u4",
+    "U16": "<u2",
+    "U8": "u1",
+    "BOOL": "?",
+}
 
 
 def _refuse(p, why: str):
@@ -54,8 +66,10 @@ def _regular(p: Path) -> os.stat_result:
 def _numeric(name: str, dtype: np.dtype) -> np.dtype:
     dtype = np.dtype(dtype)
     if dtype.hasobject:
-        raise AuditInputError(f"{name}: holds Python objects (a pickle); only numeric arrays "
-                              "are read (allow_pickle=False)")
+        raise AuditInputError(
+            f"{name}: holds Python objects (a pickle); only numeric arrays "
+            "are read (allow_pickle=False)"
+        )
     if dtype.fields is not None or dtype.kind not in "biuf":
         raise AuditInputError(f"{name}: dtype {dtype} is not a plain numeric array")
     return dtype
@@ -88,9 +102,12 @@ class ArrayFile:
         dtype = _numeric(name, dtype)
         self._total += _nbytes(shape, dtype)
         if self._total > self.max_bytes:
-            _refuse(self.path, f"its arrays declare {_human(self._total)} in all (up to "
-                    f"{name[:80]!r}, {tuple(shape)} {dtype}), above the limit of "
-                    f"{_human(self.max_bytes)} (raise it with max_bytes / --max-bytes)")
+            _refuse(
+                self.path,
+                f"its arrays declare {_human(self._total)} in all (up to "
+                f"{name[:80]!r}, {tuple(shape)} {dtype}), above the limit of "
+                f"{_human(self.max_bytes)} (raise it with max_bytes / --max-bytes)",
+            )
         self.headers[name] = (tuple(int(s) for s in shape), dtype)
         self._where[name] = where
 
@@ -153,7 +170,7 @@ def _read_npy(fh) -> np.ndarray:
         chunk = fh.read(min(1 << 24, len(buf) - got))
         if not chunk:
             raise ValueError("truncated")
-        view[got:got + len(chunk)] = chunk
+        view[got : got + len(chunk)] = chunk
         got += len(chunk)
     arr = np.frombuffer(buf, dtype=dtype, count=count)
     return arr.reshape(shape[::-1]).T if fortran else arr.reshape(shape)
@@ -193,10 +210,21 @@ def open_arrays(path: str | Path, max_bytes: int) -> ArrayFile:
             raise ValueError("unknown format")
     except AuditInputError:
         raise
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile, KeyError, SyntaxError,
-            RecursionError, TypeError):
-        _refuse(p, "not a .npy, .npz or .safetensors file (its contents match none of these "
-                "formats, or its headers are corrupt); refused")
+    except (
+        OSError,
+        ValueError,
+        EOFError,
+        zipfile.BadZipFile,
+        KeyError,
+        SyntaxError,
+        RecursionError,
+        TypeError,
+    ):
+        _refuse(
+            p,
+            "not a .npy, .npz or .safetensors file (its contents match none of these "
+            "formats, or its headers are corrupt); refused",
+        )
     return af
 
 
@@ -208,8 +236,11 @@ def _zip_headers(p: Path, af: ArrayFile) -> None:
         for info in infos:
             name = info.filename
             if info.is_dir() or not name.endswith(".npy"):
-                _refuse(p, f"member {name[:80]!r} is not a .npy array; an .npz holds only "
-                        "arrays (np.savez)")
+                _refuse(
+                    p,
+                    f"member {name[:80]!r} is not a .npy array; an .npz holds only "
+                    "arrays (np.savez)",
+                )
             with zf.open(info) as fh:
                 try:
                     shape, dtype, _ = _npy_header(fh)
@@ -236,23 +267,36 @@ def _safetensors_headers(p: Path, af: ArrayFile, size: int) -> None:
             continue
         label = f"tensor {name[:80]!r}"
         if not isinstance(info, dict):
-            _refuse(p, f"{label}: its header entry must be an object, got "
-                    f"{type(info).__name__}")
+            _refuse(p, f"{label}: its header entry must be an object, got {type(info).__name__}")
         code = _ST_DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
         if code is None:
-            _refuse(p, f"{label}: dtype {str(info.get('dtype'))[:20]!r} is not a numeric type "
-                    f"({', '.join(_ST_DTYPES)})")
+            _refuse(
+                p,
+                f"{label}: dtype {str(info.get('dtype'))[:20]!r} is not a numeric type "
+                f"({', '.join(_ST_DTYPES)})",
+            )
         shape, offs = info.get("shape"), info.get("data_offsets")
-        if not (isinstance(shape, list) and len(shape) <= 8 and all(
-                type(s) is int and s >= 0 for s in shape)):
+        if not (
+            isinstance(shape, list)
+            and len(shape) <= 8
+            and all(type(s) is int and s >= 0 for s in shape)
+        ):
             _refuse(p, f"{label}: shape must be a list of integers >= 0")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
-                and 0 <= offs[0] <= offs[1] <= data_size):
-            _refuse(p, f"{label}: data_offsets must be two integers within the data "
-                    f"(0..{data_size})")
+        if not (
+            isinstance(offs, list)
+            and len(offs) == 2
+            and all(type(o) is int for o in offs)
+            and 0 <= offs[0] <= offs[1] <= data_size
+        ):
+            _refuse(
+                p, f"{label}: data_offsets must be two integers within the data (0..{data_size})"
+            )
         item = 2 if code == "bf16" else np.dtype(code).itemsize
         if offs[1] - offs[0] != math.prod(shape) * item:
-            _refuse(p, f"{label}: data_offsets span {offs[1] - offs[0]} bytes but shape "
-                    f"{tuple(shape)} needs {math.prod(shape) * item}")
+            _refuse(
+                p,
+                f"{label}: data_offsets span {offs[1] - offs[0]} bytes but shape "
+                f"{tuple(shape)} needs {math.prod(shape) * item}",
+            )
         dtype = np.dtype("<f4") if code == "bf16" else np.dtype(code)
         af._add(name, shape, dtype, ("st", data0 + offs[0], data0 + offs[1], code, tuple(shape)))

@@ -31,8 +31,20 @@ ALIASES: dict[str, str] = {
     **{a: "S" for a in ("s", "scores", "attn_scores", "scaled_scores")},
     **{a: "Z" for a in ("hook_attn_scores", "masked_scores", "logits")},
     **{a: "M" for a in ("m", "additive_mask", "attn_bias", "bias_mask")},
-    **{a: "A" for a in ("a", "weights", "attn_weights", "pattern", "probs", "attn",
-                        "attention", "attn_probs", "hook_pattern")},
+    **{
+        a: "A"
+        for a in (
+            "a",
+            "weights",
+            "attn_weights",
+            "pattern",
+            "probs",
+            "attn",
+            "attention",
+            "attn_probs",
+            "hook_pattern",
+        )
+    },
     **{a: "H" for a in ("h", "z", "hook_z", "heads")},
     **{a: "C" for a in ("c", "contributions")},
     **{a: "O" for a in ("o", "attn_out", "hook_attn_out", "hook_result")},
@@ -45,6 +57,7 @@ ALIASES: dict[str, str] = {
 }
 _TL_POS_HEAD = {"hook_q", "hook_k", "hook_v", "hook_z", "hook_result"}  # (batch, pos, head, d)
 _META = {"allowed", "lengths", "key_padding_mask", "scale", "n_heads"}
+
 
 # -- reading inputs ----------------------------------------------------------------------
 def load_arrays(path: str | Path, *, max_bytes: int = DEFAULT_MAX_BYTES) -> dict[str, np.ndarray]:
@@ -73,7 +86,8 @@ def _check_declared_shapes(p, headers: dict) -> None:
         if T and not {shape[-2], shape[-1]} <= T:
             raise AuditInputError(
                 f"{p}: {name!r} is declared {shape[-2]}×{shape[-1]} but the sequences of Q, K, V "
-                f"or X have T in {sorted(T)}; refused before reading")
+                f"or X have T in {sorted(T)}; refused before reading"
+            )
 
 
 def _canon(key: str) -> tuple[str, str, str | None]:
@@ -132,8 +146,7 @@ def _scalar_scale(a: np.ndarray) -> float:
 def _positive_int(name: str, a: np.ndarray) -> int:
     v = a.reshape(-1)
     if a.size != 1 or not np.issubdtype(a.dtype, np.integer) or a.dtype == np.bool_ or v[0] < 1:
-        raise AuditInputError(f"{name}: must be one integer >= 1, got {v.tolist()[:4]} "
-                              f"({a.dtype})")
+        raise AuditInputError(f"{name}: must be one integer >= 1, got {v.tolist()[:4]} ({a.dtype})")
     return int(v[0])
 
 
@@ -147,8 +160,10 @@ def _from_mapping(data: Mapping[str, Any]) -> _Inputs:
     ignored = []
     layers = {_canon(str(k))[2] for k in data if _canon(str(k))[0] not in ("", *_META)}
     if len(layers - {None}) > 1:
-        raise AuditInputError(f"arrays from several layers ({', '.join(sorted(layers - {None}))}); "
-                              "audit one layer at a time")
+        raise AuditInputError(
+            f"arrays from several layers ({', '.join(sorted(layers - {None}))}); "
+            "audit one layer at a time"
+        )
     for key, val in data.items():
         stage, base, prefix = _canon(str(key))
         if not stage:
@@ -168,17 +183,23 @@ def _from_mapping(data: Mapping[str, Any]) -> _Inputs:
     if "lengths" in raw:
         L = raw.pop("lengths")[0]
         if L.ndim != 1 or L.dtype == np.bool_ or not np.issubdtype(L.dtype, np.integer):
-            raise AuditInputError(f"lengths: must be a 1-D integer array (B,), got shape "
-                                  f"{L.shape} and dtype {L.dtype}")
+            raise AuditInputError(
+                f"lengths: must be a 1-D integer array (B,), got shape "
+                f"{L.shape} and dtype {L.dtype}"
+            )
         if (L < 0).any():
             raise AuditInputError(f"lengths: must be >= 0, got {L.tolist()[:8]}")
         inp.lengths = L.astype(np.int64)
     if "key_padding_mask" in raw:
         kpm = raw.pop("key_padding_mask")[0]
-        if kpm.ndim != 2 or not (kpm.dtype == np.bool_ or (
-                np.issubdtype(kpm.dtype, np.integer) and np.isin(kpm, (0, 1)).all())):
-            raise AuditInputError(f"key_padding_mask: must be (B, T_k) booleans (True = may "
-                                  f"read), got shape {kpm.shape} and dtype {kpm.dtype}")
+        if kpm.ndim != 2 or not (
+            kpm.dtype == np.bool_
+            or (np.issubdtype(kpm.dtype, np.integer) and np.isin(kpm, (0, 1)).all())
+        ):
+            raise AuditInputError(
+                f"key_padding_mask: must be (B, T_k) booleans (True = may "
+                f"read), got shape {kpm.shape} and dtype {kpm.dtype}"
+            )
         inp.key_padding = kpm.astype(bool)
     if "allowed" in raw:
         m, _ = raw.pop("allowed")
@@ -202,8 +223,11 @@ def _from_mapping(data: Mapping[str, Any]) -> _Inputs:
         a64 = a.astype(np.float64)
         if stage.startswith("W_"):
             if a64.ndim == 3:  # TransformerLens (h, d_model, d_head) / W_O (h, d_head, d_model)
-                a64 = (a64.reshape(-1, a64.shape[-1]) if stage == "W_o"
-                       else np.moveaxis(a64, 0, 1).reshape(a64.shape[1], -1))
+                a64 = (
+                    a64.reshape(-1, a64.shape[-1])
+                    if stage == "W_o"
+                    else np.moveaxis(a64, 0, 1).reshape(a64.shape[1], -1)
+                )
                 if inp.n_heads is None:
                     inp.n_heads = a.shape[0]
             elif a64.ndim != 2:
@@ -222,25 +246,31 @@ def _from_mapping(data: Mapping[str, Any]) -> _Inputs:
         inp.arrays[stage] = a64
         inp.eps[stage] = _eps(a.dtype)
     if not any(s in inp.arrays for s in STAGE_ORDER + ("Z",)) or set(inp.arrays) <= {
-        "W_q", "W_k", "W_v", "W_o"
+        "W_q",
+        "W_k",
+        "W_v",
+        "W_o",
     }:
         raise AuditInputError(
             "no attention stages found; give any of X, Q, K, V, S, M, A, H, O (aliases: "
-            "scores, weights/pattern/probs, out/z/output, TransformerLens hook names)")
+            "scores, weights/pattern/probs, out/z/output, TransformerLens hook names)"
+        )
     return inp
 
 
 def _from_trace(tr: Trace) -> _Inputs:
-    inp = _from_mapping({n: tr[n] for n in tr.names if n in STAGE_ORDER or n in ("W_q", "W_k",
-                                                                               "W_v", "W_o", "Z")})
+    inp = _from_mapping(
+        {n: tr[n] for n in tr.names if n in STAGE_ORDER or n in ("W_q", "W_k", "W_v", "W_o", "Z")}
+    )
     inp.allowed = tr.allowed
     inp.scale = tr.scale
     inp.n_heads = tr.n_heads
     pat = getattr(tr, "pattern", None)
     if pat is not None and (pat.causal or pat.describe() != "bidirectional"):
         # (a trace made with an explicit mask= says "bidirectional": its mask is the rule)
-        inp.pattern = {f.name: getattr(pat, f.name) for f in dataclasses.fields(pat)
-                       if getattr(pat, f.name) is not None
-                       and f.name not in ("q_start", "k_start", "mask")}
+        inp.pattern = {
+            f.name: getattr(pat, f.name)
+            for f in dataclasses.fields(pat)
+            if getattr(pat, f.name) is not None and f.name not in ("q_start", "k_start", "mask")
+        }
     return inp
-

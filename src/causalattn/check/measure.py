@@ -25,8 +25,18 @@ from .. import masks
 from ..reference import softmax_last
 from .probes import Probe
 
-__all__ = ["Finding", "STAGES", "expected_weights", "fit_scale", "pattern_findings",
-           "normalization", "plain_weights", "tolerance", "read_pattern", "rows_text"]
+__all__ = [
+    "Finding",
+    "STAGES",
+    "expected_weights",
+    "fit_scale",
+    "pattern_findings",
+    "normalization",
+    "plain_weights",
+    "tolerance",
+    "read_pattern",
+    "rows_text",
+]
 
 STAGES = ("S", "M", "A", "H", "O")
 
@@ -52,11 +62,13 @@ def expected_weights(p: Probe, scale: float, allowed: np.ndarray | None = None) 
     if pat.sinks is None:
         return softmax_last(np.where(R, S, 0.0), R)
     # a sink is one more allowed logit per row that takes no value: append it as a column
-    sink = np.broadcast_to(np.asarray(pat.sinks, np.float64)[None, :, None, None],
-                           S.shape[:2] + (S.shape[2], 1))
+    sink = np.broadcast_to(
+        np.asarray(pat.sinks, np.float64)[None, :, None, None], S.shape[:2] + (S.shape[2], 1)
+    )
     has_key = R.any(-1, keepdims=True)
-    A = softmax_last(np.concatenate([np.where(R, S, 0.0), sink], -1),
-                     np.concatenate([R, has_key], -1))
+    A = softmax_last(
+        np.concatenate([np.where(R, S, 0.0), sink], -1), np.concatenate([R, has_key], -1)
+    )
     return A[..., :-1]
 
 
@@ -66,14 +78,16 @@ def plain_weights(p: Probe, scale: float, dtype) -> np.ndarray:
     R = p.allowed()
     Z = np.where(R, p.pattern.modify_scores(p.G() * scale), -np.inf)
     if p.pattern.sinks is not None:  # the sink logit joins the denominator as a column
-        sink = np.broadcast_to(np.asarray(p.pattern.sinks, np.float64)[None, :, None, None],
-                               Z.shape[:3] + (1,))
+        sink = np.broadcast_to(
+            np.asarray(p.pattern.sinks, np.float64)[None, :, None, None], Z.shape[:3] + (1,)
+        )
         Z = np.concatenate([Z, sink], -1)
     try:
         import torch
 
         tdt = {np.dtype(np.float16): torch.float16, np.dtype(np.float32): torch.float32}.get(
-            np.dtype(dtype), torch.float64)
+            np.dtype(dtype), torch.float64
+        )
         A = torch.softmax(torch.from_numpy(Z).to(tdt), -1).double().numpy()
     except ImportError:
         Zt = Z.astype(dtype)
@@ -111,14 +125,20 @@ def rows_text(rows) -> str:
         parts.append(f"{start}" if start == prev else f"{start}..{prev}")
         if r is not None:
             start = prev = r
-    return ("row " if len(rows) == 1 else "rows ") + ", ".join(parts[:6]) + (
-        " ..." if len(parts) > 6 else "")
+    return (
+        ("row " if len(rows) == 1 else "rows ")
+        + ", ".join(parts[:6])
+        + (" ..." if len(parts) > 6 else "")
+    )
 
 
 def _keys_text(cols) -> str:
     cols = [int(c) + 1 for c in cols]
-    return ("key " if len(cols) == 1 else "keys ") + ", ".join(map(str, cols[:6])) + (
-        " ..." if len(cols) > 6 else "")
+    return (
+        ("key " if len(cols) == 1 else "keys ")
+        + ", ".join(map(str, cols[:6]))
+        + (" ..." if len(cols) > 6 else "")
+    )
 
 
 def _verb(rows, one: str, many: str) -> str:
@@ -144,14 +164,18 @@ def describe_difference(P: np.ndarray, E: np.ndarray, T_q: int, T_k: int) -> str
         i = rows[0]
         fut = extra & ~masks.causal(T_q, T_k)
         kind = "future keys" if fut.any() else "keys they may not"
-        parts.append(f"{rows_text(rows)} {_verb(rows, 'reads', 'read')} {kind} (row {i + 1} reads "
-                     f"{_keys_text(np.flatnonzero(extra[i]))})")
+        parts.append(
+            f"{rows_text(rows)} {_verb(rows, 'reads', 'read')} {kind} (row {i + 1} reads "
+            f"{_keys_text(np.flatnonzero(extra[i]))})"
+        )
     miss = E & ~P & ~diag
     rows = np.flatnonzero(miss.any(-1))
     if rows.size:
         i = rows[0]
-        parts.append(f"{rows_text(rows)} {_verb(rows, 'does not read keys it', 'do not read keys they')} may (row {i + 1} skips "
-                     f"{_keys_text(np.flatnonzero(miss[i]))})")
+        parts.append(
+            f"{rows_text(rows)} {_verb(rows, 'does not read keys it', 'do not read keys they')} may (row {i + 1} skips "
+            f"{_keys_text(np.flatnonzero(miss[i]))})"
+        )
     return "; ".join(parts)
 
 
@@ -162,8 +186,9 @@ def _top_left(p: Probe) -> np.ndarray:
     return np.pad(sq, ((0, 0), (0, p.T_k - p.T_q)))
 
 
-def pattern_findings(p: Probe, A: np.ndarray, E_full: np.ndarray, noise: float = 0.0,
-                     ref: np.ndarray | None = None) -> list[Finding]:
+def pattern_findings(
+    p: Probe, A: np.ndarray, E_full: np.ndarray, noise: float = 0.0, ref: np.ndarray | None = None
+) -> list[Finding]:
     """Stage M per slice: the measured read pattern against the reference's. Rows holding
     NaN or inf are left to stage A; with read-back ``noise``, keys whose reference weight is
     below it are not counted as skipped."""
@@ -178,14 +203,17 @@ def pattern_findings(p: Probe, A: np.ndarray, E_full: np.ndarray, noise: float =
             P[tiny] = True
         if (P == E).all():
             continue
-        out.append(Finding("M", _name_pattern(p, P, E, b, h), _pattern_message(p, P, E),
-                           (b, h), p.name))
+        out.append(
+            Finding("M", _name_pattern(p, P, E, b, h), _pattern_message(p, P, E), (b, h), p.name)
+        )
     return out
 
 
 def _pattern_message(p: Probe, P, E) -> str:
-    return (f"M: {describe_difference(P, E, p.T_q, p.T_k)}; expected {p.pattern.describe()}"
-            f" (on {p.name}, T_q×T_k = {p.T_q}×{p.T_k})")
+    return (
+        f"M: {describe_difference(P, E, p.T_q, p.T_k)}; expected {p.pattern.describe()}"
+        f" (on {p.name}, T_q×T_k = {p.T_q}×{p.T_k})"
+    )
 
 
 def _name_pattern(p: Probe, P, E, b, h) -> str | None:
@@ -194,8 +222,9 @@ def _name_pattern(p: Probe, P, E, b, h) -> str | None:
     empty = ~E.any(-1)
     if not pat.causal:
         return None
-    nopad = masks.Pattern(causal=True, window=pat.window, chunk=pat.chunk).allowed(
-        1, 1, T_q, T_k)[0, 0]
+    nopad = masks.Pattern(causal=True, window=pat.window, chunk=pat.chunk).allowed(1, 1, T_q, T_k)[
+        0, 0
+    ]
     if P.all():
         return "no-mask"
     if pat.lengths is not None or pat.key_padding_mask is not None:
@@ -203,9 +232,11 @@ def _name_pattern(p: Probe, P, E, b, h) -> str | None:
             return "padding-ignored"
         if (P[~empty] == E[~empty]).all() and P[empty].any():
             return "finite-min-added-twice"
-        keys = masks.Pattern(causal=False, lengths=pat.lengths,
-                             key_padding_mask=pat.key_padding_mask).allowed(
-            p.B, 1, T_q, T_k)[b, 0].any(0)  # the keys that are not padding
+        keys = (
+            masks.Pattern(causal=False, lengths=pat.lengths, key_padding_mask=pat.key_padding_mask)
+            .allowed(p.B, 1, T_q, T_k)[b, 0]
+            .any(0)
+        )  # the keys that are not padding
         if T_q == T_k and (P == (nopad & keys[:, None])).all():
             return "padding-queries-only"
     if T_q == T_k and (P == nopad.T).all():

@@ -63,6 +63,4 @@ def _looks_masked(S: np.ndarray) -> bool:
     """True when S already carries a mask (-inf or a large negative fill above the diagonal)."""
     T_q, T_k = S.shape[-2:]
     fut = ~_masks.causal(T_q, T_k) if T_q <= T_k else np.zeros((T_q, T_k), bool)
-    return bool(fut.any()) and bool(
-        (np.isneginf(S) | (S <= BLOCKED_BELOW))[..., fut].all())
-
+    return bool(fut.any()) and bool((np.isneginf(S) | (S <= BLOCKED_BELOW))[..., fut].all())

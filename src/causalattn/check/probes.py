@@ -64,17 +64,31 @@ class Probe:
 
 
 def _fields(p: masks.Pattern) -> dict:
-    return {n: getattr(p, n) for n in ("causal", "window", "chunk", "lengths",
-                                        "key_padding_mask", "cu_seqlens", "prefix_lengths",
-                                        "mask", "alibi_slopes", "softcap", "sinks")}
+    return {
+        n: getattr(p, n)
+        for n in (
+            "causal",
+            "window",
+            "chunk",
+            "lengths",
+            "key_padding_mask",
+            "cu_seqlens",
+            "prefix_lengths",
+            "mask",
+            "alibi_slopes",
+            "softcap",
+            "sinks",
+        )
+    }
 
 
 def _cast(a, dtype):
     return np.asarray(a, dtype=np.float64).astype(dtype)
 
 
-def qkv_probe(name, rng, *, B=1, H=1, T_q, T_k, d_k, mag, dtype, pattern, kwargs=None,
-              negative=False):
+def qkv_probe(
+    name, rng, *, B=1, H=1, T_q, T_k, d_k, mag, dtype, pattern, kwargs=None, negative=False
+):
     """q, k ~ N(0, mag²), so the scaled scores spread over about ±mag². ``negative``: every
     query points away from every key, so all scores are about -mag²·d_k (below any fill
     that replaces a blocked score by a constant such as -1e4)."""
@@ -87,8 +101,15 @@ def qkv_probe(name, rng, *, B=1, H=1, T_q, T_k, d_k, mag, dtype, pattern, kwargs
         q = rng.normal(size=(B, H, T_q, d_k)) * mag
         k = rng.normal(size=(B, H, T_k, d_k)) * mag
     q, k = _cast(q, dtype), _cast(k, dtype)
-    return Probe(name, q.astype(np.float64), k.astype(np.float64), np.dtype(dtype), pattern,
-                 {"q": q, "k": k}, kwargs or {})
+    return Probe(
+        name,
+        q.astype(np.float64),
+        k.astype(np.float64),
+        np.dtype(dtype),
+        pattern,
+        {"q": q, "k": k},
+        kwargs or {},
+    )
 
 
 def x_probe(name, rng, *, B=1, T, d_model, heads, d_k, mag, dtype, pattern, kwargs=None):
@@ -100,5 +121,6 @@ def x_probe(name, rng, *, B=1, T, d_model, heads, d_k, mag, dtype, pattern, kwar
     x64, wq, wk = (a.astype(np.float64) for a in (x, w_q, w_k))
     Q = split_heads(x64 @ wq, heads)
     K = split_heads(x64 @ wk, heads)
-    return Probe(name, Q, K, np.dtype(dtype), pattern, {"x": x, "w_q": w_q, "w_k": w_k},
-                 kwargs or {})
+    return Probe(
+        name, Q, K, np.dtype(dtype), pattern, {"x": x, "w_q": w_q, "w_k": w_k}, kwargs or {}
+    )

@@ -9,10 +9,38 @@ import numpy as np
 
 from .faults import BY_ID as _BY_ID
 
-_SCORED = {"softmax", "log_softmax", "exp", "matmul", "__matmul__", "bmm", "einsum", "linear",
-           "masked_fill", "masked_fill_", "where", "add", "__add__", "__iadd__", "__radd__", "add_",
-           "div", "__truediv__", "__itruediv__", "div_", "mul", "__mul__", "__rmul__", "mul_",
-           "transpose", "permute", "t", "scaled_dot_product_attention", "baddbmm", "sum"}
+_SCORED = {
+    "softmax",
+    "log_softmax",
+    "exp",
+    "matmul",
+    "__matmul__",
+    "bmm",
+    "einsum",
+    "linear",
+    "masked_fill",
+    "masked_fill_",
+    "where",
+    "add",
+    "__add__",
+    "__iadd__",
+    "__radd__",
+    "add_",
+    "div",
+    "__truediv__",
+    "__itruediv__",
+    "div_",
+    "mul",
+    "__mul__",
+    "__rmul__",
+    "mul_",
+    "transpose",
+    "permute",
+    "t",
+    "scaled_dot_product_attention",
+    "baddbmm",
+    "sum",
+}
 
 
 def _shown(path: str) -> str:
@@ -76,13 +104,23 @@ def _record(call, probe):
             elif name == "where":
                 if any(neg_fill(a) for a in args[1:]):
                     ev["kind"] = "mask"
-                elif len(args) > 2 and any(isinstance(a, (int, float)) and a == 0 for a in args[1:]):
+                elif len(args) > 2 and any(
+                    isinstance(a, (int, float)) and a == 0 for a in args[1:]
+                ):
                     ev["kind"] = "guard"  # where(cond, A, 0): often a guard for empty rows
             elif name in ("add", "__add__", "__iadd__", "__radd__", "add_"):
                 if any(neg_fill(a) for a in args):
                     ev["kind"] = "mask"
-            elif name in ("div", "__truediv__", "__itruediv__", "div_", "mul", "__mul__",
-                          "__rmul__", "mul_"):
+            elif name in (
+                "div",
+                "__truediv__",
+                "__itruediv__",
+                "div_",
+                "mul",
+                "__mul__",
+                "__rmul__",
+                "mul_",
+            ):
                 sc = [a for a in args[1:] if isinstance(a, (int, float))]
                 if sc:
                     ev["scalar"] = float(sc[0])
@@ -168,8 +206,13 @@ def _record_numpy(caller, probe):
             args, kwargs = plain(args), plain(kwargs)
             out = func(*args, **kwargs)
             if func.__name__ == "where" and len(args) == 3:
-                kind = ("mask" if any(neg_fill(a) for a in args[1:]) else
-                        "guard" if any(scalar(a) and a == 0 for a in args[1:]) else None)
+                kind = (
+                    "mask"
+                    if any(neg_fill(a) for a in args[1:])
+                    else "guard"
+                    if any(scalar(a) and a == 0 for a in args[1:])
+                    else None
+                )
                 if kind:
                     ev = {"op": "where", "kind": kind}
                     ev["at"], ev["code"] = where()
@@ -191,9 +234,13 @@ def _whitebox(events: list[dict], fault: str | None) -> tuple[str | None, str, d
     exp = [i for i, e in enumerate(events) if e["op"] == "exp"]
     maskops = [i for i, e in enumerate(events) if e.get("kind") == "mask"]
     zeroing = [i for i, e in enumerate(events) if e.get("kind") == "zero"]
-    scores = [i for i, e in enumerate(events)
-              if e["op"] in ("matmul", "__matmul__", "bmm", "einsum", "baddbmm")
-              and len(e.get("shape", ())) >= 2 and e["shape"][-1] == e["shape"][-2]]
+    scores = [
+        i
+        for i, e in enumerate(events)
+        if e["op"] in ("matmul", "__matmul__", "bmm", "einsum", "baddbmm")
+        and len(e.get("shape", ())) >= 2
+        and e["shape"][-1] == e["shape"][-2]
+    ]
     sdpa = [i for i, e in enumerate(events) if e["op"] == "scaled_dot_product_attention"]
     norm_at = sm[0] if sm else (exp[0] if exp else (sdpa[0] if sdpa else None))
     facts: dict = {}
@@ -202,7 +249,7 @@ def _whitebox(events: list[dict], fault: str | None) -> tuple[str | None, str, d
         facts["softmax over the key axis"] = events[sm[0]]["last"]
     elif exp:
         facts["softmax"] = "written by hand (exp)"
-        norm = [e for e in events[exp[0]:] if e["op"] == "sum"]
+        norm = [e for e in events[exp[0] :] if e["op"] == "sum"]
         if norm:
             ax, nd = norm[0].get("axis"), norm[0].get("ndim")
             facts["normalized over axis"] = ax
@@ -216,13 +263,20 @@ def _whitebox(events: list[dict], fault: str | None) -> tuple[str | None, str, d
         facts["mask before softmax"] = bool(before)
         if after:
             facts["mask after softmax"] = True
-    scales = [e["scalar"] for i, e in enumerate(events) if e.get("kind") == "scale"
-              and (norm_at is None or i < norm_at)]
+    scales = [
+        e["scalar"]
+        for i, e in enumerate(events)
+        if e.get("kind") == "scale" and (norm_at is None or i < norm_at)
+    ]
     if scales:
         facts["scale op"] = scales[0]
 
     def at(i):
-        return (events[i]["at"], events[i]["code"]) if i is not None and 0 <= i < len(events) else (None, "")
+        return (
+            (events[i]["at"], events[i]["code"])
+            if i is not None and 0 <= i < len(events)
+            else (None, "")
+        )
 
     pick = None
     stage = _BY_ID[fault].stage if fault in _BY_ID else None
@@ -242,10 +296,15 @@ def _whitebox(events: list[dict], fault: str | None) -> tuple[str | None, str, d
     elif stage == "M":
         before = [i for i in maskops if norm_at is None or i < norm_at]
         # the second finite minimum is where the overflow happens: point at the last mask op
-        pick = (before[-1] if fault == "finite-min-added-twice" else before[0]) if before else norm_at
+        pick = (
+            (before[-1] if fault == "finite-min-added-twice" else before[0]) if before else norm_at
+        )
     elif fault in ("missing-scale", "scale-by-dk", "k-not-transposed"):
-        sc = [i for i, e in enumerate(events) if e.get("kind") == "scale"
-              and (norm_at is None or i < norm_at)]
+        sc = [
+            i
+            for i, e in enumerate(events)
+            if e.get("kind") == "scale" and (norm_at is None or i < norm_at)
+        ]
         pick = sc[0] if sc and fault == "scale-by-dk" else (scores[0] if scores else norm_at)
     elif stage == "O":
         mm = [i for i, e in enumerate(events) if e["op"] in ("matmul", "__matmul__", "linear")]
@@ -254,4 +313,3 @@ def _whitebox(events: list[dict], fault: str | None) -> tuple[str | None, str, d
             pick = len(events) - 1
     loc, code = at(pick)
     return loc, code, facts
-

@@ -18,8 +18,6 @@ class AuditInputError(ValueError):
     """The input cannot be audited (unreadable file, wrong ranks, non-numeric data ...)."""
 
 
-
-
 @dataclass
 class Check:
     """One check: ``stage`` (X, Q, K, V, S, M, A, H, C, O), what was checked, the verdict,
@@ -35,8 +33,15 @@ class Check:
     fault: str | None = None  # the catalogue id (causalattn.check.CATALOGUE) the hint names
 
     def to_dict(self) -> dict:
-        return {"stage": self.stage, "name": self.name, "ok": self.ok, "message": self.message,
-                "evidence": jsonable(self.evidence), "hint": self.hint, "fault": self.fault}
+        return {
+            "stage": self.stage,
+            "name": self.name,
+            "ok": self.ok,
+            "message": self.message,
+            "evidence": jsonable(self.evidence),
+            "hint": self.hint,
+            "fault": self.fault,
+        }
 
 
 @dataclass
@@ -78,9 +83,11 @@ class Report:
         return json.dumps(self.to_dict(), **kw)
 
     def __str__(self) -> str:
-        lines = [f"audit: {'ok' if self.ok else 'FAILED'}"
-                 f" (given: {', '.join(self.given) or '-'};"
-                 f" recomputed: {', '.join(self.recomputed) or '-'})"]
+        lines = [
+            f"audit: {'ok' if self.ok else 'FAILED'}"
+            f" (given: {', '.join(self.given) or '-'};"
+            f" recomputed: {', '.join(self.recomputed) or '-'})"
+        ]
         for c in self.checks:
             lines.append(f"  [{'ok' if c.ok else 'FAIL'}] {c.stage:<2} {c.name}: {c.message}")
             if not c.ok:
@@ -90,8 +97,10 @@ class Report:
                 if c.hint:
                     lines.append(f"         hint: {c.hint}")
         if self.empty_rows:
-            lines.append(f"  rows with no readable key (zero output, not a failure): "
-                         f"{_fmt_empty(self.empty_rows)}")
+            lines.append(
+                f"  rows with no readable key (zero output, not a failure): "
+                f"{_fmt_empty(self.empty_rows)}"
+            )
         for n in self.notes:
             lines.append(f"  note: {n}")
         ff = self.first_failure
@@ -115,8 +124,10 @@ class Report:
                 details += f"\n[yellow]hint:[/] {escape(c.hint)}"
             t.add_row(c.stage, escape(c.name), "[green]ok" if c.ok else "[red]FAIL", details)
         if self.empty_rows:
-            t.caption = escape("rows with no readable key (zero output, not a failure): "
-                               + _fmt_empty(self.empty_rows))
+            t.caption = escape(
+                "rows with no readable key (zero output, not a failure): "
+                + _fmt_empty(self.empty_rows)
+            )
         return t
 
 
@@ -139,7 +150,6 @@ def jsonable(obj: Any):
     if isinstance(obj, float) and not math.isfinite(obj):
         return "nan" if math.isnan(obj) else ("inf" if obj > 0 else "-inf")
     return obj
-
 
 
 class Status(str, Enum):
@@ -197,23 +207,50 @@ class Diagnosis:
         return self.status == Status.CLEAN
 
     def to_dict(self) -> dict:
-        return {"fault": self.fault, "stage": self.stage, "message": self.message,
-                "location": self.location, "status": self.status.value, "also": self.also,
-                "untested": self.untested, "details": jsonable(self.details),
-                "pattern": None if self.pattern is None else self.pattern.tolist(),
-                "expected": None if self.expected is None else self.expected.tolist(),
-                "scale": self.scale, "d_k": self.d_k}
+        return {
+            "fault": self.fault,
+            "stage": self.stage,
+            "message": self.message,
+            "location": self.location,
+            "status": self.status.value,
+            "also": self.also,
+            "untested": self.untested,
+            "details": jsonable(self.details),
+            "pattern": None if self.pattern is None else self.pattern.tolist(),
+            "expected": None if self.expected is None else self.expected.tolist(),
+            "scale": self.scale,
+            "d_k": self.d_k,
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> Diagnosis:
         d = dict(d)
         wb = d.get("details", {}).get("whitebox")
         if isinstance(wb, dict):  # JSON made the recorded axes lists; they are tuples
-            d["details"] = {**d["details"], "whitebox": {
-                k: tuple(v) if isinstance(v, list) else v for k, v in wb.items()}}
-        return cls(**{k: d[k] for k in ("fault", "stage", "message", "location", "status",
-                                        "also", "untested", "details", "pattern", "expected",
-                                        "scale", "d_k") if k in d})
+            d["details"] = {
+                **d["details"],
+                "whitebox": {k: tuple(v) if isinstance(v, list) else v for k, v in wb.items()},
+            }
+        return cls(
+            **{
+                k: d[k]
+                for k in (
+                    "fault",
+                    "stage",
+                    "message",
+                    "location",
+                    "status",
+                    "also",
+                    "untested",
+                    "details",
+                    "pattern",
+                    "expected",
+                    "scale",
+                    "d_k",
+                )
+                if k in d
+            }
+        )
 
     def grid(self) -> str:
         """The measured read pattern next to the expected one ('#' reads, '.' does not)."""
@@ -229,9 +266,11 @@ class Diagnosis:
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        head = {"clean": "clean", "fault": f"fault {self.fault} (stage {self.stage})",
-                "unknown": f"unknown fault (first diverging stage {self.stage})"}.get(
-            self.status.value, self.status.value)
+        head = {
+            "clean": "clean",
+            "fault": f"fault {self.fault} (stage {self.stage})",
+            "unknown": f"unknown fault (first diverging stage {self.stage})",
+        }.get(self.status.value, self.status.value)
         lines = [f"diagnose: {head}", f"  {self.message}"]
         if self.location:
             lines.append(f"  at {self.location}")
@@ -243,9 +282,12 @@ class Diagnosis:
             lines.append(f"  not testable with this signature: {', '.join(self.untested)}")
         if self.scale is not None:
             lines.append(f"  measured scale: Q Kᵀ · {self.scale:.4g} (d_k = {self.d_k})")
-        if (self.pattern is not None and self.expected is not None
-                and self.pattern.shape == self.expected.shape
-                and (self.pattern != self.expected).any()):
+        if (
+            self.pattern is not None
+            and self.expected is not None
+            and self.pattern.shape == self.expected.shape
+            and (self.pattern != self.expected).any()
+        ):
             lines.append("  read pattern (rows: queries, columns: keys):")
             lines.append(self.grid())
         for k, v in self.details.get("whitebox", {}).items():

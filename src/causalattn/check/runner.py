@@ -48,18 +48,20 @@ def _load_target(spec: str):
         raise ValueError(f"diagnose: {path} has no {name!r}")
     obj = getattr(mod, name)
     if inspect.isfunction(obj) and not any(
-            q.default is q.empty and q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)
-            for q in inspect.signature(obj).parameters.values()):
+        q.default is q.empty and q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)
+        for q in inspect.signature(obj).parameters.values()
+    ):
         obj = obj()  # a factory: returns the configured function or module
     if inspect.isclass(obj):
         try:
             obj = obj()
         except TypeError as exc:
-            raise ValueError(f"diagnose: cannot construct {name}() without arguments ({exc}); "
-                             "name a function without arguments that returns a configured "
-                             "module") from None
+            raise ValueError(
+                f"diagnose: cannot construct {name}() without arguments ({exc}); "
+                "name a function without arguments that returns a configured "
+                "module"
+            ) from None
     return obj
-
 
 
 def _limit(max_memory: int) -> None:
@@ -92,12 +94,17 @@ def _diagnose_in_worker(job: dict) -> dict:
             job["signature"] = _discover_signature(fn)
         d = diagnose_here(fn, job["signature"], job["declared"], job["scale"])
     except MemoryError:
-        d = Diagnosis(None, None, f"the function ran out of memory (the worker is capped at "
-                      f"{job['max_memory'] / 2**30:.3g} GiB more than it started with)",
-                      status=Status.CRASHED)
+        d = Diagnosis(
+            None,
+            None,
+            f"the function ran out of memory (the worker is capped at "
+            f"{job['max_memory'] / 2**30:.3g} GiB more than it started with)",
+            status=Status.CRASHED,
+        )
     except SystemExit as exc:
-        d = Diagnosis(None, None, f"the function called sys.exit({exc.code!r})",
-                      status=Status.CRASHED)
+        d = Diagnosis(
+            None, None, f"the function called sys.exit({exc.code!r})", status=Status.CRASHED
+        )
     except BaseException as exc:  # the user's code may raise anything
         d = Diagnosis(None, None, f"{type(exc).__name__}: {exc}", status=Status.ERROR)
     return d.to_dict()
@@ -135,8 +142,13 @@ def _tail(path: Path) -> str:
 
 def _finish(what: str, rc, timed_out: bool, timeout: float, result: Path, log: Path) -> Diagnosis:
     if timed_out:
-        return Diagnosis(None, None, f"{what} did not finish within {timeout:g} s (a hang?); "
-                         "it was stopped, with everything it started", status=Status.TIMEOUT)
+        return Diagnosis(
+            None,
+            None,
+            f"{what} did not finish within {timeout:g} s (a hang?); "
+            "it was stopped, with everything it started",
+            status=Status.TIMEOUT,
+        )
     try:
         return Diagnosis.from_dict(json.loads(result.read_text()))
     except (OSError, ValueError, TypeError):
@@ -148,13 +160,19 @@ def _finish(what: str, rc, timed_out: bool, timeout: float, result: Path, log: P
     else:
         why = f"exit code {rc}"
     tail = _tail(log)
-    return Diagnosis(None, None, f"{what} crashed ({why})" + (f": {tail}" if tail else ""),
-                     status=Status.CRASHED)
+    return Diagnosis(
+        None, None, f"{what} crashed ({why})" + (f": {tail}" if tail else ""), status=Status.CRASHED
+    )
 
 
 def _job(signature, declared, scale, max_memory, result) -> dict:
-    return {"signature": signature, "declared": declared, "scale": scale,
-            "max_memory": int(max_memory), "result": str(result)}
+    return {
+        "signature": signature,
+        "declared": declared,
+        "scale": scale,
+        "max_memory": int(max_memory),
+        "result": str(result),
+    }
 
 
 def _spawn(job: dict, what: str, timeout: float, tmp: Path) -> Diagnosis:
@@ -167,8 +185,9 @@ def _spawn(job: dict, what: str, timeout: float, tmp: Path) -> Diagnosis:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_root, env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-c", "from causalattn.check.runner import _worker; _worker()"]
     with open(payload, "rb") as stdin, open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdin=stdin, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdin=stdin, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         timed_out = False
         try:
             proc.wait(timeout=timeout)
@@ -245,7 +264,9 @@ def diagnose_isolated(fn, signature, declared, scale, timeout, max_memory) -> Di
         try:
             job["fn_pickle"] = pickle.dumps(fn)
         except Exception as exc:
-            raise ValueError(f"diagnose: {what} cannot be sent to a worker process ({exc}); "
-                             "define it at module level, or pass isolate=False to run it in "
-                             "this process (without the timeout)") from None
+            raise ValueError(
+                f"diagnose: {what} cannot be sent to a worker process ({exc}); "
+                "define it at module level, or pass isolate=False to run it in "
+                "this process (without the timeout)"
+            ) from None
         return _spawn(job, what, timeout, tmp)

@@ -28,7 +28,9 @@ def mask(st: AuditState) -> None:
     if shape is None:
         if "Q" in a and "K" in a:
             shape = np.broadcast_shapes(a["Q"].shape[:-2], a["K"].shape[:-2]) + (
-                a["Q"].shape[-2], a["K"].shape[-2])
+                a["Q"].shape[-2],
+                a["K"].shape[-2],
+            )
         else:
             return
     T_q, T_k = shape[-2:]
@@ -42,11 +44,15 @@ def mask(st: AuditState) -> None:
         M = _bcast(st, a["M"], shape, "M")
         R_M, odd = _mask_from_additive(M)
         if odd.any():
-            st.add("M", "M is 0 or blocked", False,
-                     "M has entries that are neither 0 nor -inf (or a large negative fill)",
-                     _locate(odd, len(lead)),
-                     "M must be 0 where a key may be read and -inf (or a large negative "
-                     "fill) where it may not; a bias belongs in S")
+            st.add(
+                "M",
+                "M is 0 or blocked",
+                False,
+                "M has entries that are neither 0 nor -inf (or a large negative fill)",
+                _locate(odd, len(lead)),
+                "M must be 0 where a key may be read and -inf (or a large negative "
+                "fill) where it may not; a bias belongs in S",
+            )
         sources.append(("M", R_M))
     if "Z" in a:
         Z = np.broadcast_to(a["Z"], shape)
@@ -63,9 +69,13 @@ def mask(st: AuditState) -> None:
     name0, R = sources[0]
     for name, other in sources[1:]:
         same = R == other
-        st.add("M", f"{name} agrees with {name0}", same.all(),
-                 f"{name} and {name0} " + ("agree" if same.all() else "disagree"),
-                 _locate(~same, len(lead)))
+        st.add(
+            "M",
+            f"{name} agrees with {name0}",
+            same.all(),
+            f"{name} and {name0} " + ("agree" if same.all() else "disagree"),
+            _locate(~same, len(lead)),
+        )
     st.allowed = R
     if name0 != "M" and "M" not in a:
         st.recomputed.append("M")
@@ -101,14 +111,18 @@ def declared_allowed(st, shape, padding: bool = True) -> np.ndarray:
             R = pat.allowed(1, 1, T_q, T_k)[0, 0]
         elif len(lead) == 1:
             heads = st.n_heads is not None and lead[0] == st.n_heads and not batchy
-            R = pat.allowed(1, lead[0], T_q, T_k)[0] if heads else \
-                pat.allowed(lead[0], 1, T_q, T_k)[:, 0]
+            R = (
+                pat.allowed(1, lead[0], T_q, T_k)[0]
+                if heads
+                else pat.allowed(lead[0], 1, T_q, T_k)[:, 0]
+            )
         else:
             R = pat.allowed(lead[-2], lead[-1], T_q, T_k)
         return np.broadcast_to(R, shape)
     except ValueError as exc:
-        raise AuditInputError(f"mask: the declared pattern does not fit the stages "
-                              f"{shape}: {exc}") from None
+        raise AuditInputError(
+            f"mask: the declared pattern does not fit the stages {shape}: {exc}"
+        ) from None
 
 
 def _fit_lead(st, R):
@@ -158,7 +172,9 @@ def _pattern_from_weights(st, A, shape):
         st.notes.append(
             "padding assumed from A (keys and query rows from L on read nothing): "
             + "; ".join(f"{list(i) if i else ''} L = {L}".strip() for i, L in inferred[:4])
-            + (" ..." if len(inferred) > 4 else "") + "; declare lengths= to state it")
+            + (" ..." if len(inferred) > 4 else "")
+            + "; declare lengths= to state it"
+        )
     st.allowed = E
     st.recomputed.append("M")
     reads = P.any(-1, keepdims=True)
@@ -166,8 +182,12 @@ def _pattern_from_weights(st, A, shape):
     bad = Pc != E
     declared = _masks.Pattern(**pattern_kw(st)).describe()
     if not bad.any():
-        st.add("M", "A reads what the pattern allows", True,
-                 f"the keys A reads match the declared pattern ({declared})")
+        st.add(
+            "M",
+            "A reads what the pattern allows",
+            True,
+            f"the keys A reads match the declared pattern ({declared})",
+        )
         return
     flat = int(np.flatnonzero(bad.reshape(-1, T_q * T_k).any(-1))[0])
     first = tuple(int(i) for i in np.unravel_index(flat, lead)) if lead else ()
@@ -176,15 +196,17 @@ def _pattern_from_weights(st, A, shape):
     what = describe_difference(Pc[first], E[first], T_q, T_k)
     never = np.flatnonzero(~P[first].any(-2) & E[first].any(-2))
     msg = f"the keys A reads differ from the declared pattern ({declared}): {what}" + (
-        f" (at index {list(first)})" if first else "")
+        f" (at index {list(first)})" if first else ""
+    )
     hint = _pattern_hint(st, Pc[first], E[first], T_q, T_k, reads[first])
     if never.size:
-        hint += (f"; key{'s' if never.size > 1 else ''} "
-                 f"{', '.join(str(j + 1) for j in never[:6])} {'are' if never.size > 1 else 'is'}"
-                 " read by no query: if that is padding, declare key_padding_mask= or "
-                 "lengths=")
-    st.add("M", "A reads what the pattern allows", False, msg,
-             _locate(bad, len(lead)), hint)
+        hint += (
+            f"; key{'s' if never.size > 1 else ''} "
+            f"{', '.join(str(j + 1) for j in never[:6])} {'are' if never.size > 1 else 'is'}"
+            " read by no query: if that is padding, declare key_padding_mask= or "
+            "lengths="
+        )
+    st.add("M", "A reads what the pattern allows", False, msg, _locate(bad, len(lead)), hint)
 
 
 def _pattern_hint(st, P, E, T_q, T_k, reads) -> str:
@@ -207,8 +229,10 @@ def _pattern_hint(st, P, E, T_q, T_k, reads) -> str:
         return f"{fid}: {f.description}; {f.hint}"
     if (P & ~E).any():
         return "A gives weight to keys the pattern blocks: the mask is too weak or wrong"
-    return ("A leaves out keys the pattern allows: the mask is stricter than declared (a "
-            "window or a padding rule nobody declared?)")
+    return (
+        "A leaves out keys the pattern allows: the mask is stricter than declared (a "
+        "window or a padding rule nobody declared?)"
+    )
 
 
 def softmax_expected(st, R):
@@ -220,9 +244,13 @@ def softmax_expected(st, R):
         return softmax_last(Z, R)
     sk = np.asarray(sinks, np.float64)
     lead = R.shape[:-2]
-    col = np.broadcast_to(sk[:, None, None] if lead and lead[-1] == sk.size else sk[:1, None],
-                          R.shape[:-1] + (1,)) if lead else np.full(R.shape[:-1] + (1,),
-                                                                    float(sk[0]))
+    col = (
+        np.broadcast_to(
+            sk[:, None, None] if lead and lead[-1] == sk.size else sk[:1, None], R.shape[:-1] + (1,)
+        )
+        if lead
+        else np.full(R.shape[:-1] + (1,), float(sk[0]))
+    )
     has = R.any(-1, keepdims=True)
     A = softmax_last(np.concatenate([Z, col], -1), np.concatenate([R, has], -1))
     return A[..., :-1]
@@ -231,13 +259,17 @@ def softmax_expected(st, R):
 def modified_scores(st, shape):
     """S broadcast to ``shape``, with the declared softcap / ALiBi applied."""
     S = np.broadcast_to(st.arrays["S"], shape)
-    pat = _masks.Pattern(**{k: v for k, v in st.inp.pattern.items()
-                            if k in ("softcap", "alibi_slopes")})
+    pat = _masks.Pattern(
+        **{k: v for k, v in st.inp.pattern.items() if k in ("softcap", "alibi_slopes")}
+    )
     if not pat.has_modifiers:
         return S
     lead = shape[:-2]
-    S4 = S.reshape((-1,) + (lead[-1:] if lead else (1,)) + shape[-2:]) if lead else \
-        S.reshape((1, 1) + shape[-2:])
+    S4 = (
+        S.reshape((-1,) + (lead[-1:] if lead else (1,)) + shape[-2:])
+        if lead
+        else S.reshape((1, 1) + shape[-2:])
+    )
     return np.asarray(pat.modify_scores(S4)).reshape(shape)
 
 
@@ -292,11 +324,27 @@ def _structure(st, R, source):
     }
     order = ["none", "anti", "diag", "future", "padding", "over"]
     kind = next((k for k in order if k in kinds), None)
-    st.add("M", "mask is causal (+ padding)", ok,
-             f"{source}: " + (("0 on and below the diagonal, blocked above" if plain else
-                               f"as declared ({described})")
-                              + (", padding blocked" if declared_pad is not None else
-                                 ", padding keys (read by no query) blocked" if padded else "")
-                              if ok else "does not match causal ∧ padding"),
-             None if ok else _locate(bad, len(lead)),
-             None if ok else hints[kind])
+    st.add(
+        "M",
+        "mask is causal (+ padding)",
+        ok,
+        f"{source}: "
+        + (
+            (
+                "0 on and below the diagonal, blocked above"
+                if plain
+                else f"as declared ({described})"
+            )
+            + (
+                ", padding blocked"
+                if declared_pad is not None
+                else ", padding keys (read by no query) blocked"
+                if padded
+                else ""
+            )
+            if ok
+            else "does not match causal ∧ padding"
+        ),
+        None if ok else _locate(bad, len(lead)),
+        None if ok else hints[kind],
+    )

@@ -30,49 +30,76 @@ def projections(st: AuditState) -> None:
             continue
         W = a[w]
         if W.shape[0] != X.shape[-1]:
-            st.add(s, f"{s} = X {w}", False,
-                     f"X is T×d_model = {X.shape[-2]}×{X.shape[-1]} but {w} is "
-                     f"{W.shape[0]}×{W.shape[1]}; its rows must be d_model = {X.shape[-1]}")
+            st.add(
+                s,
+                f"{s} = X {w}",
+                False,
+                f"X is T×d_model = {X.shape[-2]}×{X.shape[-1]} but {w} is "
+                f"{W.shape[0]}×{W.shape[1]}; its rows must be d_model = {X.shape[-1]}",
+            )
             continue
         if st.n_heads is not None and W.shape[1] % st.n_heads:
-            st.add(s, f"{s} = X {w}", False,
-                     f"{w} has {W.shape[1]} columns, not divisible by {st.n_heads} heads")
+            st.add(
+                s,
+                f"{s} = X {w}",
+                False,
+                f"{w} has {W.shape[1]} columns, not divisible by {st.n_heads} heads",
+            )
             continue
         ref = _split_heads(X @ W, st.n_heads)
         if s not in a:
             st.recompute(s, ref, "X", w)
             continue
-        if (st.n_heads is None and a[s].shape[:-1] == ref.shape[:-1]
-                and ref.shape[-1] % a[s].shape[-1] == 0 and ref.shape[-1] > a[s].shape[-1]):
+        if (
+            st.n_heads is None
+            and a[s].shape[:-1] == ref.shape[:-1]
+            and ref.shape[-1] % a[s].shape[-1] == 0
+            and ref.shape[-1] > a[s].shape[-1]
+        ):
             # one head of a multi-head projection (Trace.select(b, h)): find which
             heads = _split_heads(ref, ref.shape[-1] // a[s].shape[-1])
             tol = _rtol(st.eps[s], st.eps["X"], st.eps[w])
-            hit = [j for j in range(heads.shape[-3])
-                   if _close(a[s], heads[..., j, :, :], tol)[0]]
-            st.add(s, f"{s} = X {w}", bool(hit),
-                     f"{s} is head {hit[0]} of X {w}" if hit else
-                     f"{s} ({a[s].shape}) is no head of X {w} ({ref.shape})")
+            hit = [j for j in range(heads.shape[-3]) if _close(a[s], heads[..., j, :, :], tol)[0]]
+            st.add(
+                s,
+                f"{s} = X {w}",
+                bool(hit),
+                f"{s} is head {hit[0]} of X {w}"
+                if hit
+                else f"{s} ({a[s].shape}) is no head of X {w} ({ref.shape})",
+            )
             continue
         if a[s].shape != ref.shape:
-            st.add(s, f"{s} = X {w}", False,
-                     f"{s} has shape {a[s].shape} but X {w} gives {ref.shape}")
+            st.add(
+                s, f"{s} = X {w}", False, f"{s} has shape {a[s].shape} but X {w} gives {ref.shape}"
+            )
             continue
         tol = _rtol(st.eps[s], st.eps["X"], st.eps[w])
         ok, e, bad = _close(a[s], ref, tol)
         lead = ref.ndim - 2
-        st.add(s, f"{s} = X {w}", ok,
-                 f"max |{s} - X {w}| = {e:.3g}" + ("" if ok else " (too far off)"),
-                 None if ok else {**_locate(bad.any(-1), lead, False), "max_err": e},
-                 None if ok else f"{s} was not computed as X {w}; check which weight "
-                 "was used and whether a bias or a transpose slipped in")
+        st.add(
+            s,
+            f"{s} = X {w}",
+            ok,
+            f"max |{s} - X {w}| = {e:.3g}" + ("" if ok else " (too far off)"),
+            None if ok else {**_locate(bad.any(-1), lead, False), "max_err": e},
+            None
+            if ok
+            else f"{s} was not computed as X {w}; check which weight "
+            "was used and whether a bias or a transpose slipped in",
+        )
     # sequence lengths agree across Q, K, V, X
     Tk = {s: a[s].shape[-2] for s in ("K", "V") if s in a}
     if X is not None:
         Tk["X"] = X.shape[-2]
     if len(set(Tk.values())) > 1:
         stage = "X" if "X" in Tk else "V"
-        st.add(stage, "sequence lengths agree", False,
-                 "T differs between " + ", ".join(f"{k}: {v}" for k, v in Tk.items()))
+        st.add(
+            stage,
+            "sequence lengths agree",
+            False,
+            "T differs between " + ", ".join(f"{k}: {v}" for k, v in Tk.items()),
+        )
 
 
 def scores(st: AuditState) -> None:
@@ -93,15 +120,20 @@ def scores(st: AuditState) -> None:
     d_k = Q.shape[-1]
     c0 = st.inp.scale if st.inp.scale is not None else _masks.default_scale(d_k)
     if K.shape[-1] != d_k:
-        st.add("S", "Q Kᵀ shapes", False,
-                 f"Q is T×d_k = {Q.shape[-2]}×{d_k} but K is {K.shape[-2]}×{K.shape[-1]}; "
-                 "the inner d_k axes must match")
+        st.add(
+            "S",
+            "Q Kᵀ shapes",
+            False,
+            f"Q is T×d_k = {Q.shape[-2]}×{d_k} but K is {K.shape[-2]}×{K.shape[-1]}; "
+            "the inner d_k axes must match",
+        )
         return
     try:
         G = Q @ np.swapaxes(K, -1, -2)
     except ValueError:
-        st.add("S", "Q Kᵀ shapes", False,
-                 f"Q {Q.shape} and K {K.shape}: leading axes do not broadcast")
+        st.add(
+            "S", "Q Kᵀ shapes", False, f"Q {Q.shape} and K {K.shape}: leading axes do not broadcast"
+        )
         return
     if "S" not in a:
         st.recompute("S", G * c0, "Q", "K")
@@ -112,26 +144,37 @@ def scores(st: AuditState) -> None:
         hint = None
         if S.shape[-2:] == (Q.shape[-2], K.shape[-1]) and K.shape[-2] == d_k:
             hint = "S is T×d_k: K was not transposed (Q K instead of Q Kᵀ)"
-        st.add("S", "S is T×T", False,
-                 f"S is {S.shape[-2]}×{S.shape[-1]} but Q Kᵀ is "
-                 f"{G.shape[-2]}×{G.shape[-1]} (T_q×T_k)", {"shape": S.shape}, hint)
+        st.add(
+            "S",
+            "S is T×T",
+            False,
+            f"S is {S.shape[-2]}×{S.shape[-1]} but Q Kᵀ is {G.shape[-2]}×{G.shape[-1]} (T_q×T_k)",
+            {"shape": S.shape},
+            hint,
+        )
         return
     try:
         S, G = np.broadcast_arrays(S, G)
     except ValueError:
-        st.add("S", "S is T×T", False, f"S is {S.shape} but Q Kᵀ is {G.shape}: the "
-                 "batch/head axes do not match", {"shape": S.shape})
+        st.add(
+            "S",
+            "S is T×T",
+            False,
+            f"S is {S.shape} but Q Kᵀ is {G.shape}: the batch/head axes do not match",
+            {"shape": S.shape},
+        )
         return
     st.add("S", "S is T×T", True, f"S is {S.shape[-2]}×{S.shape[-1]}")
     finite = np.isfinite(S) & (S > BLOCKED_BELOW)
     tol = _rtol(st.eps["S"], st.eps["Q"], st.eps["K"])
     ok, e, bad = _close(S, G * c0, tol, finite)
     if ok:
-        st.add("S", "scale 1/√d_k", True, f"S = Q Kᵀ · {c0:.4g} (d_k = {d_k}); "
-                 f"max error {e:.3g}")
+        st.add("S", "scale 1/√d_k", True, f"S = Q Kᵀ · {c0:.4g} (d_k = {d_k}); max error {e:.3g}")
         return
-    cands = [(1.0, "the 1/√d_k scale is missing (S = Q Kᵀ)"),
-             (1.0 / d_k, f"S was divided by d_k = {d_k} instead of √d_k")]
+    cands = [
+        (1.0, "the 1/√d_k scale is missing (S = Q Kᵀ)"),
+        (1.0 / d_k, f"S was divided by d_k = {d_k} instead of √d_k"),
+    ]
     hint = None
     for c, text in cands:
         if abs(c - c0) > 1e-12 * c0 and _close(S, G * c, tol, finite)[0]:
@@ -148,17 +191,27 @@ def scores(st: AuditState) -> None:
         c = float(np.dot(S[finite], g) / max(np.dot(g, g), 1e-300))
         if _close(S, G * c, tol, finite)[0]:
             hint = f"S = Q Kᵀ · {c:.4g}, expected · {c0:.4g} (1/√d_k, d_k = {d_k})"
-    st.add("S", "scale 1/√d_k", False,
-             f"S differs from Q Kᵀ/√d_k by up to {e:.3g}",
-             {**_locate(bad, S.ndim - 2), "max_err": e}, hint)
+    st.add(
+        "S",
+        "scale 1/√d_k",
+        False,
+        f"S differs from Q Kᵀ/√d_k by up to {e:.3g}",
+        {**_locate(bad, S.ndim - 2), "max_err": e},
+        hint,
+    )
 
 
 def _square(st, name, S):
     T_q, T_k = S.shape[-2:]
     ok = T_q <= T_k
-    st.add("S", f"{name} is T×T", ok, f"{name} is {T_q}×{T_k}",
-             None if ok else {"shape": S.shape},
-             None if ok else "more query rows than key columns: is it transposed?")
+    st.add(
+        "S",
+        f"{name} is T×T",
+        ok,
+        f"{name} is {T_q}×{T_k}",
+        None if ok else {"shape": S.shape},
+        None if ok else "more query rows than key columns: is it transposed?",
+    )
 
 
 def scale_from_weights(st, G, c0, d_k):
@@ -195,6 +248,11 @@ def scale_from_weights(st, G, c0, d_k):
             hint = f"S was divided by d_k = {d_k} instead of √d_k"
         else:
             hint = f"A is the softmax of Q Kᵀ · {c:.4g}, expected · {c0:.4g}"
-    st.add("S", "scale 1/√d_k (read back from A)", ok,
-             f"log A matches Q Kᵀ · {c:.4g}; expected · {c0:.4g}",
-             None if ok else {"factor": c, "expected": c0}, hint)
+    st.add(
+        "S",
+        "scale 1/√d_k (read back from A)",
+        ok,
+        f"log A matches Q Kᵀ · {c:.4g}; expected · {c0:.4g}",
+        None if ok else {"factor": c, "expected": c0},
+        hint,
+    )

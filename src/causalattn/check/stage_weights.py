@@ -28,10 +28,15 @@ def weights(st: AuditState) -> None:
         return
     A = a["A"]
     if "S" in a and a["S"].shape[-2:] != A.shape[-2:]:
-        st.add("A", "A has S's shape", False,
-                 f"A is {A.shape[-2]}×{A.shape[-1]} but S (Q Kᵀ) is "
-                 f"{a['S'].shape[-2]}×{a['S'].shape[-1]} (T_q×T_k)", {"shape": A.shape},
-                 "A must be T_q×T_k like the scores: was it transposed or sliced?")
+        st.add(
+            "A",
+            "A has S's shape",
+            False,
+            f"A is {A.shape[-2]}×{A.shape[-1]} but S (Q Kᵀ) is "
+            f"{a['S'].shape[-2]}×{a['S'].shape[-1]} (T_q×T_k)",
+            {"shape": A.shape},
+            "A must be T_q×T_k like the scores: was it transposed or sliced?",
+        )
         return
     if R is None:
         T_q, T_k = A.shape[-2:]
@@ -40,8 +45,12 @@ def weights(st: AuditState) -> None:
             return
         R = np.broadcast_to(_masks.causal(T_q, T_k), A.shape)
     if R.shape != A.shape:
-        st.add("A", "A matches the mask's shape", False,
-                 f"A is {A.shape} but the mask/scores are {R.shape}")
+        st.add(
+            "A",
+            "A matches the mask's shape",
+            False,
+            f"A is {A.shape} but the mask/scores are {R.shape}",
+        )
         return
     lead = A.ndim - 2
     tol = _rtol(st.eps["A"])
@@ -57,57 +66,88 @@ def weights(st: AuditState) -> None:
     row_bad = has_key & finite_row & ((sums > 1 + tol) if sinks else (np.abs(sums - 1) > tol))
     if row_bad.any():
         hint = _softmax_hint(st, A, R, has_key, tol)
-        st.add("A", "rows sum to 1", False,
-                 f"{int(row_bad.sum())} readable rows do not sum to 1 over their readable "
-                 f"columns (e.g. {float(sums[row_bad][0]):.4g})",
-                 {**_locate(row_bad, lead, False),
-                  "row_sums": np.round(sums[np.nonzero(row_bad)][:_MAX_LIST], 4).tolist()},
-                 hint)
+        st.add(
+            "A",
+            "rows sum to 1",
+            False,
+            f"{int(row_bad.sum())} readable rows do not sum to 1 over their readable "
+            f"columns (e.g. {float(sums[row_bad][0]):.4g})",
+            {
+                **_locate(row_bad, lead, False),
+                "row_sums": np.round(sums[np.nonzero(row_bad)][:_MAX_LIST], 4).tolist(),
+            },
+            hint,
+        )
     else:
-        st.add("A", "rows sum to 1", True, "every readable row sums to 1 over its readable "
-                 "columns")
+        st.add("A", "rows sum to 1", True, "every readable row sums to 1 over its readable columns")
     forb = ~R & has_key[..., None] & (A != 0)
-    st.add("A", "forbidden entries exactly 0", not forb.any(),
-             "blocked entries have exactly zero weight" if not forb.any()
-             else f"{int(forb.sum())} blocked entries have nonzero weight "
-             f"(max {float(np.abs(np.where(forb & np.isfinite(A), A, 0)).max()):.3g})",
-             _locate(forb, lead),
-             None if not forb.any() else "the mask must be applied before the softmax, with "
-             "-inf (or a fill whose weight comes out exactly 0)")
+    st.add(
+        "A",
+        "forbidden entries exactly 0",
+        not forb.any(),
+        "blocked entries have exactly zero weight"
+        if not forb.any()
+        else f"{int(forb.sum())} blocked entries have nonzero weight "
+        f"(max {float(np.abs(np.where(forb & np.isfinite(A), A, 0)).max()):.3g})",
+        _locate(forb, lead),
+        None
+        if not forb.any()
+        else "the mask must be applied before the softmax, with "
+        "-inf (or a fill whose weight comes out exactly 0)",
+    )
     nonfinite = has_key & ~finite_row
     hint = None
     if nonfinite.any():
         S = a.get("S")
         if S is not None and np.abs(np.where(R & np.isfinite(S), S, 0)).max() > 80:
-            hint = ("scores this large overflow exp(): subtract the row maximum before "
-                    "exponentiating (stable softmax)")
+            hint = (
+                "scores this large overflow exp(): subtract the row maximum before "
+                "exponentiating (stable softmax)"
+            )
         else:
             hint = "NaN/inf weights in rows that can read a key"
-    st.add("A", "readable rows finite", not nonfinite.any(),
-             "every readable row is finite" if not nonfinite.any()
-             else f"{int(nonfinite.sum())} readable rows hold NaN or inf",
-             _locate(nonfinite, lead, False), hint)
+    st.add(
+        "A",
+        "readable rows finite",
+        not nonfinite.any(),
+        "every readable row is finite"
+        if not nonfinite.any()
+        else f"{int(nonfinite.sum())} readable rows hold NaN or inf",
+        _locate(nonfinite, lead, False),
+        hint,
+    )
     if (~has_key).any():
         empty_bad = ~has_key & (~np.isfinite(A).all(-1) | (A != 0).any(-1))
-        st.add("A", "rows with no readable key are zero", not empty_bad.any(),
-                 "rows with no readable key have zero weight" if not empty_bad.any()
-                 else f"{int(empty_bad.sum())} rows with no readable key are not zero"
-                 + (" (NaN)" if np.isnan(A[empty_bad]).any() else ""),
-                 _locate(empty_bad, lead, False),
-                 None if not empty_bad.any() else
-                 "a row whose keys are all blocked must give zero weights; -inf on every "
-                 "entry makes softmax NaN (0/0), a finite fill spreads weight over "
-                 "forbidden keys")
+        st.add(
+            "A",
+            "rows with no readable key are zero",
+            not empty_bad.any(),
+            "rows with no readable key have zero weight"
+            if not empty_bad.any()
+            else f"{int(empty_bad.sum())} rows with no readable key are not zero"
+            + (" (NaN)" if np.isnan(A[empty_bad]).any() else ""),
+            _locate(empty_bad, lead, False),
+            None
+            if not empty_bad.any()
+            else "a row whose keys are all blocked must give zero weights; -inf on every "
+            "entry makes softmax NaN (0/0), a finite fill spreads weight over "
+            "forbidden keys",
+        )
     if "S" in a and not st.failures_in("A"):
         with np.errstate(invalid="ignore"):
             ref = softmax_expected(st, R)
-        ok, e, bad = _close(A, ref, _rtol(st.eps["A"], st.eps.get("S", 0)),
-                            has_key[..., None] & R)
-        st.add("A", "A = softmax_last(S + M)", ok,
-                 f"max |A - softmax(S + M)| = {e:.3g}",
-                 None if ok else {**_locate(bad, lead), "max_err": e},
-                 None if ok else "A is a distribution per row but not the softmax of these "
-                 "scores: check the scale and which scores were used")
+        ok, e, bad = _close(A, ref, _rtol(st.eps["A"], st.eps.get("S", 0)), has_key[..., None] & R)
+        st.add(
+            "A",
+            "A = softmax_last(S + M)",
+            ok,
+            f"max |A - softmax(S + M)| = {e:.3g}",
+            None if ok else {**_locate(bad, lead), "max_err": e},
+            None
+            if ok
+            else "A is a distribution per row but not the softmax of these "
+            "scores: check the scale and which scores were used",
+        )
 
 
 def _softmax_hint(st, A, R, has_key, tol):
@@ -126,8 +166,12 @@ def _softmax_hint(st, A, R, has_key, tol):
             with np.errstate(invalid="ignore", over="ignore"):
                 full = softmax_last(np.broadcast_to(S, A.shape), np.ones(A.shape, bool))
             if _close(A, np.where(R, full, 0), _rtol(st.eps["A"]) * 4, R)[0]:
-                return ("mask applied after softmax without renormalizing: rows sum to "
-                        "less than 1 (the forbidden weight was dropped, not redistributed)")
-        return ("rows sum to less than 1 with zeros in the right place: the mask was "
-                "likely applied after the softmax without renormalizing")
+                return (
+                    "mask applied after softmax without renormalizing: rows sum to "
+                    "less than 1 (the forbidden weight was dropped, not redistributed)"
+                )
+        return (
+            "rows sum to less than 1 with zeros in the right place: the mask was "
+            "likely applied after the softmax without renormalizing"
+        )
     return "rows are not normalized over the key axis"

@@ -29,7 +29,8 @@ def run(inp: _Inputs) -> Report:
         raise AuditInputError(
             f"nothing to check: given {', '.join(st.given)}, every later stage would be "
             "computed from them; give at least one computed stage (S, M, A, H, C or O) "
-            "to check, or X with W_Q, W_K, W_V and Q, K or V")
+            "to check, or X with W_Q, W_K, W_V and Q, K or V"
+        )
     order = {s: i for i, s in enumerate(STAGE_ORDER)}
     checks = sorted(st.checks, key=lambda c: order[c.stage])
     return Report(checks, st.given, st.recomputed, st.empty_rows, st.notes)

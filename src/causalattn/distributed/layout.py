@@ -88,8 +88,13 @@ def shard(x: torch.Tensor, group=None, layout: str = "zigzag", dim: int = 2) -> 
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
-def unshard(x_local: torch.Tensor, group=None, layout: str = "zigzag", dim: int = 2,
-            length: int | None = None) -> torch.Tensor:
+def unshard(
+    x_local: torch.Tensor,
+    group=None,
+    layout: str = "zigzag",
+    dim: int = 2,
+    length: int | None = None,
+) -> torch.Tensor:
     """Gather every rank's shard back into the full sequence (inverse of :func:`shard`).
 
     ``length`` drops the zero tail :func:`shard` added. Collective: every rank of the group

@@ -178,9 +178,11 @@ class _Config:
     def _pairs(self, rank: int, src: int) -> list[_Pair]:
         key = (rank, src)
         if key not in self._plans:
-            self._plans[key] = plan(self.pattern,
-                                    segments(rank, self.P, self.T_local, self.layout),
-                                    segments(src, self.P, self.T_local, self.layout))
+            self._plans[key] = plan(
+                self.pattern,
+                segments(rank, self.P, self.T_local, self.layout),
+                segments(src, self.P, self.T_local, self.layout),
+            )
         return self._plans[key]
 
     def pairs(self, src: int) -> list[_Pair]:
@@ -198,7 +200,11 @@ def _kernels(device: torch.device):
             mod = importlib.import_module("causalattn.engines.triton")
         except ImportError:
             mod = None
-        if mod is not None and callable(getattr(mod, "fwd", None)) and callable(getattr(mod, "bwd", None)):
+        if (
+            mod is not None
+            and callable(getattr(mod, "fwd", None))
+            and callable(getattr(mod, "bwd", None))
+        ):
             return mod
     raise ValueError(
         f"ring_attention: no block kernels for {device.type} tensors here: the tiled engine runs "
@@ -220,7 +226,9 @@ def _merge(out, lse, o, l) -> None:
     """Fold a partial result (o, l) into (out, lse) in place, by log-sum-exp."""
     new = torch.logaddexp(lse, l)
     safe = torch.where(torch.isneginf(new), torch.zeros_like(new), new)  # both -inf: keep 0
-    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(o.to(out.dtype) * torch.exp(l - safe).unsqueeze(-1))
+    out.mul_(torch.exp(lse - safe).unsqueeze(-1)).add_(
+        o.to(out.dtype) * torch.exp(l - safe).unsqueeze(-1)
+    )
     lse.copy_(new)
 
 
@@ -240,8 +248,13 @@ def _block_problems(cfg: _Config, q, kc, vc, src: int):
         n, m = pair.qs.stop - pair.qs.start, pair.ks.stop - pair.ks.start
         if all(pair.pattern.key_range(b, 0, n, n, m) == (0, 0) for b in range(B)):
             continue  # every sequence's rows here are padding, or its keys are
-        p = make_problem(q[:, :, pair.qs], kc[:, :, pair.ks], vc[:, :, pair.ks],
-                         pattern=pair.pattern, scale=cfg.scale)
+        p = make_problem(
+            q[:, :, pair.qs],
+            kc[:, :, pair.ks],
+            vc[:, :, pair.ks],
+            pattern=pair.pattern,
+            scale=cfg.scale,
+        )
         if cfg.dropout_p:
             p = replace(p, dropout_p=cfg.dropout_p, dropout_seed=cfg.dropout_seed)
         yield pair, p
@@ -261,8 +274,9 @@ def _forward(q, k, v, cfg: _Config):
         if step < cfg.steps - 1:  # start passing this block on before computing with it
             if bufs[(step + 1) % 2] is None:
                 bufs[(step + 1) % 2] = torch.empty_like(cur)
-            pending = cfg.link.exchange(cur, bufs[(step + 1) % 2], _TAG_KV, "the k, v block",
-                                        "forward", step)
+            pending = cfg.link.exchange(
+                cur, bufs[(step + 1) % 2], _TAG_KV, "the k, v block", "forward", step
+            )
         kc, vc = _unpack(cur, k.shape, v.shape)
         for pair, p in _block_problems(cfg, q, kc, vc, src):
             o, l = kern.fwd(p)
@@ -295,8 +309,9 @@ def _backward(dout, q, k, v, out, lse, cfg: _Config):
         if step < steps - 1:
             if kv[(step + 1) % 2] is None:
                 kv[(step + 1) % 2] = torch.empty_like(cur)
-            pending = cfg.link.exchange(cur, kv[(step + 1) % 2], _TAG_KV, "the k, v block",
-                                        "backward", step)
+            pending = cfg.link.exchange(
+                cur, kv[(step + 1) % 2], _TAG_KV, "the k, v block", "backward", step
+            )
         kc, vc = _unpack(cur, k.shape, v.shape)
         mine = acc[step % 2]
         if mine is None:
@@ -305,8 +320,9 @@ def _backward(dout, q, k, v, out, lse, cfg: _Config):
             mine.zero_()
         dk_p, dv_p = _unpack(mine, k.shape, v.shape)
         for pair, p in _block_problems(cfg, q, kc, vc, src):
-            dq_i, dk_j, dv_j = kern.bwd(p, out[:, :, pair.qs], lse[:, :, pair.qs],
-                                        dout[:, :, pair.qs])
+            dq_i, dk_j, dv_j = kern.bwd(
+                p, out[:, :, pair.qs], lse[:, :, pair.qs], dout[:, :, pair.qs]
+            )
             dq[:, :, pair.qs] += dq_i
             dk_p[:, :, pair.ks] += dk_j
             dv_p[:, :, pair.ks] += dv_j
@@ -322,8 +338,9 @@ def _backward(dout, q, k, v, out, lse, cfg: _Config):
                 sent = None
                 inbox.copy_(mine)
             else:
-                sent = cfg.link.exchange(mine, inbox, _TAG_DKV, "the dk, dv gradients",
-                                         "backward", step, hop=hop)
+                sent = cfg.link.exchange(
+                    mine, inbox, _TAG_DKV, "the dk, dv gradients", "backward", step, hop=hop
+                )
         cfg.link.wait(pending)
     cfg.link.wait(sent)
     own = inbox if cfg.P > 1 else acc[0]
@@ -355,10 +372,18 @@ class _RingAttention(torch.autograd.Function):
 def _agree(link: _Link, layout: str, q, k, v, lengths_list, window, seed) -> tuple[int, int]:
     """One small all_gather: every rank must hold shards of the same problem. Returns rank 0's
     dropout (seed, offset), which every rank then uses."""
-    meta = [*q.shape, k.shape[1], v.shape[-1], FLOAT_DTYPES.index(q.dtype), LAYOUTS.index(layout),
-            -1 if lengths_list is None else len(lengths_list),
-            0 if lengths_list is None else sum((i + 1) * x for i, x in enumerate(lengths_list))
-            % 1_000_003, window or 0]
+    meta = [
+        *q.shape,
+        k.shape[1],
+        v.shape[-1],
+        FLOAT_DTYPES.index(q.dtype),
+        LAYOUTS.index(layout),
+        -1 if lengths_list is None else len(lengths_list),
+        0
+        if lengths_list is None
+        else sum((i + 1) * x for i, x in enumerate(lengths_list)) % 1_000_003,
+        window or 0,
+    ]
     mine = torch.tensor([*meta, *seed], dtype=torch.int64, device=q.device)
     every = [torch.empty_like(mine) for _ in range(link.P)]
     try:
@@ -372,11 +397,15 @@ def _agree(link: _Link, layout: str, q, k, v, lengths_list, window, seed) -> tup
         ) from exc
     rows = [tuple(t.tolist()[:-2]) for t in every]
     if len(set(rows)) > 1:
+
         def describe(r):
             B, H, T, d_k, H_kv, d_v, dt, lay, nl, ls, w = r
-            return (f"q ({B}, {H}, {T}, {d_k}), k ({B}, {H_kv}, {T}, {d_k}), v (…, {d_v}), "
-                    f"{FLOAT_DTYPES[dt]}, layout {LAYOUTS[lay]!r}, "
-                    f"lengths {'none' if nl < 0 else f'checksum {ls}'}, window {w or 'none'}")
+            return (
+                f"q ({B}, {H}, {T}, {d_k}), k ({B}, {H_kv}, {T}, {d_k}), v (…, {d_v}), "
+                f"{FLOAT_DTYPES[dt]}, layout {LAYOUTS[lay]!r}, "
+                f"lengths {'none' if nl < 0 else f'checksum {ls}'}, window {w or 'none'}"
+            )
+
         lines = "; ".join(f"rank {i}: {describe(r)}" for i, r in enumerate(rows))
         raise ValueError(
             f"ring_attention: the ranks' shards disagree ({lines}); every rank must pass its shard "
@@ -386,9 +415,22 @@ def _agree(link: _Link, layout: str, q, k, v, lengths_list, window, seed) -> tup
     return int(s0), int(o0)
 
 
-def ring_attention(q, k, v, *, group=None, layout: str = "zigzag", lengths=None, window=None,
-                   sinks=None, scale=None, dropout_p: float = 0.0, generator=None,
-                   return_lse: bool = False, stats: RingStats | None = None):
+def ring_attention(
+    q,
+    k,
+    v,
+    *,
+    group=None,
+    layout: str = "zigzag",
+    lengths=None,
+    window=None,
+    sinks=None,
+    scale=None,
+    dropout_p: float = 0.0,
+    generator=None,
+    return_lse: bool = False,
+    stats: RingStats | None = None,
+):
     """Causal self-attention over a sequence sharded across the ranks of ``group``.
 
     q: ``(B, H_q, T/P, d_k)``, k: ``(B, H_kv, T/P, d_k)``, v: ``(B, H_kv, T/P, d_v)`` — this
@@ -409,8 +451,17 @@ def ring_attention(q, k, v, *, group=None, layout: str = "zigzag", lengths=None,
     check_layout(layout)
     rank, P = rank_and_size(group)
     # local shapes, dtypes, devices, scale, window, sinks and dropout_p, checked as attention's
-    local = make_problem(q, k, v, causal=True, window=window, sinks=sinks, scale=scale,
-                         dropout_p=dropout_p, generator=generator)
+    local = make_problem(
+        q,
+        k,
+        v,
+        causal=True,
+        window=window,
+        sinks=sinks,
+        scale=scale,
+        dropout_p=dropout_p,
+        generator=generator,
+    )
     _kernels(q.device)  # refuse a device without block kernels before any communication
     if q.shape[2] != k.shape[2]:
         raise ValueError(
@@ -422,15 +473,23 @@ def ring_attention(q, k, v, *, group=None, layout: str = "zigzag", lengths=None,
     T = T_local * P
     lengths_list = None
     if lengths is not None:
-        lengths_list = check_lengths(lengths, T, "ring_attention", B=q.shape[0],
-                                     note=f" (T = P·T/P = {P}·{T_local})").tolist()
+        lengths_list = check_lengths(
+            lengths, T, "ring_attention", B=q.shape[0], note=f" (T = P·T/P = {P}·{T_local})"
+        ).tolist()
     link = _Link(group, rank, P, stats if stats is not None else RingStats())
     seed = _agree(link, layout, q, k, v, lengths_list, window, local.dropout_seed or (0, 0))
     pattern = Pattern(causal=True, window=window, lengths=lengths_list)
-    cfg = _Config(rank, P, layout, local.scale, T_local, pattern, sinks, local.dropout_p,
-                  seed if local.dropout_p else None, link)
+    cfg = _Config(
+        rank,
+        P,
+        layout,
+        local.scale,
+        T_local,
+        pattern,
+        sinks,
+        local.dropout_p,
+        seed if local.dropout_p else None,
+        link,
+    )
     out, lse = _RingAttention.apply(q, k, v, sinks, cfg)
     return (out, lse) if return_lse else out
-
-
-

@@ -34,17 +34,33 @@ _FALLBACK = {"cpu": ("tiled", "sdpa", "reference"), "cuda": ("triton", "sdpa", "
 def _features(q, k, v, causal, window, chunk, softcap, dropout_p, tensors: dict, lse: bool):
     """What "auto" and the engines' supports() are asked about: plain values only."""
     present = tuple(n for n in _ops.TENSORS if tensors.get(n) is not None)
-    masked = bool(set(present) - {"lengths", "key_padding_mask", "cu_seqlens"}) or any(
-        x is not None for x in (window, chunk, softcap)) or bool(dropout_p)
-    kind = _auto.kind(
-        causal=causal, T_q=q.shape[2], T_k=k.shape[2],
-        padded="lengths" in present or "key_padding_mask" in present,
-        packed="cu_seqlens" in present, masked=masked,
+    masked = (
+        bool(set(present) - {"lengths", "key_padding_mask", "cu_seqlens"})
+        or any(x is not None for x in (window, chunk, softcap))
+        or bool(dropout_p)
     )
-    ask = dict(dtype=str(q.dtype).replace("torch.", ""), d_k=int(q.shape[-1]),
-               d_v=int(v.shape[-1]), H_q=int(q.shape[1]), H_kv=int(k.shape[1]),
-               present=present, causal=causal, window=window, chunk=chunk, softcap=softcap,
-               dropout_p=float(dropout_p), lse=lse)
+    kind = _auto.kind(
+        causal=causal,
+        T_q=q.shape[2],
+        T_k=k.shape[2],
+        padded="lengths" in present or "key_padding_mask" in present,
+        packed="cu_seqlens" in present,
+        masked=masked,
+    )
+    ask = dict(
+        dtype=str(q.dtype).replace("torch.", ""),
+        d_k=int(q.shape[-1]),
+        d_v=int(v.shape[-1]),
+        H_q=int(q.shape[1]),
+        H_kv=int(k.shape[1]),
+        present=present,
+        causal=causal,
+        window=window,
+        chunk=chunk,
+        softcap=softcap,
+        dropout_p=float(dropout_p),
+        lse=lse,
+    )
     return kind, ask
 
 
@@ -74,8 +90,9 @@ def pick_engine(p: Problem, return_lse: bool = False) -> str:
     """The engine "auto" runs for this problem (see :mod:`causalattn.engines.auto`)."""
     pt = p.pattern
     tensors = {n: getattr(pt, n) for n in _ops.TENSORS}
-    kind, ask = _features(p.q, p.k, p.v, pt.causal, pt.window, pt.chunk, pt.softcap,
-                          p.dropout_p, tensors, return_lse)
+    kind, ask = _features(
+        p.q, p.k, p.v, pt.causal, pt.window, pt.chunk, pt.softcap, p.dropout_p, tensors, return_lse
+    )
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v))
     return _choose(p.q, p.k, p.v, "auto", kind, ask, grad)
 
@@ -124,8 +141,9 @@ def attention(
     if why:
         raise ValueError(why)
     dropout_p = _dropout.check_p(dropout_p)
-    if generator is not None and (not isinstance(generator, torch.Generator)
-                                  or generator.device.type != "cpu"):
+    if generator is not None and (
+        not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
+    ):
         raise ValueError(
             f"attention: generator must be a CPU torch.Generator (the dropout seed is drawn "
             f"on the host), got {generator!r}"
@@ -134,23 +152,43 @@ def attention(
         scale = _default_scale(int(q.shape[-1]))
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise ValueError(f"attention: scale must be a number, got {scale!r}")
-    given = dict(lengths=lengths, key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
-                 prefix_lengths=prefix_lengths, mask=mask, alibi_slopes=alibi_slopes,
-                 sinks=sinks)
+    given = dict(
+        lengths=lengths,
+        key_padding_mask=key_padding_mask,
+        cu_seqlens=cu_seqlens,
+        prefix_lengths=prefix_lengths,
+        mask=mask,
+        alibi_slopes=alibi_slopes,
+        sinks=sinks,
+    )
     tensors = {n: _tensor(x, q.device) for n, x in given.items()}
-    kind, ask = _features(q, k, v, causal, window, chunk, softcap, dropout_p, tensors,
-                          return_lse)
+    kind, ask = _features(q, k, v, causal, window, chunk, softcap, dropout_p, tensors, return_lse)
     grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, tensors["sinks"]))
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, tensors["sinks"])
+    )
     name = _choose(q, k, v, engine, kind, ask, grad)
     if return_lse and name in NO_LSE:
-        raise ValueError(f"engine {name!r}: return_lse: PyTorch's SDPA does not return the "
-                         "log-sum-exp; use 'tiled'")
+        raise ValueError(
+            f"engine {name!r}: return_lse: PyTorch's SDPA does not return the "
+            "log-sum-exp; use 'tiled'"
+        )
     # the dropout seed stays a tensor: a compiled graph draws it anew on every call
     seed = _dropout.seed_tensor(generator) if dropout_p else None
-    args = (q, k, v, *(tensors[n] for n in _ops.TENSORS), seed, causal, window, chunk,
-            None if softcap is None else float(softcap), float(scale), float(dropout_p), name,
-            return_lse)
+    args = (
+        q,
+        k,
+        v,
+        *(tensors[n] for n in _ops.TENSORS),
+        seed,
+        causal,
+        window,
+        chunk,
+        None if softcap is None else float(softcap),
+        float(scale),
+        float(dropout_p),
+        name,
+        return_lse,
+    )
     if torch._C._are_functorch_transforms_active():  # torch.func.grad, vmap, ...
         out, lse = _ops.FuncAttention.apply(*args)
     else:

@@ -123,21 +123,40 @@ def _dense(MASKb, stride_mt, i, j, ok, kind):
 
 
 @triton.jit
-def _dot_rows_cols(A, B, offs_a, offs_b, a_ok, b_ok,
-                   stride_at: tl.constexpr, stride_ad: tl.constexpr,
-                   stride_bt: tl.constexpr, stride_bd: tl.constexpr,
-                   D: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
-                   BLOCK_D: tl.constexpr, NUM_D: tl.constexpr, PREC: tl.constexpr):
+def _dot_rows_cols(
+    A,
+    B,
+    offs_a,
+    offs_b,
+    a_ok,
+    b_ok,
+    stride_at: tl.constexpr,
+    stride_ad: tl.constexpr,
+    stride_bt: tl.constexpr,
+    stride_bd: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_D: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """Σ_d A[a, d] B[b, d] for rows offs_a of A and offs_b of B, over d-chunks -> fp32
     (BLOCK_A, BLOCK_B)."""
     acc = tl.zeros([BLOCK_A, BLOCK_B], dtype=tl.float32)
     for c in range(NUM_D):
         offs_d = c * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = offs_d < D
-        a = tl.load(A + offs_a[:, None] * stride_at + offs_d[None, :] * stride_ad,
-                    mask=a_ok[:, None] & d_ok[None, :], other=0.0)
-        bT = tl.load(B + offs_b[None, :] * stride_bt + offs_d[:, None] * stride_bd,
-                     mask=b_ok[None, :] & d_ok[:, None], other=0.0)
+        a = tl.load(
+            A + offs_a[:, None] * stride_at + offs_d[None, :] * stride_ad,
+            mask=a_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        bT = tl.load(
+            B + offs_b[None, :] * stride_bt + offs_d[:, None] * stride_bd,
+            mask=b_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
         acc += tl.dot(a, bT, input_precision=PREC)
     return acc
 
@@ -160,8 +179,18 @@ def _row_interval(LOb, HIb, offs_m, row_ok, T_k, OFF, ROWS: tl.constexpr, CAUSAL
 
 
 @triton.jit
-def _row_bounds(LOb, HIb, offs_m, T_q, T_k, OFF, BLOCK_N: tl.constexpr, HAS_KPM: tl.constexpr,
-                ROWS: tl.constexpr, CAUSAL: tl.constexpr):
+def _row_bounds(
+    LOb,
+    HIb,
+    offs_m,
+    T_q,
+    T_k,
+    OFF,
+    BLOCK_N: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    ROWS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+):
     """Per-row intervals of a row tile and the key tiles to visit: masked [start, u1),
     unmasked [u1, u2), masked [u2, end)."""
     row_ok = offs_m < T_q
@@ -193,14 +222,16 @@ def _nonfinite_reads(p, v, PREC: tl.constexpr):
     """What ``p @ v`` gets from v's NaN and ±inf entries that a row reads (p > 0): NaN,
     +inf or -inf where it gets any, else 0. One 0/1 product counts all three kinds at once
     (NaN as 2^16, +inf as 2^8, -inf as 1: exact in fp32 for up to 255 keys a tile)."""
-    code = tl.where(v != v, 65536.0, tl.where(v == float("inf"), 256.0,
-                                              tl.where(v == float("-inf"), 1.0, 0.0)))
+    code = tl.where(
+        v != v, 65536.0, tl.where(v == float("inf"), 256.0, tl.where(v == float("-inf"), 1.0, 0.0))
+    )
     n = tl.dot((p > 0).to(v.dtype), code.to(v.dtype), input_precision=PREC)
     n_nan = n >= 65536.0
     n_pos = (n % 65536.0) >= 256.0
     n_neg = (n % 256.0) >= 1.0
-    special = tl.where(n_nan | (n_pos & n_neg), float("nan"),
-                       tl.where(n_pos, float("inf"), float("-inf")))
+    special = tl.where(
+        n_nan | (n_pos & n_neg), float("nan"), tl.where(n_pos, float("inf"), float("-inf"))
+    )
     return tl.where(n > 0, special, 0.0)
 
 
@@ -212,17 +243,54 @@ def _finite0(x):
 
 # ---- forward -----------------------------------------------------------------------------
 @triton.jit
-def _fwd_tile(acc, l_i, m_i, q, Qb, Kb, Vb, KPMb, MASKb, COLPOS,
-              offs_m, row_ok, lo, hi, n_lo, n_hi, start_n, kind, row_keys,
-              stride_qt: tl.constexpr, stride_qd: tl.constexpr,
-              stride_kt: tl.constexpr, stride_kd: tl.constexpr,
-              stride_vt: tl.constexpr, stride_vd: tl.constexpr, stride_mt,
-              D_K: tl.constexpr, D_V: tl.constexpr, OFF, offs_dv, dv_ok,
-              scale, softcap, slope, drop_thr,
-              MASKED: tl.constexpr, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
-              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
-              NUM_DK: tl.constexpr, PREC: tl.constexpr):
+def _fwd_tile(
+    acc,
+    l_i,
+    m_i,
+    q,
+    Qb,
+    Kb,
+    Vb,
+    KPMb,
+    MASKb,
+    COLPOS,
+    offs_m,
+    row_ok,
+    lo,
+    hi,
+    n_lo,
+    n_hi,
+    start_n,
+    kind,
+    row_keys,
+    stride_qt: tl.constexpr,
+    stride_qd: tl.constexpr,
+    stride_kt: tl.constexpr,
+    stride_kd: tl.constexpr,
+    stride_vt: tl.constexpr,
+    stride_vd: tl.constexpr,
+    stride_mt,
+    D_K: tl.constexpr,
+    D_V: tl.constexpr,
+    OFF,
+    offs_dv,
+    dv_ok,
+    scale,
+    softcap,
+    slope,
+    drop_thr,
+    MASKED: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    NUM_DK: tl.constexpr,
+    PREC: tl.constexpr,
+):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if MASKED:
         k_ok = _key_ok(KPMb, offs_n, n_lo, n_hi, HAS_KPM)
@@ -230,20 +298,43 @@ def _fwd_tile(acc, l_i, m_i, q, Qb, Kb, Vb, KPMb, MASKb, COLPOS,
         k_ok = offs_n >= 0
     if NUM_DK == 1:
         offs_d = tl.arange(0, BLOCK_DK)
-        kT = tl.load(Kb + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd,
-                     mask=k_ok[None, :] & (offs_d[:, None] < D_K), other=0.0)
+        kT = tl.load(
+            Kb + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd,
+            mask=k_ok[None, :] & (offs_d[:, None] < D_K),
+            other=0.0,
+        )
         s = tl.dot(q, kT, input_precision=PREC)
     else:
-        s = _dot_rows_cols(Qb, Kb, offs_m, offs_n, row_ok, k_ok, stride_qt, stride_qd,
-                           stride_kt, stride_kd, D_K, BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, PREC)
-    s, _ = _scores(s, offs_m[:, None] + OFF, offs_n[None, :], scale, softcap, slope,
-                   SOFTCAP, ALIBI)
+        s = _dot_rows_cols(
+            Qb,
+            Kb,
+            offs_m,
+            offs_n,
+            row_ok,
+            k_ok,
+            stride_qt,
+            stride_qd,
+            stride_kt,
+            stride_kd,
+            D_K,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_DK,
+            NUM_DK,
+            PREC,
+        )
+    s, _ = _scores(s, offs_m[:, None] + OFF, offs_n[None, :], scale, softcap, slope, SOFTCAP, ALIBI)
     if MASKED:
-        allowed = ((offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
-                   & k_ok[None, :])
+        allowed = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None]) & k_ok[None, :]
         if HAS_MASK:
-            allowed = allowed & _dense(MASKb, stride_mt, offs_m[:, None], offs_n[None, :],
-                                       row_ok[:, None] & k_ok[None, :], kind)
+            allowed = allowed & _dense(
+                MASKb,
+                stride_mt,
+                offs_m[:, None],
+                offs_n[None, :],
+                row_ok[:, None] & k_ok[None, :],
+                kind,
+            )
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet: keep 0s
@@ -258,14 +349,18 @@ def _fwd_tile(acc, l_i, m_i, q, Qb, Kb, Vb, KPMb, MASKb, COLPOS,
         p_v = tl.where(_keep(row_keys[:, None], col_keys[None, :], drop_thr), p, 0.0)
     else:
         p_v = p
-    v = tl.load(Vb + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
-                mask=k_ok[:, None] & dv_ok[None, :], other=0.0)
+    v = tl.load(
+        Vb + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
+        mask=k_ok[:, None] & dv_ok[None, :],
+        other=0.0,
+    )
     if MASKED:
         # p is exactly 0 where a row may not read, but 0·NaN is NaN: multiply finite values
         # only, then add back the NaN/±inf of values a row does read (rare; exact IEEE sums)
         finite = tl.abs(v) < float("inf")
-        acc = acc * alpha[:, None] + tl.dot(p_v.to(v.dtype), tl.where(finite, v, 0.0),
-                                            input_precision=PREC)
+        acc = acc * alpha[:, None] + tl.dot(
+            p_v.to(v.dtype), tl.where(finite, v, 0.0), input_precision=PREC
+        )
         if tl.sum(tl.sum(tl.where(finite, 0, 1), axis=1), axis=0) > 0:
             acc += _nonfinite_reads(p, v, PREC)
     else:
@@ -274,22 +369,71 @@ def _fwd_tile(acc, l_i, m_i, q, Qb, Kb, Vb, KPMb, MASKb, COLPOS,
 
 
 @triton.jit
-def fwd_kernel(Q, K, V, O, LSE, LO, HI, KPM, MASK, BLOCKS, SLOPES, SINK_LOGITS, ROWPOS,
-               COLPOS,
-               stride_qb, stride_qh, stride_qt: tl.constexpr, stride_qd: tl.constexpr,
-               stride_kb, stride_kh, stride_kt: tl.constexpr, stride_kd: tl.constexpr,
-               stride_vb, stride_vh, stride_vt: tl.constexpr, stride_vd: tl.constexpr,
-               stride_ob, stride_oh, stride_ot: tl.constexpr, stride_od: tl.constexpr,
-               stride_mb, stride_mh, stride_mt,
-               stride_tb, stride_th, stride_tm,
-               H_q, T_q, T_k, D_K: tl.constexpr, D_V: tl.constexpr, GROUP, OFF,
-               scale, softcap, seed, seed_offset, drop_thr, drop_scale,
-               HAS_KPM: tl.constexpr, ROWS: tl.constexpr, CAUSAL: tl.constexpr,
-               HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-               SINKS: tl.constexpr, DROPOUT: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-               PREC: tl.constexpr):
+def fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    LO,
+    HI,
+    KPM,
+    MASK,
+    BLOCKS,
+    SLOPES,
+    SINK_LOGITS,
+    ROWPOS,
+    COLPOS,
+    stride_qb,
+    stride_qh,
+    stride_qt: tl.constexpr,
+    stride_qd: tl.constexpr,
+    stride_kb,
+    stride_kh,
+    stride_kt: tl.constexpr,
+    stride_kd: tl.constexpr,
+    stride_vb,
+    stride_vh,
+    stride_vt: tl.constexpr,
+    stride_vd: tl.constexpr,
+    stride_ob,
+    stride_oh,
+    stride_ot: tl.constexpr,
+    stride_od: tl.constexpr,
+    stride_mb,
+    stride_mh,
+    stride_mt,
+    stride_tb,
+    stride_th,
+    stride_tm,
+    H_q,
+    T_q,
+    T_k,
+    D_K: tl.constexpr,
+    D_V: tl.constexpr,
+    GROUP,
+    OFF,
+    scale,
+    softcap,
+    seed,
+    seed_offset,
+    drop_thr,
+    drop_scale,
+    HAS_KPM: tl.constexpr,
+    ROWS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    SINKS: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    NUM_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """One program: BLOCK_M query rows × BLOCK_DV output columns of one (b, h)."""
     pid_m = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -307,7 +451,8 @@ def fwd_kernel(Q, K, V, O, LSE, LO, HI, KPM, MASK, BLOCKS, SLOPES, SINK_LOGITS, 
     BLOCKSb = BLOCKS + b64 * stride_tb + h64 * stride_th + pid_m * stride_tm
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     lo, hi, live, n_lo, n_hi, start, u1, u2 = _row_bounds(
-        LO + b64 * T_q, HI + b64 * T_q, offs_m, T_q, T_k, OFF, BLOCK_N, HAS_KPM, ROWS, CAUSAL)
+        LO + b64 * T_q, HI + b64 * T_q, offs_m, T_q, T_k, OFF, BLOCK_N, HAS_KPM, ROWS, CAUSAL
+    )
     row_ok = offs_m < T_q
     offs_dv = pid_c * BLOCK_DV + tl.arange(0, BLOCK_DV)
     dv_ok = offs_dv < D_V
@@ -321,8 +466,11 @@ def fwd_kernel(Q, K, V, O, LSE, LO, HI, KPM, MASK, BLOCKS, SLOPES, SINK_LOGITS, 
 
     if NUM_DK == 1:
         offs_d = tl.arange(0, BLOCK_DK)
-        q = tl.load(Qb + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                    mask=row_ok[:, None] & (offs_d[None, :] < D_K), other=0.0)
+        q = tl.load(
+            Qb + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+            mask=row_ok[:, None] & (offs_d[None, :] < D_K),
+            other=0.0,
+        )
     else:
         q = tl.zeros([BLOCK_M, 16], dtype=tl.float32)  # unused: Q is loaded by d-chunks
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
@@ -333,37 +481,201 @@ def fwd_kernel(Q, K, V, O, LSE, LO, HI, KPM, MASK, BLOCKS, SLOPES, SINK_LOGITS, 
             kind = tl.load(BLOCKSb + start_n // BLOCK_N)
             if kind != 0:
                 acc, l_i, m_i = _fwd_tile(
-                    acc, l_i, m_i, q, Qb, Kb, Vb, KPMb, MASKb, COLPOS,
-                    offs_m, row_ok, lo, hi, n_lo, n_hi, start_n, kind, row_keys,
-                    stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_vd, stride_mt,
-                    D_K, D_V, OFF, offs_dv, dv_ok, scale, softcap, slope, drop_thr,
-                    True, HAS_KPM, HAS_MASK, SOFTCAP, ALIBI, DROPOUT,
-                    BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, PREC)
+                    acc,
+                    l_i,
+                    m_i,
+                    q,
+                    Qb,
+                    Kb,
+                    Vb,
+                    KPMb,
+                    MASKb,
+                    COLPOS,
+                    offs_m,
+                    row_ok,
+                    lo,
+                    hi,
+                    n_lo,
+                    n_hi,
+                    start_n,
+                    kind,
+                    row_keys,
+                    stride_qt,
+                    stride_qd,
+                    stride_kt,
+                    stride_kd,
+                    stride_vt,
+                    stride_vd,
+                    stride_mt,
+                    D_K,
+                    D_V,
+                    OFF,
+                    offs_dv,
+                    dv_ok,
+                    scale,
+                    softcap,
+                    slope,
+                    drop_thr,
+                    True,
+                    HAS_KPM,
+                    HAS_MASK,
+                    SOFTCAP,
+                    ALIBI,
+                    DROPOUT,
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_DK,
+                    NUM_DK,
+                    PREC,
+                )
     else:
         for start_n in range(start, u1, BLOCK_N):  # leading edge (window, document): masked
             acc, l_i, m_i = _fwd_tile(
-                acc, l_i, m_i, q, Qb, Kb, Vb, KPMb, MASKb, COLPOS,
-                offs_m, row_ok, lo, hi, n_lo, n_hi, start_n, 2, row_keys,
-                stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_vd, stride_mt,
-                D_K, D_V, OFF, offs_dv, dv_ok, scale, softcap, slope, drop_thr,
-                True, HAS_KPM, HAS_MASK, SOFTCAP, ALIBI, DROPOUT,
-                BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, PREC)
+                acc,
+                l_i,
+                m_i,
+                q,
+                Qb,
+                Kb,
+                Vb,
+                KPMb,
+                MASKb,
+                COLPOS,
+                offs_m,
+                row_ok,
+                lo,
+                hi,
+                n_lo,
+                n_hi,
+                start_n,
+                2,
+                row_keys,
+                stride_qt,
+                stride_qd,
+                stride_kt,
+                stride_kd,
+                stride_vt,
+                stride_vd,
+                stride_mt,
+                D_K,
+                D_V,
+                OFF,
+                offs_dv,
+                dv_ok,
+                scale,
+                softcap,
+                slope,
+                drop_thr,
+                True,
+                HAS_KPM,
+                HAS_MASK,
+                SOFTCAP,
+                ALIBI,
+                DROPOUT,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_DK,
+                NUM_DK,
+                PREC,
+            )
         for start_n in range(u1, u2, BLOCK_N):  # every row reads every key: no mask
             acc, l_i, m_i = _fwd_tile(
-                acc, l_i, m_i, q, Qb, Kb, Vb, KPMb, MASKb, COLPOS,
-                offs_m, row_ok, lo, hi, n_lo, n_hi, start_n, 2, row_keys,
-                stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_vd, stride_mt,
-                D_K, D_V, OFF, offs_dv, dv_ok, scale, softcap, slope, drop_thr,
-                False, HAS_KPM, HAS_MASK, SOFTCAP, ALIBI, DROPOUT,
-                BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, PREC)
+                acc,
+                l_i,
+                m_i,
+                q,
+                Qb,
+                Kb,
+                Vb,
+                KPMb,
+                MASKb,
+                COLPOS,
+                offs_m,
+                row_ok,
+                lo,
+                hi,
+                n_lo,
+                n_hi,
+                start_n,
+                2,
+                row_keys,
+                stride_qt,
+                stride_qd,
+                stride_kt,
+                stride_kd,
+                stride_vt,
+                stride_vd,
+                stride_mt,
+                D_K,
+                D_V,
+                OFF,
+                offs_dv,
+                dv_ok,
+                scale,
+                softcap,
+                slope,
+                drop_thr,
+                False,
+                HAS_KPM,
+                HAS_MASK,
+                SOFTCAP,
+                ALIBI,
+                DROPOUT,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_DK,
+                NUM_DK,
+                PREC,
+            )
         for start_n in range(u2, n_hi, BLOCK_N):  # trailing edge (causal diagonal): masked
             acc, l_i, m_i = _fwd_tile(
-                acc, l_i, m_i, q, Qb, Kb, Vb, KPMb, MASKb, COLPOS,
-                offs_m, row_ok, lo, hi, n_lo, n_hi, start_n, 2, row_keys,
-                stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_vd, stride_mt,
-                D_K, D_V, OFF, offs_dv, dv_ok, scale, softcap, slope, drop_thr,
-                True, HAS_KPM, HAS_MASK, SOFTCAP, ALIBI, DROPOUT,
-                BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, PREC)
+                acc,
+                l_i,
+                m_i,
+                q,
+                Qb,
+                Kb,
+                Vb,
+                KPMb,
+                MASKb,
+                COLPOS,
+                offs_m,
+                row_ok,
+                lo,
+                hi,
+                n_lo,
+                n_hi,
+                start_n,
+                2,
+                row_keys,
+                stride_qt,
+                stride_qd,
+                stride_kt,
+                stride_kd,
+                stride_vt,
+                stride_vd,
+                stride_mt,
+                D_K,
+                D_V,
+                OFF,
+                offs_dv,
+                dv_ok,
+                scale,
+                softcap,
+                slope,
+                drop_thr,
+                True,
+                HAS_KPM,
+                HAS_MASK,
+                SOFTCAP,
+                ALIBI,
+                DROPOUT,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_DK,
+                NUM_DK,
+                PREC,
+            )
 
     has = live & (l_i != 0.0)  # rows with a readable key (NaN scores stay NaN, not 0)
     if SINKS:  # the sink joins the denominator and takes no value
@@ -378,29 +690,77 @@ def fwd_kernel(Q, K, V, O, LSE, LO, HI, KPM, MASK, BLOCKS, SLOPES, SINK_LOGITS, 
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     out = tl.where(has[:, None], out, 0.0)
     Ob = O + b64 * stride_ob + h64 * stride_oh
-    tl.store(Ob + offs_m[:, None] * stride_ot + offs_dv[None, :] * stride_od,
-             out.to(O.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+    tl.store(
+        Ob + offs_m[:, None] * stride_ot + offs_dv[None, :] * stride_od,
+        out.to(O.dtype.element_ty),
+        mask=row_ok[:, None] & dv_ok[None, :],
+    )
     if pid_c == 0:
-        lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) / LOG2E,
-                       float("-inf"))
+        lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) / LOG2E, float("-inf"))
         tl.store(LSE + pid_bh.to(tl.int64) * T_q + offs_m, lse, mask=row_ok)
 
 
 # ---- backward ----------------------------------------------------------------------------
 @triton.jit
-def _dkdv_tile(acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, MASKb, ROWPOS,
-               offs_n, k_ok, start_m, q_end, kind, head_key, col_keys,
-               stride_qt: tl.constexpr, stride_qd: tl.constexpr,
-               stride_kt: tl.constexpr, stride_kd: tl.constexpr,
-               stride_vt: tl.constexpr, stride_vd: tl.constexpr,
-               stride_dot: tl.constexpr, stride_dod: tl.constexpr, stride_mt,
-               T_k, D_K: tl.constexpr, D_V: tl.constexpr, OFF, offs_c, ck_ok, cv_ok,
-               scale, softcap, slope, drop_thr, drop_scale,
-               MASKED: tl.constexpr, ROWS: tl.constexpr, CAUSAL: tl.constexpr,
-               HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-               DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-               NUM_DV: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr):
+def _dkdv_tile(
+    acc_dk,
+    acc_dv,
+    k,
+    v,
+    Kb,
+    Vb,
+    Qb,
+    DOb,
+    LSEb,
+    DDb,
+    LOb,
+    HIb,
+    MASKb,
+    ROWPOS,
+    offs_n,
+    k_ok,
+    start_m,
+    q_end,
+    kind,
+    head_key,
+    col_keys,
+    stride_qt: tl.constexpr,
+    stride_qd: tl.constexpr,
+    stride_kt: tl.constexpr,
+    stride_kd: tl.constexpr,
+    stride_vt: tl.constexpr,
+    stride_vd: tl.constexpr,
+    stride_dot: tl.constexpr,
+    stride_dod: tl.constexpr,
+    stride_mt,
+    T_k,
+    D_K: tl.constexpr,
+    D_V: tl.constexpr,
+    OFF,
+    offs_c,
+    ck_ok,
+    cv_ok,
+    scale,
+    softcap,
+    slope,
+    drop_thr,
+    drop_scale,
+    MASKED: tl.constexpr,
+    ROWS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    NUM_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_DV: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """Transposed form: sT = K Qᵀ (BLOCK_N × BLOCK_M), so dK, dV rows stay with this program."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if MASKED:
@@ -409,33 +769,67 @@ def _dkdv_tile(acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, MASKb
         m_ok = offs_m >= 0
     if NUM_DK == 1:
         offs_d = tl.arange(0, BLOCK_DK)
-        qT = tl.load(Qb + offs_m[None, :] * stride_qt + offs_d[:, None] * stride_qd,
-                     mask=m_ok[None, :] & (offs_d[:, None] < D_K), other=0.0)
+        qT = tl.load(
+            Qb + offs_m[None, :] * stride_qt + offs_d[:, None] * stride_qd,
+            mask=m_ok[None, :] & (offs_d[:, None] < D_K),
+            other=0.0,
+        )
         sT = tl.dot(k, qT, input_precision=PREC)
     else:
-        sT = _dot_rows_cols(Kb, Qb, offs_n, offs_m, k_ok, m_ok, stride_kt, stride_kd,
-                            stride_qt, stride_qd, D_K, BLOCK_N, BLOCK_M, BLOCK_DK, NUM_DK, PREC)
-    sT, gradT = _scores(sT, offs_m[None, :] + OFF, offs_n[:, None], scale, softcap, slope,
-                        SOFTCAP, ALIBI)
+        sT = _dot_rows_cols(
+            Kb,
+            Qb,
+            offs_n,
+            offs_m,
+            k_ok,
+            m_ok,
+            stride_kt,
+            stride_kd,
+            stride_qt,
+            stride_qd,
+            D_K,
+            BLOCK_N,
+            BLOCK_M,
+            BLOCK_DK,
+            NUM_DK,
+            PREC,
+        )
+    sT, gradT = _scores(
+        sT, offs_m[None, :] + OFF, offs_n[:, None], scale, softcap, slope, SOFTCAP, ALIBI
+    )
     lse = tl.load(LSEb + offs_m, mask=m_ok, other=float("-inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E  # empty: P = 0
     pT = tl.math.exp2(sT - lse[None, :])
     if MASKED:
         lo, hi = _row_interval(LOb, HIb, offs_m, m_ok, T_k, OFF, ROWS, CAUSAL)
-        allowed = ((offs_n[:, None] >= lo[None, :]) & (offs_n[:, None] < hi[None, :])
-                   & m_ok[None, :] & k_ok[:, None])
+        allowed = (
+            (offs_n[:, None] >= lo[None, :])
+            & (offs_n[:, None] < hi[None, :])
+            & m_ok[None, :]
+            & k_ok[:, None]
+        )
         if HAS_MASK:
-            allowed = allowed & _dense(MASKb, stride_mt, offs_m[None, :], offs_n[:, None],
-                                       m_ok[None, :] & k_ok[:, None], kind)
+            allowed = allowed & _dense(
+                MASKb,
+                stride_mt,
+                offs_m[None, :],
+                offs_n[:, None],
+                m_ok[None, :] & k_ok[:, None],
+                kind,
+            )
         pT = tl.where(allowed, pT, 0.0)
     if DROPOUT:
-        keepT = _keep(_row_keys(head_key, ROWPOS, offs_m, m_ok)[None, :], col_keys[:, None],
-                      drop_thr)
+        keepT = _keep(
+            _row_keys(head_key, ROWPOS, offs_m, m_ok)[None, :], col_keys[:, None], drop_thr
+        )
         pT_v = tl.where(keepT, pT, 0.0)
     else:
         pT_v = pT
-    do_c = tl.load(DOb + offs_m[:, None] * stride_dot + offs_c[None, :] * stride_dod,
-                   mask=m_ok[:, None] & cv_ok[None, :], other=0.0)
+    do_c = tl.load(
+        DOb + offs_m[:, None] * stride_dot + offs_c[None, :] * stride_dod,
+        mask=m_ok[:, None] & cv_ok[None, :],
+        other=0.0,
+    )
     if MASKED:  # as in the forward: dH rows that may not read this key never reach dV
         finite = tl.abs(do_c) < float("inf")
         acc_dv += tl.dot(pT_v.to(do_c.dtype), tl.where(finite, do_c, 0.0), input_precision=PREC)
@@ -445,13 +839,31 @@ def _dkdv_tile(acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, MASKb
         acc_dv += tl.dot(pT_v.to(do_c.dtype), do_c, input_precision=PREC)
     if NUM_DV == 1:
         offs_d = tl.arange(0, BLOCK_DV)
-        doT = tl.load(DOb + offs_m[None, :] * stride_dot + offs_d[:, None] * stride_dod,
-                      mask=m_ok[None, :] & (offs_d[:, None] < D_V), other=0.0)
+        doT = tl.load(
+            DOb + offs_m[None, :] * stride_dot + offs_d[:, None] * stride_dod,
+            mask=m_ok[None, :] & (offs_d[:, None] < D_V),
+            other=0.0,
+        )
         dpT = tl.dot(v, doT, input_precision=PREC)
     else:
-        dpT = _dot_rows_cols(Vb, DOb, offs_n, offs_m, k_ok, m_ok, stride_vt, stride_vd,
-                             stride_dot, stride_dod, D_V, BLOCK_N, BLOCK_M, BLOCK_DV, NUM_DV,
-                             PREC)
+        dpT = _dot_rows_cols(
+            Vb,
+            DOb,
+            offs_n,
+            offs_m,
+            k_ok,
+            m_ok,
+            stride_vt,
+            stride_vd,
+            stride_dot,
+            stride_dod,
+            D_V,
+            BLOCK_N,
+            BLOCK_M,
+            BLOCK_DV,
+            NUM_DV,
+            PREC,
+        )
     if DROPOUT:
         dpT = tl.where(keepT, dpT * drop_scale, 0.0)
     Di = tl.load(DDb + offs_m, mask=m_ok, other=0.0)
@@ -460,8 +872,11 @@ def _dkdv_tile(acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, MASKb
         dsT = dsT * gradT
     if MASKED:
         dsT = tl.where(allowed, dsT, 0.0)
-    q_c = tl.load(Qb + offs_m[:, None] * stride_qt + offs_c[None, :] * stride_qd,
-                  mask=m_ok[:, None] & ck_ok[None, :], other=0.0)
+    q_c = tl.load(
+        Qb + offs_m[:, None] * stride_qt + offs_c[None, :] * stride_qd,
+        mask=m_ok[:, None] & ck_ok[None, :],
+        other=0.0,
+    )
     if MASKED:
         q_c = _finite0(q_c)  # rows that may not read: weight 0 (a read NaN is in dsT already)
     acc_dk += tl.dot(dsT.to(q_c.dtype), q_c, input_precision=PREC)
@@ -469,23 +884,85 @@ def _dkdv_tile(acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, MASKb
 
 
 @triton.jit
-def dkdv_kernel(Q, K, V, DO, LSE, DD, DK, DV, LO, HI, KPM, RANGES, MASK, BLOCKS, SLOPES,
-                ROWPOS, COLPOS,
-                stride_qb, stride_qh, stride_qt: tl.constexpr, stride_qd: tl.constexpr,
-                stride_kb, stride_kh, stride_kt: tl.constexpr, stride_kd: tl.constexpr,
-                stride_vb, stride_vh, stride_vt: tl.constexpr, stride_vd: tl.constexpr,
-                stride_dob, stride_doh, stride_dot: tl.constexpr, stride_dod: tl.constexpr,
-                stride_dkb, stride_dkh, stride_dkt: tl.constexpr, stride_dkd: tl.constexpr,
-                stride_dvb, stride_dvh, stride_dvt: tl.constexpr, stride_dvd: tl.constexpr,
-                stride_mb, stride_mh, stride_mt,
-                stride_tb, stride_th, stride_tm,
-                H_q, H_kv, T_q, T_k, D_K: tl.constexpr, D_V: tl.constexpr, GROUP, N_BLOCKS,
-                OFF, scale, softcap, seed, seed_offset, drop_thr, drop_scale,
-                HAS_KPM: tl.constexpr, ROWS: tl.constexpr, CAUSAL: tl.constexpr,
-                HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-                NUM_DV: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr):
+def dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DD,
+    DK,
+    DV,
+    LO,
+    HI,
+    KPM,
+    RANGES,
+    MASK,
+    BLOCKS,
+    SLOPES,
+    ROWPOS,
+    COLPOS,
+    stride_qb,
+    stride_qh,
+    stride_qt: tl.constexpr,
+    stride_qd: tl.constexpr,
+    stride_kb,
+    stride_kh,
+    stride_kt: tl.constexpr,
+    stride_kd: tl.constexpr,
+    stride_vb,
+    stride_vh,
+    stride_vt: tl.constexpr,
+    stride_vd: tl.constexpr,
+    stride_dob,
+    stride_doh,
+    stride_dot: tl.constexpr,
+    stride_dod: tl.constexpr,
+    stride_dkb,
+    stride_dkh,
+    stride_dkt: tl.constexpr,
+    stride_dkd: tl.constexpr,
+    stride_dvb,
+    stride_dvh,
+    stride_dvt: tl.constexpr,
+    stride_dvd: tl.constexpr,
+    stride_mb,
+    stride_mh,
+    stride_mt,
+    stride_tb,
+    stride_th,
+    stride_tm,
+    H_q,
+    H_kv,
+    T_q,
+    T_k,
+    D_K: tl.constexpr,
+    D_V: tl.constexpr,
+    GROUP,
+    N_BLOCKS,
+    OFF,
+    scale,
+    softcap,
+    seed,
+    seed_offset,
+    drop_thr,
+    drop_scale,
+    HAS_KPM: tl.constexpr,
+    ROWS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    NUM_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_DV: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """One program: BLOCK_N keys × BLOCK_C columns of dK and dV for one (b, kv-head),
     summed over the GROUP query heads that share it (no atomics)."""
     pid_n = tl.program_id(0)
@@ -528,14 +1005,20 @@ def dkdv_kernel(Q, K, V, DO, LSE, DD, DK, DV, LO, HI, KPM, RANGES, MASK, BLOCKS,
 
     if NUM_DK == 1:
         offs_d = tl.arange(0, BLOCK_DK)
-        k = tl.load(Kb + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
-                    mask=k_ok[:, None] & (offs_d[None, :] < D_K), other=0.0)
+        k = tl.load(
+            Kb + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
+            mask=k_ok[:, None] & (offs_d[None, :] < D_K),
+            other=0.0,
+        )
     else:
         k = tl.zeros([BLOCK_N, 16], dtype=tl.float32)  # unused: K is loaded by d-chunks
     if NUM_DV == 1:
         offs_d = tl.arange(0, BLOCK_DV)
-        v = tl.load(Vb + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd,
-                    mask=k_ok[:, None] & (offs_d[None, :] < D_V), other=0.0)
+        v = tl.load(
+            Vb + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd,
+            mask=k_ok[:, None] & (offs_d[None, :] < D_V),
+            other=0.0,
+        )
     else:
         v = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -569,71 +1052,319 @@ def dkdv_kernel(Q, K, V, DO, LSE, DD, DK, DV, LO, HI, KPM, RANGES, MASK, BLOCKS,
                 kind = tl.load(BLOCKSb + (start_m // BLOCK_M) * stride_tm)
                 if kind != 0:
                     acc_dk, acc_dv = _dkdv_tile(
-                        acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, MASKb,
-                        ROWPOS, offs_n, k_ok, start_m, qhi, kind, head_key, col_keys,
-                        stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_vd,
-                        stride_dot, stride_dod, stride_mt,
-                        T_k, D_K, D_V, OFF, offs_c, ck_ok, cv_ok,
-                        scale, softcap, slope, drop_thr, drop_scale,
-                        True, ROWS, CAUSAL, HAS_MASK, SOFTCAP, ALIBI, DROPOUT,
-                        BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, BLOCK_C, PREC)
+                        acc_dk,
+                        acc_dv,
+                        k,
+                        v,
+                        Kb,
+                        Vb,
+                        Qb,
+                        DOb,
+                        LSEb,
+                        DDb,
+                        LOb,
+                        HIb,
+                        MASKb,
+                        ROWPOS,
+                        offs_n,
+                        k_ok,
+                        start_m,
+                        qhi,
+                        kind,
+                        head_key,
+                        col_keys,
+                        stride_qt,
+                        stride_qd,
+                        stride_kt,
+                        stride_kd,
+                        stride_vt,
+                        stride_vd,
+                        stride_dot,
+                        stride_dod,
+                        stride_mt,
+                        T_k,
+                        D_K,
+                        D_V,
+                        OFF,
+                        offs_c,
+                        ck_ok,
+                        cv_ok,
+                        scale,
+                        softcap,
+                        slope,
+                        drop_thr,
+                        drop_scale,
+                        True,
+                        ROWS,
+                        CAUSAL,
+                        HAS_MASK,
+                        SOFTCAP,
+                        ALIBI,
+                        DROPOUT,
+                        BLOCK_M,
+                        BLOCK_N,
+                        BLOCK_DK,
+                        NUM_DK,
+                        BLOCK_DV,
+                        NUM_DV,
+                        BLOCK_C,
+                        PREC,
+                    )
         else:
             for start_m in range(q_start, u1, BLOCK_M):
                 acc_dk, acc_dv = _dkdv_tile(
-                    acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, MASKb,
-                    ROWPOS, offs_n, k_ok, start_m, qhi, 2, head_key, col_keys,
-                    stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_vd,
-                    stride_dot, stride_dod, stride_mt,
-                    T_k, D_K, D_V, OFF, offs_c, ck_ok, cv_ok,
-                    scale, softcap, slope, drop_thr, drop_scale,
-                    True, ROWS, CAUSAL, HAS_MASK, SOFTCAP, ALIBI, DROPOUT,
-                    BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, BLOCK_C, PREC)
+                    acc_dk,
+                    acc_dv,
+                    k,
+                    v,
+                    Kb,
+                    Vb,
+                    Qb,
+                    DOb,
+                    LSEb,
+                    DDb,
+                    LOb,
+                    HIb,
+                    MASKb,
+                    ROWPOS,
+                    offs_n,
+                    k_ok,
+                    start_m,
+                    qhi,
+                    2,
+                    head_key,
+                    col_keys,
+                    stride_qt,
+                    stride_qd,
+                    stride_kt,
+                    stride_kd,
+                    stride_vt,
+                    stride_vd,
+                    stride_dot,
+                    stride_dod,
+                    stride_mt,
+                    T_k,
+                    D_K,
+                    D_V,
+                    OFF,
+                    offs_c,
+                    ck_ok,
+                    cv_ok,
+                    scale,
+                    softcap,
+                    slope,
+                    drop_thr,
+                    drop_scale,
+                    True,
+                    ROWS,
+                    CAUSAL,
+                    HAS_MASK,
+                    SOFTCAP,
+                    ALIBI,
+                    DROPOUT,
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_DK,
+                    NUM_DK,
+                    BLOCK_DV,
+                    NUM_DV,
+                    BLOCK_C,
+                    PREC,
+                )
             for start_m in range(u1, u2, BLOCK_M):
                 acc_dk, acc_dv = _dkdv_tile(
-                    acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, MASKb,
-                    ROWPOS, offs_n, k_ok, start_m, qhi, 2, head_key, col_keys,
-                    stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_vd,
-                    stride_dot, stride_dod, stride_mt,
-                    T_k, D_K, D_V, OFF, offs_c, ck_ok, cv_ok,
-                    scale, softcap, slope, drop_thr, drop_scale,
-                    False, ROWS, CAUSAL, HAS_MASK, SOFTCAP, ALIBI, DROPOUT,
-                    BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, BLOCK_C, PREC)
+                    acc_dk,
+                    acc_dv,
+                    k,
+                    v,
+                    Kb,
+                    Vb,
+                    Qb,
+                    DOb,
+                    LSEb,
+                    DDb,
+                    LOb,
+                    HIb,
+                    MASKb,
+                    ROWPOS,
+                    offs_n,
+                    k_ok,
+                    start_m,
+                    qhi,
+                    2,
+                    head_key,
+                    col_keys,
+                    stride_qt,
+                    stride_qd,
+                    stride_kt,
+                    stride_kd,
+                    stride_vt,
+                    stride_vd,
+                    stride_dot,
+                    stride_dod,
+                    stride_mt,
+                    T_k,
+                    D_K,
+                    D_V,
+                    OFF,
+                    offs_c,
+                    ck_ok,
+                    cv_ok,
+                    scale,
+                    softcap,
+                    slope,
+                    drop_thr,
+                    drop_scale,
+                    False,
+                    ROWS,
+                    CAUSAL,
+                    HAS_MASK,
+                    SOFTCAP,
+                    ALIBI,
+                    DROPOUT,
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_DK,
+                    NUM_DK,
+                    BLOCK_DV,
+                    NUM_DV,
+                    BLOCK_C,
+                    PREC,
+                )
             for start_m in range(u2, qhi, BLOCK_M):
                 acc_dk, acc_dv = _dkdv_tile(
-                    acc_dk, acc_dv, k, v, Kb, Vb, Qb, DOb, LSEb, DDb, LOb, HIb, MASKb,
-                    ROWPOS, offs_n, k_ok, start_m, qhi, 2, head_key, col_keys,
-                    stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_vd,
-                    stride_dot, stride_dod, stride_mt,
-                    T_k, D_K, D_V, OFF, offs_c, ck_ok, cv_ok,
-                    scale, softcap, slope, drop_thr, drop_scale,
-                    True, ROWS, CAUSAL, HAS_MASK, SOFTCAP, ALIBI, DROPOUT,
-                    BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, BLOCK_C, PREC)
+                    acc_dk,
+                    acc_dv,
+                    k,
+                    v,
+                    Kb,
+                    Vb,
+                    Qb,
+                    DOb,
+                    LSEb,
+                    DDb,
+                    LOb,
+                    HIb,
+                    MASKb,
+                    ROWPOS,
+                    offs_n,
+                    k_ok,
+                    start_m,
+                    qhi,
+                    2,
+                    head_key,
+                    col_keys,
+                    stride_qt,
+                    stride_qd,
+                    stride_kt,
+                    stride_kd,
+                    stride_vt,
+                    stride_vd,
+                    stride_dot,
+                    stride_dod,
+                    stride_mt,
+                    T_k,
+                    D_K,
+                    D_V,
+                    OFF,
+                    offs_c,
+                    ck_ok,
+                    cv_ok,
+                    scale,
+                    softcap,
+                    slope,
+                    drop_thr,
+                    drop_scale,
+                    True,
+                    ROWS,
+                    CAUSAL,
+                    HAS_MASK,
+                    SOFTCAP,
+                    ALIBI,
+                    DROPOUT,
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_DK,
+                    NUM_DK,
+                    BLOCK_DV,
+                    NUM_DV,
+                    BLOCK_C,
+                    PREC,
+                )
 
     n_ok = offs_n < T_k
     DKb = DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh
-    tl.store(DKb + offs_n[:, None] * stride_dkt + offs_c[None, :] * stride_dkd,
-             (acc_dk * scale).to(DK.dtype.element_ty), mask=n_ok[:, None] & ck_ok[None, :])
+    tl.store(
+        DKb + offs_n[:, None] * stride_dkt + offs_c[None, :] * stride_dkd,
+        (acc_dk * scale).to(DK.dtype.element_ty),
+        mask=n_ok[:, None] & ck_ok[None, :],
+    )
     if DROPOUT:
         acc_dv = acc_dv * drop_scale
     DVb = DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh
-    tl.store(DVb + offs_n[:, None] * stride_dvt + offs_c[None, :] * stride_dvd,
-             acc_dv.to(DV.dtype.element_ty), mask=n_ok[:, None] & cv_ok[None, :])
+    tl.store(
+        DVb + offs_n[:, None] * stride_dvt + offs_c[None, :] * stride_dvd,
+        acc_dv.to(DV.dtype.element_ty),
+        mask=n_ok[:, None] & cv_ok[None, :],
+    )
 
 
 @triton.jit
-def _dq_tile(acc, q, do, Qb, Kb, Vb, DOb, KPMb, MASKb, COLPOS,
-             offs_m, row_ok, lo, hi, lse, Di, n_lo, n_hi, start_n, kind, row_keys,
-             stride_qt: tl.constexpr, stride_qd: tl.constexpr,
-             stride_kt: tl.constexpr, stride_kd: tl.constexpr,
-             stride_vt: tl.constexpr, stride_vd: tl.constexpr,
-             stride_dot: tl.constexpr, stride_dod: tl.constexpr, stride_mt,
-             D_K: tl.constexpr, D_V: tl.constexpr, OFF, offs_c, c_ok,
-             scale, softcap, slope, drop_thr, drop_scale,
-             MASKED: tl.constexpr, HAS_KPM: tl.constexpr, HAS_MASK: tl.constexpr,
-             SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
-             NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr,
-             PREC: tl.constexpr):
+def _dq_tile(
+    acc,
+    q,
+    do,
+    Qb,
+    Kb,
+    Vb,
+    DOb,
+    KPMb,
+    MASKb,
+    COLPOS,
+    offs_m,
+    row_ok,
+    lo,
+    hi,
+    lse,
+    Di,
+    n_lo,
+    n_hi,
+    start_n,
+    kind,
+    row_keys,
+    stride_qt: tl.constexpr,
+    stride_qd: tl.constexpr,
+    stride_kt: tl.constexpr,
+    stride_kd: tl.constexpr,
+    stride_vt: tl.constexpr,
+    stride_vd: tl.constexpr,
+    stride_dot: tl.constexpr,
+    stride_dod: tl.constexpr,
+    stride_mt,
+    D_K: tl.constexpr,
+    D_V: tl.constexpr,
+    OFF,
+    offs_c,
+    c_ok,
+    scale,
+    softcap,
+    slope,
+    drop_thr,
+    drop_scale,
+    MASKED: tl.constexpr,
+    HAS_KPM: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    NUM_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_DV: tl.constexpr,
+    PREC: tl.constexpr,
+):
     offs_n = start_n + tl.arange(0, BLOCK_N)
     if MASKED:
         k_ok = _key_ok(KPMb, offs_n, n_lo, n_hi, HAS_KPM)
@@ -641,30 +1372,74 @@ def _dq_tile(acc, q, do, Qb, Kb, Vb, DOb, KPMb, MASKb, COLPOS,
         k_ok = offs_n >= 0
     if NUM_DK == 1:
         offs_d = tl.arange(0, BLOCK_DK)
-        kT = tl.load(Kb + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd,
-                     mask=k_ok[None, :] & (offs_d[:, None] < D_K), other=0.0)
+        kT = tl.load(
+            Kb + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd,
+            mask=k_ok[None, :] & (offs_d[:, None] < D_K),
+            other=0.0,
+        )
         s = tl.dot(q, kT, input_precision=PREC)
     else:
-        s = _dot_rows_cols(Qb, Kb, offs_m, offs_n, row_ok, k_ok, stride_qt, stride_qd,
-                           stride_kt, stride_kd, D_K, BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, PREC)
-    s, grad = _scores(s, offs_m[:, None] + OFF, offs_n[None, :], scale, softcap, slope,
-                      SOFTCAP, ALIBI)
+        s = _dot_rows_cols(
+            Qb,
+            Kb,
+            offs_m,
+            offs_n,
+            row_ok,
+            k_ok,
+            stride_qt,
+            stride_qd,
+            stride_kt,
+            stride_kd,
+            D_K,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_DK,
+            NUM_DK,
+            PREC,
+        )
+    s, grad = _scores(
+        s, offs_m[:, None] + OFF, offs_n[None, :], scale, softcap, slope, SOFTCAP, ALIBI
+    )
     p = tl.math.exp2(s - lse[:, None])
     if MASKED:
-        allowed = ((offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None])
-                   & k_ok[None, :])
+        allowed = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None]) & k_ok[None, :]
         if HAS_MASK:
-            allowed = allowed & _dense(MASKb, stride_mt, offs_m[:, None], offs_n[None, :],
-                                       row_ok[:, None] & k_ok[None, :], kind)
+            allowed = allowed & _dense(
+                MASKb,
+                stride_mt,
+                offs_m[:, None],
+                offs_n[None, :],
+                row_ok[:, None] & k_ok[None, :],
+                kind,
+            )
         p = tl.where(allowed, p, 0.0)
     if NUM_DV == 1:
         offs_d = tl.arange(0, BLOCK_DV)
-        vT = tl.load(Vb + offs_n[None, :] * stride_vt + offs_d[:, None] * stride_vd,
-                     mask=k_ok[None, :] & (offs_d[:, None] < D_V), other=0.0)
+        vT = tl.load(
+            Vb + offs_n[None, :] * stride_vt + offs_d[:, None] * stride_vd,
+            mask=k_ok[None, :] & (offs_d[:, None] < D_V),
+            other=0.0,
+        )
         dp = tl.dot(do, vT, input_precision=PREC)
     else:
-        dp = _dot_rows_cols(DOb, Vb, offs_m, offs_n, row_ok, k_ok, stride_dot, stride_dod,
-                            stride_vt, stride_vd, D_V, BLOCK_M, BLOCK_N, BLOCK_DV, NUM_DV, PREC)
+        dp = _dot_rows_cols(
+            DOb,
+            Vb,
+            offs_m,
+            offs_n,
+            row_ok,
+            k_ok,
+            stride_dot,
+            stride_dod,
+            stride_vt,
+            stride_vd,
+            D_V,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_DV,
+            NUM_DV,
+            PREC,
+        )
     if DROPOUT:
         keep = _keep(row_keys[:, None], _col_keys(COLPOS, offs_n, k_ok)[None, :], drop_thr)
         dp = tl.where(keep, dp * drop_scale, 0.0)
@@ -673,8 +1448,11 @@ def _dq_tile(acc, q, do, Qb, Kb, Vb, DOb, KPMb, MASKb, COLPOS,
         ds = ds * grad
     if MASKED:
         ds = tl.where(allowed, ds, 0.0)
-    k_c = tl.load(Kb + offs_n[:, None] * stride_kt + offs_c[None, :] * stride_kd,
-                  mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+    k_c = tl.load(
+        Kb + offs_n[:, None] * stride_kt + offs_c[None, :] * stride_kd,
+        mask=k_ok[:, None] & c_ok[None, :],
+        other=0.0,
+    )
     if MASKED:
         k_c = _finite0(k_c)  # keys the row may not read: weight 0 (a read NaN is in ds already)
     acc += tl.dot(ds.to(k_c.dtype), k_c, input_precision=PREC)
@@ -682,21 +1460,77 @@ def _dq_tile(acc, q, do, Qb, Kb, Vb, DOb, KPMb, MASKb, COLPOS,
 
 
 @triton.jit
-def dq_kernel(Q, K, V, DO, LSE, DD, DQ, LO, HI, KPM, MASK, BLOCKS, SLOPES, ROWPOS, COLPOS,
-              stride_qb, stride_qh, stride_qt: tl.constexpr, stride_qd: tl.constexpr,
-              stride_kb, stride_kh, stride_kt: tl.constexpr, stride_kd: tl.constexpr,
-              stride_vb, stride_vh, stride_vt: tl.constexpr, stride_vd: tl.constexpr,
-              stride_dob, stride_doh, stride_dot: tl.constexpr, stride_dod: tl.constexpr,
-              stride_dqb, stride_dqh, stride_dqt: tl.constexpr, stride_dqd: tl.constexpr,
-              stride_mb, stride_mh, stride_mt,
-              stride_tb, stride_th, stride_tm,
-              H_q, T_q, T_k, D_K: tl.constexpr, D_V: tl.constexpr, GROUP, OFF,
-              scale, softcap, seed, seed_offset, drop_thr, drop_scale,
-              HAS_KPM: tl.constexpr, ROWS: tl.constexpr, CAUSAL: tl.constexpr,
-              HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-              DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-              NUM_DV: tl.constexpr, BLOCK_C: tl.constexpr, PREC: tl.constexpr):
+def dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DD,
+    DQ,
+    LO,
+    HI,
+    KPM,
+    MASK,
+    BLOCKS,
+    SLOPES,
+    ROWPOS,
+    COLPOS,
+    stride_qb,
+    stride_qh,
+    stride_qt: tl.constexpr,
+    stride_qd: tl.constexpr,
+    stride_kb,
+    stride_kh,
+    stride_kt: tl.constexpr,
+    stride_kd: tl.constexpr,
+    stride_vb,
+    stride_vh,
+    stride_vt: tl.constexpr,
+    stride_vd: tl.constexpr,
+    stride_dob,
+    stride_doh,
+    stride_dot: tl.constexpr,
+    stride_dod: tl.constexpr,
+    stride_dqb,
+    stride_dqh,
+    stride_dqt: tl.constexpr,
+    stride_dqd: tl.constexpr,
+    stride_mb,
+    stride_mh,
+    stride_mt,
+    stride_tb,
+    stride_th,
+    stride_tm,
+    H_q,
+    T_q,
+    T_k,
+    D_K: tl.constexpr,
+    D_V: tl.constexpr,
+    GROUP,
+    OFF,
+    scale,
+    softcap,
+    seed,
+    seed_offset,
+    drop_thr,
+    drop_scale,
+    HAS_KPM: tl.constexpr,
+    ROWS: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    NUM_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_DV: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PREC: tl.constexpr,
+):
     """One program: BLOCK_M query rows × BLOCK_C columns of dQ for one (b, h)."""
     pid_m = tl.program_id(0)
     pid_c = tl.program_id(1)
@@ -715,7 +1549,8 @@ def dq_kernel(Q, K, V, DO, LSE, DD, DQ, LO, HI, KPM, MASK, BLOCKS, SLOPES, ROWPO
     BLOCKSb = BLOCKS + b64 * stride_tb + h64 * stride_th + pid_m * stride_tm
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     lo, hi, live, n_lo, n_hi, start, u1, u2 = _row_bounds(
-        LO + b64 * T_q, HI + b64 * T_q, offs_m, T_q, T_k, OFF, BLOCK_N, HAS_KPM, ROWS, CAUSAL)
+        LO + b64 * T_q, HI + b64 * T_q, offs_m, T_q, T_k, OFF, BLOCK_N, HAS_KPM, ROWS, CAUSAL
+    )
     row_ok = offs_m < T_q
     lse = tl.load(LSE + pid_bh.to(tl.int64) * T_q + offs_m, mask=row_ok, other=float("-inf"))
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E  # empty: P = 0
@@ -729,14 +1564,20 @@ def dq_kernel(Q, K, V, DO, LSE, DD, DQ, LO, HI, KPM, MASK, BLOCKS, SLOPES, ROWPO
         row_keys = offs_m  # unused
     if NUM_DK == 1:
         offs_d = tl.arange(0, BLOCK_DK)
-        q = tl.load(Qb + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-                    mask=row_ok[:, None] & (offs_d[None, :] < D_K), other=0.0)
+        q = tl.load(
+            Qb + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+            mask=row_ok[:, None] & (offs_d[None, :] < D_K),
+            other=0.0,
+        )
     else:
         q = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
     if NUM_DV == 1:
         offs_d = tl.arange(0, BLOCK_DV)
-        do = tl.load(DOb + offs_m[:, None] * stride_dot + offs_d[None, :] * stride_dod,
-                     mask=row_ok[:, None] & (offs_d[None, :] < D_V), other=0.0)
+        do = tl.load(
+            DOb + offs_m[:, None] * stride_dot + offs_d[None, :] * stride_dod,
+            mask=row_ok[:, None] & (offs_d[None, :] < D_V),
+            other=0.0,
+        )
     else:
         do = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -747,50 +1588,252 @@ def dq_kernel(Q, K, V, DO, LSE, DD, DQ, LO, HI, KPM, MASK, BLOCKS, SLOPES, ROWPO
             kind = tl.load(BLOCKSb + start_n // BLOCK_N)
             if kind != 0:
                 acc = _dq_tile(
-                    acc, q, do, Qb, Kb, Vb, DOb, KPMb, MASKb, COLPOS,
-                    offs_m, row_ok, lo, hi, lse, Di, n_lo, n_hi, start_n, kind, row_keys,
-                    stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_vd,
-                    stride_dot, stride_dod, stride_mt, D_K, D_V, OFF, offs_c, c_ok,
-                    scale, softcap, slope, drop_thr, drop_scale,
-                    True, HAS_KPM, HAS_MASK, SOFTCAP, ALIBI, DROPOUT,
-                    BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, PREC)
+                    acc,
+                    q,
+                    do,
+                    Qb,
+                    Kb,
+                    Vb,
+                    DOb,
+                    KPMb,
+                    MASKb,
+                    COLPOS,
+                    offs_m,
+                    row_ok,
+                    lo,
+                    hi,
+                    lse,
+                    Di,
+                    n_lo,
+                    n_hi,
+                    start_n,
+                    kind,
+                    row_keys,
+                    stride_qt,
+                    stride_qd,
+                    stride_kt,
+                    stride_kd,
+                    stride_vt,
+                    stride_vd,
+                    stride_dot,
+                    stride_dod,
+                    stride_mt,
+                    D_K,
+                    D_V,
+                    OFF,
+                    offs_c,
+                    c_ok,
+                    scale,
+                    softcap,
+                    slope,
+                    drop_thr,
+                    drop_scale,
+                    True,
+                    HAS_KPM,
+                    HAS_MASK,
+                    SOFTCAP,
+                    ALIBI,
+                    DROPOUT,
+                    BLOCK_M,
+                    BLOCK_N,
+                    BLOCK_DK,
+                    NUM_DK,
+                    BLOCK_DV,
+                    NUM_DV,
+                    PREC,
+                )
     else:
         for start_n in range(start, u1, BLOCK_N):
             acc = _dq_tile(
-                acc, q, do, Qb, Kb, Vb, DOb, KPMb, MASKb, COLPOS,
-                offs_m, row_ok, lo, hi, lse, Di, n_lo, n_hi, start_n, 2, row_keys,
-                stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_vd,
-                stride_dot, stride_dod, stride_mt, D_K, D_V, OFF, offs_c, c_ok,
-                scale, softcap, slope, drop_thr, drop_scale,
-                True, HAS_KPM, HAS_MASK, SOFTCAP, ALIBI, DROPOUT,
-                BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, PREC)
+                acc,
+                q,
+                do,
+                Qb,
+                Kb,
+                Vb,
+                DOb,
+                KPMb,
+                MASKb,
+                COLPOS,
+                offs_m,
+                row_ok,
+                lo,
+                hi,
+                lse,
+                Di,
+                n_lo,
+                n_hi,
+                start_n,
+                2,
+                row_keys,
+                stride_qt,
+                stride_qd,
+                stride_kt,
+                stride_kd,
+                stride_vt,
+                stride_vd,
+                stride_dot,
+                stride_dod,
+                stride_mt,
+                D_K,
+                D_V,
+                OFF,
+                offs_c,
+                c_ok,
+                scale,
+                softcap,
+                slope,
+                drop_thr,
+                drop_scale,
+                True,
+                HAS_KPM,
+                HAS_MASK,
+                SOFTCAP,
+                ALIBI,
+                DROPOUT,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_DK,
+                NUM_DK,
+                BLOCK_DV,
+                NUM_DV,
+                PREC,
+            )
         for start_n in range(u1, u2, BLOCK_N):
             acc = _dq_tile(
-                acc, q, do, Qb, Kb, Vb, DOb, KPMb, MASKb, COLPOS,
-                offs_m, row_ok, lo, hi, lse, Di, n_lo, n_hi, start_n, 2, row_keys,
-                stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_vd,
-                stride_dot, stride_dod, stride_mt, D_K, D_V, OFF, offs_c, c_ok,
-                scale, softcap, slope, drop_thr, drop_scale,
-                False, HAS_KPM, HAS_MASK, SOFTCAP, ALIBI, DROPOUT,
-                BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, PREC)
+                acc,
+                q,
+                do,
+                Qb,
+                Kb,
+                Vb,
+                DOb,
+                KPMb,
+                MASKb,
+                COLPOS,
+                offs_m,
+                row_ok,
+                lo,
+                hi,
+                lse,
+                Di,
+                n_lo,
+                n_hi,
+                start_n,
+                2,
+                row_keys,
+                stride_qt,
+                stride_qd,
+                stride_kt,
+                stride_kd,
+                stride_vt,
+                stride_vd,
+                stride_dot,
+                stride_dod,
+                stride_mt,
+                D_K,
+                D_V,
+                OFF,
+                offs_c,
+                c_ok,
+                scale,
+                softcap,
+                slope,
+                drop_thr,
+                drop_scale,
+                False,
+                HAS_KPM,
+                HAS_MASK,
+                SOFTCAP,
+                ALIBI,
+                DROPOUT,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_DK,
+                NUM_DK,
+                BLOCK_DV,
+                NUM_DV,
+                PREC,
+            )
         for start_n in range(u2, n_hi, BLOCK_N):
             acc = _dq_tile(
-                acc, q, do, Qb, Kb, Vb, DOb, KPMb, MASKb, COLPOS,
-                offs_m, row_ok, lo, hi, lse, Di, n_lo, n_hi, start_n, 2, row_keys,
-                stride_qt, stride_qd, stride_kt, stride_kd, stride_vt, stride_vd,
-                stride_dot, stride_dod, stride_mt, D_K, D_V, OFF, offs_c, c_ok,
-                scale, softcap, slope, drop_thr, drop_scale,
-                True, HAS_KPM, HAS_MASK, SOFTCAP, ALIBI, DROPOUT,
-                BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, PREC)
+                acc,
+                q,
+                do,
+                Qb,
+                Kb,
+                Vb,
+                DOb,
+                KPMb,
+                MASKb,
+                COLPOS,
+                offs_m,
+                row_ok,
+                lo,
+                hi,
+                lse,
+                Di,
+                n_lo,
+                n_hi,
+                start_n,
+                2,
+                row_keys,
+                stride_qt,
+                stride_qd,
+                stride_kt,
+                stride_kd,
+                stride_vt,
+                stride_vd,
+                stride_dot,
+                stride_dod,
+                stride_mt,
+                D_K,
+                D_V,
+                OFF,
+                offs_c,
+                c_ok,
+                scale,
+                softcap,
+                slope,
+                drop_thr,
+                drop_scale,
+                True,
+                HAS_KPM,
+                HAS_MASK,
+                SOFTCAP,
+                ALIBI,
+                DROPOUT,
+                BLOCK_M,
+                BLOCK_N,
+                BLOCK_DK,
+                NUM_DK,
+                BLOCK_DV,
+                NUM_DV,
+                PREC,
+            )
     dq = tl.where(live[:, None], acc * scale, 0.0)
     DQb = DQ + b64 * stride_dqb + h64 * stride_dqh
-    tl.store(DQb + offs_m[:, None] * stride_dqt + offs_c[None, :] * stride_dqd,
-             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None] & c_ok[None, :])
+    tl.store(
+        DQb + offs_m[:, None] * stride_dqt + offs_c[None, :] * stride_dqd,
+        dq.to(DQ.dtype.element_ty),
+        mask=row_ok[:, None] & c_ok[None, :],
+    )
 
 
 @triton.jit
-def bwd_preprocess(O, DO, LSE, DLSE, DD, N_ROWS, D_V: tl.constexpr, HAS_DLSE: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr):
+def bwd_preprocess(
+    O,
+    DO,
+    LSE,
+    DLSE,
+    DD,
+    N_ROWS,
+    D_V: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    NUM_DV: tl.constexpr,
+):
     """D = rowsum(dH ∘ H) in fp32 (minus the lse gradient; 0 on empty rows), for the
     rows of contiguous (B·H_q·T_q, d_v) views of H and dH."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -87,8 +87,11 @@ def _ladder(entries: list[dict], d: int) -> list[tuple[int, str]]:
     """Entries of the head size nearest d (log scale) as [(T_max, winner), ...] by T: each
     measured T wins up to the geometric middle between it and the next one."""
     near = min(abs(math.log2(e["d"]) - math.log2(max(1, d))) for e in entries)
-    sel = sorted((e["T"], e["best"]) for e in entries
-                 if abs(math.log2(e["d"]) - math.log2(max(1, d))) == near)
+    sel = sorted(
+        (e["T"], e["best"])
+        for e in entries
+        if abs(math.log2(e["d"]) - math.log2(max(1, d))) == near
+    )
     out = [(int(math.sqrt(t * t2)), name) for (t, name), (t2, _) in zip(sel, sel[1:])]
     return out + [(2**62, sel[-1][1])]
 
@@ -99,8 +102,11 @@ def cpu_ladder(dtype: str, kind_: str, d: int, grad: bool) -> list[tuple[int, st
     entries = [e for e in table()["entries"] if e.get("device", "cpu") == "cpu"]
     for want_dtype in (dtype, "float32"):  # an unmeasured dtype: as fp32
         for want_kind in (kind_, "causal" if kind_ == "full" else None):
-            sel = [e for e in entries
-                   if e["dtype"] == want_dtype and e["kind"] == want_kind and e["pass"] == pass_]
+            sel = [
+                e
+                for e in entries
+                if e["dtype"] == want_dtype and e["kind"] == want_kind and e["pass"] == pass_
+            ]
             if sel:
                 return _ladder(sel, d)
     return [(2**62, "tiled")]
@@ -130,8 +136,20 @@ def pick(q, k, v, *, kind_: str, grad: bool, ask: dict, no_lse=("sdpa",)) -> str
     return ladder[-1][1]
 
 
-FEATURES = ("dtype", "d_k", "d_v", "H_q", "H_kv", "present", "causal", "window", "chunk",
-            "softcap", "dropout_p", "lse")
+FEATURES = (
+    "dtype",
+    "d_k",
+    "d_v",
+    "H_q",
+    "H_kv",
+    "present",
+    "causal",
+    "window",
+    "chunk",
+    "softcap",
+    "dropout_p",
+    "lse",
+)
 
 
 @torch.compiler.assume_constant_result
@@ -141,8 +159,7 @@ def choose(device: str, d: int, kind_: str, grad: bool, no_lse: tuple, **ask) ->
     forced = os.environ.get(ENV)
     if forced and forced != "auto":
         return [(2**62, forced)]
-    return _choose(device, d, kind_, grad, no_lse, tuple(ask[n] for n in FEATURES),
-                   id(table()))
+    return _choose(device, d, kind_, grad, no_lse, tuple(ask[n] for n in FEATURES), id(table()))
 
 
 @functools.lru_cache(maxsize=256)
@@ -169,9 +186,13 @@ def _choose(device, d, kind_, grad, no_lse, feats, _table_id) -> list:
 
 
 _DUMMY = {  # one readable cell (B = T = 1) for each pattern tensor: presence is what counts
-    "lengths": lambda H: [1], "key_padding_mask": lambda H: [[True]],
-    "cu_seqlens": lambda H: [0, 1], "prefix_lengths": lambda H: [1], "mask": lambda H: [[True]],
-    "alibi_slopes": lambda H: [0.0] * H, "sinks": lambda H: [0.0] * H,
+    "lengths": lambda H: [1],
+    "key_padding_mask": lambda H: [[True]],
+    "cu_seqlens": lambda H: [0, 1],
+    "prefix_lengths": lambda H: [1],
+    "mask": lambda H: [[True]],
+    "alibi_slopes": lambda H: [0.0] * H,
+    "sinks": lambda H: [0.0] * H,
 }
 
 
@@ -189,9 +210,13 @@ def _dummy(device: str, feats: tuple, T: int = 1):
     k = torch.empty(1, a["H_kv"], T, a["d_k"], dtype=dt, device="meta")
     v = torch.empty(1, a["H_kv"], 1, a["d_v"], dtype=dt, device=device)
     try:
-        pat = Pattern(causal=a["causal"], window=a["window"], chunk=a["chunk"],
-                      softcap=a["softcap"],
-                      **{n: np.asarray(_DUMMY[n](a["H_q"])) for n in a["present"]})
+        pat = Pattern(
+            causal=a["causal"],
+            window=a["window"],
+            chunk=a["chunk"],
+            softcap=a["softcap"],
+            **{n: np.asarray(_DUMMY[n](a["H_q"])) for n in a["present"]},
+        )
     except ValueError:
         return None
     seed = (0, 0) if a["dropout_p"] else None

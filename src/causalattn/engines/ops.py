@@ -60,8 +60,15 @@ def engine_problem(name: str) -> str:
 
 
 # the pattern's tensors, in the operators' argument order (after q, k, v)
-TENSORS = ("lengths", "key_padding_mask", "cu_seqlens", "prefix_lengths", "mask",
-           "alibi_slopes", "sinks")
+TENSORS = (
+    "lengths",
+    "key_padding_mask",
+    "cu_seqlens",
+    "prefix_lengths",
+    "mask",
+    "alibi_slopes",
+    "sinks",
+)
 
 
 def _problem(q, k, v, tensors, dropout_seed, causal, window, chunk, softcap, scale, dropout_p):
@@ -71,11 +78,15 @@ def _problem(q, k, v, tensors, dropout_seed, causal, window, chunk, softcap, sca
     from .. import dropout as _dropout
 
     given = {n: t for n, t in zip(TENSORS, tensors) if t is not None}
-    p = make_problem(q, k, v, causal=causal, window=window, chunk=chunk, softcap=softcap,
-                     scale=scale, **given)
+    p = make_problem(
+        q, k, v, causal=causal, window=window, chunk=chunk, softcap=softcap, scale=scale, **given
+    )
     if dropout_p:
-        p = replace(p, dropout_p=_dropout.check_p(dropout_p),
-                    dropout_seed=(int(dropout_seed[0]), int(dropout_seed[1])))
+        p = replace(
+            p,
+            dropout_p=_dropout.check_p(dropout_p),
+            dropout_seed=(int(dropout_seed[0]), int(dropout_seed[1])),
+        )
     return p
 
 
@@ -93,8 +104,10 @@ def refusal(name: str, p, return_lse: bool) -> str:
         return ""
     drop = f" with dropout_p={p.dropout_p}" if p.dropout_p else ""
     lse = " with return_lse" if return_lse and name in NO_LSE else ""
-    return (f"engine {name!r}: {p.pattern.describe()}{drop}{lse} is not supported; "
-            "use engine='reference' (or 'auto')")
+    return (
+        f"engine {name!r}: {p.pattern.describe()}{drop}{lse} is not supported; "
+        "use engine='reference' (or 'auto')"
+    )
 
 
 def _sdpa_rng(p):
@@ -175,12 +188,25 @@ def _autograd_inside():
 
 @torch.library.custom_op("causalattn::fwd", mutates_args=())
 def fwd(
-    q: Tensor, k: Tensor, v: Tensor,
-    lengths: Tensor | None, key_padding_mask: Tensor | None, cu_seqlens: Tensor | None,
-    prefix_lengths: Tensor | None, mask: Tensor | None, alibi_slopes: Tensor | None,
-    sinks: Tensor | None, dropout_seed: Tensor | None,
-    causal: bool, window: int | None, chunk: int | None, softcap: float | None, scale: float,
-    dropout_p: float, engine: str, return_lse: bool,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    lengths: Tensor | None,
+    key_padding_mask: Tensor | None,
+    cu_seqlens: Tensor | None,
+    prefix_lengths: Tensor | None,
+    mask: Tensor | None,
+    alibi_slopes: Tensor | None,
+    sinks: Tensor | None,
+    dropout_seed: Tensor | None,
+    causal: bool,
+    window: int | None,
+    chunk: int | None,
+    softcap: float | None,
+    scale: float,
+    dropout_p: float,
+    engine: str,
+    return_lse: bool,
 ) -> tuple[Tensor, Tensor]:
     """One engine's forward: ``(out (B, H_q, T_q, d_v), lse (B, H_q, T_q) or (0,))``.
 
@@ -188,8 +214,7 @@ def fwd(
     compiled graph draws it on every call); ``return_lse``: whether the caller asked for
     the log-sum-exp (an engine may refuse it)."""
     tensors = (lengths, key_padding_mask, cu_seqlens, prefix_lengths, mask, alibi_slopes, sinks)
-    p = _problem(q, k, v, tensors, dropout_seed, causal, window, chunk, softcap, scale,
-                 dropout_p)
+    p = _problem(q, k, v, tensors, dropout_seed, causal, window, chunk, softcap, scale, dropout_p)
     out, lse = _run_fwd(engine, p, return_lse)
     # outputs are contiguous (as the fake ones) and never alias an input
     out = out.contiguous()
@@ -207,23 +232,42 @@ def _fwd_fake(q, k, v, *rest):
 
 @torch.library.custom_op("causalattn::bwd", mutates_args=())
 def bwd(
-    dout: Tensor, dlse: Tensor | None, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+    dout: Tensor,
+    dlse: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    out: Tensor,
     lse: Tensor,
-    lengths: Tensor | None, key_padding_mask: Tensor | None, cu_seqlens: Tensor | None,
-    prefix_lengths: Tensor | None, mask: Tensor | None, alibi_slopes: Tensor | None,
-    sinks: Tensor | None, dropout_seed: Tensor | None,
-    causal: bool, window: int | None, chunk: int | None, softcap: float | None, scale: float,
-    dropout_p: float, engine: str, want_dsinks: bool,
+    lengths: Tensor | None,
+    key_padding_mask: Tensor | None,
+    cu_seqlens: Tensor | None,
+    prefix_lengths: Tensor | None,
+    mask: Tensor | None,
+    alibi_slopes: Tensor | None,
+    sinks: Tensor | None,
+    dropout_seed: Tensor | None,
+    causal: bool,
+    window: int | None,
+    chunk: int | None,
+    softcap: float | None,
+    scale: float,
+    dropout_p: float,
+    engine: str,
+    want_dsinks: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One engine's backward from the saved ``out`` and ``lse``: ``(dq, dk, dv, dsinks)``;
     dsinks is shaped as sinks, or (0,) without them (or when not wanted)."""
     tensors = (lengths, key_padding_mask, cu_seqlens, prefix_lengths, mask, alibi_slopes, sinks)
-    p = _problem(q, k, v, tensors, dropout_seed, causal, window, chunk, softcap, scale,
-                 dropout_p)
+    p = _problem(q, k, v, tensors, dropout_seed, causal, window, chunk, softcap, scale, dropout_p)
     dq, dk, dv, ds = _run_bwd(engine, p, out, lse, dout, dlse, want_dsinks and sinks is not None)
     ds = q.new_zeros((0,)) if ds is None else ds.to(sinks.dtype).reshape(sinks.shape)
-    return (dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(),
-            dv.to(v.dtype).contiguous(), ds)
+    return (
+        dq.to(q.dtype).contiguous(),
+        dk.to(k.dtype).contiguous(),
+        dv.to(v.dtype).contiguous(),
+        ds,
+    )
 
 
 @bwd.register_fake
@@ -252,10 +296,20 @@ def _backward(ctx, dout, dlse):
         dlse = None
     want_ds = bool(ctx.needs_input_grad[9]) and tensors[6] is not None
     with torch.no_grad():  # the backward is not differentiable again (no double backward)
-        dq, dk, dv, ds = bwd(dout, dlse, q, k, v, out, lse, *tensors, seed, *ctx.scalars,
-                             want_ds)
-    return (dq, dk, dv, None, None, None, None, None, None, ds if want_ds else None,
-            *([None] * (N_ARGS - 10)))
+        dq, dk, dv, ds = bwd(dout, dlse, q, k, v, out, lse, *tensors, seed, *ctx.scalars, want_ds)
+    return (
+        dq,
+        dk,
+        dv,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        ds if want_ds else None,
+        *([None] * (N_ARGS - 10)),
+    )
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -30,10 +30,18 @@ FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 # make_problem's pattern keywords, as on causalattn.attention
 PATTERN_KEYS = (
-    "causal", "window", "chunk", "lengths", "key_padding_mask", "cu_seqlens", "prefix_lengths",
-    "mask", "alibi_slopes", "softcap", "sinks",
+    "causal",
+    "window",
+    "chunk",
+    "lengths",
+    "key_padding_mask",
+    "cu_seqlens",
+    "prefix_lengths",
+    "mask",
+    "alibi_slopes",
+    "softcap",
+    "sinks",
 )
-
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -90,8 +98,9 @@ class Problem:
         """Bool keep pattern for batch rows b, query heads h (ints or broadcastable int
         tensors), rows i0:i1, columns j0:j1: shape (b·h broadcast, rows, cols), on CPU."""
         seed, off = self.dropout_seed
-        return _dropout.keep_mask(seed, off, b, h, self.dropout_rows(i0, i1),
-                                  self.dropout_cols(j0, j1), self.dropout_p)
+        return _dropout.keep_mask(
+            seed, off, b, h, self.dropout_rows(i0, i1), self.dropout_cols(j0, j1), self.dropout_p
+        )
 
     # ---- the legacy view (engines not yet on the pattern: triton, ring) ----------------
     @property
@@ -118,9 +127,16 @@ class Problem:
         """Whether causal, lengths, key_padding_mask and cu_seqlens say everything (no
         window, chunk, prefix, dense mask, modifier or dropout)."""
         pt = self.pattern
-        return (self.dropout_p == 0 and not pt.has_modifiers and pt.window is None
-                and pt.chunk is None and pt.prefix_lengths is None and pt.mask is None
-                and pt.q_start is None and pt.k_start == 0)
+        return (
+            self.dropout_p == 0
+            and not pt.has_modifiers
+            and pt.window is None
+            and pt.chunk is None
+            and pt.prefix_lengths is None
+            and pt.mask is None
+            and pt.q_start is None
+            and pt.k_start == 0
+        )
 
 
 def _check_tensors(q, k, v) -> None:
@@ -130,7 +146,9 @@ def _check_tensors(q, k, v) -> None:
                 f"attention: {name} must be a torch.Tensor (B, H, T, d), got {type(t).__name__}"
             )
         if t.dim() != 4:
-            raise ValueError(f"attention: {name} must be 4-D (B, H, T, d), got shape {_shape_str(t)}")
+            raise ValueError(
+                f"attention: {name} must be 4-D (B, H, T, d), got shape {_shape_str(t)}"
+            )
         if t.dtype not in FLOAT_DTYPES:
             raise ValueError(
                 f"attention: {name} {_shape_str(t)} has dtype {t.dtype}; expected one of fp64, fp32, "
@@ -177,9 +195,25 @@ def _check_lengths(q, k, pattern) -> None:
 
 
 def make_problem(
-    q, k, v, *, causal=True, window=None, lengths=None, key_padding_mask=None, cu_seqlens=None,
-    prefix_lengths=None, chunk=None, mask=None, alibi_slopes=None, softcap=None, sinks=None,
-    scale=None, dropout_p=0.0, generator=None, pattern: Pattern | None = None,
+    q,
+    k,
+    v,
+    *,
+    causal=True,
+    window=None,
+    lengths=None,
+    key_padding_mask=None,
+    cu_seqlens=None,
+    prefix_lengths=None,
+    chunk=None,
+    mask=None,
+    alibi_slopes=None,
+    softcap=None,
+    sinks=None,
+    scale=None,
+    dropout_p=0.0,
+    generator=None,
+    pattern: Pattern | None = None,
 ) -> Problem:
     """Check inputs and build a :class:`Problem`; every error names the argument and shapes.
 
@@ -188,11 +222,22 @@ def make_problem(
     _check_tensors(q, k, v)
     B, H_q, T_q, d_k = q.shape
     T_k = k.shape[2]
-    given = {n: x for n, x in (
-        ("window", window), ("lengths", lengths), ("key_padding_mask", key_padding_mask),
-        ("cu_seqlens", cu_seqlens), ("prefix_lengths", prefix_lengths), ("chunk", chunk),
-        ("mask", mask), ("alibi_slopes", alibi_slopes), ("softcap", softcap), ("sinks", sinks),
-    ) if x is not None}
+    given = {
+        n: x
+        for n, x in (
+            ("window", window),
+            ("lengths", lengths),
+            ("key_padding_mask", key_padding_mask),
+            ("cu_seqlens", cu_seqlens),
+            ("prefix_lengths", prefix_lengths),
+            ("chunk", chunk),
+            ("mask", mask),
+            ("alibi_slopes", alibi_slopes),
+            ("softcap", softcap),
+            ("sinks", sinks),
+        )
+        if x is not None
+    }
     if pattern is not None:
         if given or causal is not True:
             raise ValueError(
@@ -221,8 +266,9 @@ def make_problem(
     if not math.isfinite(scale):
         raise ValueError(f"attention: scale must be finite, got {scale}")
     p = _dropout.check_p(dropout_p)
-    if generator is not None and (not isinstance(generator, torch.Generator)
-                                  or generator.device.type != "cpu"):
+    if generator is not None and (
+        not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
+    ):
         raise ValueError(
             f"attention: generator must be a CPU torch.Generator (the dropout seed is drawn "
             f"on the host), got {generator!r}"

@@ -206,8 +206,14 @@ class _Tiles:
         pt = p.pattern
         B, H, T_q, T_k = p.dims
         self.p, self.b, self.dt = p, b, dt
-        shift = not (pt.per_batch or pt.per_head or pt.mask is not None or pt.chunk
-                     or pt.cu_seqlens is not None or pt.prefix_lengths is not None)
+        shift = not (
+            pt.per_batch
+            or pt.per_head
+            or pt.mask is not None
+            or pt.chunk
+            or pt.cu_seqlens is not None
+            or pt.prefix_lengths is not None
+        )
         cache: dict = {}
         self.blocks = []  # per query block: (a, a2, [(c, c2, _Mask | None), ...])
         for a, a2 in _row_blocks(p, b, bq):
@@ -484,9 +490,17 @@ def fwd(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
         for b0, b1 in _jobs(p):
             hd = _Heads(p, b0, b1, cd)
-            _fwd_job(p, _job_view(q, b0, b1, Hkv), _kv(k, b0, b1), _kv(v, b0, b1), hd, b0,
-                     _job_view(out, b0, b1, Hkv), _job_view(lse, b0, b1, Hkv).squeeze(-1),
-                     workers)
+            _fwd_job(
+                p,
+                _job_view(q, b0, b1, Hkv),
+                _kv(k, b0, b1),
+                _kv(v, b0, b1),
+                hd,
+                b0,
+                _job_view(out, b0, b1, Hkv),
+                _job_view(lse, b0, b1, Hkv).squeeze(-1),
+                workers,
+            )
     return out, lse.squeeze(-1)
 
 
@@ -543,19 +557,29 @@ def _bwd_job(p, Q, K, V, dO, LSE, D, hd, b, dQ_out, dK, dV, workers, lanes):
         y0, yb = _finite(y)
         L = _stack(LSE[:, :, a:a2].unsqueeze(-1), N, r)
         Dr = _stack(D[:, :, a:a2].unsqueeze(-1), N, r)
-        rows.append(_QueryRows(
-            q=x, q0=x0, q_flag=_flag(xb, 0, r),  # one block: one flag for the whole block
-            dout=y, dout0=y0, dout_flag=_flag(yb, 0, r),
-            lse=L.masked_fill(L == NEG_INF, float("inf")).mul_(LOG2E),  # no key: P = 0
-            lse_nan=bool(torch.isnan(L).any()), D=Dr,
-            # dS = P ∘ (dP - D) is 0 at blocked entries unless dP or D is non-finite there
-            d_finite=yb is None and bool(torch.isfinite(Dr).all()),
-        ))
+        rows.append(
+            _QueryRows(
+                q=x,
+                q0=x0,
+                q_flag=_flag(xb, 0, r),  # one block: one flag for the whole block
+                dout=y,
+                dout0=y0,
+                dout_flag=_flag(yb, 0, r),
+                lse=L.masked_fill(L == NEG_INF, float("inf")).mul_(LOG2E),  # no key: P = 0
+                lse_nan=bool(torch.isnan(L).any()),
+                D=Dr,
+                # dS = P ∘ (dP - D) is 0 at blocked entries unless dP or D is non-finite there
+                d_finite=yb is None and bool(torch.isfinite(Dr).all()),
+            )
+        )
     tasks = [(h, min(N, h + nh), c, min(n, c + bk)) for h in range(0, N, nh) for c in readers]
 
     def cost(t):
-        return (t[1] - t[0]) * (t[3] - t[2]) * sum(blocks[ai][1] - blocks[ai][0]
-                                                    for ai, _ in readers[t[2]])
+        return (
+            (t[1] - t[0])
+            * (t[3] - t[2])
+            * sum(blocks[ai][1] - blocks[ai][0] for ai, _ in readers[t[2]])
+        )
 
     soft = hd.softcap is not None
 
@@ -596,7 +620,9 @@ def _bwd_job(p, Q, K, V, dO, LSE, D, hd, b, dQ_out, dK, dV, workers, lanes):
                     keep = _keep(p, hd, h, h2, a, a2, c, c2)
                     dS.view(shape).mul_(keep)
                 dS.sub_(rows[ai].D[h:h2]).mul_(P)  # dS = P ∘ (dP·Z - D)
-                if masked and not (vfin and rows[ai].d_finite):  # P is 0 there, dP or D is not finite
+                if masked and not (
+                    vfin and rows[ai].d_finite
+                ):  # P is 0 there, dP or D is not finite
                     dS.view(shape).masked_fill_(~mask.pick(mask.allowed, heads), 0.0)
                 if soft:  # through the cap: d tanh = 1 - tanh²
                     T.mul_(T).neg_().add_(1.0)
@@ -654,10 +680,20 @@ def bwd(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dl
         for b0, b1 in _jobs(p):
             hd = _Heads(p, b0, b1, cd)
             _bwd_job(
-                p, _job_view(q, b0, b1, Hkv), _kv(k, b0, b1), _kv(v, b0, b1),
-                _job_view(dout, b0, b1, Hkv), _job_view(lse, b0, b1, Hkv).squeeze(-1),
-                _job_view(D, b0, b1, Hkv).squeeze(-1), hd, b0,
-                _job_view(dq, b0, b1, Hkv), _kv(dk, b0, b1), _kv(dv, b0, b1), workers, lanes,
+                p,
+                _job_view(q, b0, b1, Hkv),
+                _kv(k, b0, b1),
+                _kv(v, b0, b1),
+                _job_view(dout, b0, b1, Hkv),
+                _job_view(lse, b0, b1, Hkv).squeeze(-1),
+                _job_view(D, b0, b1, Hkv).squeeze(-1),
+                hd,
+                b0,
+                _job_view(dq, b0, b1, Hkv),
+                _kv(dk, b0, b1),
+                _kv(dv, b0, b1),
+                workers,
+                lanes,
             )
     return dq.to(p.q.dtype), dk.to(p.k.dtype), dv.to(p.v.dtype)
 
@@ -708,7 +744,8 @@ def forward(p: Problem, return_lse: bool = False):
     sk = p.pattern.sinks
     sinks = sk if isinstance(sk, torch.Tensor) and sk.requires_grad else None
     needs_grad = torch.is_grad_enabled() and (
-        sinks is not None or any(t.requires_grad for t in (p.q, p.k, p.v)))
+        sinks is not None or any(t.requires_grad for t in (p.q, p.k, p.v))
+    )
     if needs_grad:
         out, lse = _TiledAttention.apply(p.q, p.k, p.v, sinks, p)
     else:

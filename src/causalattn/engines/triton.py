@@ -52,8 +52,9 @@ def available() -> bool:
 
 def _require_triton() -> None:
     if triton is None:
-        raise ValueError("engine 'triton': the triton package is not installed "
-                         "(pip install '.[gpu]')")
+        raise ValueError(
+            "engine 'triton': the triton package is not installed (pip install '.[gpu]')"
+        )
 
 
 def _kernels():
@@ -114,43 +115,97 @@ def _configs(d_k: int, d_v: int, dtype: torch.dtype, interpret: bool) -> dict:
     big = max(pk, pv)
     if interpret:  # small tiles: several of them even at tiny T, and a fast interpreter
         small = big <= 128
-        fwd = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_DK=pk if small else 128,
-                   BLOCK_DV=pv if small else 256, num_warps=1, num_stages=1)
-        bwd = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_DK=pk if small else 128,
-                   BLOCK_DV=pv if small else 128, BLOCK_C=big if small else 256,
-                   num_warps=1, num_stages=1)
+        fwd = dict(
+            BLOCK_M=16,
+            BLOCK_N=16,
+            BLOCK_DK=pk if small else 128,
+            BLOCK_DV=pv if small else 256,
+            num_warps=1,
+            num_stages=1,
+        )
+        bwd = dict(
+            BLOCK_M=16,
+            BLOCK_N=16,
+            BLOCK_DK=pk if small else 128,
+            BLOCK_DV=pv if small else 128,
+            BLOCK_C=big if small else 256,
+            num_warps=1,
+            num_stages=1,
+        )
         cfg = {"fwd": fwd, "dkdv": dict(bwd), "dq": dict(bwd)}
     elif dtype != torch.float32:
         if big <= 128:
-            fwd = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_DK=pk, BLOCK_DV=pv,
-                       num_warps=8 if big >= 128 else 4, num_stages=3)
+            fwd = dict(
+                BLOCK_M=128,
+                BLOCK_N=64,
+                BLOCK_DK=pk,
+                BLOCK_DV=pv,
+                num_warps=8 if big >= 128 else 4,
+                num_stages=3,
+            )
         elif big <= 256:
             fwd = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_DK=pk, BLOCK_DV=pv, num_warps=8, num_stages=2)
         else:
             # 256 output columns a program (4 for d = 1000: Q Kᵀ computed 4 times); 128 rows
             # with them would spill registers (benchmarks/compile_check.py)
-            fwd = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=256, num_warps=8,
-                       num_stages=3)
+            fwd = dict(
+                BLOCK_M=64, BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=256, num_warps=8, num_stages=3
+            )
         if big <= 128:
-            dkdv = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_DK=pk, BLOCK_DV=pv, BLOCK_C=big,
-                        num_warps=8 if big >= 128 else 4, num_stages=2)
-            dq = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_DK=pk, BLOCK_DV=pv, BLOCK_C=big,
-                      num_warps=8 if big >= 128 else 4, num_stages=2)
+            dkdv = dict(
+                BLOCK_M=64,
+                BLOCK_N=128,
+                BLOCK_DK=pk,
+                BLOCK_DV=pv,
+                BLOCK_C=big,
+                num_warps=8 if big >= 128 else 4,
+                num_stages=2,
+            )
+            dq = dict(
+                BLOCK_M=128,
+                BLOCK_N=64,
+                BLOCK_DK=pk,
+                BLOCK_DV=pv,
+                BLOCK_C=big,
+                num_warps=8 if big >= 128 else 4,
+                num_stages=2,
+            )
         else:
-            dkdv = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=128, BLOCK_C=256,
-                        num_warps=8, num_stages=2)
+            dkdv = dict(
+                BLOCK_M=64,
+                BLOCK_N=64,
+                BLOCK_DK=128,
+                BLOCK_DV=128,
+                BLOCK_C=256,
+                num_warps=8,
+                num_stages=2,
+            )
             dq = dict(dkdv)
         cfg = {"fwd": fwd, "dkdv": dkdv, "dq": dq}
     else:
         if big <= 128:
             fwd = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_DK=pk, BLOCK_DV=pv, num_warps=4, num_stages=2)
-            dkdv = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_DK=pk, BLOCK_DV=pv, BLOCK_C=big,
-                        num_warps=4, num_stages=2)
+            dkdv = dict(
+                BLOCK_M=32,
+                BLOCK_N=32,
+                BLOCK_DK=pk,
+                BLOCK_DV=pv,
+                BLOCK_C=big,
+                num_warps=4,
+                num_stages=2,
+            )
             dq = dict(dkdv)
         else:
             fwd = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_DK=32, BLOCK_DV=128, num_warps=4, num_stages=1)
-            dkdv = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_DK=32, BLOCK_DV=32, BLOCK_C=64,
-                        num_warps=4, num_stages=1)
+            dkdv = dict(
+                BLOCK_M=32,
+                BLOCK_N=32,
+                BLOCK_DK=32,
+                BLOCK_DV=32,
+                BLOCK_C=64,
+                num_warps=4,
+                num_stages=1,
+            )
             dq = dict(dkdv)
         cfg = {"fwd": fwd, "dkdv": dkdv, "dq": dq}
     if CONFIG_OVERRIDE:
@@ -175,9 +230,13 @@ def supports(p: Problem, return_lse: bool = False) -> bool:
     """Whether the kernels run this problem: every pattern, modifier and dropout, fp16 /
     bf16 / fp32, head sizes 1..1024, on CUDA (or the CPU under TRITON_INTERPRET=1)."""
     on = p.q.device.type == "cuda" or _interpreting()
-    return (triton is not None and on and p.q.dtype in (torch.float16, torch.bfloat16,
-                                                         torch.float32)
-            and 1 <= p.q.shape[-1] <= 1024 and 1 <= p.v.shape[-1] <= 1024)
+    return (
+        triton is not None
+        and on
+        and p.q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and 1 <= p.q.shape[-1] <= 1024
+        and 1 <= p.v.shape[-1] <= 1024
+    )
 
 
 def prefers(p: Problem) -> bool:
@@ -229,16 +288,18 @@ class _Plan:
         nonef = torch.zeros(1, dtype=torch.float32, device=dev)
 
         self.has_kpm = pat.key_padding_mask is not None
-        self.kpm = (_device_tensor(pat.key_padding_mask, dev, torch.int8) if self.has_kpm
-                    else none8)
+        self.kpm = _device_tensor(pat.key_padding_mask, dev, torch.int8) if self.has_kpm else none8
         # plain causal / full attention: the kernels compute the intervals themselves
-        self.arrays = any(x is not None for x in (
-            pat.lengths, pat.cu_seqlens, pat.window, pat.chunk, pat.prefix_lengths))
+        self.arrays = any(
+            x is not None
+            for x in (pat.lengths, pat.cu_seqlens, pat.window, pat.chunk, pat.prefix_lengths)
+        )
         if self.arrays:
             lo, hi = pat.row_ranges(B, T_q, T_k)
             self.lo64, self.hi64 = (
                 torch.from_numpy(np.array(np.broadcast_to(x, (B, T_q)), order="C")).to(dev)
-                for x in (lo, hi))
+                for x in (lo, hi)
+            )
             self.lo, self.hi = self.lo64.to(torch.int32), self.hi64.to(torch.int32)
         else:
             self.lo = self.hi = self.none32
@@ -251,8 +312,11 @@ class _Plan:
             self.mask_bool = m
             self.mask = m.view(torch.int8)
             st = m.stride()
-            self.mask_strides = (st[0] if m.shape[0] > 1 else 0,
-                                 st[1] if m.shape[1] > 1 else 0, st[2])
+            self.mask_strides = (
+                st[0] if m.shape[0] > 1 else 0,
+                st[1] if m.shape[1] > 1 else 0,
+                st[2],
+            )
 
         self.has_alibi = pat.alibi_slopes is not None
         self.slopes = nonef
@@ -275,14 +339,26 @@ class _Plan:
             self.colpos = p.dropout_cols().to(dev, torch.int32).contiguous()
 
     def flags(self) -> dict:
-        return dict(HAS_KPM=self.has_kpm, ROWS=self.arrays, CAUSAL=self.causal,
-                    HAS_MASK=self.has_mask, SOFTCAP=self.softcap is not None,
-                    ALIBI=self.has_alibi, DROPOUT=self.dropout)
+        return dict(
+            HAS_KPM=self.has_kpm,
+            ROWS=self.arrays,
+            CAUSAL=self.causal,
+            HAS_MASK=self.has_mask,
+            SOFTCAP=self.softcap is not None,
+            ALIBI=self.has_alibi,
+            DROPOUT=self.dropout,
+        )
 
     def scalars(self, scale: float) -> tuple:
         """scale, softcap, seed, seed_offset, drop_thr, drop_scale: the kernels' scalars."""
-        return (scale, self.softcap or 1.0, self.seed, self.seed_offset, self.drop_thr,
-                self.drop_scale)
+        return (
+            scale,
+            self.softcap or 1.0,
+            self.seed,
+            self.seed_offset,
+            self.drop_thr,
+            self.drop_scale,
+        )
 
     def blocks(self, block_m: int, block_n: int):
         """The dense mask's kind per (BLOCK_M × BLOCK_N) tile, int8 (B', H', n_m, n_n):
@@ -304,8 +380,11 @@ class _Plan:
             every = padded(True).view(tiles).all(5).all(3)
             kinds = torch.where(every, 1, torch.where(some, 2, 0)).to(torch.int8).contiguous()
             st = kinds.stride()
-            strides = (st[0] if kinds.shape[0] > 1 else 0, st[1] if kinds.shape[1] > 1 else 0,
-                       st[2])
+            strides = (
+                st[0] if kinds.shape[0] > 1 else 0,
+                st[1] if kinds.shape[1] > 1 else 0,
+                st[2],
+            )
             self._blocks[(block_m, block_n)] = (kinds, strides)
         return self._blocks[(block_m, block_n)]
 
@@ -335,8 +414,19 @@ def _prec(dtype: torch.dtype) -> str | None:
 
 def _tiles(c: dict, d_k: int, d_v: int) -> dict:
     """A kernel config as launch keywords: tile sizes, d-chunk counts, warps, stages."""
-    kw = {n: c[n] for n in ("BLOCK_M", "BLOCK_N", "BLOCK_DK", "BLOCK_DV", "BLOCK_C",
-                            "num_warps", "num_stages") if n in c}
+    kw = {
+        n: c[n]
+        for n in (
+            "BLOCK_M",
+            "BLOCK_N",
+            "BLOCK_DK",
+            "BLOCK_DV",
+            "BLOCK_C",
+            "num_warps",
+            "num_stages",
+        )
+        if n in c
+    }
     kw["NUM_DK"] = triton.cdiv(d_k, c["BLOCK_DK"])
     if "BLOCK_C" in c:
         kw["NUM_DV"] = triton.cdiv(d_v, c["BLOCK_DV"])
@@ -353,17 +443,38 @@ def _launch_fwd(q, k, v, plan: _Plan, scale: float, cfg: dict):
     blocks, block_strides = plan.blocks(c["BLOCK_M"], c["BLOCK_N"])
     grid = (triton.cdiv(T_q, c["BLOCK_M"]), triton.cdiv(d_v, c["BLOCK_DV"]), B * H_q)
     kern.fwd_kernel[grid](
-        q, k, v, o, lse, plan.lo, plan.hi, plan.kpm, plan.mask, blocks, plan.slopes,
-        plan.sinks, plan.rowpos, plan.colpos,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        plan.lo,
+        plan.hi,
+        plan.kpm,
+        plan.mask,
+        blocks,
+        plan.slopes,
+        plan.sinks,
+        plan.rowpos,
+        plan.colpos,
         *q.stride(),
         *k.stride(),
         *v.stride(),
         *o.stride(),
         *plan.mask_strides,
         *block_strides,
-        H_q, T_q, T_k, d_k, d_v, H_q // H_kv, plan.offset,
+        H_q,
+        T_q,
+        T_k,
+        d_k,
+        d_v,
+        H_q // H_kv,
+        plan.offset,
         *plan.scalars(scale),
-        **plan.flags(), SINKS=plan.has_sinks, PREC=_prec(q.dtype), **_tiles(c, d_k, d_v),
+        **plan.flags(),
+        SINKS=plan.has_sinks,
+        PREC=_prec(q.dtype),
+        **_tiles(c, d_k, d_v),
     )
     return o, lse
 
@@ -379,8 +490,17 @@ def _launch_preprocess(out, dout, lse, dlse, cfg: dict):
     has_dlse = dlse is not None
     dlse = dlse.float().contiguous() if has_dlse else lse
     kern.bwd_preprocess[(triton.cdiv(n_rows, block_m),)](
-        out, dout, lse, dlse, D, n_rows, D_V=d_v, HAS_DLSE=has_dlse, BLOCK_M=block_m,
-        BLOCK_DV=block_dv, NUM_DV=triton.cdiv(d_v, block_dv),
+        out,
+        dout,
+        lse,
+        dlse,
+        D,
+        n_rows,
+        D_V=d_v,
+        HAS_DLSE=has_dlse,
+        BLOCK_M=block_m,
+        BLOCK_DV=block_dv,
+        NUM_DV=triton.cdiv(d_v, block_dv),
     )
     return D
 
@@ -398,8 +518,23 @@ def _launch_bwd(q, k, v, do, lse, D, plan: _Plan, scale: float, cfg: dict):
     n_blocks = triton.cdiv(T_k, c["BLOCK_N"])
     grid = (n_blocks, triton.cdiv(max(d_k, d_v), c["BLOCK_C"]), B * H_kv)
     kern.dkdv_kernel[grid](
-        q, k, v, do, lse, D, dk, dv, plan.lo, plan.hi, plan.kpm, ranges, plan.mask, blocks,
-        plan.slopes, plan.rowpos, plan.colpos,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        D,
+        dk,
+        dv,
+        plan.lo,
+        plan.hi,
+        plan.kpm,
+        ranges,
+        plan.mask,
+        blocks,
+        plan.slopes,
+        plan.rowpos,
+        plan.colpos,
         *q.stride(),
         *k.stride(),
         *v.stride(),
@@ -408,16 +543,39 @@ def _launch_bwd(q, k, v, do, lse, D, plan: _Plan, scale: float, cfg: dict):
         *dv.stride(),
         *plan.mask_strides,
         *block_strides,
-        H_q, H_kv, T_q, T_k, d_k, d_v, H_q // H_kv, n_blocks, plan.offset,
+        H_q,
+        H_kv,
+        T_q,
+        T_k,
+        d_k,
+        d_v,
+        H_q // H_kv,
+        n_blocks,
+        plan.offset,
         *plan.scalars(scale),
-        **plan.flags(), PREC=_prec(q.dtype), **_tiles(c, d_k, d_v),
+        **plan.flags(),
+        PREC=_prec(q.dtype),
+        **_tiles(c, d_k, d_v),
     )
     c = cfg["dq"]
     blocks, block_strides = plan.blocks(c["BLOCK_M"], c["BLOCK_N"])
     grid = (triton.cdiv(T_q, c["BLOCK_M"]), triton.cdiv(d_k, c["BLOCK_C"]), B * H_q)
     kern.dq_kernel[grid](
-        q, k, v, do, lse, D, dq, plan.lo, plan.hi, plan.kpm, plan.mask, blocks, plan.slopes,
-        plan.rowpos, plan.colpos,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        D,
+        dq,
+        plan.lo,
+        plan.hi,
+        plan.kpm,
+        plan.mask,
+        blocks,
+        plan.slopes,
+        plan.rowpos,
+        plan.colpos,
         *q.stride(),
         *k.stride(),
         *v.stride(),
@@ -425,9 +583,17 @@ def _launch_bwd(q, k, v, do, lse, D, plan: _Plan, scale: float, cfg: dict):
         *dq.stride(),
         *plan.mask_strides,
         *block_strides,
-        H_q, T_q, T_k, d_k, d_v, H_q // H_kv, plan.offset,
+        H_q,
+        T_q,
+        T_k,
+        d_k,
+        d_v,
+        H_q // H_kv,
+        plan.offset,
         *plan.scalars(scale),
-        **plan.flags(), PREC=_prec(q.dtype), **_tiles(c, d_k, d_v),
+        **plan.flags(),
+        PREC=_prec(q.dtype),
+        **_tiles(c, d_k, d_v),
     )
     return dq, dk, dv
 
@@ -535,8 +701,9 @@ def bwd(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dl
         return _backward(p, plan, cfg, *_contiguous(p), out, lse, dout, dlse)[:3]
 
 
-def sinks_grad(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
-               dlse=None) -> torch.Tensor:
+def sinks_grad(
+    p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse=None
+) -> torch.Tensor:
     """d loss / d sinks ``(H_q,)`` fp32 from the given out, lse and dout (and dlse), as
     :func:`causalattn.engines.tiled.sinks_grad`: -Σ_{b,i} exp(s_h - lse)·D."""
     H_q = p.q.shape[1]

@@ -51,6 +51,7 @@ _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("causalattn_capture", d
 
 # ---- the stages of one layer --------------------------------------------------------------
 
+
 def layer_stages(Q, K, V, pattern: masks.Pattern, scale: float) -> dict[str, torch.Tensor]:
     """S, [S_cap, E,] M, Z, A and H of one layer, in float64, from what its attention received.
 
@@ -84,13 +85,15 @@ def layer_stages(Q, K, V, pattern: masks.Pattern, scale: float) -> dict[str, tor
     denom = E.sum(-1, keepdim=True)
     if sinks is not None:
         denom = denom + torch.exp(sinks - m)
-    A = out["A"] = torch.where(has_key, E / torch.where(has_key, denom, torch.ones_like(denom)),
-                               0.0)
+    A = out["A"] = torch.where(
+        has_key, E / torch.where(has_key, denom, torch.ones_like(denom)), 0.0
+    )
     out["H"] = A @ V
     return out
 
 
 # ---- one recorded layer -------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class _Record:
@@ -236,8 +239,9 @@ class CapturedTrace(Trace):
     def _stages(self) -> dict[str, torch.Tensor]:
         """This layer's S, M, Z, A, H in float64 (:func:`layer_stages`), computed afresh."""
         r = self._rec
-        Q, K, V = (torch.from_numpy(np.asarray(a, np.float64))
-                   for a in (r.Q, r.expand(r.K), r.expand(r.V)))
+        Q, K, V = (
+            torch.from_numpy(np.asarray(a, np.float64)) for a in (r.Q, r.expand(r.K), r.expand(r.V))
+        )
         return layer_stages(Q, K, V, r.received, r.scale)
 
     def __repr__(self) -> str:
@@ -250,8 +254,9 @@ class CapturedTrace(Trace):
         if B == 1:
             index = (0, *index)
         if not 1 <= len(index) <= 2:
-            raise ValueError(f"select: give (b,) or (b, h) for a batch, (h,) for one sequence; "
-                             f"got {index}")
+            raise ValueError(
+                f"select: give (b,) or (b, h) for a batch, (h,) for one sequence; got {index}"
+            )
         b = index[0]
         r = self._rec
         kw = {}
@@ -261,24 +266,45 @@ class CapturedTrace(Trace):
             h = index[1]
             g = r.Q.shape[1] // r.K.shape[1]
             hs, kvs = slice(h, h + 1), slice(h // g, h // g + 1)
-            kw = {"Q": r.Q[bs, hs], "K": r.K[bs, kvs], "V": r.V[bs, kvs], "H": r.H[bs, hs],
-                  "O": None, "W_o": None}
+            kw = {
+                "Q": r.Q[bs, hs],
+                "K": r.K[bs, kvs],
+                "V": r.V[bs, kvs],
+                "H": r.H[bs, hs],
+                "O": None,
+                "W_o": None,
+            }
         else:
-            kw = {"Q": r.Q[bs], "K": r.K[bs], "V": r.V[bs], "H": r.H[bs],
-                  "O": None if r.O is None else r.O[bs]}
-        sub = replace(r, **kw,
-                      received=_pattern_heads(_pattern_rows(r.received, bs), hs),
-                      declared=_pattern_heads(_pattern_rows(r.declared, bs), hs))
+            kw = {
+                "Q": r.Q[bs],
+                "K": r.K[bs],
+                "V": r.V[bs],
+                "H": r.H[bs],
+                "O": None if r.O is None else r.O[bs],
+            }
+        sub = replace(
+            r,
+            **kw,
+            received=_pattern_heads(_pattern_rows(r.received, bs), hs),
+            declared=_pattern_heads(_pattern_rows(r.declared, bs), hs),
+        )
         tokens = None if self.batch_tokens is None else [self.batch_tokens[b]]
         tr = CapturedTrace(sub, tokens)
         if len(index) == 2:  # one head: no head axis
             arrays = {n: tr[n][0] for n in tr.names}
-            return Trace(arrays, allowed=tr.allowed[0], scale=tr.scale, tokens=tr.tokens,
-                         pattern=tr.pattern, reasons=tr.reasons[0])
+            return Trace(
+                arrays,
+                allowed=tr.allowed[0],
+                scale=tr.scale,
+                tokens=tr.tokens,
+                pattern=tr.pattern,
+                reasons=tr.reasons[0],
+            )
         return tr
 
 
 # ---- readable tokens ----------------------------------------------------------------------
+
 
 def _byte_alphabet() -> dict[str, int]:
     """Byte-level BPE's printable stand-ins (GPT-2's 'Ġ' for a space) -> the byte."""
@@ -297,8 +323,9 @@ _BYTES = _byte_alphabet()
 
 
 def _is_byte_level(tokenizer) -> bool:
-    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer",
-                                                                       None)
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(
+        tokenizer, "_tokenizer", None
+    )
     dec = getattr(backend, "decoder", None)
     return "ByteLevel" in repr(dec) if dec is not None else False
 
@@ -324,6 +351,7 @@ def token_strings(tokenizer, ids) -> list[str]:
 
 
 # ---- the run ------------------------------------------------------------------------------
+
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu", torch.float32).numpy()
@@ -357,9 +385,15 @@ def _declared(module, layer: int, received: masks.Pattern, key_padding) -> masks
         # HF counts Llama 4's chunks from each row's first real token, the chunk rule from
         # position 0: with left padding no Pattern declares it, and the layer's own is taken
         return received
-    return masks.Pattern(causal=causal, window=window, chunk=chunk,
-                         key_padding_mask=key_padding, softcap=received.softcap,
-                         sinks=received.sinks, alibi_slopes=received.alibi_slopes)
+    return masks.Pattern(
+        causal=causal,
+        window=window,
+        chunk=chunk,
+        key_padding_mask=key_padding,
+        softcap=received.softcap,
+        sinks=received.sinks,
+        alibi_slopes=received.alibi_slopes,
+    )
 
 
 def _projection(module):
@@ -382,29 +416,54 @@ class _Recorder:
         self.records: dict[int, dict] = {}
         self.calls = 0
 
-    def __call__(self, module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                 **kwargs):
+    def __call__(
+        self, module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
+    ):
         from .transformers import attention_forward
 
         layer = getattr(module, "layer_idx", None)
         layer = self.calls if layer is None else int(layer)
         self.calls += 1
         if layer not in self.layers:
-            return attention_forward(module, query, key, value, attention_mask, scaling,
-                                     dropout, engine=self.engine, **kwargs)
+            return attention_forward(
+                module,
+                query,
+                key,
+                value,
+                attention_mask,
+                scaling,
+                dropout,
+                engine=self.engine,
+                **kwargs,
+            )
         # a recorded layer runs in float32 at least (the engines accumulate in float32 for
         # bf16/fp16 anyway), so its H is the engine's before the rounding to the model's dtype
         up = torch.promote_types(query.dtype, torch.float32)
-        out, _ = attention_forward(module, query.to(up), key.to(up), value.to(up),
-                                   attention_mask, scaling, dropout, engine=self.engine, **kwargs)
+        out, _ = attention_forward(
+            module,
+            query.to(up),
+            key.to(up),
+            value.to(up),
+            attention_mask,
+            scaling,
+            dropout,
+            engine=self.engine,
+            **kwargs,
+        )
         pat, n = pattern_from_hf(module, query, key, attention_mask, **kwargs)
         scale = float(scaling) if scaling is not None else masks.default_scale(query.shape[-1])
         kpm = self.key_padding
         if kpm is not None:
             kpm = kpm[:, :n] if kpm.shape[1] >= n else None
-        rec = {"layer": layer, "Q": _numpy(query), "K": _numpy(key[:, :, :n]),
-               "V": _numpy(value[:, :, :n]), "H": _numpy(out.transpose(1, 2)),
-               "received": _host(pat), "scale": scale}
+        rec = {
+            "layer": layer,
+            "Q": _numpy(query),
+            "K": _numpy(key[:, :, :n]),
+            "V": _numpy(value[:, :, :n]),
+            "H": _numpy(out.transpose(1, 2)),
+            "received": _host(pat),
+            "scale": scale,
+        }
         rec["declared"] = _host(_declared(module, layer, rec["received"], kpm))
         proj = _projection(module)
         if proj is not None:
@@ -431,8 +490,10 @@ class _Recorder:
 def _dispatch(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     rec = _ACTIVE.get()
     if rec is None:
-        raise ValueError(f"attn_implementation={CAPTURE_NAME!r} runs only inside capture(); "
-                         "use 'causalattn' otherwise")
+        raise ValueError(
+            f"attn_implementation={CAPTURE_NAME!r} runs only inside capture(); "
+            "use 'causalattn' otherwise"
+        )
     return rec(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
 
 
@@ -447,18 +508,26 @@ def _register() -> None:
 
 
 def _n_layers(model) -> int:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else (
-        model.config)
+    cfg = (
+        model.config.get_text_config()
+        if hasattr(model.config, "get_text_config")
+        else (model.config)
+    )
     n = getattr(cfg, "num_hidden_layers", None)
     if not isinstance(n, int):
-        raise ValueError(f"capture: the model's config ({type(cfg).__name__}) names no "
-                         "num_hidden_layers; is it a transformer language model?")
+        raise ValueError(
+            f"capture: the model's config ({type(cfg).__name__}) names no "
+            "num_hidden_layers; is it a transformer language model?"
+        )
     return n
 
 
 def _context(model) -> int | None:
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else (
-        model.config)
+    cfg = (
+        model.config.get_text_config()
+        if hasattr(model.config, "get_text_config")
+        else (model.config)
+    )
     for name in ("max_position_embeddings", "n_positions", "n_ctx", "seq_length"):
         v = getattr(cfg, name, None)
         if isinstance(v, int) and v > 0:
@@ -471,8 +540,10 @@ def _as_ids(input_ids, attention_mask):
     if ids.dim() == 1:
         ids = ids[None]
     if ids.dim() != 2 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise ValueError(f"capture: input_ids must be integer token ids (T,) or (B, T), got "
-                         f"shape {tuple(ids.shape)} and dtype {ids.dtype}")
+        raise ValueError(
+            f"capture: input_ids must be integer token ids (T,) or (B, T), got "
+            f"shape {tuple(ids.shape)} and dtype {ids.dtype}"
+        )
     if ids.shape[1] == 0:
         raise ValueError("capture: input_ids is empty (T = 0); give at least one token")
     am = None
@@ -481,16 +552,19 @@ def _as_ids(input_ids, attention_mask):
         if am.dim() == 1:
             am = am[None]
         if tuple(am.shape) != tuple(ids.shape):
-            raise ValueError(f"capture: attention_mask must be (B, T) = {tuple(ids.shape)} like "
-                             f"input_ids, got {tuple(am.shape)}")
+            raise ValueError(
+                f"capture: attention_mask must be (B, T) = {tuple(ids.shape)} like "
+                f"input_ids, got {tuple(am.shape)}"
+            )
         am = am.bool()
         if bool(am.all()):
             am = None
     return ids, am
 
 
-def capture(model, input_ids, attention_mask=None, layers=None, *, tokenizer=None,
-            engine: str = "auto") -> list[CapturedTrace]:
+def capture(
+    model, input_ids, attention_mask=None, layers=None, *, tokenizer=None, engine: str = "auto"
+) -> list[CapturedTrace]:
     """Run ``model`` once on ``input_ids`` and return one :class:`CapturedTrace` per chosen layer.
 
     model: a transformers causal LM (any attention implementation; it is switched to
@@ -509,20 +583,24 @@ def capture(model, input_ids, attention_mask=None, layers=None, *, tokenizer=Non
         chosen = list(range(n_layers))
     else:
         chosen = []
-        for x in ([layers] if isinstance(layers, int) else list(layers)):
+        for x in [layers] if isinstance(layers, int) else list(layers):
             if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
                 raise ValueError(f"capture: layers must be integers, got {x!r}")
             if not -n_layers <= x < n_layers:
-                raise ValueError(f"capture: layer {x} is out of range; the model has "
-                                 f"{n_layers} layers (0..{n_layers - 1})")
+                raise ValueError(
+                    f"capture: layer {x} is out of range; the model has "
+                    f"{n_layers} layers (0..{n_layers - 1})"
+                )
             chosen.append(int(x) % n_layers)
         if not chosen:
             raise ValueError("capture: layers is empty; give at least one layer index")
     ids, am = _as_ids(input_ids, attention_mask)
     ctx = _context(model)
     if ctx is not None and ids.shape[1] > ctx:
-        raise ValueError(f"capture: the text is T = {ids.shape[1]} tokens but the model's "
-                         f"context is {ctx}; shorten it")
+        raise ValueError(
+            f"capture: the text is T = {ids.shape[1]} tokens but the model's "
+            f"context is {ctx}; shorten it"
+        )
     if tokenizer is None:
         tokenizer = _local_tokenizer(model)
     dev = next(model.parameters()).device
@@ -546,8 +624,10 @@ def capture(model, input_ids, attention_mask=None, layers=None, *, tokenizer=Non
         model.train(was_training)
     missing = [layer for layer in chosen if layer not in rec.records]
     if missing:
-        raise ValueError(f"capture: layers {missing} never called the attention function; is "
-                         f"this a transformer causal LM ({type(model).__name__})?")
+        raise ValueError(
+            f"capture: layers {missing} never called the attention function; is "
+            f"this a transformer causal LM ({type(model).__name__})?"
+        )
     toks = [token_strings(tokenizer, row) for row in ids.cpu().tolist()]
     return [CapturedTrace(_Record(**rec.records[layer]), toks) for layer in chosen]
 

@@ -42,8 +42,10 @@ def load(path: str | Path):
     if not p.is_dir():
         cached = _from_cache(str(path))
         if cached is None:
-            raise ValueError(f"{p}: no such folder, nor a model in the local Hugging Face cache "
-                             "(give a folder written by save_pretrained)")
+            raise ValueError(
+                f"{p}: no such folder, nor a model in the local Hugging Face cache "
+                "(give a folder written by save_pretrained)"
+            )
         p = cached
     if not (p / "config.json").is_file():
         raise ValueError(f"{p}: not a Hugging Face model folder (no config.json)")
@@ -51,25 +53,32 @@ def load(path: str | Path):
     transformers.logging.disable_progress_bar()
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            p, local_files_only=True, attn_implementation="eager", dtype="float32")
+            p, local_files_only=True, attn_implementation="eager", dtype="float32"
+        )
     except (ValueError, KeyError) as exc:  # a config type with no causal-LM head
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ValueError(f"{p}: not a causal language model transformers can load here "
-                         f"({first[:200]})") from None
+        raise ValueError(
+            f"{p}: not a causal language model transformers can load here ({first[:200]})"
+        ) from None
     except OSError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"{p}: the model cannot be read ({first[:200]})") from None
     cfg = model.config.get_text_config()
-    if getattr(cfg, "is_encoder_decoder", False) or getattr(cfg, "is_decoder", True) is False \
-            or not getattr(cfg, "is_causal", True):
-        raise ValueError(f"{p}: not a causal language model ({type(cfg).__name__} attends both "
-                         "ways)")
+    if (
+        getattr(cfg, "is_encoder_decoder", False)
+        or getattr(cfg, "is_decoder", True) is False
+        or not getattr(cfg, "is_causal", True)
+    ):
+        raise ValueError(
+            f"{p}: not a causal language model ({type(cfg).__name__} attends both ways)"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(p, local_files_only=True)
     except (OSError, ValueError, TypeError) as exc:
-        raise ValueError(f"{p}: no usable tokenizer saved with the model "
-                         f"({str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc})"
-                         ) from None
+        raise ValueError(
+            f"{p}: no usable tokenizer saved with the model "
+            f"({str(exc).strip().splitlines()[0][:200] if str(exc).strip() else exc})"
+        ) from None
     return model.eval(), tokenizer
 
 
@@ -85,8 +94,10 @@ def encode(tokenizer, text: str, model):
         raise ValueError("text: the tokenizer made no tokens of it")
     ctx = _context(model)
     if ctx is not None and ids.shape[1] > ctx:
-        raise ValueError(f"text: {ids.shape[1]} tokens, longer than the model's context of "
-                         f"{ctx} tokens; shorten it")
+        raise ValueError(
+            f"text: {ids.shape[1]} tokens, longer than the model's context of "
+            f"{ctx} tokens; shorten it"
+        )
     return ids
 
 
@@ -105,8 +116,9 @@ def parse_layers(spec: str | None) -> list[int] | None:
             else:
                 out.append(int(part))
         except ValueError:
-            raise ValueError(f"--layers: {spec!r} is not a list of layer indices such as "
-                             "'0,3,5-7'") from None
+            raise ValueError(
+                f"--layers: {spec!r} is not a list of layer indices such as '0,3,5-7'"
+            ) from None
     return out
 
 
@@ -126,10 +138,18 @@ class LayerAudit:
     report: object
 
     def to_dict(self) -> dict:
-        return {"layer": self.layer, "heads": self.heads, "ok": self.ok, "stage": self.stage,
-                "check": self.check, "message": self.message, "hint": self.hint,
-                "worst_row_sum_error": self.worst_row_sum_error, "empty_rows": self.empty_rows,
-                "report": self.report.to_dict()}
+        return {
+            "layer": self.layer,
+            "heads": self.heads,
+            "ok": self.ok,
+            "stage": self.stage,
+            "check": self.check,
+            "message": self.message,
+            "hint": self.hint,
+            "worst_row_sum_error": self.worst_row_sum_error,
+            "empty_rows": self.empty_rows,
+            "report": self.report.to_dict(),
+        }
 
 
 def _row_sum_error(tr) -> float:
@@ -158,11 +178,18 @@ def audit_layers(traces) -> list[LayerAudit]:
     for tr in traces:
         report = audit(tr)
         ff = report.first_failure
-        rows.append(LayerAudit(
-            layer=tr.layer, heads=tr.n_heads, ok=report.ok,
-            stage=None if ff is None else ff.stage, check=None if ff is None else ff.name,
-            message=None if ff is None else ff.message, hint=None if ff is None else ff.hint,
-            worst_row_sum_error=_row_sum_error(tr),
-            empty_rows=sum(len(e["rows"]) for e in report.empty_rows), report=report,
-        ))
+        rows.append(
+            LayerAudit(
+                layer=tr.layer,
+                heads=tr.n_heads,
+                ok=report.ok,
+                stage=None if ff is None else ff.stage,
+                check=None if ff is None else ff.name,
+                message=None if ff is None else ff.message,
+                hint=None if ff is None else ff.hint,
+                worst_row_sum_error=_row_sum_error(tr),
+                empty_rows=sum(len(e["rows"]) for e in report.empty_rows),
+                report=report,
+            )
+        )
     return rows

@@ -30,8 +30,12 @@ REFUSED_KWARGS = ("position_bias", "alibi", "attn_bias")  # additive biases we c
 
 def _boolean(mask: torch.Tensor, B: int, H: int, T_q: int, T_k: int) -> torch.Tensor:
     """HF's mask as booleans ``(B|1, 1|H, T_q, T_k)``, True = may read; checks shape and kind."""
-    if (mask.dim() != 4 or mask.shape[0] not in (1, B) or mask.shape[1] not in (1, H)
-            or tuple(mask.shape[2:]) != (T_q, T_k)):
+    if (
+        mask.dim() != 4
+        or mask.shape[0] not in (1, B)
+        or mask.shape[1] not in (1, H)
+        or tuple(mask.shape[2:]) != (T_q, T_k)
+    ):
         raise ValueError(
             f"causalattn attention: attention_mask must be (B, 1, T_q, T_k) = ({B}, 1, {T_q}, "
             f"{T_k}), got {_shape_str(mask)}"
@@ -39,8 +43,9 @@ def _boolean(mask: torch.Tensor, B: int, H: int, T_q: int, T_k: int) -> torch.Te
     if mask.dtype == torch.bool:
         return mask
     if not mask.dtype.is_floating_point:
-        raise ValueError(f"causalattn attention: attention_mask has dtype {mask.dtype}; "
-                         "expected bool or float")
+        raise ValueError(
+            f"causalattn attention: attention_mask has dtype {mask.dtype}; expected bool or float"
+        )
     allowed = mask == 0  # HF's eager masks: 0 where allowed, finfo.min (or -inf) where blocked
     blocked = mask <= torch.finfo(mask.dtype).min / 2
     if not bool((allowed | blocked).all()):
@@ -147,8 +152,10 @@ def pattern_from_hf(
     """
     for name in REFUSED_KWARGS:
         if kwargs.get(name) is not None:
-            raise ValueError(f"causalattn attention: {name!r} (an additive score bias) is not "
-                             "supported; use attn_implementation='eager'")
+            raise ValueError(
+                f"causalattn attention: {name!r} (an additive score bias) is not "
+                "supported; use attn_implementation='eager'"
+            )
     B, H, T_q, _ = query.shape
     T_k = key.shape[2]
     is_causal = kwargs.get("is_causal")
@@ -160,8 +167,10 @@ def pattern_from_hf(
     chunk = _chunk_of(module)
     modifiers = {"softcap": kwargs.get("softcap") or None, "sinks": kwargs.get("s_aux")}
     if modifiers["sinks"] is not None and tuple(modifiers["sinks"].shape) != (H,):
-        raise ValueError(f"causalattn attention: s_aux (sinks) must be one logit per head, "
-                         f"(H,) = ({H},); got {_shape_str(modifiers['sinks'])}")
+        raise ValueError(
+            f"causalattn attention: s_aux (sinks) must be one logit per head, "
+            f"(H,) = ({H},); got {_shape_str(modifiers['sinks'])}"
+        )
     if attention_mask is None:
         n = T_k
         if causal and 1 < T_q < T_k:
@@ -172,8 +181,7 @@ def pattern_from_hf(
         # declared all the same, so the trace names the layer's real pattern
         return masks.Pattern(causal=causal, window=window if causal else None, **modifiers), n
     allowed = _boolean(attention_mask.to(query.device), B, H, T_q, T_k)
-    key_ = (id(allowed), allowed._version, tuple(allowed.shape), B, H, T_q, causal, window,
-            chunk)
+    key_ = (id(allowed), allowed._version, tuple(allowed.shape), B, H, T_q, causal, window, chunk)
     found = _MEMO.get(allowed, key_)
     if found is None:
         found = None

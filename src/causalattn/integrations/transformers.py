@@ -49,14 +49,31 @@ def mask_function(
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     return sdpa_mask(
-        batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
-        kv_offset=kv_offset, mask_function=mask_function or causal_mask_function,
-        attention_mask=attention_mask, allow_is_causal_skip=allow_is_causal_skip, **kwargs,
+        batch_size=batch_size,
+        q_length=q_length,
+        kv_length=kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        mask_function=mask_function or causal_mask_function,
+        attention_mask=attention_mask,
+        allow_is_causal_skip=allow_is_causal_skip,
+        **kwargs,
     )
 
 
-_FIELDS = ("causal", "window", "chunk", "lengths", "key_padding_mask", "cu_seqlens",
-           "prefix_lengths", "mask", "alibi_slopes", "softcap", "sinks")
+_FIELDS = (
+    "causal",
+    "window",
+    "chunk",
+    "lengths",
+    "key_padding_mask",
+    "cu_seqlens",
+    "prefix_lengths",
+    "mask",
+    "alibi_slopes",
+    "softcap",
+    "sinks",
+)
 
 
 def engine_kwargs(pat: masks.Pattern) -> dict:
@@ -137,7 +154,9 @@ def register(engine: str = "auto", name: str = NAME) -> str:
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as exc:  # the optional extra
-        raise ImportError("causalattn.integrations.transformers needs `pip install causalattn[hf]`") from exc
+        raise ImportError(
+            "causalattn.integrations.transformers needs `pip install causalattn[hf]`"
+        ) from exc
 
     def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         return attention_forward(

@@ -33,13 +33,24 @@ class Exercise:
 
 
 EXERCISES: dict[str, Exercise] = {
-    "scores": Exercise("scores", "scores", "q, k", ("S",), """\
+    "scores": Exercise(
+        "scores",
+        "scores",
+        "q, k",
+        ("S",),
+        """\
 The scaled scores of one sequence: S = Q Kᵀ / √d_k.
 
     q, k: T×d_k {arr}. Return S, T×T: S[i, j] compares query i with key j.
 
-    (The grader adds the causal mask, the softmax and A V itself.)"""),
-    "mask": Exercise("mask", "mask", "T, length", ("M",), """\
+    (The grader adds the causal mask, the softmax and A V itself.)""",
+    ),
+    "mask": Exercise(
+        "mask",
+        "mask",
+        "T, length",
+        ("M",),
+        """\
 The seed's additive mask M for one sequence of T positions: the first `length` are
     real tokens, the rest are <PAD>.
 
@@ -48,8 +59,14 @@ The seed's additive mask M for one sequence of T positions: the first `length` a
     Query i may read key j when j is not in its future (j <= i) and both are real tokens
     (i < length and j < length). A padding query reads nothing: its whole row is -inf.
 
-    (The grader computes S, adds your M, applies the softmax and A V itself.)"""),
-    "softmax": Exercise("softmax", "softmax", "z", ("A",), """\
+    (The grader computes S, adds your M, applies the softmax and A V itself.)""",
+    ),
+    "softmax": Exercise(
+        "softmax",
+        "softmax",
+        "z",
+        ("A",),
+        """\
 The attention weights of one sequence: A = softmax_last(Z), with Z = S + M.
 
     z: T×T {arr}, -inf where query i may not read key j. Return A, T×T: row i is
@@ -57,8 +74,14 @@ The attention weights of one sequence: A = softmax_last(Z), with Z = S + M.
     Scores can be large: exp must not overflow. A row that is -inf everywhere (a padding
     query) reads nothing: it must come out as zeros, never NaN.
 
-    (The grader computes S and M, calls your softmax on S + M, then forms A V itself.)"""),
-    "attention": Exercise("attention", "attention", "q, k, v", ("S", "M", "A", "H"), """\
+    (The grader computes S and M, calls your softmax on S + M, then forms A V itself.)""",
+    ),
+    "attention": Exercise(
+        "attention",
+        "attention",
+        "q, k, v",
+        ("S", "M", "A", "H"),
+        """\
 Causal self-attention for one sequence: H = softmax_last(Q Kᵀ / √d_k + M) V.
 
     q, k: T×d_k {arr}; v: T×d_v. Return H, T×d_v.
@@ -66,9 +89,14 @@ Causal self-attention for one sequence: H = softmax_last(Q Kᵀ / √d_k + M) V.
     S = Q Kᵀ / √d_k          T×T: S[i, j] compares query i with key j
     M                        T×T: 0 where j <= i, -inf where j > i (the future)
     A = softmax_last(S + M)  T×T: each row sums to 1 over the keys it may read
-    H = A V                  T×d_v: row i is h_i"""),
-    "multihead": Exercise("multihead", "multihead", "x, w_q, w_k, w_v, w_o, n_heads",
-                          ("S", "M", "A", "H", "O"), """\
+    H = A V                  T×d_v: row i is h_i""",
+    ),
+    "multihead": Exercise(
+        "multihead",
+        "multihead",
+        "x, w_q, w_k, w_v, w_o, n_heads",
+        ("S", "M", "A", "H", "O"),
+        """\
 Multi-head causal self-attention for one sequence: O = [H_0 … H_{{h-1}}] W_O.
 
     x: T×d_model {arr}; w_q, w_k: d_model×(h·d_k); w_v: d_model×(h·d_v);
@@ -77,7 +105,8 @@ Multi-head causal self-attention for one sequence: O = [H_0 … H_{{h-1}}] W_O.
     Q = X W_Q, K = X W_K, V = X W_V. Head n (n = 0 … h-1) uses columns n·d_k … (n+1)·d_k - 1
     of Q and K and n·d_v … (n+1)·d_v - 1 of V, and is causal self-attention with its own
     d_k: H_n = softmax_last(Q_n K_nᵀ / √d_k + M) V_n, T×d_v. The heads' outputs are put
-    side by side in head order, [H_0 … H_{{h-1}}]: T×(h·d_v), then multiplied by W_O."""),
+    side by side in head order, [H_0 … H_{{h-1}}]: T×(h·d_v), then multiplied by W_O.""",
+    ),
 }
 
 _IMPORT = {"numpy": "import numpy as np", "torch": "import torch"}
@@ -117,8 +146,9 @@ def {ex.function}({ex.params}):
 '''
 
 
-def write(name: str, path: str | Path | None = None, framework: str = "numpy",
-          force: bool = False) -> Path:
+def write(
+    name: str, path: str | Path | None = None, framework: str = "numpy", force: bool = False
+) -> Path:
     """Write the scaffold to ``path`` (default ``NAME.py`` here); never over a file unless
     ``force``."""
     p = Path(path) if path is not None else Path(f"{name}.py")

@@ -33,8 +33,15 @@ from ..reference import softmax_last
 from ..shapes import shape_table
 from .exercises import EXERCISES, MARK, Exercise
 
-__all__ = ["Grade", "check", "grade_file", "grade_function", "grade_namespace", "STAGE_NAMES",
-           "HINTS"]
+__all__ = [
+    "Grade",
+    "check",
+    "grade_file",
+    "grade_function",
+    "grade_namespace",
+    "STAGE_NAMES",
+    "HINTS",
+]
 
 _MARKER = "@@causalattn-learn-grade@@"
 
@@ -109,9 +116,11 @@ _STAGE_HINTS = {
 }
 
 
-_FINITE_FILL = ("Your M holds values other than 0 and -∞ (the '?' cells). A finite fill "
-                "still leaves weight where large scores overcome it, and a padding query's row "
-                "of equal finite values spreads its weight instead of reading nothing.")
+_FINITE_FILL = (
+    "Your M holds values other than 0 and -∞ (the '?' cells). A finite fill "
+    "still leaves weight where large scores overcome it, and a padding query's row "
+    "of equal finite values spreads its weight instead of reading nothing."
+)
 
 
 @dataclass(repr=False)
@@ -155,16 +164,18 @@ class Grade:
         mark = {"right": "✓", "wrong": "✗", "not graded": "·"}
         lines = [f"exercise {self.exercise or '?'} ({self.file}): {self.status}"]
         for st in self.stages:
-            lines.append(f"  {mark.get(st['status'], '?')} {st['stage']:<5} {st['name']:<36}"
-                         f" {st['status']}")
+            lines.append(
+                f"  {mark.get(st['status'], '?')} {st['stage']:<5} {st['name']:<36} {st['status']}"
+            )
         lines.append(f"  {self.message}")
         if self.location:
             lines.append(f"  at {self.location}")
         if self.pattern:
             lines.append(f"  {self.pattern['what']}: yours | expected")
             for a, b in zip(self.pattern["measured"], self.pattern["expected"]):
-                lines.append(f"    {' '.join(f'{c:>2}' for c in a)}   |   "
-                             f"{' '.join(f'{c:>2}' for c in b)}")
+                lines.append(
+                    f"    {' '.join(f'{c:>2}' for c in a)}   |   {' '.join(f'{c:>2}' for c in b)}"
+                )
         if self.hint:
             lines.append(f"  hint: {self.hint}")
         return "\n".join(lines)
@@ -173,6 +184,7 @@ class Grade:
 # -- calling the learner's function ------------------------------------------------------------
 def _framework(fn) -> str:
     """torch when the function's code names torch (or anything from it), else numpy."""
+
     def names(code):
         yield from code.co_names
         for c in code.co_consts:
@@ -186,7 +198,7 @@ def _framework(fn) -> str:
                 g[n] = cell.cell_contents
             except ValueError:  # an empty cell
                 pass
-    for n in (list(names(code)) + list(code.co_freevars) if code is not None else ()):
+    for n in list(names(code)) + list(code.co_freevars) if code is not None else ():
         v = g.get(n)
         mod = v.__name__ if type(v).__name__ == "module" else getattr(v, "__module__", "")
         if isinstance(mod, str) and (mod == "torch" or mod.startswith("torch.")):
@@ -215,15 +227,19 @@ class _Learner:
         try:
             arr = np.asarray(out, dtype=np.float64)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"{self.ex.function}() returned {type(out).__name__}, not an array "
-                             f"of numbers ({exc})") from None
+            raise ValueError(
+                f"{self.ex.function}() returned {type(out).__name__}, not an array "
+                f"of numbers ({exc})"
+            ) from None
         return arr
 
     def checked(self, shape, *arrays, ints=()):
         out = self(*arrays, ints=ints)
         if out.shape != tuple(shape):
-            raise ValueError(f"{self.ex.function}() returned shape {out.shape}, expected "
-                             f"{'×'.join(map(str, shape))}")
+            raise ValueError(
+                f"{self.ex.function}() returned shape {out.shape}, expected "
+                f"{'×'.join(map(str, shape))}"
+            )
         return out
 
 
@@ -245,19 +261,23 @@ def _float64_only(a) -> None:
 
 def _composite(ex: Exercise, user: _Learner):
     """An attention function for diagnose: the learner's stage inside the reference."""
+
     def scores_ref(q, k):
         return q @ k.T / np.sqrt(q.shape[-1])
 
     if ex.name == "scores":
+
         def attention(q, k, v):
             _float64_only(q)
             T = q.shape[-2]
             S = user.checked((T, T), q, k)
             allowed = masks.causal(T)
             return softmax_last(np.where(allowed, S, -np.inf), allowed) @ np.asarray(v, float)
+
         return attention
 
     if ex.name in ("mask", "softmax"):
+
         def attention(q, k, v, lengths=None):
             _float64_only(q)
             q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
@@ -278,6 +298,7 @@ def _composite(ex: Exercise, user: _Learner):
                 out.append(A @ v[b])
             H = np.stack(out)
             return H[0] if one else H
+
         return attention
 
     if ex.name == "attention":  # the learner's own function: diagnose records its lines too
@@ -293,14 +314,23 @@ def _composite(ex: Exercise, user: _Learner):
         def __init__(self, d_model=8):
             super().__init__()
             for name in ("w_q", "w_k", "w_v", "w_o"):
-                setattr(self, name, torch.nn.Parameter(
-                    torch.zeros(d_model, d_model, dtype=torch.float64), requires_grad=False))
+                setattr(
+                    self,
+                    name,
+                    torch.nn.Parameter(
+                        torch.zeros(d_model, d_model, dtype=torch.float64), requires_grad=False
+                    ),
+                )
 
         def forward(self, x):
             W = [getattr(self, n).detach().cpu().numpy() for n in ("w_q", "w_k", "w_v", "w_o")]
             xs = x.detach().cpu().double().numpy()
-            O = np.stack([user.checked(xs[b].shape, xs[b], *W, ints=(self.n_heads,))
-                          for b in range(xs.shape[0])])
+            O = np.stack(
+                [
+                    user.checked(xs[b].shape, xs[b], *W, ints=(self.n_heads,))
+                    for b in range(xs.shape[0])
+                ]
+            )
             return torch.from_numpy(O).to(x.dtype)
 
     return MultiHead()
@@ -341,8 +371,11 @@ def _mask_picture(user: _Learner, T: int = 6, L: int = 4) -> dict | None:
 
     if M.shape != want.shape or np.array_equal(M, want):
         return None
-    return {"what": f"M for T = {T}, length = {L} ('?': neither 0 nor -∞)", "measured": cells(M),
-            "expected": cells(want)}
+    return {
+        "what": f"M for T = {T}, length = {L} ('?': neither 0 nor -∞)",
+        "measured": cells(M),
+        "expected": cells(want),
+    }
 
 
 def _cells(allowed) -> list[list[str]]:
@@ -359,31 +392,37 @@ def _read_picture(d) -> dict | None:
     P, E = np.asarray(P, bool), np.asarray(E, bool)
     if P.ndim != 2 or P.shape != E.shape or np.array_equal(P, E):
         return None
-    return {"what": f"M as your code reads it (measured, T = {P.shape[0]})",
-            "measured": _cells(P), "expected": _cells(E)}
+    return {
+        "what": f"M as your code reads it (measured, T = {P.shape[0]})",
+        "measured": _cells(P),
+        "expected": _cells(E),
+    }
 
 
 # -- grading ------------------------------------------------------------------------------------
 def _find_exercise(ns: dict, path: str, exercise: str | None) -> Exercise:
     if exercise is not None:
         if exercise not in EXERCISES:
-            raise ValueError(f"learn: unknown exercise {exercise!r}; choose one of "
-                             f"{list(EXERCISES)}")
+            raise ValueError(
+                f"learn: unknown exercise {exercise!r}; choose one of {list(EXERCISES)}"
+            )
         return EXERCISES[exercise]
     try:
         first = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()[:1]
     except OSError:
         first = []
     if first and first[0].startswith(MARK):
-        name = first[0][len(MARK):].split()[0] if first[0][len(MARK):].split() else ""
+        name = first[0][len(MARK) :].split()[0] if first[0][len(MARK) :].split() else ""
         if name in EXERCISES:
             return EXERCISES[name]
     found = [ex for ex in EXERCISES.values() if callable(ns.get(ex.function))]
     if len(found) == 1:
         return found[0]
-    raise ValueError(f"learn: cannot tell which exercise {path} is (no '{MARK} NAME' first "
-                     f"line, and {len(found)} of the functions {list(EXERCISES)}); pass "
-                     "--exercise NAME")
+    raise ValueError(
+        f"learn: cannot tell which exercise {path} is (no '{MARK} NAME' first "
+        f"line, and {len(found)} of the functions {list(EXERCISES)}); pass "
+        "--exercise NAME"
+    )
 
 
 def _in_file(location: str | None, path: str) -> bool:
@@ -440,15 +479,31 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
         with np.errstate(all="ignore"):
             got = user(*args, ints=ints)
     except NotImplementedError:
-        return _error(path, ex, f"{ex.function}() is not written yet (it raises "
-                                "NotImplementedError): fill it in, then check again", fw)
+        return _error(
+            path,
+            ex,
+            f"{ex.function}() is not written yet (it raises "
+            "NotImplementedError): fill it in, then check again",
+            fw,
+        )
     except Exception as exc:
         raised = f"{ex.function}() raised {type(exc).__name__}: {exc}"
     if raised is None and got.shape != tuple(want):
-        msg = (f"{ex.function}() returned shape {'×'.join(map(str, got.shape)) or 'a scalar'} "
-               f"for T = 5, d_k = 3, d_v = 2; expected {'×'.join(map(str, want))}")
-        return Grade(path, ex.name, "wrong", msg, fw, "shape", None, _STAGE_HINTS["shape"],
-                     _stages(ex, "shape", True))
+        msg = (
+            f"{ex.function}() returned shape {'×'.join(map(str, got.shape)) or 'a scalar'} "
+            f"for T = 5, d_k = 3, d_v = 2; expected {'×'.join(map(str, want))}"
+        )
+        return Grade(
+            path,
+            ex.name,
+            "wrong",
+            msg,
+            fw,
+            "shape",
+            None,
+            _STAGE_HINTS["shape"],
+            _stages(ex, "shape", True),
+        )
 
     try:
         d = diagnose(_composite(ex, user), timeout=60.0)
@@ -458,12 +513,28 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
     if d.status in ("error", "timeout", "crashed"):
         return Grade(path, ex.name, "error", raised or d.message, fw, diagnosis=dd)
     if raised is not None and d.status != "fault":
-        return Grade(path, ex.name, "wrong", f"{raised} (on T = 5, d_k = 3, d_v = 2)", fw,
-                     "shape", None, _STAGE_HINTS["shape"], _stages(ex, "shape", True),
-                     diagnosis=dd)
+        return Grade(
+            path,
+            ex.name,
+            "wrong",
+            f"{raised} (on T = 5, d_k = 3, d_v = 2)",
+            fw,
+            "shape",
+            None,
+            _STAGE_HINTS["shape"],
+            _stages(ex, "shape", True),
+            diagnosis=dd,
+        )
     if d.ok:
-        return Grade(path, ex.name, "right", "every stage matches the reference on every probe",
-                     fw, stages=_stages(ex, None, True), diagnosis=dd)
+        return Grade(
+            path,
+            ex.name,
+            "right",
+            "every stage matches the reference on every probe",
+            fw,
+            stages=_stages(ex, None, True),
+            diagnosis=dd,
+        )
     if d.stage in ex.stages:
         stage = d.stage
     elif len(ex.stages) == 1:  # the rest of the pipeline is the library's: the learner's stage
@@ -474,17 +545,32 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
         stage = d.stage or ex.stages[0]
     known = d.status == "fault"
     hint = HINTS.get(d.fault) if known else None
-    msg = (f"stage {stage} is wrong: {d.message}" if known else
-           f"stage {stage} looks wrong: the output matches neither the reference nor any "
-           f"catalogued mistake ({d.message})")
+    msg = (
+        f"stage {stage} is wrong: {d.message}"
+        if known
+        else f"stage {stage} looks wrong: the output matches neither the reference nor any "
+        f"catalogued mistake ({d.message})"
+    )
     location = d.location if _in_file(d.location, path) else None
     pattern = _mask_picture(user) if stage == "M" and ex.name == "mask" else _read_picture(d)
     cells = [c for row in (pattern or {}).get("measured", []) for c in row]
     if ex.name == "mask" and "?" in cells and "-∞" not in cells:
         hint = _FINITE_FILL  # measured in their M: only finite fills, whatever diagnose matched
     hint = hint or _STAGE_HINTS.get(stage, _STAGE_HINTS["shape"])
-    return Grade(path, ex.name, "wrong", msg, fw, stage, d.fault if known else None, hint,
-                 _stages(ex, stage, known), location, pattern, dd)
+    return Grade(
+        path,
+        ex.name,
+        "wrong",
+        msg,
+        fw,
+        stage,
+        d.fault if known else None,
+        hint,
+        _stages(ex, stage, known),
+        location,
+        pattern,
+        dd,
+    )
 
 
 def grade_function(fn, exercise: str | None = None) -> Grade:
@@ -492,8 +578,10 @@ def grade_function(fn, exercise: str | None = None) -> Grade:
     ``grade_function(attention)``; the exercise is the function's name unless given."""
     name = exercise or getattr(fn, "__name__", "")
     if name not in EXERCISES or not callable(fn):
-        raise ValueError(f"learn: cannot tell which exercise {fn!r} is; name it "
-                         f"(exercise=...) as one of {list(EXERCISES)}")
+        raise ValueError(
+            f"learn: cannot tell which exercise {fn!r} is; name it "
+            f"(exercise=...) as one of {list(EXERCISES)}"
+        )
     code = getattr(fn, "__code__", None)
     where = code.co_filename if code is not None else "<function>"
     return grade_namespace({EXERCISES[name].function: fn}, where, name)
@@ -534,19 +622,26 @@ def check(path: str | Path, exercise: str | None = None, timeout: float = 60.0) 
         compile(Path(path).read_bytes(), str(path), "exec")
     except (SyntaxError, ValueError) as exc:
         return _error(path, None, f"{path} does not run: {type(exc).__name__}: {exc}")
-    cmd = [sys.executable, "-c", "from causalattn.learn.grade import _worker; _worker()",
-           str(path), exercise or "-"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from causalattn.learn.grade import _worker; _worker()",
+        str(path),
+        exercise or "-",
+    ]
     env = dict(os.environ)
     root = str(Path(__file__).resolve().parents[2])  # so the child imports this causalattn
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     try:
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env,
-                             stdin=subprocess.DEVNULL)
+        res = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL
+        )
     except subprocess.TimeoutExpired:
-        return _error(path, None, f"{path} did not finish within {timeout:g} s (a hang?); it "
-                                  "was stopped")
+        return _error(
+            path, None, f"{path} did not finish within {timeout:g} s (a hang?); it was stopped"
+        )
     for line in reversed(res.stdout.splitlines()):
         if line.startswith(_MARKER):
-            return Grade.from_dict(json.loads(line[len(_MARKER):]))
+            return Grade.from_dict(json.loads(line[len(_MARKER) :]))
     tail = " | ".join((res.stderr or res.stdout).strip().splitlines()[-3:])
     return _error(path, None, f"{path} crashed the grader (exit code {res.returncode}): {tail}")

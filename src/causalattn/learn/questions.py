@@ -80,9 +80,16 @@ def _pack(rng, kind, prompt, correct, wrong, hint, explanation, highlight=None, 
         raise _Retry
     order = rng.permutation(len(choices))
     shuffled = [choices[k] for k in order]
-    out = {"kind": kind, "prompt": prompt, "choices": shuffled,
-           "answer": int(np.flatnonzero(order == 0)[0]), "hint": hint,
-           "explanation": explanation, "highlight": highlight, "data": data or {}}
+    out = {
+        "kind": kind,
+        "prompt": prompt,
+        "choices": shuffled,
+        "answer": int(np.flatnonzero(order == 0)[0]),
+        "hint": hint,
+        "explanation": explanation,
+        "highlight": highlight,
+        "data": data or {},
+    }
     if highlight and "sentence" in highlight:  # the seed sentence the picture shows
         out["sentence"] = highlight["sentence"]
     return out
@@ -97,8 +104,13 @@ def _small_trace(rng, T: int, d_model: int = 2):
     X = np.round(rng.normal(size=(T, d_model)), 1)
     W = [np.round(rng.normal(size=(d_model, d_model)), 1) for _ in range(3)]
     tr = run_trace(X, *W, tokens=tokens)
-    data = {"X": X.tolist(), "W_q": W[0].tolist(), "W_k": W[1].tolist(), "W_v": W[2].tolist(),
-            "tokens": tokens}
+    data = {
+        "X": X.tolist(),
+        "W_q": W[0].tolist(),
+        "W_k": W[1].tolist(),
+        "W_v": W[2].tolist(),
+        "tokens": tokens,
+    }
     return tr, data
 
 
@@ -113,12 +125,13 @@ def _softmax_axis(rng):
     Z = np.where(allowed, tr.S, -np.inf)
     with np.errstate(invalid="ignore"):
         by = {
-            "across the 5 columns within each query row (the last, key axis)":
-                softmax_last(Z, allowed),
-            "down the 5 query rows within each key column":
-                softmax_last(Z.T, allowed.T).T,
-            "across all 25 scores of the matrix at once":
-                softmax_last(Z.reshape(1, -1), allowed.reshape(1, -1)).reshape(5, 5),
+            "across the 5 columns within each query row (the last, key axis)": softmax_last(
+                Z, allowed
+            ),
+            "down the 5 query rows within each key column": softmax_last(Z.T, allowed.T).T,
+            "across all 25 scores of the matrix at once": softmax_last(
+                Z.reshape(1, -1), allowed.reshape(1, -1)
+            ).reshape(5, 5),
         }
     right = [c for c, A in by.items() if np.allclose(A, tr.A)]
     if len(right) != 1:
@@ -126,16 +139,19 @@ def _softmax_axis(rng):
     wrong = [c for c in by if c != right[0]]
     sums = {c: A[2].sum() for c, A in by.items()}
     return _pack(
-        rng, "softmax-axis",
+        rng,
+        "softmax-axis",
         "One sequence's score matrix S + M has shape (5, 5). Row 3 belongs to one query; its 5 "
         "columns are the key positions. Along which axis must the softmax normalize?",
-        right[0], wrong,
+        right[0],
+        wrong,
         "Each query row must become a distribution over the positions it may read.",
         f"Softmax runs along the last axis, across the keys of each query row: row 3 of A then "
         f"sums to {_f(sums[right[0]])} over keys 1–3, and its future keys get weight 0. Down "
         f"the columns, row 3 would sum to {_f(sums[wrong[0]])}; over all 25 scores, to "
         f"{_f(sums[wrong[1]])}.",
-        {"matrix": "A", "axis": "row", "row": 2}, data,
+        {"matrix": "A", "axis": "row", "row": 2},
+        data,
     )
 
 
@@ -159,8 +175,7 @@ def _seed_masks(b: int):
 _CELL = {
     "readable": "it may read it: the weight A_ij can be non-zero",
     "future": "blocked because key j is in query i's future (the causal part of M)",
-    "padding": "blocked because of padding (a padding key, or a padding query that reads "
-               "nothing)",
+    "padding": "blocked because of padding (a padding key, or a padding query that reads nothing)",
     "both": "blocked twice over: key j is in the future and padding is involved",
 }
 
@@ -168,37 +183,50 @@ _CELL = {
 def _mask_cell(rng):
     b = 3  # the seed's sentence 4, "Cheese and burgers go well together", padded to N = 10
     tokens, L, N, causal, padding, combined = _seed_masks(b)
-    kind = np.select([combined, ~causal & padding, causal & ~padding], ["readable", "future",
-                                                                         "padding"], "both")
+    kind = np.select(
+        [combined, ~causal & padding, causal & ~padding], ["readable", "future", "padding"], "both"
+    )
     want = str(rng.choice(list(_CELL)))
     cells = np.argwhere(kind == want)
     i, j = (int(x) for x in cells[rng.integers(len(cells))])
     got = str(kind[i, j])
     return _pack(
-        rng, "mask-cell",
+        rng,
+        "mask-cell",
         f"Sentence 4 of the seed corpus ({' '.join(tokens[:L])}) is padded to N = {N} tokens. "
         f"In its combined mask M (causal AND padding), may query {i + 1} ('{tokens[i]}') read "
         f"key {j + 1} ('{tokens[j]}')?",
-        _CELL[got], [v for k, v in _CELL.items() if k != got],
+        _CELL[got],
+        [v for k, v in _CELL.items() if k != got],
         "Ask two questions separately: is j > i (the future)? Is key j, or query i, a <PAD>?",
         f"Query {i + 1} and key {j + 1}: the causal mask {'allows' if causal[i, j] else 'blocks'} "
         f"the cell (j {'≤' if j <= i else '>'} i), and the padding mask "
         f"{'allows' if padding[i, j] else 'blocks'} it (sentence 4 has L = {L} real tokens). "
         f"M is 0 only where both allow: here M = {'0' if combined[i, j] else '-∞'}.",
-        {"matrix": "M", "cells": [[i, j]], "sentence": b}, {"sentence": b, "i": i, "j": j},
+        {"matrix": "M", "cells": [[i, j]], "sentence": b},
+        {"sentence": b, "i": i, "j": j},
     )
 
 
 def _mask_count(rng):
     b = int(rng.integers(1, 4))  # sentences 2–4: the ones with padding
     tokens, L, N, causal, padding, combined = _seed_masks(b)
-    n = {k: int(m.sum()) for k, m in (("combined", combined), ("causal", causal),
-                                      ("padding", padding), ("none", np.ones((N, N), bool)))}
+    n = {
+        k: int(m.sum())
+        for k, m in (
+            ("combined", combined),
+            ("causal", causal),
+            ("padding", padding),
+            ("none", np.ones((N, N), bool)),
+        )
+    }
     return _pack(
-        rng, "mask-count",
+        rng,
+        "mask-count",
         f"Sentence {b + 1} of the seed corpus has L = {L} tokens, padded to N = {N}. How many of "
         f"the {N}×{N} entries of its combined mask M (causal AND padding) are readable (M = 0)?",
-        str(n["combined"]), [str(n["causal"]), str(n["padding"]), str(n["none"])],
+        str(n["combined"]),
+        [str(n["causal"]), str(n["padding"]), str(n["none"])],
         "Padding leaves an L×L corner; causality keeps its lower triangle, diagonal included.",
         f"{n['combined']} = {L}·{L + 1}/2: the lower triangle of the {L}×{L} real corner. The "
         f"causal mask alone allows {n['causal']}, padding alone {n['padding']}.",
@@ -213,11 +241,12 @@ def _padding_rows(rng):
     empty = np.flatnonzero(~combined.any(-1))
     alive = np.flatnonzero(combined.any(-1))
     return _pack(
-        rng, "padding-rows",
+        rng,
+        "padding-rows",
         f"Sentence {b + 1} of the seed corpus has L = {L} tokens, padded to N = {N}. Which query "
         "rows of its combined mask M have no readable key at all (their output rows are zero)?",
-        f"rows {_span(empty)}", ["none: every query can read at least itself",
-                                 f"rows {_span(alive)}", f"row {N} only"],
+        f"rows {_span(empty)}",
+        ["none: every query can read at least itself", f"rows {_span(alive)}", f"row {N} only"],
         "A <PAD> query is not a real token: it reads nothing, not even itself.",
         f"Rows {_span(empty)} are the padding queries: every entry of them is -∞, so their "
         f"weights and outputs are exactly 0 (never NaN). Rows {_span(alive)} read keys "
@@ -239,18 +268,21 @@ def _weight(rng):
     if min(abs(float(w) - tr.A[i, j]) for w in wrong) < 0.02:
         raise _Retry
     return _pack(
-        rng, "weight",
+        rng,
+        "weight",
         f"In this trace {_q(i, data['tokens'])} may read keys 1–{i + 1}; its scaled scores "
         f"S_{i + 1},j over them are {_vec(S_i[: i + 1])} ({_keys(range(i + 1, T), 'be')} its "
         f"future). "
         f"What is the weight A_{i + 1},{j + 1}?",
-        _f(tr.A[i, j]), wrong,
+        _f(tr.A[i, j]),
+        wrong,
         "Exponentiate the readable scores (subtract their maximum first) and divide by their "
         "sum; future keys take no part.",
         f"A_{i + 1},{j + 1} = exp(S_{i + 1},{j + 1}) / Σ_j≤{i + 1} exp(S_{i + 1},j) = "
         f"{_f(tr.A[i, j])}. The score itself is {_f(S_i[j])}; a softmax over all {T} keys "
         f"(mask forgotten) gives {_f(no_mask)}; {_f(1 / (i + 1))} would be equal weights.",
-        {"matrix": "A", "cells": [[i, j]]}, {**data, "i": i, "j": j},
+        {"matrix": "A", "cells": [[i, j]]},
+        {**data, "i": i, "j": j},
     )
 
 
@@ -265,15 +297,18 @@ def _contribution(rng):
     if min(np.abs(np.array(w.strip("[]").split(", "), float) - c).max() for w in wrong) < 0.01:
         raise _Retry
     return _pack(
-        rng, "contribution",
+        rng,
+        "contribution",
         f"In this trace {_q(i, data['tokens'])} has weights A_{i + 1},j = "
         f"{_vec(tr.A[i, : i + 1])} over keys 1–{i + 1}, and key {j + 1}'s value is "
         f"v_{j + 1} = {_vec(v)}. What vector does key {j + 1} contribute to h_{i + 1}?",
-        _vec(c), wrong,
+        _vec(c),
+        wrong,
         "A contribution is the value scaled by the weight, not by the score.",
         f"A_{i + 1},{j + 1} v_{j + 1} = {_f(tr.A[i, j])} · {_vec(v)} = {_vec(c)}. Adding every "
         f"readable key's contribution gives h_{i + 1} = {_vec(ex.h)}.",
-        {"matrix": "A", "cells": [[i, j]]}, {**data, "i": i, "j": j},
+        {"matrix": "A", "cells": [[i, j]]},
+        {**data, "i": i, "j": j},
     )
 
 
@@ -289,21 +324,27 @@ def _top_contributor(rng):
         raise _Retry
     others = [int(k) for k in rng.permutation(T) if k not in (top_s, top_n)][:2]
     tok = data["tokens"]
-    rows = "; ".join(f"key {k + 1} ('{tok[k]}'): S = {_f(ex.score[k])}, A = {_f(ex.weight[k])}, "
-                     f"v = {_vec(ex.value[k])}" for k in range(T))
+    rows = "; ".join(
+        f"key {k + 1} ('{tok[k]}'): S = {_f(ex.score[k])}, A = {_f(ex.weight[k])}, "
+        f"v = {_vec(ex.value[k])}"
+        for k in range(T)
+    )
     key = lambda k: f"key {k + 1} ('{tok[k]}')"  # noqa: E731
     return _pack(
-        rng, "top-contributor",
+        rng,
+        "top-contributor",
         f"In this trace {_q(i, tok)} reads every key: {rows}. Which key contributes the "
         f"largest vector A_{i + 1},j v_j (by length) to h_{i + 1}?",
-        key(top_n), [key(top_s)] + [key(k) for k in others],
+        key(top_n),
+        [key(top_s)] + [key(k) for k in others],
         "Weight is not contribution: compare A_ij · ‖v_j‖, not the scores alone.",
         f"Key {top_s + 1} has the highest score ({_f(ex.score[top_s])}) and so the highest "
         f"weight ({_f(ex.weight[top_s])}), but its value is short (‖v‖ = "
         f"{_f(np.linalg.norm(ex.value[top_s]))}): it contributes ‖A v‖ = "
         f"{_f(ex.norm[top_s])}. Key {top_n + 1} has weight {_f(ex.weight[top_n])} and ‖v‖ = "
         f"{_f(np.linalg.norm(ex.value[top_n]))}, so ‖A v‖ = {_f(ex.norm[top_n])}, the largest.",
-        {"matrix": "A", "cells": [[i, top_n]]}, {**data, "i": i},
+        {"matrix": "A", "cells": [[i, top_n]]},
+        {**data, "i": i},
     )
 
 
@@ -318,17 +359,20 @@ def _mask_after_softmax(rng):
     if min(abs(float(w) - s) for w in wrong) < 0.01:
         raise _Retry
     return _pack(
-        rng, "mask-after-softmax",
+        rng,
+        "mask-after-softmax",
         f"In this trace {_q(i, data['tokens'])} has scaled scores {_vec(tr.S[i])} over all {T} "
         f"keys. Someone applies the mask AFTER the softmax: softmax over all {T} scores, then "
         f"the future {_keys(range(i + 1, T))} set to 0. What do query {i + 1}'s weights "
         "then sum to?",
-        _f(s), wrong,
+        _f(s),
+        wrong,
         "The softmax already spent part of the row's mass on the future keys.",
         f"They sum to {_f(s)}, not 1: the future keys took {_f(1 - s)} of the mass before being "
         f"zeroed, so the readable weights {_vec(after[: i + 1])} are no longer a distribution. "
         f"With M added before the softmax the row is {_vec(tr.A[i, : i + 1])}, summing to 1.",
-        {"matrix": "A", "axis": "row", "row": i}, {**data, "i": i},
+        {"matrix": "A", "axis": "row", "row": i},
+        {**data, "i": i},
     )
 
 
@@ -347,14 +391,17 @@ def _shape(rng):
     wrong = [str(x) for x in rng.permutation(sorted(pool))[:3]]
     heads = "one head" if h == 1 else f"h = {h} heads (d_k = d_v = {D // h})"
     return _pack(
-        rng, "shape",
+        rng,
+        "shape",
         f"Sequence length T = {T}, d_model = {D}, {heads}. What is the shape of {sym}"
         f" ({right.name.lower()}){'' if sym.startswith('W_') else ', per sequence'}?",
-        right.notation, wrong,
+        right.notation,
+        wrong,
         "Follow the products: (T×d_model)(d_model×d_k) -> T×d_k, (T×d_k)(d_k×T) -> T×T."
         + ("" if h == 1 else " Per-head stages carry a head axis first."),
         f"{sym} is {right.notation}: {right.explanation}.",
-        None, {"seq_len": T, "d_model": D, "n_heads": h, "symbol": sym},
+        None,
+        {"seq_len": T, "d_model": D, "n_heads": h, "symbol": sym},
     )
 
 
@@ -371,12 +418,13 @@ def _window_row(rng):
     rows = {k: np.flatnonzero(_dense(masks.Pattern(window=k), T)[i]) for k in (w, w + 1, w - 1)}
     causal = np.flatnonzero(_dense(masks.Pattern(), T)[i])
     return _pack(
-        rng, "window-row",
+        rng,
+        "window-row",
         f"A sliding window of w = {w} (masks.Pattern(window={w}), Hugging Face's "
         f"sliding_window) is added to the causal mask of T = {T} positions. Which keys may "
         f"query {i + 1} read?",
-        f"keys {_span(rows[w])}", [f"keys {_span(rows[w + 1])}", f"keys {_span(rows[w - 1])}",
-                                   f"keys {_span(causal)}"],
+        f"keys {_span(rows[w])}",
+        [f"keys {_span(rows[w + 1])}", f"keys {_span(rows[w - 1])}", f"keys {_span(causal)}"],
         "The window keeps the last w positions, the query's own included.",
         f"Query {i + 1} reads the last {w} positions, itself included: keys {_span(rows[w])}. "
         f"The causal mask alone would let it read keys {_span(causal)}; the window blocks "
@@ -391,10 +439,12 @@ def _window_count(rng):
     causal = int(_dense(masks.Pattern(), T).sum())
     blocked = {k: causal - int(_dense(masks.Pattern(window=k), T).sum()) for k in (w - 1, w, w + 1)}
     return _pack(
-        rng, "window-count",
+        rng,
+        "window-count",
         f"Of the {T}×{T} causal mask's {causal} readable cells, how many does a sliding window "
         f"of w = {w} block (masks.Pattern(window={w}))?",
-        str(blocked[w]), [str(blocked[w - 1]), str(blocked[w + 1]), str(causal - blocked[w])],
+        str(blocked[w]),
+        [str(blocked[w - 1]), str(blocked[w + 1]), str(causal - blocked[w])],
         "Row i keeps min(i + 1, w) keys; the rest of its causal keys are blocked.",
         f"{blocked[w]}: row i keeps min(i + 1, {w}) of its i + 1 causal keys, so "
         f"{causal - blocked[w]} cells stay readable out of {causal}.",

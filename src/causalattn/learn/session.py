@@ -26,8 +26,10 @@ class Score:
     total: int = 0
 
     def __str__(self) -> str:
-        return (f"score: {self.right}/{self.total} right ({self.wrong} wrong, "
-                f"{self.skipped} skipped or unanswered)")
+        return (
+            f"score: {self.right}/{self.total} right ({self.wrong} wrong, "
+            f"{self.skipped} skipped or unanswered)"
+        )
 
 
 def stdin_reader(stream=None, console=None):
@@ -83,10 +85,14 @@ def run_quiz(qs: list[dict], console, read) -> Score:
     score = Score(total=len(qs))
     for n, q in enumerate(qs):
         k = len(q["choices"])
-        body = escape(q["prompt"]) + "\n\n" + "\n".join(
-            f"  [bold]{m + 1})[/bold] {escape(c)}" for m, c in enumerate(q["choices"]))
-        console.print(Panel(body, title=f"question {n + 1}/{len(qs)} · {q['kind']}",
-                            title_align="left"))
+        body = (
+            escape(q["prompt"])
+            + "\n\n"
+            + "\n".join(f"  [bold]{m + 1})[/bold] {escape(c)}" for m, c in enumerate(q["choices"]))
+        )
+        console.print(
+            Panel(body, title=f"question {n + 1}/{len(qs)} · {q['kind']}", title_align="left")
+        )
         picked, hinted = None, False
         for _ in range(20):  # a bad line asks again; a pipe of nonsense still ends
             raw = read(f"answer 1–{k} (h = hint, s = skip, q = quit): ")
@@ -113,15 +119,20 @@ def run_quiz(qs: list[dict], console, read) -> Score:
             break
         if picked is None or picked == "skip":
             score.skipped += 1
-            console.print(f"skipped: the answer is {q['answer'] + 1}) {q['choices'][q['answer']]}",
-                          markup=False)
+            console.print(
+                f"skipped: the answer is {q['answer'] + 1}) {q['choices'][q['answer']]}",
+                markup=False,
+            )
         elif picked == q["answer"]:
             score.right += 1
             console.print("✓ right", style="bold green")
         else:
             score.wrong += 1
-            console.print(f"✗ not quite: the answer is {q['answer'] + 1}) "
-                          f"{q['choices'][q['answer']]}", style="bold red", markup=False)
+            console.print(
+                f"✗ not quite: the answer is {q['answer'] + 1}) {q['choices'][q['answer']]}",
+                style="bold red",
+                markup=False,
+            )
         console.print(q["explanation"], markup=False)
         console.print()
     console.print(str(score), style="bold")
@@ -134,16 +145,23 @@ def render_grade(g, console) -> None:
     from rich.text import Text
 
     style = {"right": "bold green", "wrong": "bold red", "error": "bold red"}[g.status]
-    head = {"right": "every stage is right", "wrong": "a stage is wrong",
-            "error": "it could not run"}[g.status]
+    head = {
+        "right": "every stage is right",
+        "wrong": "a stage is wrong",
+        "error": "it could not run",
+    }[g.status]
     console.print(Text(f"{g.exercise or 'exercise ?'} ({g.file}): {head}", style=style))
     if g.stages:
         t = Table(box=None, show_header=False, padding=(0, 1))
         marks = {"right": ("✓", "green"), "wrong": ("✗", "red"), "not graded": ("·", "dim")}
         for st in g.stages:
             m, s = marks[st["status"]]
-            t.add_row(Text(m, style=s), Text(st["stage"], style="bold"), Text(st["name"]),
-                      Text(st["status"], style=s))
+            t.add_row(
+                Text(m, style=s),
+                Text(st["stage"], style="bold"),
+                Text(st["name"]),
+                Text(st["status"], style=s),
+            )
         console.print(t)
     console.print(Text(g.message))
     if g.location:
@@ -152,11 +170,16 @@ def render_grade(g, console) -> None:
         console.print(Text(g.pattern["what"] + ":"))
         pics = []
         for title, cells in (("yours", g.pattern["measured"]), ("expected", g.pattern["expected"])):
-            t = Table(title=title, box=None, show_header=False, padding=(0, 1),
-                      title_justify="left")
+            t = Table(
+                title=title, box=None, show_header=False, padding=(0, 1), title_justify="left"
+            )
             for row in cells:
-                t.add_row(*(Text(c, style="green" if c == "0" else "dim" if c == "-∞" else "red")
-                            for c in row))
+                t.add_row(
+                    *(
+                        Text(c, style="green" if c == "0" else "dim" if c == "-∞" else "red")
+                        for c in row
+                    )
+                )
             pics.append(t)
         from rich.columns import Columns
 

@@ -46,8 +46,14 @@ from .learnpanel import learn_data
 from .sentences import batch_traces, sentence_names
 from .summary import head_summary, thumbnail
 
-__all__ = ["explorer_data", "explorer_html", "explorer_fragment", "write_explorer", "MAX_BYTES",
-           "V_SHOWN"]
+__all__ = [
+    "explorer_data",
+    "explorer_html",
+    "explorer_fragment",
+    "write_explorer",
+    "MAX_BYTES",
+    "V_SHOWN",
+]
 
 MAX_BYTES = 18 * 2**20  # the size a page aims at (see the module docstring)
 V_SHOWN = 4  # float16 pages keep v_j's first components (the side panel shows 3, then "…")
@@ -153,10 +159,15 @@ class _Shared:
         st = self.sets[k]
         Wq, Wk, Wv = st["W"]
         table = np.stack(st["table"]) if st["table"] else np.zeros((0, Wq.shape[0]))
-        return {"n_heads": st["n_heads"], "d_model": int(Wq.shape[0]),
-                "X": _b64(table, "<f8"), "W_q": _b64(Wq, "<f8"), "W_k": _b64(Wk, "<f8"),
-                "W_v": _b64(Wv, "<f8"), "cols": [int(Wq.shape[1]), int(Wk.shape[1]),
-                                                  int(Wv.shape[1])]}
+        return {
+            "n_heads": st["n_heads"],
+            "d_model": int(Wq.shape[0]),
+            "X": _b64(table, "<f8"),
+            "W_q": _b64(Wq, "<f8"),
+            "W_k": _b64(Wk, "<f8"),
+            "W_v": _b64(Wv, "<f8"),
+            "cols": [int(Wq.shape[1]), int(Wk.shape[1]), int(Wv.shape[1])],
+        }
 
 
 def _from_weights(layers: list[_Layer], st: dict) -> np.ndarray:
@@ -165,8 +176,15 @@ def _from_weights(layers: list[_Layer], st: dict) -> np.ndarray:
     if not all(n in tr0 for n in ("X", "W_q", "W_k", "W_v")) or st["Q"].shape != st["K"].shape:
         return np.zeros(len(layers), bool)
     W = [tr0[n] for n in ("W_q", "W_k", "W_v")]
-    same = np.array([all(lay.trace[n] is w or np.array_equal(lay.trace[n], w)
-                         for n, w in zip(("W_q", "W_k", "W_v"), W)) for lay in layers])
+    same = np.array(
+        [
+            all(
+                lay.trace[n] is w or np.array_equal(lay.trace[n], w)
+                for n, w in zip(("W_q", "W_k", "W_v"), W)
+            )
+            for lay in layers
+        ]
+    )
     X = np.stack([np.asarray(lay.trace["X"], dtype=np.float64) for lay in layers])
     if X.ndim != 3 or X.shape[1] != st["Q"].shape[2]:
         return np.zeros(len(layers), bool)
@@ -206,8 +224,9 @@ def _modifiers(tr: Trace, H: int) -> dict | None:
     return out
 
 
-def _layers_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
-                 ) -> list[tuple[dict, list[float | None]]]:
+def _layers_data(
+    layers: list[_Layer], prec: str, shared: _Shared | None = None
+) -> list[tuple[dict, list[float | None]]]:
     """Each layer's block (scale and heads) at precision ``prec``, with the page's error on A
     per head (None: S and A carried as they are). Layers of the same shapes are done
     together, a few million cells at a time: 10,000 sentences cost about as much as one."""
@@ -217,31 +236,41 @@ def _layers_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
         A = _stacked(tr, "A")
         al = np.broadcast_to(lay.kinds == 0, A.shape)
         if tr.allowed is not None and not np.array_equal(np.broadcast_to(tr.allowed, A.shape), al):
-            raise ValueError(f"explorer: {lay.name}: a head has another mask than the layer's "
-                             "kinds; the explorer draws one mask per layer")
+            raise ValueError(
+                f"explorer: {lay.name}: a head has another mask than the layer's "
+                "kinds; the explorer draws one mask per layer"
+            )
         names = tuple(n for n in ("Q", "K", "V", "S", "A", "H") if n in tr)
-        key = (names, tr.scale, json.dumps(_modifiers(tr, A.shape[0]))) + tuple((_stacked(tr, n).shape, _stacked(tr, n).dtype.str)
-                                        for n in names)
+        key = (names, tr.scale, json.dumps(_modifiers(tr, A.shape[0]))) + tuple(
+            (_stacked(tr, n).shape, _stacked(tr, n).dtype.str) for n in names
+        )
         groups.setdefault(key, []).append(k)
     out: list = [None] * len(layers)
     for members in groups.values():
         H, T = _stacked(layers[members[0]].trace, "A").shape[:2]
         step = max(1, _CHUNK_CELLS // max(1, H * T * T))
         for c in range(0, len(members), step):
-            part = members[c:c + step]
+            part = members[c : c + step]
             for k, res in zip(part, _group_data([layers[k] for k in part], prec, shared)):
                 out[k] = res
     return out
 
 
-def _group_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
-                ) -> list[tuple[dict, list[float | None]]]:
+def _group_data(
+    layers: list[_Layer], prec: str, shared: _Shared | None = None
+) -> list[tuple[dict, list[float | None]]]:
     """:func:`_layers_data` for layers of identical shapes, stacked to ``(n, h, T, ·)``."""
     tr0 = layers[0].trace
     scale = tr0.scale
-    st = {n: (_stacked(tr0, n)[None] if len(layers) == 1  # a view: no copy of a big layer
-              else np.stack([_stacked(lay.trace, n) for lay in layers]))
-          for n in ("Q", "K", "V", "S", "A", "H") if n in tr0}
+    st = {
+        n: (
+            _stacked(tr0, n)[None]
+            if len(layers) == 1  # a view: no copy of a big layer
+            else np.stack([_stacked(lay.trace, n) for lay in layers])
+        )
+        for n in ("Q", "K", "V", "S", "A", "H")
+        if n in tr0
+    }
     al = np.stack([lay.kinds == 0 for lay in layers])[:, None]  # (n, 1, T, T)
     V = st["V"]
     n, H, T, dv = V.shape
@@ -255,8 +284,12 @@ def _group_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
     fromW = np.zeros(n, bool)
     if shared is not None and "Q" in st and "K" in st:
         fromW = _from_weights(layers, st)
-    if scale is not None and mods is not None and all(k in st for k in ("Q", "K", "S", "A")) \
-            and st["Q"].shape == st["K"].shape:
+    if (
+        scale is not None
+        and mods is not None
+        and all(k in st for k in ("Q", "K", "S", "A"))
+        and st["Q"].shape == st["K"].shape
+    ):
         Q, K, S, A = st["Q"], st["K"], st["S"], st["A"]
         qprec = "f8" if fromW.all() else prec  # from weights, the page works in float64
         Qc, pq = _cast(Q, qprec)
@@ -277,12 +310,16 @@ def _group_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
                     Z2 = mods["softcap"] * np.tanh(Z2 / mods["softcap"])
                 if mods["slopes"] is not None:
                     Z2 = Z2 - np.asarray(mods["slopes"][hs], dt)[:, None, None] * dist
-                sinks = (None if mods["sinks"] is None
-                         else np.asarray(mods["sinks"][hs], np.float64)[:, None, None])
+                sinks = (
+                    None
+                    if mods["sinks"] is None
+                    else np.asarray(mods["sinks"][hs], np.float64)[:, None, None]
+                )
                 A2 = softmax_last(Z2, al, sinks=sinks)
                 e[:, hs] = np.nan_to_num(np.abs(A2 - A[:, hs]), nan=np.inf).max(axis=(-2, -1))
-                es[:, hs] = np.where(al, np.nan_to_num(np.abs(S2 - S[:, hs]), nan=np.inf),
-                                     0).max(axis=(-2, -1))
+                es[:, hs] = np.where(al, np.nan_to_num(np.abs(S2 - S[:, hs]), nan=np.inf), 0).max(
+                    axis=(-2, -1)
+                )
                 smax[:, hs] = np.where(al, np.abs(S[:, hs]), 0).max(axis=(-2, -1))
             del S2, Z2, A2
         finite = np.isfinite(Q).all(axis=(-2, -1)) & np.isfinite(K).all(axis=(-2, -1))
@@ -295,10 +332,12 @@ def _group_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
         for h0 in range(0, H, hstep):
             hs = slice(h0, h0 + hstep)
             with np.errstate(all="ignore"):
-                AV = np.where(al, st["A"][:, hs], 0.0) @ np.where(np.isfinite(V[:, hs]),
-                                                                  V[:, hs], 0.0)
-                notAV[:, hs] = ~np.isclose(AV, st["H"][:, hs], rtol=1e-6, atol=1e-9,
-                                           equal_nan=True).all(axis=(-2, -1))
+                AV = np.where(al, st["A"][:, hs], 0.0) @ np.where(
+                    np.isfinite(V[:, hs]), V[:, hs], 0.0
+                )
+                notAV[:, hs] = ~np.isclose(
+                    AV, st["H"][:, hs], rtol=1e-6, atol=1e-9, equal_nan=True
+                ).all(axis=(-2, -1))
     sendH = notAV & (not cut)  # with part of V, the page computes part of h_i, and says so
     xform = fromW & ok.all(axis=1) & ~notAV.any(axis=1)
     res = []
@@ -311,26 +350,48 @@ def _group_data(layers: list[_Layer], prec: str, shared: _Shared | None = None
             rows = shared.rows(k, tr["X"])
             rp = "u2" if rows.max(initial=0) < 2**16 else "<u4"
             errs = [0.0] * H  # float64 throughout, as the trace itself
-            heads_out = [{"form": "x", "d_k": int(st["Q"].shape[-1]), "d_v": int(dv),
-                          "v_shown": int(dv)} for _ in range(H)]
-            res.append(({"scale": _finite_or_none(scale), "xset": k, "rows": _b64(rows, rp),
-                         "rprec": "u2" if rp == "u2" else "u4", "mods": mods,
-                         "heads": heads_out}, errs))
+            heads_out = [
+                {"form": "x", "d_k": int(st["Q"].shape[-1]), "d_v": int(dv), "v_shown": int(dv)}
+                for _ in range(H)
+            ]
+            res.append(
+                (
+                    {
+                        "scale": _finite_or_none(scale),
+                        "xset": k,
+                        "rows": _b64(rows, rp),
+                        "rprec": "u2" if rp == "u2" else "u4",
+                        "mods": mods,
+                        "heads": heads_out,
+                    },
+                    errs,
+                )
+            )
             continue
         for h in range(H):
-            d = {"d_v": int(dv), "V": _b64(Vc[i, h], _DTYPE[pv]), "vprec": pv,
-                 "v_shown": V_SHOWN if cut else int(dv)}
+            d = {
+                "d_v": int(dv),
+                "V": _b64(Vc[i, h], _DTYPE[pv]),
+                "vprec": pv,
+                "v_shown": V_SHOWN if cut else int(dv),
+            }
             if cut:
                 d["vnorm"] = _b64(vnorm[i, h], "<f4")
             if ok[i, h]:
-                d.update(form="qk", Q=_b64(Qc[i, h], _DTYPE[pq]), K=_b64(Kc[i, h], _DTYPE[pk]),
-                         qprec=_narrower(pq, pk), d_k=int(Qc.shape[-1]))
+                d.update(
+                    form="qk",
+                    Q=_b64(Qc[i, h], _DTYPE[pq]),
+                    K=_b64(Kc[i, h], _DTYPE[pk]),
+                    qprec=_narrower(pq, pk),
+                    d_k=int(Qc.shape[-1]),
+                )
                 errs.append(float(err[i, h]))
             else:  # readable entries only, row-major
                 Sc, ps = _cast(st["S"][i, h][a], _narrower(prec, "f4"))
                 Ac, pa = _cast(st["A"][i, h][a], _narrower(prec, "f4"))
-                d.update(form="dense", S=_b64(Sc, _DTYPE[ps]), A=_b64(Ac, _DTYPE[pa]),
-                         sprec=ps, aprec=pa)
+                d.update(
+                    form="dense", S=_b64(Sc, _DTYPE[ps]), A=_b64(Ac, _DTYPE[pa]), sprec=ps, aprec=pa
+                )
                 errs.append(None)
             if sendH[i, h]:  # H is not A V (a recorded bug): it travels as it is
                 Hc, ph = _cast(st["H"][i, h], _narrower(prec, "f4"))
@@ -373,8 +434,12 @@ def _sequence_meta(seq: _Seq, block_of_layer, rle_cache: dict) -> dict:
         kb = lay.kinds.tobytes() + bytes(lay.kinds.shape[0] % 256)
         if kb not in rle_cache:
             rle_cache[kb] = _rle(lay.kinds)
-        d = {"name": lay.name, "n_heads": lay.trace.n_heads or 1, "kinds": rle_cache[kb],
-             "block": block_of_layer(k)}
+        d = {
+            "name": lay.name,
+            "n_heads": lay.trace.n_heads or 1,
+            "kinds": rle_cache[kb],
+            "block": block_of_layer(k),
+        }
         if model:
             A = np.asarray(lay.trace["A"])
             A3 = A if A.ndim == 3 else A[None]
@@ -398,15 +463,25 @@ def _is_model(traces: list[Trace]) -> bool:
 def _plain(tr: Trace) -> Trace:
     """The stages the explorer reads, each read once: a Trace may compute its T×T stages on
     every read (a captured Hugging Face layer does), and the explorer looks at them often."""
-    arrays = {n: np.asarray(tr[n]) for n in ("X", "W_q", "W_k", "W_v", "Q", "K", "V", "S", "A", "H")
-              if n in tr}
-    out = Trace(arrays, allowed=tr.allowed, scale=tr.scale, n_heads=tr.n_heads, tokens=tr.tokens,
-                pattern=getattr(tr, "pattern", None), reasons=getattr(tr, "reasons", None))
+    arrays = {
+        n: np.asarray(tr[n])
+        for n in ("X", "W_q", "W_k", "W_v", "Q", "K", "V", "S", "A", "H")
+        if n in tr
+    }
+    out = Trace(
+        arrays,
+        allowed=tr.allowed,
+        scale=tr.scale,
+        n_heads=tr.n_heads,
+        tokens=tr.tokens,
+        pattern=getattr(tr, "pattern", None),
+        reasons=getattr(tr, "reasons", None),
+    )
     return out
 
 
 def _layer_name(tr: Trace, k: int) -> str:
-    """"layer N", 1-based: the model's own index when the trace knows it (``tr.layer``)."""
+    """ "layer N", 1-based: the model's own index when the trace knows it (``tr.layer``)."""
     idx = getattr(tr, "layer", None)
     return f"layer {int(idx) + 1}" if isinstance(idx, (int, np.integer)) else f"layer {k + 1}"
 
@@ -430,23 +505,35 @@ def _named_sequences(obj, names, layers) -> list[_Seq]:
         n = len(per_layer[0])
         shapes = {(len(p), p[0].kinds.shape) for p in per_layer}
         if len(shapes) != 1:
-            raise ValueError(f"explorer: layers=True needs layers of the same sequences and "
-                             f"length; got (sequences, T×T) {sorted(shapes)}")
+            raise ValueError(
+                f"explorer: layers=True needs layers of the same sequences and "
+                f"length; got (sequences, T×T) {sorted(shapes)}"
+            )
         batch_tokens = getattr(traces[0], "batch_tokens", None)  # a capture's, per sequence
         for b in range(n):
             if batch_tokens is not None and len(batch_tokens) == n:
                 for p in per_layer:
                     p[b].trace.tokens = [str(t) for t in batch_tokens[b]]
-        out = [_Seq(per_layer[0][b].name if n > 1 else "sequence 1",
-                    [_Layer(_layer_name(tr, k), p[b].trace, p[b].kinds)
-                     for k, (tr, p) in enumerate(zip(traces, per_layer))]) for b in range(n)]
+        out = [
+            _Seq(
+                per_layer[0][b].name if n > 1 else "sequence 1",
+                [
+                    _Layer(_layer_name(tr, k), p[b].trace, p[b].kinds)
+                    for k, (tr, p) in enumerate(zip(traces, per_layer))
+                ],
+            )
+            for b in range(n)
+        ]
     else:
         out = []
         for k, tr in enumerate(traces):
             parts = sequences(_plain(tr))
             for part in parts:
-                label = part.name if len(traces) == 1 else (
-                    f"trace {k + 1}" + (f" {part.name}" if len(parts) > 1 else ""))
+                label = (
+                    part.name
+                    if len(traces) == 1
+                    else (f"trace {k + 1}" + (f" {part.name}" if len(parts) > 1 else ""))
+                )
                 out.append(_Seq(label, [_Layer("layer 1", part.trace, part.kinds)]))
     if names is not None:
         names = [str(n) for n in names]
@@ -460,15 +547,16 @@ def _named_sequences(obj, names, layers) -> list[_Seq]:
 _NOTE_PREC = {
     "f8": "",
     "f4": "Q, K and V are stored as float32 to keep the file small",
-    "f2": ("Q and K are stored as float16 and v_j as its first {v} components (float16) with "
-           "its exact norm, to keep the file small"),
+    "f2": (
+        "Q and K are stored as float16 and v_j as its first {v} components (float16) with "
+        "its exact norm, to keep the file small"
+    ),
 }
 
 
 def _build(obj, *, names, title, layers, max_bytes, questions):
     """(index, blocks): the page's first JSON block and its paged blocks, in order."""
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) \
-            or max_bytes < 1:
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, (int, np.integer)) or max_bytes < 1:
         raise ValueError(f"explorer: max_bytes must be a positive integer, got {max_bytes!r}")
     seqs = _named_sequences(obj, names, layers)
     prec = _precision(seqs, max_bytes)
@@ -476,7 +564,7 @@ def _build(obj, *, names, title, layers, max_bytes, questions):
     index, notes, errs, cache, shared = [], [], [], {}, _Shared()
     used, chunk = 0, 256  # sequences prepared together (see _layers_data)
     for c0 in range(0, len(seqs), chunk):
-        part = seqs[c0:c0 + chunk]
+        part = seqs[c0 : c0 + chunk]
         done = iter(_layers_data([lay for seq in part for lay in seq.layers], prec, shared))
         for seq in part:
             if used > max_bytes:
@@ -486,13 +574,21 @@ def _build(obj, *, names, title, layers, max_bytes, questions):
             for data, e in (next(done) for _ in seq.layers):
                 errs += e
                 blocks.append(_json_for_script(data))
-            used += sum(len(b) for b in blocks[first - 1:])
-            index.append({"name": seq.name, "T": int(seq.layers[0].kinds.shape[0]),
-                          "n_layers": len(seq.layers), "block": first - 1})
+            used += sum(len(b) for b in blocks[first - 1 :])
+            index.append(
+                {
+                    "name": seq.name,
+                    "T": int(seq.layers[0].kinds.shape[0]),
+                    "n_layers": len(seq.layers),
+                    "block": first - 1,
+                }
+            )
         if used > max_bytes and len(index) < len(seqs):
-            notes.append(f"Showing the first {len(index)} of {len(seqs)} sequences: the page "
-                         f"would pass its size limit (max_bytes = {max_bytes}). Give fewer, or "
-                         "raise it.")
+            notes.append(
+                f"Showing the first {len(index)} of {len(seqs)} sequences: the page "
+                f"would pass its size limit (max_bytes = {max_bytes}). Give fewer, or "
+                "raise it."
+            )
             break
     xsets = []
     for k in range(len(shared.sets)):  # after the sequences, but sent before the script
@@ -503,23 +599,36 @@ def _build(obj, *, names, title, layers, max_bytes, questions):
         notes.append(_NOTE_PREC[prec].format(v=V_SHOWN) + ".")
     done = [e for e in errs if e is not None]
     if done and max(done) > 1e-9:
-        notes.append(f"S and A are recomputed in the page from Q and K: at most "
-                     f"{max(done):.1e} from the trace's own A.")
+        notes.append(
+            f"S and A are recomputed in the page from Q and K: at most "
+            f"{max(done):.1e} from the trace's own A."
+        )
     data = {
-        "version": 2, "title": str(title), "notes": notes,
+        "version": 2,
+        "title": str(title),
+        "notes": notes,
         "kinds": [k._asdict() for k in KINDS.values()],
-        "sequences": index, "xsets": xsets,
+        "sequences": index,
+        "xsets": xsets,
         "learn": None if questions is None else learn_data(questions),
     }
     return data, blocks
 
 
-def explorer_data(obj, *, names=None, title: str = "causalattn explorer", layers=None,
-                  max_bytes: int = MAX_BYTES, questions=None) -> dict:
+def explorer_data(
+    obj,
+    *,
+    names=None,
+    title: str = "causalattn explorer",
+    layers=None,
+    max_bytes: int = MAX_BYTES,
+    questions=None,
+) -> dict:
     """The JSON-ready data the page draws, every block parsed: ``{"sequences": [{"name", "T",
     "tokens", "pad", "layers": [{"name", "kinds", "heads": [...], ...}]}], ...}``."""
-    index, blocks = _build(obj, names=names, title=title, layers=layers, max_bytes=max_bytes,
-                           questions=questions)
+    index, blocks = _build(
+        obj, names=names, title=title, layers=layers, max_bytes=max_bytes, questions=questions
+    )
     parsed = [json.loads(b) for b in blocks]
     for s in index["sequences"]:
         meta = parsed[s["block"]]
@@ -543,22 +652,35 @@ def _asset(name: str) -> str:
     return text
 
 
-def explorer_fragment(obj, *, names=None, title: str = "causalattn explorer",
-                      nonce: str | None = None, layers=None, max_bytes: int = MAX_BYTES,
-                      questions=None) -> str:
+def explorer_fragment(
+    obj,
+    *,
+    names=None,
+    title: str = "causalattn explorer",
+    nonce: str | None = None,
+    layers=None,
+    max_bytes: int = MAX_BYTES,
+    questions=None,
+) -> str:
     """A ``<div>`` with its own style, data and script: for notebooks and for the page."""
-    index, blocks = _build(obj, names=names, title=title, layers=layers, max_bytes=max_bytes,
-                           questions=questions)
+    index, blocks = _build(
+        obj, names=names, title=title, layers=layers, max_bytes=max_bytes, questions=questions
+    )
     uid = "ca-x-" + secrets.token_hex(6)
     n = f' nonce="{nonce}"' if nonce else ""
     T = max(s["T"] for s in index["sequences"])
     L = max(s["n_layers"] for s in index["sequences"])
-    summary = html.escape(f"{title}: {len(index['sequences'])} sequence(s), up to {T} tokens"
-                          + (f", {L} layers" if L > 1 else ""), quote=True)
+    summary = html.escape(
+        f"{title}: {len(index['sequences'])} sequence(s), up to {T} tokens"
+        + (f", {L} layers" if L > 1 else ""),
+        quote=True,
+    )
     # The blocks of the first view come before the script, the rest after it: the page
     # draws while the browser is still reading the other layers and sentences.
-    paged = [f'<script type="application/json" class="ca-block" data-k="{k}">{b}</script>'
-             for k, b in enumerate(blocks)]
+    paged = [
+        f'<script type="application/json" class="ca-block" data-k="{k}">{b}</script>'
+        for k, b in enumerate(blocks)
+    ]
     first = 1 + index["sequences"][0]["n_layers"] if blocks else 0
     early = set(range(first)) | set(index["xsets"])  # what the first view needs
     return (
@@ -571,21 +693,34 @@ def explorer_fragment(obj, *, names=None, title: str = "causalattn explorer",
         + f"<script{n}>(function () {{\n{_asset('explorer.js')}\n"
         f'var root = document.getElementById("{uid}");\n'
         'causalattnExplorer(root, JSON.parse(root.querySelector("script.ca-data").textContent));\n'
-        "})();</script>" + "".join(b for k, b in enumerate(paged) if k not in early)
-        + "</div>"
+        "})();</script>" + "".join(b for k, b in enumerate(paged) if k not in early) + "</div>"
     )
 
 
-def explorer_html(obj, *, names=None, title: str = "causalattn explorer", layers=None,
-                  max_bytes: int = MAX_BYTES, questions=None) -> str:
+def explorer_html(
+    obj,
+    *,
+    names=None,
+    title: str = "causalattn explorer",
+    layers=None,
+    max_bytes: int = MAX_BYTES,
+    questions=None,
+) -> str:
     """A complete, self-contained HTML page; its CSP forbids every network request."""
     nonce = secrets.token_urlsafe(16)
     csp = (
         f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; "
         "img-src data:; connect-src 'none'; base-uri 'none'; form-action 'none'"
     )
-    body = explorer_fragment(obj, names=names, title=title, nonce=nonce, layers=layers,
-                             max_bytes=max_bytes, questions=questions)
+    body = explorer_fragment(
+        obj,
+        names=names,
+        title=title,
+        nonce=nonce,
+        layers=layers,
+        max_bytes=max_bytes,
+        questions=questions,
+    )
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f'<meta http-equiv="Content-Security-Policy" content="{csp}">'
@@ -594,8 +729,16 @@ def explorer_html(obj, *, names=None, title: str = "causalattn explorer", layers
     )
 
 
-def write_explorer(traces, path, *, names=None, title: str = "causalattn explorer", layers=None,
-                   max_bytes: int = MAX_BYTES, questions=None) -> Path:
+def write_explorer(
+    traces,
+    path,
+    *,
+    names=None,
+    title: str = "causalattn explorer",
+    layers=None,
+    max_bytes: int = MAX_BYTES,
+    questions=None,
+) -> Path:
     """Write the explorer page for ``traces`` to ``path`` (UTF-8) and return the path.
 
     ``traces``: a Trace (any batch/head axes), a :class:`causalattn.text.Batch`, or a list
@@ -608,6 +751,15 @@ def write_explorer(traces, path, *, names=None, title: str = "causalattn explore
     path = Path(path)
     if not path.parent.is_dir():  # as Trace.save: no folder is created behind the caller's back
         raise ValueError(f"explorer: the folder {path.parent} does not exist (create it first)")
-    path.write_text(explorer_html(traces, names=names, title=title, layers=layers,
-                                  max_bytes=max_bytes, questions=questions), encoding="utf-8")
+    path.write_text(
+        explorer_html(
+            traces,
+            names=names,
+            title=title,
+            layers=layers,
+            max_bytes=max_bytes,
+            questions=questions,
+        ),
+        encoding="utf-8",
+    )
     return path

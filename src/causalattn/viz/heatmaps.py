@@ -32,8 +32,15 @@ from .kinds import (
     tokens_of,
 )
 
-__all__ = ["plot_mask", "plot_patterns", "plot_stage", "trace_figures", "save", "write_figures",
-           "STAGE_TITLES"]
+__all__ = [
+    "plot_mask",
+    "plot_patterns",
+    "plot_stage",
+    "trace_figures",
+    "save",
+    "write_figures",
+    "STAGE_TITLES",
+]
 
 PAD_HATCH = "///"
 STAGE_TITLES = {
@@ -123,12 +130,22 @@ def kind_legend(ax, kinds: np.ndarray, ncol: int = 1) -> None:
 
     present = [c for c in KINDS if (kinds == c).any()]
     handles = [
-        Patch(facecolor=KINDS[c].color, edgecolor="#343a40",
-              hatch=PAD_HATCH if KINDS[c].hatch else None, label=KINDS[c].label)
+        Patch(
+            facecolor=KINDS[c].color,
+            edgecolor="#343a40",
+            hatch=PAD_HATCH if KINDS[c].hatch else None,
+            label=KINDS[c].label,
+        )
         for c in present
     ]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.02), ncol=ncol,
-              fontsize=8, frameon=False)
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.02),
+        ncol=ncol,
+        fontsize=8,
+        frameon=False,
+    )
 
 
 def _draw_mask(ax, kinds: np.ndarray, tokens: list[str], title: str) -> None:
@@ -138,15 +155,30 @@ def _draw_mask(ax, kinds: np.ndarray, tokens: list[str], title: str) -> None:
     if T <= ANNOTATE_MAX_T:  # the seed's additive form: 0 where allowed, -∞ where blocked
         for (i, j), k in np.ndenumerate(kinds):
             light = k in (masks.FUTURE, masks.WINDOW, masks.CHUNK, masks.MASK)
-            ax.text(j, i, "0" if k == READABLE else "-∞", ha="center", va="center", fontsize=8,
-                    color="#495057" if light else "white")
+            ax.text(
+                j,
+                i,
+                "0" if k == READABLE else "-∞",
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="#495057" if light else "white",
+            )
     _ticks(ax, tokens)
     ax.set_title(title, fontsize=10)
     kind_legend(ax, kinds)
 
 
-def _draw_values(fig, ax, stage: str, values: np.ndarray, allowed: np.ndarray,
-                 tokens: list[str], kinds: np.ndarray, title: str) -> None:
+def _draw_values(
+    fig,
+    ax,
+    stage: str,
+    values: np.ndarray,
+    allowed: np.ndarray,
+    tokens: list[str],
+    kinds: np.ndarray,
+    title: str,
+) -> None:
     T = len(tokens)
     pad = pad_of(kinds)
     ax.imshow(_kind_image(kinds, muted=True), interpolation="nearest", aspect="equal")
@@ -157,21 +189,37 @@ def _draw_values(fig, ax, stage: str, values: np.ndarray, allowed: np.ndarray,
         vmin, vmax = -(lim or 1.0), (lim or 1.0)
     else:
         vmin, vmax = 0.0, (float(shown.max()) if shown.count() else 1.0) or 1.0
-    im = ax.imshow(shown, cmap=_CMAPS[stage], vmin=vmin, vmax=vmax, interpolation="nearest",
-                   aspect="equal")
+    im = ax.imshow(
+        shown, cmap=_CMAPS[stage], vmin=vmin, vmax=vmax, interpolation="nearest", aspect="equal"
+    )
     fig.colorbar(im, ax=ax, shrink=0.7)
     if T <= ANNOTATE_MAX_T:
         for (i, j), ok in np.ndenumerate(allowed):
             if ok:
                 v = values[i, j]
                 dark = abs(v) > 0.5 * vmax if stage == "S" else v > 0.55 * vmax
-                ax.text(j, i, f"{v:.3f}" if stage != "S" else f"{v:.2f}", ha="center",
-                        va="center", fontsize=7, color="white" if dark else "black")
+                ax.text(
+                    j,
+                    i,
+                    f"{v:.3f}" if stage != "S" else f"{v:.2f}",
+                    ha="center",
+                    va="center",
+                    fontsize=7,
+                    color="white" if dark else "black",
+                )
     if stage == "A" and T <= LABEL_MAX_T:  # the softmax axis: Σ_j A_ij on the right of each row
         sums = np.where(allowed, values, 0.0).sum(axis=-1)
         for i, s in enumerate(sums):
-            ax.text(T - 0.3, i, f"Σ={s:.3f}" if not pad[i] else "Σ=0 (pad)", ha="left",
-                    va="center", fontsize=7, color="#495057", clip_on=False)
+            ax.text(
+                T - 0.3,
+                i,
+                f"Σ={s:.3f}" if not pad[i] else "Σ=0 (pad)",
+                ha="left",
+                va="center",
+                fontsize=7,
+                color="#495057",
+                clip_on=False,
+            )
     _ticks(ax, tokens)
     ax.set_title(title, fontsize=10)
 
@@ -220,8 +268,9 @@ def _kinds_of(mask, tokens, pad, T, b):
     return mask_kinds(a, pad), T
 
 
-def plot_mask(mask, tokens=None, *, pad=None, title: str | None = None, T: int | None = None,
-              b: int = 0):
+def plot_mask(
+    mask, tokens=None, *, pad=None, title: str | None = None, T: int | None = None, b: int = 0
+):
     """The ``T×T`` mask, each kind of cell in its own style, with a legend of the kinds.
 
     ``mask`` is a boolean ``T×T`` matrix (True = may read): its blocked cells are padding
@@ -263,10 +312,23 @@ def plot_patterns(patterns: dict, T: int, *, tokens=None, b: int = 0):
     from matplotlib.patches import Patch
 
     allk = np.stack(every)
-    handles = [Patch(facecolor=k.color, edgecolor="#343a40", hatch=PAD_HATCH if k.hatch else None,
-                     label=k.label) for c, k in KINDS.items() if (allk == c).any()]
-    fig.legend(handles=handles, loc="outside lower center", ncol=min(len(handles), 4),
-               fontsize=9, frameon=False)
+    handles = [
+        Patch(
+            facecolor=k.color,
+            edgecolor="#343a40",
+            hatch=PAD_HATCH if k.hatch else None,
+            label=k.label,
+        )
+        for c, k in KINDS.items()
+        if (allk == c).any()
+    ]
+    fig.legend(
+        handles=handles,
+        loc="outside lower center",
+        ncol=min(len(handles), 4),
+        fontsize=9,
+        frameon=False,
+    )
     return fig
 
 

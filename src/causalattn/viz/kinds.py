@@ -25,8 +25,20 @@ from ..text import PAD
 from ..trace import Trace
 
 __all__ = [
-    "READABLE", "PADDING", "DOCUMENT", "FUTURE", "WINDOW", "CHUNK", "MASK", "KINDS",
-    "Kind", "padding_positions", "mask_kinds", "pattern_kinds", "trace_kinds", "sequences",
+    "READABLE",
+    "PADDING",
+    "DOCUMENT",
+    "FUTURE",
+    "WINDOW",
+    "CHUNK",
+    "MASK",
+    "KINDS",
+    "Kind",
+    "padding_positions",
+    "mask_kinds",
+    "pattern_kinds",
+    "trace_kinds",
+    "sequences",
     "Sequence",
 ]
 
@@ -95,7 +107,7 @@ def mask_kinds(allowed, pad=None) -> np.ndarray:
     if pad.shape not in ((T_q,), (T_k,)):
         raise ValueError(f"mask kinds: pad has shape {pad.shape}, want ({T_k},)")
     pad_k = pad if pad.shape == (T_k,) else np.concatenate([np.zeros(T_k - T_q, bool), pad])
-    pad_q = pad_k[T_k - T_q:]
+    pad_q = pad_k[T_k - T_q :]
     pos = np.arange(T_q)[:, None] + (T_k - T_q)
     kinds = np.where(np.arange(T_k)[None, :] > pos, FUTURE, MASK).astype(np.uint8)
     kinds[pad_q[:, None] | pad_k[None, :]] = PADDING
@@ -108,8 +120,10 @@ def pattern_kinds(pattern: masks.Pattern, T: int, *, b: int = 0, B: int | None =
     (its :meth:`~causalattn.masks.Pattern.reasons`, first head). ``B`` defaults to the
     pattern's own batch size (its lengths), else 1."""
     if B is None:
-        B = next((len(v) for v in (pattern.lengths, pattern.prefix_lengths) if v is not None),
-                 pattern.key_padding_mask.shape[0] if pattern.key_padding_mask is not None else 1)
+        B = next(
+            (len(v) for v in (pattern.lengths, pattern.prefix_lengths) if v is not None),
+            pattern.key_padding_mask.shape[0] if pattern.key_padding_mask is not None else 1,
+        )
     r = pattern.reasons(B, 1, T, T)
     return r[b if r.shape[0] > 1 else 0, 0]
 
@@ -163,8 +177,7 @@ def trace_kinds(tr: Trace) -> np.ndarray:
     """
     A = tr["A"]
     lead = _lead_shape(tr)
-    allowed = (np.ones(A.shape, bool) if tr.allowed is None
-               else np.broadcast_to(tr.allowed, A.shape))
+    allowed = np.ones(A.shape, bool) if tr.allowed is None else np.broadcast_to(tr.allowed, A.shape)
     if tr.n_heads is not None:
         allowed = allowed[..., 0, :, :]  # the heads share one mask (checked by the explorer)
     r = _declared(tr, lead, allowed)

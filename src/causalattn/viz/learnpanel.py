@@ -28,10 +28,14 @@ def _learn_matrix(q: dict) -> dict | None:
 
     data = q.get("data") or {}
     if all(k in data for k in ("X", "W_q", "W_k", "W_v")):
-        tr = _trace(np.asarray(data["X"], float), np.asarray(data["W_q"], float),
-                    np.asarray(data["W_k"], float), np.asarray(data["W_v"], float),
-                    mask=np.asarray(data["mask"], bool) if "mask" in data else None,
-                    tokens=data.get("tokens"))
+        tr = _trace(
+            np.asarray(data["X"], float),
+            np.asarray(data["W_q"], float),
+            np.asarray(data["W_k"], float),
+            np.asarray(data["W_v"], float),
+            mask=np.asarray(data["mask"], bool) if "mask" in data else None,
+            tokens=data.get("tokens"),
+        )
         kinds = sequences(tr)[0].kinds
     elif isinstance(q.get("sentence"), int):
         batch = text.encode(text.SEED_SENTENCES)
@@ -48,16 +52,23 @@ def _learn_matrix(q: dict) -> dict | None:
     if m in ("S", "A"):
         v = np.where(kinds == 0, tr[m], np.nan)
         vals = [[None if not np.isfinite(x) else round(float(x), 4) for x in row] for row in v]
-    return {"matrix": m, "T": int(T), "tokens": tokens_of(tr, T),
-            "kinds": kinds.astype(int).tolist(), "values": vals}
+    return {
+        "matrix": m,
+        "T": int(T),
+        "tokens": tokens_of(tr, T),
+        "kinds": kinds.astype(int).tolist(),
+        "values": vals,
+    }
 
 
 def learn_data(questions) -> list[dict]:
     """The questions as the panel needs them (prompt, choices, answer, hint, explanation,
     highlight) plus the highlighted matrix computed here."""
     if isinstance(questions, dict) or not hasattr(questions, "__iter__"):
-        raise ValueError("explorer: questions must be a list of question dicts "
-                         "(causalattn.learn.questions(seed, n))")
+        raise ValueError(
+            "explorer: questions must be a list of question dicts "
+            "(causalattn.learn.questions(seed, n))"
+        )
     out = []
     for k, q in enumerate(questions):
         need = ("prompt", "choices", "answer")
@@ -66,14 +77,21 @@ def learn_data(questions) -> list[dict]:
         choices = [str(c) for c in q["choices"]]
         a = q["answer"]
         if isinstance(a, bool) or not isinstance(a, (int, np.integer)) or not 0 <= a < len(choices):
-            raise ValueError(f"explorer: question {k + 1}: answer {a!r} is not an index of its "
-                             f"{len(choices)} choices")
+            raise ValueError(
+                f"explorer: question {k + 1}: answer {a!r} is not an index of its "
+                f"{len(choices)} choices"
+            )
         hl = q.get("highlight") if isinstance(q.get("highlight"), dict) else None
-        out.append({"id": str(q.get("id", k + 1)), "prompt": str(q["prompt"]),
-                    "choices": choices, "answer": int(a), "hint": str(q.get("hint") or ""),
-                    "explanation": str(q.get("explanation") or ""),
-                    "highlight": json.loads(json.dumps(hl)) if hl else None,
-                    "picture": _learn_matrix(q)})
+        out.append(
+            {
+                "id": str(q.get("id", k + 1)),
+                "prompt": str(q["prompt"]),
+                "choices": choices,
+                "answer": int(a),
+                "hint": str(q.get("hint") or ""),
+                "explanation": str(q.get("explanation") or ""),
+                "highlight": json.loads(json.dumps(hl)) if hl else None,
+                "picture": _learn_matrix(q),
+            }
+        )
     return out
-
-

@@ -1,7 +1,7 @@
 """Sentences as Traces for the pictures: seeded random weights over a text.Batch.
 
-    traces = batch_traces(text.encode(["I love pizza", "you love cheese"]))
-    names = sentence_names(batch)
+traces = batch_traces(text.encode(["I love pizza", "you love cheese"]))
+names = sentence_names(batch)
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from ..trace import Trace
 __all__ = ["batch_traces", "sentence_traces", "sentence_names"]
 
 
-def batch_traces(batch, *, d_model: int = 16, n_heads: int = 2, seed: int = 0,
-                 chunk: int = 512) -> list[Trace]:
+def batch_traces(
+    batch, *, d_model: int = 16, n_heads: int = 2, seed: int = 0, chunk: int = 512
+) -> list[Trace]:
     """One Trace per sentence of a :class:`causalattn.text.Batch`, from seeded random weights.
 
     The embedding (vocabulary×d_model) and W_Q, W_K, W_V, W_O are drawn from
@@ -35,13 +36,26 @@ def batch_traces(batch, *, d_model: int = 16, n_heads: int = 2, seed: int = 0,
     W_q, W_k, W_v, W_o = (rng.normal(size=(d_model, d_model)) / np.sqrt(d_model) for _ in range(4))
     out = []
     for b0 in range(0, batch.ids.shape[0], chunk):
-        ids = batch.ids[b0:b0 + chunk]
-        tr = _trace(E[ids], W_q, W_k, W_v, W_o, lengths=np.asarray(batch.lengths[b0:b0 + chunk]),
-                    n_heads=n_heads)
+        ids = batch.ids[b0 : b0 + chunk]
+        tr = _trace(
+            E[ids],
+            W_q,
+            W_k,
+            W_v,
+            W_o,
+            lengths=np.asarray(batch.lengths[b0 : b0 + chunk]),
+            n_heads=n_heads,
+        )
         # C (T×T×d_v per head) is most of a sentence's memory and A, V give it (explain()
         # needs only those): 10,000 sentences keep a few hundred MiB, not a GiB.
-        tr = Trace({n: tr[n] for n in tr.names if n != "C"}, allowed=tr.allowed, scale=tr.scale,
-                   n_heads=tr.n_heads, pattern=tr.pattern, reasons=tr.reasons)
+        tr = Trace(
+            {n: tr[n] for n in tr.names if n != "C"},
+            allowed=tr.allowed,
+            scale=tr.scale,
+            n_heads=tr.n_heads,
+            pattern=tr.pattern,
+            reasons=tr.reasons,
+        )
         for b in range(ids.shape[0]):
             one = tr.select(b)
             one.tokens = list(batch.tokens[b0 + b])
