@@ -26,9 +26,10 @@ browser:
 test: $(STAMP) browser
 	$(PY) -m pytest -q
 
-# ruff's rules, then the layers of docs/design.md (.importlinter)
+# ruff's rules, ruff's formatting, then the layers of docs/design.md (.importlinter)
 lint: $(STAMP)
 	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 	.venv/bin/lint-imports
 
 # Mutation testing (slow: hours over everything; not in CI). Config: [tool.mutmut] in
