@@ -172,6 +172,23 @@ def attention(
             f"engine {name!r}: return_lse: PyTorch's SDPA does not return the "
             "log-sum-exp; use 'tiled'"
         )
+    if name == "sdpa" and _eager(q):
+        # eagerly, SDPA keeps PyTorch's own autograd: through the operator its backward would
+        # recompute the forward (fwd+bwd 1.4x slower at GPT-2 small in one bench run)
+        p = make_problem(
+            q,
+            k,
+            v,
+            causal=causal,
+            window=window,
+            chunk=chunk,
+            softcap=softcap,
+            scale=scale,
+            dropout_p=dropout_p,
+            generator=generator,
+            **given,
+        )
+        return _ops.engine_module(name).forward(p, False)
     # the dropout seed stays a tensor: a compiled graph draws it anew on every call
     seed = _dropout.seed_tensor(generator) if dropout_p else None
     args = (
@@ -194,6 +211,19 @@ def attention(
     else:
         out, lse = torch.ops.causalattn.fwd(*args)
     return (out, lse.float()) if return_lse else out
+
+
+def _eager(q: torch.Tensor) -> bool:
+    """Plain eager mode: not traced by Dynamo or export, no torch.func transform, real data."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return not (
+        torch.compiler.is_compiling()
+        or torch.compiler.is_exporting()
+        or torch._C._are_functorch_transforms_active()
+        or isinstance(q, FakeTensor)
+        or q.device.type == "meta"
+    )
 
 
 def run(p: Problem, engine: str = "auto", return_lse: bool = False):

@@ -92,19 +92,22 @@ def _parallel(parts: list[list], run, workers: int) -> list:
     n_threads = torch.get_num_threads()
 
     def one(part):
-        torch.set_num_threads(1)  # this thread's OpenMP and MKL: small ops stay serial
-        try:
-            with torch.no_grad():
-                return run(part)
-        finally:
-            torch.set_num_threads(n_threads)
+        with torch.no_grad():
+            return run(part)
 
     workers = min(workers, len(parts))
-    if workers <= 1:
-        return [one(p) for p in parts]
-    if _POOL is None or _POOL._max_workers < workers:
-        _POOL = ThreadPoolExecutor(workers, thread_name_prefix="causalattn-tiled")
-    return [f.result() for f in [_POOL.submit(one, p) for p in parts]]
+    # torch.set_num_threads is process-wide: set once around the whole parallel region (a
+    # worker restoring it while another still runs would hand that one a multi-threaded
+    # reduction, whose summation order, and so whose bits, depend on the timing)
+    torch.set_num_threads(1)  # OpenMP and MKL: small ops stay serial
+    try:
+        if workers <= 1:
+            return [one(p) for p in parts]
+        if _POOL is None or _POOL._max_workers < workers:
+            _POOL = ThreadPoolExecutor(workers, thread_name_prefix="causalattn-tiled")
+        return [f.result() for f in [_POOL.submit(one, p) for p in parts]]
+    finally:
+        torch.set_num_threads(n_threads)
 
 
 def _balanced(tasks: list[tuple], cost, n: int) -> list[list]:
