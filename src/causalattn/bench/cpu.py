@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ..masks import Pattern
 from ..shapes import attention_flops
 from .timing import median_ms, median_ratio, paired_times, peak_extra_mib, reps_for
 
@@ -170,7 +171,7 @@ def _group(case: Case, pass_: str) -> tuple[dict[str, Callable], dict]:
                 fns[name] = _fwd_bwd(f, [q, k, v], g)
         return fns, info
 
-    causal_mask = torch.ones(T, T, dtype=torch.bool).tril()
+    causal_mask = Pattern().allowed(1, 1, T, T, like=q)[0, 0]  # the one M
     calls = {
         "tiled": lambda: attention(q, k, v, engine="tiled"),
         "sdpa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale),
