@@ -97,11 +97,14 @@ def pick_engine(p: Problem, return_lse: bool = False) -> str:
     return _choose(p.q, p.k, p.v, "auto", kind, ask, grad)
 
 
-def _tensor(x, device):
+def _tensor(name: str, x, device):
     """A list or array argument as a tensor (tensors pass through; the operator checks them)."""
     if x is None or isinstance(x, torch.Tensor):
         return x
-    return torch.as_tensor(x, device=device)
+    try:
+        return torch.as_tensor(x, device=device)
+    except (TypeError, ValueError, RuntimeError) as exc:  # a string, ragged lists, ...
+        raise ValueError(f"{name}: expected an array or tensor, got {x!r:.60} ({exc})") from exc
 
 
 def attention(
@@ -161,7 +164,7 @@ def attention(
         alibi_slopes=alibi_slopes,
         sinks=sinks,
     )
-    tensors = {n: _tensor(x, q.device) for n, x in given.items()}
+    tensors = {n: _tensor(n, x, q.device) for n, x in given.items()}
     kind, ask = _features(q, k, v, causal, window, chunk, softcap, dropout_p, tensors, return_lse)
     grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, tensors["sinks"])

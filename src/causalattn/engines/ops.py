@@ -100,8 +100,12 @@ def _supports(mod, p, return_lse: bool) -> bool:
 
 def refusal(name: str, p, return_lse: bool) -> str:
     """Why engine ``name`` does not run ``p`` ("" when it does)."""
-    if _supports(engine_module(name), p, return_lse):
+    mod = engine_module(name)
+    if _supports(mod, p, return_lse):
         return ""
+    dtypes = getattr(mod, "DTYPES", None)
+    if dtypes is not None and p.q.dtype not in dtypes:
+        return f"engine {name!r}: dtype {p.q.dtype} not supported; use {mod.DTYPE_NAMES}"
     drop = f" with dropout_p={p.dropout_p}" if p.dropout_p else ""
     lse = " with return_lse" if return_lse and name in NO_LSE else ""
     return (

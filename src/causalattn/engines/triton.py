@@ -226,6 +226,11 @@ _RATIOS: dict[int, dict[int, float]] = {
 }
 
 
+# what the kernels compute in; any other dtype is refused by name (ops.refusal reads these)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPE_NAMES = "fp16, bf16 or fp32"
+
+
 def supports(p: Problem, return_lse: bool = False) -> bool:
     """Whether the kernels run this problem: every pattern, modifier and dropout, fp16 /
     bf16 / fp32, head sizes 1..1024, on CUDA (or the CPU under TRITON_INTERPRET=1)."""
@@ -233,7 +238,7 @@ def supports(p: Problem, return_lse: bool = False) -> bool:
     return (
         triton is not None
         and on
-        and p.q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and p.q.dtype in DTYPES
         and 1 <= p.q.shape[-1] <= 1024
         and 1 <= p.v.shape[-1] <= 1024
     )
@@ -637,8 +642,8 @@ def _prepare(p: Problem):
     """Check what the kernels can run; ``None`` when there is nothing to compute."""
     _require_triton()
     q, k, v = p.q, p.k, p.v
-    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"engine 'triton': dtype {q.dtype} not supported; use fp16, bf16 or fp32")
+    if q.dtype not in DTYPES:
+        raise ValueError(f"engine 'triton': dtype {q.dtype} not supported; use {DTYPE_NAMES}")
     if q.device.type != "cuda" and not _interpreting():
         raise ValueError(
             f"engine 'triton': q is on {q.device}; the kernels need CUDA tensors "
