@@ -243,7 +243,8 @@ def tune(cls, deadline):
                 ms = _ms(_triton, q, k, v, backward=kernel != "fwd", rep=60)
             except Exception as exc:  # a tile that does not compile or fit: skip it
                 print(
-                    f"  tune d<={cls} {kernel} {over}: failed ({type(exc).__name__}: {str(exc)[:120]})"
+                    f"  tune d<={cls} {kernel} {over}: failed ({type(exc).__name__}: "
+                    f"{str(exc)[:120]})"
                 )
                 continue
             print(f"  tune d<={cls} {kernel} {over}: {ms:.3f} ms", flush=True)

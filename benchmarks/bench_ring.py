@@ -3,11 +3,13 @@
     .venv/bin/python benchmarks/bench_ring.py [--T 8192 --H 4 --d 64 --steps 2]
 
 Per configuration: peak memory per rank (a forward+backward after a warm-up one, shards
-included, above the level before it), payload bytes each rank sends per step, time per forward+backward
+included, above the level before it), payload bytes each rank sends per step, time per
+forward+backward
 step (slowest rank, median of the timed steps), block-pair FLOPs each rank computed (from
 RingStats) and their max/min — the zigzag/contiguous balance —, the time ranks sat
 blocked on transfers (max over ranks), and the CPU seconds all ranks used together with the
-FLOP rate per CPU second (compute efficiency, independent of how the cores were shared). One torch thread per rank, so P ranks use up to P cores; on a machine
+FLOP rate per CPU second (compute efficiency, independent of how the cores were shared). One torch
+thread per rank, so P ranks use up to P cores; on a machine
 with fewer free cores than P the time column measures sharing, not speed-up.
 """
 
@@ -144,8 +146,10 @@ def main():
         f"1 thread/rank; {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start"
     )
     head = (
-        f"{'P':>2} {'layout':<10} {'T/P':>5} {'peak MB/rank':>12} {'x P=1':>6} {'MB sent/rank':>12} "
-        f"{'step s':>7} {'GFLOP/rank min-max':>19} {'balance':>7} {'wait s':>6} {'CPU s':>6} {'GFLOP/CPU s':>11}"
+        f"{'P':>2} {'layout':<10} {'T/P':>5} {'peak MB/rank':>12} {'x P=1':>6} "
+        f"{'MB sent/rank':>12} "
+        f"{'step s':>7} {'GFLOP/rank min-max':>19} {'balance':>7} {'wait s':>6} {'CPU s':>6} "
+        f"{'GFLOP/CPU s':>11}"
     )
     print(head)
     print("-" * len(head))
@@ -158,10 +162,14 @@ def main():
             fl = [r["flops"] / 1e9 for r in rows]
             bw = bw or next((r["bw"] for r in rows if r["bw"]), None)
             print(
-                f"{P:>2} {layout if P > 1 else '-':<10} {a.T // P:>5} {peak:>12.1f} {peak / base:>6.2f} "
-                f"{max(r['sent'] for r in rows) / 2**20:>12.1f} {max(r['step'] for r in rows):>7.2f} "
-                f"{min(fl):>9.2f}-{max(fl):<9.2f} {max(fl) / min(fl):>7.2f} {max(r['wait'] for r in rows):>6.2f} "
-                f"{sum(r['cpu'] for r in rows):>6.2f} {sum(fl) / sum(r['cpu'] for r in rows):>11.1f}",
+                f"{P:>2} {layout if P > 1 else '-':<10} {a.T // P:>5} {peak:>12.1f} "
+                f"{peak / base:>6.2f} "
+                f"{max(r['sent'] for r in rows) / 2**20:>12.1f} "
+                f"{max(r['step'] for r in rows):>7.2f} "
+                f"{min(fl):>9.2f}-{max(fl):<9.2f} {max(fl) / min(fl):>7.2f} "
+                f"{max(r['wait'] for r in rows):>6.2f} "
+                f"{sum(r['cpu'] for r in rows):>6.2f} "
+                f"{sum(fl) / sum(r['cpu'] for r in rows):>11.1f}",
                 flush=True,
             )
     if bw:

@@ -47,7 +47,8 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    """Token + position embeddings, n_layers blocks, a linear head: ids (B, T) -> logits (B, T, V)."""
+    """Token + position embeddings, n_layers blocks, a linear head: ids (B, T) -> logits (B, T,
+    V)."""
 
     def __init__(
         self, vocab: int, block: int, d_model: int, n_heads: int, n_layers: int, engine: str
@@ -157,7 +158,8 @@ def main() -> None:
         args.steps, engine=args.engine, n_layers=args.layers, d_model=args.d_model, sample=True
     )
     print(
-        f"loss: {losses[0]:.3f} at the start, {sum(losses[-10:]) / len(losses[-10:]):.3f} over the last 10 steps"
+        f"loss: {losses[0]:.3f} at the start, {sum(losses[-10:]) / len(losses[-10:]):.3f} over the "
+        "last 10 steps"
     )
 
 

@@ -1,4 +1,5 @@
-"""The in-order audit: planted faults land at the right stage, clean traces pass, bad files exit 2."""
+"""The in-order audit: planted faults land at the right stage, clean traces pass, bad files exit
+2."""
 
 from __future__ import annotations
 

@@ -50,7 +50,10 @@ def _run(code: str, *, timeout=120, mem=6 * GiB):
 
 
 def _cli(*args, **kw):
-    code = f"import sys; from causalattn.cli import main; sys.argv = ['causalattn', *{list(args)!r}]; main()"
+    code = (
+        "import sys; from causalattn.cli import main; "
+        f"sys.argv = ['causalattn', *{list(args)!r}]; main()"
+    )
     return _run(code, **kw)
 
 

@@ -1,4 +1,5 @@
-"""diagnose: every catalogued fault, planted by hand in tests/faulty, is named; clean code is clean."""
+"""diagnose: every catalogued fault, planted by hand in tests/faulty, is named; clean code is
+clean."""
 
 from __future__ import annotations
 

@@ -161,7 +161,8 @@ def test_sentences_padding_heads_and_screenshot(page, tmp_path):
     # three mask styles: allowed, causally blocked, padding blocked are different colours
     colours = page.page.evaluate("""() => {
         const c = document.querySelector('[data-panel=M] canvas.ca-base');
-        const [ml, mt, cell] = c.nextElementSibling.getAttribute('data-grid').split(',').map(Number);
+        const [ml, mt, cell] = c.nextElementSibling.getAttribute('data-grid')
+            .split(',').map(Number);
         const px = (i, j) => Array.from(c.getContext('2d').getImageData(
             ml + (j + 0.5) * cell, mt + (i + 0.5) * cell, 1, 1).data).join(',');
         return [px(2, 1), px(1, 2), px(8, 8)];
@@ -217,7 +218,8 @@ def test_window_and_padding_in_one_view_each_kind_named(page, tmp_path):
     ]
     colours = page.page.evaluate("""() => {
         const c = document.querySelector('[data-panel=M] canvas.ca-base');
-        const [ml, mt, cell] = c.nextElementSibling.getAttribute('data-grid').split(',').map(Number);
+        const [ml, mt, cell] = c.nextElementSibling.getAttribute('data-grid')
+            .split(',').map(Number);
         const px = (i, j) => Array.from(c.getContext('2d').getImageData(
             ml + (j + 0.5) * cell, mt + (i + 0.5) * cell, 1, 1).data).join(',');
         return [px(4, 3), px(4, 0), px(1, 3), px(8, 8)];  // readable, window, future, padding

@@ -22,7 +22,8 @@ import torch
 from causalattn.distributed.demo import free_port
 from causalattn.engines import attention
 
-CASES = {  # name: (B, H_q, H_kv, T as a function of P, d_k, d_v, layout, lengths as a function of T)
+# name: (B, H_q, H_kv, T as a function of P, d_k, d_v, layout, lengths as a function of T)
+CASES = {
     "zigzag": (2, 4, 2, lambda P: 8 * P, 8, 6, "zigzag", None),
     "contiguous": (2, 4, 2, lambda P: 8 * P, 8, 6, "contiguous", None),
     "zigzag-T-not-multiple": (1, 2, 2, lambda P: 6 * P + 3, 8, 8, "zigzag", None),

@@ -1,4 +1,5 @@
-"""The float64 trace speaks every pattern: modifiers as stages, sinks, dropout, explain's reasons."""
+"""The float64 trace speaks every pattern: modifiers as stages, sinks, dropout, explain's
+reasons."""
 
 import numpy as np
 import pytest

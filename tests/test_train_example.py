@@ -1,4 +1,5 @@
-"""examples/train_tiny_lm.py: the loss falls, and the tiled engine's backward trains like the reference."""
+"""examples/train_tiny_lm.py: the loss falls, and the tiled engine's backward trains like the
+reference."""
 
 from __future__ import annotations
 

@@ -145,7 +145,8 @@ def _fmt(a, precision: int = 3) -> str:
 def _mask_table(
     title: str, allowed, rows: list[str], cols: list[str], form: str, row_pos=None, col_pos=None
 ):
-    """A token-labelled mask: rows are queries, columns keys; form 'additive' (0/-∞) or 'check' (✓/·).
+    """A token-labelled mask: rows are queries, columns keys; form 'additive' (0/-∞) or 'check'
+    (✓/·).
 
     ``row_pos`` / ``col_pos`` (0-based, default 0, 1, ...) label a summarized mask's
     corner cells with their positions (shown 1-based); a gap between two shown positions
@@ -1380,7 +1381,10 @@ def bench(
     patterns: bool = typer.Option(
         False,
         "--patterns",
-        help="window, packed documents, softcap, sinks, ALiBi and dropout on the tiled engine vs their peers",
+        help=(
+            "window, packed documents, softcap, sinks, ALiBi and dropout on the tiled engine "
+            "vs their peers"
+        ),
     ),
     io: bool = typer.Option(
         False,

@@ -127,7 +127,8 @@ class CausalSelfAttention(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Normal weights with std 1/√fan_in (fan_in = rows of W in the X @ W layout); zero biases."""
+        """Normal weights with std 1/√fan_in (fan_in = rows of W in the X @ W layout); zero
+        biases."""
         with torch.no_grad():
             for W in (self.W_q, self.W_k, self.W_v, self.W_o):
                 W.normal_(0.0, 1.0 / math.sqrt(W.shape[0]))
@@ -169,7 +170,8 @@ class CausalSelfAttention(nn.Module):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or x.shape[-1] != self.d_model:
             got = _shape_str(x) if isinstance(x, torch.Tensor) else type(x).__name__
             raise ValueError(
-                f"CausalSelfAttention: x must be (B, T, d_model) with d_model={self.d_model}, got {got}"
+                f"CausalSelfAttention: x must be (B, T, d_model) with d_model={self.d_model}, got "
+                f"{got}"
             )
         if x.shape[1] == 0:
             raise ValueError(
@@ -183,16 +185,16 @@ class CausalSelfAttention(nn.Module):
 
     def _check_padding(self, B: int, T_k: int, key_padding_mask, lengths) -> None:
         if key_padding_mask is not None:
-            kpm = key_padding_mask
+            key_padding = key_padding_mask
             if (
-                not isinstance(kpm, torch.Tensor)
-                or kpm.dtype != torch.bool
-                or tuple(kpm.shape) != (B, T_k)
+                not isinstance(key_padding, torch.Tensor)
+                or key_padding.dtype != torch.bool
+                or tuple(key_padding.shape) != (B, T_k)
             ):
                 got = (
-                    f"{_shape_str(kpm)} {kpm.dtype}"
-                    if isinstance(kpm, torch.Tensor)
-                    else type(kpm).__name__
+                    f"{_shape_str(key_padding)} {key_padding.dtype}"
+                    if isinstance(key_padding, torch.Tensor)
+                    else type(key_padding).__name__
                 )
                 raise ValueError(
                     f"key_padding_mask: expected a bool tensor (B, T_k) = ({B}, {T_k}) (True = may "
@@ -203,7 +205,8 @@ class CausalSelfAttention(nn.Module):
                 L = torch.as_tensor(lengths)
             except (TypeError, ValueError, RuntimeError) as exc:
                 raise ValueError(
-                    f"lengths: expected an integer tensor (B,) = ({B},), got {lengths!r:.40} ({exc})"
+                    f"lengths: expected an integer tensor (B,) = ({B},), got {lengths!r:.40} "
+                    f"({exc})"
                 ) from exc
             if (
                 L.dim() != 1
@@ -226,8 +229,10 @@ class CausalSelfAttention(nn.Module):
             want = (x.shape[0], self.n_kv_heads, self.d_k)
             if (k.shape[0], k.shape[1], k.shape[3]) != want or kv_cache.v.shape[3] != self.d_v:
                 raise ValueError(
-                    f"kv_cache: holds k {_shape_str(k)} and v {_shape_str(kv_cache.v)} (B, H_kv, T, d); this "
-                    f"layer with x {_shape_str(x)} needs (B, H_kv, ·, d_k) = ({want[0]}, {want[1]}, ·, "
+                    f"kv_cache: holds k {_shape_str(k)} and v {_shape_str(kv_cache.v)} (B, H_kv, "
+                    "T, d); this "
+                    f"layer with x {_shape_str(x)} needs (B, H_kv, ·, d_k) = ({want[0]}, "
+                    f"{want[1]}, ·, "
                     f"{want[2]}) and d_v = {self.d_v} (a cache from another layer or batch size?)"
                 )
             if k.dtype != x.dtype or k.device != x.device:
@@ -306,7 +311,8 @@ class CausalSelfAttention(nn.Module):
         )
         if X.ndim not in (2, 3) or X.shape[-1] != self.d_model:
             raise ValueError(
-                f"trace: x must be T×d_model or (B, T, d_model) with d_model={self.d_model}, got {X.shape}"
+                f"trace: x must be T×d_model or (B, T, d_model) with d_model={self.d_model}, got "
+                f"{X.shape}"
             )
         B, T = (1, X.shape[0]) if X.ndim == 2 else X.shape[:2]
         per_stage = B * self.n_heads * T * T * 8
@@ -365,7 +371,8 @@ class CausalSelfAttention(nn.Module):
         )
 
     def shape_table(self, T: int):
-        """The seed's dimension table for this layer at sequence length T (:mod:`causalattn.shapes`)."""
+        """The seed's dimension table for this layer at sequence length T
+        (:mod:`causalattn.shapes`)."""
         from .shapes import shape_table
 
         return shape_table(T, self.d_model, self.n_heads, d_k=self.d_k, d_v=self.d_v)
@@ -383,7 +390,8 @@ class CausalSelfAttention(nn.Module):
         c_attn, c_proj = getattr(module, "c_attn", None), getattr(module, "c_proj", None)
         if c_attn is None or c_proj is None or getattr(module, "is_cross_attention", False):
             raise ValueError(
-                f"from_gpt2_attention: expected a GPT-2 self-attention module with c_attn and c_proj, "
+                "from_gpt2_attention: expected a GPT-2 self-attention module with c_attn and "
+                "c_proj, "
                 f"got {type(module).__name__}"
             )
         d_model, n_heads = int(module.embed_dim), int(module.num_heads)

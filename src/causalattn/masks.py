@@ -291,11 +291,11 @@ class Pattern:
                     f"prefix_lengths: each must lie in [0, length]; got prefix "
                     f"{self.prefix_lengths.tolist()[:8]} for lengths {self.lengths.tolist()[:8]}"
                 )
-        kpm = self.key_padding_mask
-        if kpm is not None and tuple(kpm.shape) != (B, T_k):
+        key_padding = self.key_padding_mask
+        if key_padding is not None and tuple(key_padding.shape) != (B, T_k):
             raise ValueError(
                 f"key_padding_mask: expected a bool array (B, T_k) = ({B}, {T_k}), True = may "
-                f"read; got shape {shape_str(kpm)}"
+                f"read; got shape {shape_str(key_padding)}"
             )
         cu = self.cu_seqlens
         if cu is not None:
@@ -372,12 +372,12 @@ class Pattern:
         if self.lengths is not None:
             L = host(self.lengths[b])[:, None, None, None]
             pad = (j < L) & (pos < L)
-        kpm = self.key_padding_mask
-        if kpm is not None:
+        key_padding = self.key_padding_mask
+        if key_padding is not None:
             if xp is np:
-                k = _numpy(kpm)[b]
+                k = _numpy(key_padding)[b]
             else:
-                k = kpm if _is_torch(kpm) else xp.as_tensor(np.asarray(kpm))
+                k = key_padding if _is_torch(key_padding) else xp.as_tensor(np.asarray(key_padding))
                 k = k.to(dev)[xp.as_tensor(b, device=dev)]
             kp = k[:, None, None, k0:k1]
             pad = kp if pad is None else pad & kp
@@ -474,9 +474,9 @@ class Pattern:
             hi = min(hi, L)
             if p0 >= L:
                 return 0, 0
-        kpm = self.key_padding_mask
-        if kpm is not None:
-            idx = np.flatnonzero(_numpy(kpm[b])) + ks
+        key_padding = self.key_padding_mask
+        if key_padding is not None:
+            idx = np.flatnonzero(_numpy(key_padding[b])) + ks
             if idx.size == 0:
                 return 0, 0
             lo, hi = max(lo, int(idx[0])), min(hi, int(idx[-1]) + 1)

@@ -405,7 +405,10 @@ def render(rows: list[dict], console=None) -> None:
 
     console = console or Console()
     t = Table(
-        title=f"causalattn CPU benchmark ({torch.get_num_threads()} threads, torch {torch.__version__})"
+        title=(
+            f"causalattn CPU benchmark ({torch.get_num_threads()} threads, "
+            f"torch {torch.__version__})"
+        )
     )
     for col in (
         "case",
@@ -448,7 +451,8 @@ def render(rows: list[dict], console=None) -> None:
     for r in rows:
         if "recompute_over_decode" in r:
             console.print(
-                f"  decode: recomputing the whole pass takes {r['recompute_over_decode']:.0f}x one decode step"
+                f"  decode: recomputing the whole pass takes {r['recompute_over_decode']:.0f}x one "
+                "decode step"
             )
     console.print(f"targets (from {TARGETS_FROM}):")
     for name, ok, nums in targets(rows):

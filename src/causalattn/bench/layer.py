@@ -1,4 +1,5 @@
-"""The whole layer: CausalSelfAttention forward and forward+backward, ours against the same layer on SDPA.
+"""The whole layer: CausalSelfAttention forward and forward+backward, ours against the same layer on
+SDPA.
 
 GPT-2 small by default: x ``(4, 1024, 768)``, 12 heads of d_k = 64, fp32 on the CPU. Both
 layers hold the same weights and differ only in ``engine`` ("auto", the tiled engine on
@@ -50,7 +51,8 @@ def run(
     budget_s: float = 20.0,
     passes: tuple[str, ...] = ("fwd", "fwd+bwd"),
 ) -> list[dict]:
-    """Time the layer on ``engine`` against the same layer on SDPA; returns one row per (pass, engine)."""
+    """Time the layer on ``engine`` against the same layer on SDPA; returns one row per (pass,
+    engine)."""
     from ..engines import make_problem, pick_engine
     from ..layer import CausalSelfAttention
 
@@ -119,7 +121,10 @@ def render(rows: list[dict], console=None) -> None:
 
     console = console or Console()
     t = Table(
-        title=f"CausalSelfAttention, whole layer ({torch.get_num_threads()} threads, torch {torch.__version__})"
+        title=(
+            f"CausalSelfAttention, whole layer ({torch.get_num_threads()} threads, "
+            f"torch {torch.__version__})"
+        )
     )
     for col in (
         "case",
@@ -152,6 +157,7 @@ def render(rows: list[dict], console=None) -> None:
     console.print(t)
     if rows:
         console.print(
-            f"  vs SDPA: median of paired (SDPA time / this time), alternating calls; > 1 is faster. "
+            "  vs SDPA: median of paired (SDPA time / this time), alternating calls; > 1 is "
+            "faster. "
             f"Outputs agree to max|Δ| = {rows[0]['max_abs_diff_vs_sdpa']:.2g}."
         )

@@ -23,7 +23,8 @@ from ..memory import pin_malloc, status_kib
 
 
 def peak_extra_mib(fn: Callable[[], object]) -> tuple[float | None, object]:
-    """Run ``fn`` once; return (peak resident memory above the start, in MiB, or None; its result)."""
+    """Run ``fn`` once; return (peak resident memory above the start, in MiB, or None; its
+    result)."""
     pin_malloc()
     try:
         with open("/proc/self/clear_refs", "w") as f:

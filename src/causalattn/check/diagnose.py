@@ -161,8 +161,8 @@ class _Plan:
         self.rng = np.random.default_rng(1234)
         fixed = [k for k in ("lengths", "key_padding_mask", "prefix_lengths") if k in declared]
         self.B = len(declared[fixed[0]]) if fixed else 1
-        kpm = declared.get("key_padding_mask")
-        self.T_fixed = None if kpm is None else int(np.asarray(kpm).shape[-1])
+        key_padding = declared.get("key_padding_mask")
+        self.T_fixed = None if key_padding is None else int(np.asarray(key_padding).shape[-1])
         if "mask" in declared:
             self.T_fixed = int(np.asarray(declared["mask"]).shape[-1])
         self.per_batch = bool(fixed) or "mask" in declared or "cu_seqlens" in declared

@@ -191,16 +191,16 @@ def _from_mapping(data: Mapping[str, Any]) -> _Inputs:
             raise AuditInputError(f"lengths: must be >= 0, got {L.tolist()[:8]}")
         inp.lengths = L.astype(np.int64)
     if "key_padding_mask" in raw:
-        kpm = raw.pop("key_padding_mask")[0]
-        if kpm.ndim != 2 or not (
-            kpm.dtype == np.bool_
-            or (np.issubdtype(kpm.dtype, np.integer) and np.isin(kpm, (0, 1)).all())
+        key_padding = raw.pop("key_padding_mask")[0]
+        if key_padding.ndim != 2 or not (
+            key_padding.dtype == np.bool_
+            or (np.issubdtype(key_padding.dtype, np.integer) and np.isin(key_padding, (0, 1)).all())
         ):
             raise AuditInputError(
                 f"key_padding_mask: must be (B, T_k) booleans (True = may "
-                f"read), got shape {kpm.shape} and dtype {kpm.dtype}"
+                f"read), got shape {key_padding.shape} and dtype {key_padding.dtype}"
             )
-        inp.key_padding = kpm.astype(bool)
+        inp.key_padding = key_padding.astype(bool)
     if "allowed" in raw:
         m, _ = raw.pop("allowed")
         if m.dtype == np.bool_ or (np.issubdtype(m.dtype, np.integer) and np.isin(m, (0, 1)).all()):

@@ -57,17 +57,18 @@ class Finding:
 def expected_weights(p: Probe, scale: float, allowed: np.ndarray | None = None) -> np.ndarray:
     """softmax_last(modify(Q Kᵀ·scale) + M), sinks in the denominator; float64 (B,H,T_q,T_k)."""
     pat = p.pattern
-    R = p.allowed() if allowed is None else allowed
+    allowed = p.allowed() if allowed is None else allowed
     S = pat.modify_scores(p.G() * scale)
     if pat.sinks is None:
-        return softmax_last(np.where(R, S, 0.0), R)
+        return softmax_last(np.where(allowed, S, 0.0), allowed)
     # a sink is one more allowed logit per row that takes no value: append it as a column
     sink = np.broadcast_to(
         np.asarray(pat.sinks, np.float64)[None, :, None, None], S.shape[:2] + (S.shape[2], 1)
     )
-    has_key = R.any(-1, keepdims=True)
+    has_key = allowed.any(-1, keepdims=True)
     A = softmax_last(
-        np.concatenate([np.where(R, S, 0.0), sink], -1), np.concatenate([R, has_key], -1)
+        np.concatenate([np.where(allowed, S, 0.0), sink], -1),
+        np.concatenate([allowed, has_key], -1),
     )
     return A[..., :-1]
 
@@ -75,8 +76,8 @@ def expected_weights(p: Probe, scale: float, allowed: np.ndarray | None = None) 
 def plain_weights(p: Probe, scale: float, dtype) -> np.ndarray:
     """The same softmax in plain math in ``dtype`` (torch when present, as the accuracy
     rule says; NumPy otherwise): what ordinary code in that precision gets."""
-    R = p.allowed()
-    Z = np.where(R, p.pattern.modify_scores(p.G() * scale), -np.inf)
+    allowed = p.allowed()
+    Z = np.where(allowed, p.pattern.modify_scores(p.G() * scale), -np.inf)
     if p.pattern.sinks is not None:  # the sink logit joins the denominator as a column
         sink = np.broadcast_to(
             np.asarray(p.pattern.sinks, np.float64)[None, :, None, None], Z.shape[:3] + (1,)
@@ -94,8 +95,8 @@ def plain_weights(p: Probe, scale: float, dtype) -> np.ndarray:
         with np.errstate(invalid="ignore"):
             E = np.exp(Zt - Zt.max(-1, keepdims=True))
             A = (E / E.sum(-1, keepdims=True)).astype(np.float64)
-    A = A[..., : R.shape[-1]]
-    return np.where(R.any(-1, keepdims=True), np.nan_to_num(A), 0.0)
+    A = A[..., : allowed.shape[-1]]
+    return np.where(allowed.any(-1, keepdims=True), np.nan_to_num(A), 0.0)
 
 
 def tolerance(ref: np.ndarray, plain: np.ndarray, dtype) -> float:
@@ -154,7 +155,8 @@ def describe_difference(P: np.ndarray, E: np.ndarray, T_q: int, T_k: int) -> str
     own_missing = np.flatnonzero((diag & E & ~P).any(-1))
     if own_missing.size:
         own_ok = np.flatnonzero((diag & E & P).any(-1))
-        s = f"{rows_text(own_missing)} {_verb(own_missing, 'does not read its', 'do not read their')} own key"
+        verb = _verb(own_missing, "does not read its", "do not read their")
+        s = f"{rows_text(own_missing)} {verb} own key"
         if own_ok.size:
             s += f" ({rows_text(own_ok)} {'does' if own_ok.size == 1 else 'do'})"
         parts.append(s)
@@ -173,7 +175,8 @@ def describe_difference(P: np.ndarray, E: np.ndarray, T_q: int, T_k: int) -> str
     if rows.size:
         i = rows[0]
         parts.append(
-            f"{rows_text(rows)} {_verb(rows, 'does not read keys it', 'do not read keys they')} may (row {i + 1} skips "
+            f"{rows_text(rows)} {_verb(rows, 'does not read keys it', 'do not read keys they')} "
+            f"may (row {i + 1} skips "
             f"{_keys_text(np.flatnonzero(miss[i]))})"
         )
     return "; ".join(parts)

@@ -1,4 +1,5 @@
-"""Stage M: the declared pattern (causalattn.masks.Pattern) against the given mask, M, Z or the keys A reads; padding inferred only when unambiguous."""
+"""Stage M: the declared pattern (causalattn.masks.Pattern) against the given mask, M, Z or the keys
+A reads; padding inferred only when unambiguous."""
 
 from __future__ import annotations
 
@@ -66,9 +67,9 @@ def mask(st: AuditState) -> None:
         st.allowed = declared_allowed(st, shape)
         st.recomputed.append("M")
         return
-    name0, R = sources[0]
+    name0, allowed = sources[0]
     for name, other in sources[1:]:
-        same = R == other
+        same = allowed == other
         st.add(
             "M",
             f"{name} agrees with {name0}",
@@ -76,10 +77,10 @@ def mask(st: AuditState) -> None:
             f"{name} and {name0} " + ("agree" if same.all() else "disagree"),
             _locate(~same, len(lead)),
         )
-    st.allowed = R
+    st.allowed = allowed
     if name0 != "M" and "M" not in a:
         st.recomputed.append("M")
-    _structure(st, R, name0)
+    _structure(st, allowed, name0)
 
 
 def pattern_kw(st, padding: bool = True) -> dict:
@@ -108,28 +109,28 @@ def declared_allowed(st, shape, padding: bool = True) -> np.ndarray:
         pat = _masks.Pattern(**kw)
         batchy = pat.per_batch
         if not lead:
-            R = pat.allowed(1, 1, T_q, T_k)[0, 0]
+            allowed = pat.allowed(1, 1, T_q, T_k)[0, 0]
         elif len(lead) == 1:
             heads = st.n_heads is not None and lead[0] == st.n_heads and not batchy
-            R = (
+            allowed = (
                 pat.allowed(1, lead[0], T_q, T_k)[0]
                 if heads
                 else pat.allowed(lead[0], 1, T_q, T_k)[:, 0]
             )
         else:
-            R = pat.allowed(lead[-2], lead[-1], T_q, T_k)
-        return np.broadcast_to(R, shape)
+            allowed = pat.allowed(lead[-2], lead[-1], T_q, T_k)
+        return np.broadcast_to(allowed, shape)
     except ValueError as exc:
         raise AuditInputError(
             f"mask: the declared pattern does not fit the stages {shape}: {exc}"
         ) from None
 
 
-def _fit_lead(st, R):
+def _fit_lead(st, allowed):
     # a (B, T, T) mask with a head axis in the stages: insert it
-    if st.n_heads is not None and R.ndim == 3:
-        R = R[:, None]
-    return R
+    if st.n_heads is not None and allowed.ndim == 3:
+        allowed = allowed[:, None]
+    return allowed
 
 
 def _bcast(st, m, shape, name):
@@ -235,24 +236,25 @@ def _pattern_hint(st, P, E, T_q, T_k, reads) -> str:
     )
 
 
-def softmax_expected(st, R):
-    """softmax_last(modified S + M) over ``R`` (..., T_q, T_k), the declared sinks in the
+def softmax_expected(st, allowed):
+    """softmax_last(modified S + M) over ``allowed`` (..., T_q, T_k), the declared sinks in the
     denominator: what A must be."""
-    Z = np.where(R, modified_scores(st, R.shape), 0.0)
+    Z = np.where(allowed, modified_scores(st, allowed.shape), 0.0)
     sinks = st.inp.pattern.get("sinks")
     if sinks is None:
-        return softmax_last(Z, R)
+        return softmax_last(Z, allowed)
     sk = np.asarray(sinks, np.float64)
-    lead = R.shape[:-2]
+    lead = allowed.shape[:-2]
     col = (
         np.broadcast_to(
-            sk[:, None, None] if lead and lead[-1] == sk.size else sk[:1, None], R.shape[:-1] + (1,)
+            sk[:, None, None] if lead and lead[-1] == sk.size else sk[:1, None],
+            allowed.shape[:-1] + (1,),
         )
         if lead
-        else np.full(R.shape[:-1] + (1,), float(sk[0]))
+        else np.full(allowed.shape[:-1] + (1,), float(sk[0]))
     )
-    has = R.any(-1, keepdims=True)
-    A = softmax_last(np.concatenate([Z, col], -1), np.concatenate([R, has], -1))
+    has = allowed.any(-1, keepdims=True)
+    A = softmax_last(np.concatenate([Z, col], -1), np.concatenate([allowed, has], -1))
     return A[..., :-1]
 
 
@@ -273,9 +275,9 @@ def modified_scores(st, shape):
     return np.asarray(pat.modify_scores(S4)).reshape(shape)
 
 
-def _structure(st, R, source):
+def _structure(st, allowed, source):
     """Compare the mask with causal ∧ padding, padding read from the mask itself."""
-    shape = R.shape
+    shape = allowed.shape
     T_q, T_k = shape[-2:]
     off = T_k - T_q
     lead = shape[:-2]
@@ -288,7 +290,7 @@ def _structure(st, R, source):
     kinds = set()
     padded = False
     for idx in np.ndindex(*lead) if lead else [()]:
-        r = R[idx]
+        r = allowed[idx]
         causal = base_all[idx]
         pad = ~r.any(0) if declared_pad is None else declared_pad[idx]
         padded |= bool(pad.any())

@@ -18,20 +18,20 @@ from .state import AuditState
 def values(st: AuditState) -> None:
     """H = A V (heads split when H is concatenated); empty rows give zero output."""
     a = st.arrays
-    R = st.allowed
+    allowed = st.allowed
     A, V = a.get("A"), a.get("V")
     if "H" in a and A is not None and V is not None and a["H"].ndim == A.ndim - 1 and st.n_heads:
         a["H"] = _split_heads(a["H"], A.shape[-3])  # concatenated heads (..., T, h·d_v)
     if A is None or V is None:
         return
-    if R is None or R.shape != A.shape:
-        R = np.ones(A.shape, bool)
+    if allowed is None or allowed.shape != A.shape:
+        allowed = np.ones(A.shape, bool)
     try:
         lead = np.broadcast_shapes(A.shape[:-2], V.shape[:-2])
         Hr = weighted_values(
             np.broadcast_to(A, lead + A.shape[-2:]),
             np.broadcast_to(V, lead + V.shape[-2:]),
-            np.broadcast_to(R, lead + A.shape[-2:]),
+            np.broadcast_to(allowed, lead + A.shape[-2:]),
         )
     except ValueError:
         st.add(
@@ -48,7 +48,7 @@ def values(st: AuditState) -> None:
     if H.shape != Hr.shape:
         st.add("H", "H = A V", False, f"H has shape {H.shape} but A V is {Hr.shape}")
         return
-    has_key = R.any(-1)
+    has_key = allowed.any(-1)
     ok, e, bad = _close(
         H, Hr, _rtol(st.eps["H"], st.eps["A"], st.eps.get("V", 0)), has_key[..., None]
     )

@@ -1,4 +1,5 @@
-"""Stages Q, K, V (projections) and S (Q Kᵀ, its shape and its scale; the scale read back from A when S is absent). Each check is a function of the audit state ``st``."""
+"""Stages Q, K, V (projections) and S (Q Kᵀ, its shape and its scale; the scale read back from A
+when S is absent). Each check is a function of the audit state ``st``."""
 
 from __future__ import annotations
 

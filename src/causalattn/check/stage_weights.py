@@ -1,4 +1,5 @@
-"""Stage A: rows sum to 1, blocked entries are exactly 0, rows are finite, empty rows are zero, and A = softmax(S + M) (modifiers and sinks as declared)."""
+"""Stage A: rows sum to 1, blocked entries are exactly 0, rows are finite, empty rows are zero, and
+A = softmax(S + M) (modifiers and sinks as declared)."""
 
 from __future__ import annotations
 
@@ -20,11 +21,11 @@ def weights(st: AuditState) -> None:
     """A over ``st.allowed``: rows sum to 1, blocked entries are 0, readable rows finite,
     empty rows zero, and A = softmax(S + M) when S is known."""
     a = st.arrays
-    R = st.allowed
+    allowed = st.allowed
     if "A" not in a:
-        if "S" in a and R is not None:
+        if "S" in a and allowed is not None:
             with np.errstate(invalid="ignore"):
-                st.recompute("A", softmax_expected(st, R), "S")
+                st.recompute("A", softmax_expected(st, allowed), "S")
         return
     A = a["A"]
     if "S" in a and a["S"].shape[-2:] != A.shape[-2:]:
@@ -38,34 +39,34 @@ def weights(st: AuditState) -> None:
             "A must be T_q×T_k like the scores: was it transposed or sliced?",
         )
         return
-    if R is None:
+    if allowed is None:
         T_q, T_k = A.shape[-2:]
         if T_q > T_k:
             st.add("A", "A is T×T", False, f"A is {T_q}×{T_k}: more query rows than keys")
             return
-        R = np.broadcast_to(_masks.causal(T_q, T_k), A.shape)
-    if R.shape != A.shape:
+        allowed = np.broadcast_to(_masks.causal(T_q, T_k), A.shape)
+    if allowed.shape != A.shape:
         st.add(
             "A",
             "A matches the mask's shape",
             False,
-            f"A is {A.shape} but the mask/scores are {R.shape}",
+            f"A is {A.shape} but the mask/scores are {allowed.shape}",
         )
         return
     lead = A.ndim - 2
     tol = _rtol(st.eps["A"])
-    has_key = R.any(-1)
+    has_key = allowed.any(-1)
     finite_row = np.isfinite(A).all(-1)
     # rows with no readable key: listed, and they must be zero (never NaN)
     for idx in np.ndindex(*A.shape[:-2]) if lead else [()]:
         rows = np.flatnonzero(~has_key[idx])
         if rows.size:
             st.empty_rows.append({"index": list(idx), "rows": rows.tolist()})
-    sums = np.where(R, A, 0.0).sum(-1)
+    sums = np.where(allowed, A, 0.0).sum(-1)
     sinks = "sinks" in st.inp.pattern  # rows sum to less than 1: the sink takes the rest
     row_bad = has_key & finite_row & ((sums > 1 + tol) if sinks else (np.abs(sums - 1) > tol))
     if row_bad.any():
-        hint = _softmax_hint(st, A, R, has_key, tol)
+        hint = _softmax_hint(st, A, allowed, has_key, tol)
         st.add(
             "A",
             "rows sum to 1",
@@ -80,7 +81,7 @@ def weights(st: AuditState) -> None:
         )
     else:
         st.add("A", "rows sum to 1", True, "every readable row sums to 1 over its readable columns")
-    forb = ~R & has_key[..., None] & (A != 0)
+    forb = ~allowed & has_key[..., None] & (A != 0)
     st.add(
         "A",
         "forbidden entries exactly 0",
@@ -99,7 +100,7 @@ def weights(st: AuditState) -> None:
     hint = None
     if nonfinite.any():
         S = a.get("S")
-        if S is not None and np.abs(np.where(R & np.isfinite(S), S, 0)).max() > 80:
+        if S is not None and np.abs(np.where(allowed & np.isfinite(S), S, 0)).max() > 80:
             hint = (
                 "scores this large overflow exp(): subtract the row maximum before "
                 "exponentiating (stable softmax)"
@@ -135,8 +136,10 @@ def weights(st: AuditState) -> None:
         )
     if "S" in a and not st.failures_in("A"):
         with np.errstate(invalid="ignore"):
-            ref = softmax_expected(st, R)
-        ok, e, bad = _close(A, ref, _rtol(st.eps["A"], st.eps.get("S", 0)), has_key[..., None] & R)
+            ref = softmax_expected(st, allowed)
+        ok, e, bad = _close(
+            A, ref, _rtol(st.eps["A"], st.eps.get("S", 0)), has_key[..., None] & allowed
+        )
         st.add(
             "A",
             "A = softmax_last(S + M)",
@@ -150,22 +153,22 @@ def weights(st: AuditState) -> None:
         )
 
 
-def _softmax_hint(st, A, R, has_key, tol):
+def _softmax_hint(st, A, allowed, has_key, tol):
     Af = np.where(np.isfinite(A), A, 0.0)
     col = Af.sum(-2)
-    any_read = R.any(-2)
+    any_read = allowed.any(-2)
     if any_read.any() and np.all(np.abs(col[any_read] - 1) <= tol * 4):
         return "columns sum to 1, rows do not: softmax ran over the query axis"
     tot = Af.sum(axis=(-1, -2))
     if np.all(np.abs(tot - 1) <= tol * 4):
         return "the whole matrix sums to 1: softmax ran over all entries at once"
-    sums = np.where(R, Af, 0).sum(-1)
-    if np.all(sums[has_key] <= 1 + tol) and not (~R & (Af != 0)).any():
+    sums = np.where(allowed, Af, 0).sum(-1)
+    if np.all(sums[has_key] <= 1 + tol) and not (~allowed & (Af != 0)).any():
         S = st.arrays.get("S")
         if S is not None:
             with np.errstate(invalid="ignore", over="ignore"):
                 full = softmax_last(np.broadcast_to(S, A.shape), np.ones(A.shape, bool))
-            if _close(A, np.where(R, full, 0), _rtol(st.eps["A"]) * 4, R)[0]:
+            if _close(A, np.where(allowed, full, 0), _rtol(st.eps["A"]) * 4, allowed)[0]:
                 return (
                     "mask applied after softmax without renormalizing: rows sum to "
                     "less than 1 (the forbidden weight was dropped, not redistributed)"

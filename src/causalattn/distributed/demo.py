@@ -4,7 +4,8 @@
         -m causalattn.distributed.demo --T 4096
 
 Without torchrun it runs as a single process (P = 1). gloo on CPU; NCCL (one GPU per process)
-when CUDA is there and has block kernels (see ring._kernels). ``--check`` (default for T <= 4096) compares the gathered output and
+when CUDA is there and has block kernels (see ring._kernels). ``--check`` (default for T <= 4096)
+compares the gathered output and
 gradients with the single-process engine on rank 0.
 """
 
@@ -192,11 +193,13 @@ def _run(a, device) -> int:
             ok = _compare(full, got, dtype)
     if rank == 0:
         print(
-            f"ring attention: T={a.T} over P={P} ranks ({a.layout}), B={a.B}, H={a.H}/{H_kv}, d={a.d}, "
+            f"ring attention: T={a.T} over P={P} ranks ({a.layout}), B={a.B}, H={a.H}/{H_kv}, "
+            f"d={a.d}, "
             f"{a.dtype}, {dist.get_backend()} on {device.type}"
         )
         print(
-            f"{'rank':>4} {'T/P':>6} {'peak MB':>8} {'step s':>8} {'sent MB':>8} {'GFLOP':>8} {'wait s':>7}"
+            f"{'rank':>4} {'T/P':>6} {'peak MB':>8} {'step s':>8} {'sent MB':>8} {'GFLOP':>8} "
+            f"{'wait s':>7}"
         )
         for r in rows:
             print(
@@ -221,7 +224,8 @@ def _compare(full, got, dtype) -> bool:
         bound = tol * (1 + b.double().abs().max().item())
         ok &= err <= bound
         print(
-            f"check {name}: max |ring - single process| = {err:.2e} ({'ok' if err <= bound else 'FAIL'}, bound {bound:.1e})"
+            f"check {name}: max |ring - single process| = {err:.2e} "
+            f"({'ok' if err <= bound else 'FAIL'}, bound {bound:.1e})"
         )
     return ok
 

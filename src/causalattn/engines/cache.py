@@ -57,7 +57,8 @@ class KVCache:
         return self._v[:, :, : self._len]
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Add ``k`` ``(B, H_kv, t, d_k)`` and ``v`` ``(B, H_kv, t, d_v)``; return the whole cache."""
+        """Add ``k`` ``(B, H_kv, t, d_k)`` and ``v`` ``(B, H_kv, t, d_v)``; return the whole
+        cache."""
         for name, t in (("k", k), ("v", v)):
             if not isinstance(t, torch.Tensor):
                 raise ValueError(
@@ -80,7 +81,8 @@ class KVCache:
             if (k.shape[0], k.shape[1], k.shape[3]) != want_k or v.shape[3] != want_v:
                 raise ValueError(
                     f"KVCache.append: cache holds (B, H_kv, T, d_k) = {tuple(self.k.shape)} and "
-                    f"d_v = {want_v}; got k {tuple(k.shape)}, v {tuple(v.shape)} (another layer or batch?)"
+                    f"d_v = {want_v}; got k {tuple(k.shape)}, v {tuple(v.shape)} (another layer or "
+                    "batch?)"
                 )
             if k.dtype != self._k.dtype or k.device != self._k.device:
                 raise ValueError(

@@ -151,7 +151,8 @@ def _check_tensors(q, k, v) -> None:
             )
         if t.dtype not in FLOAT_DTYPES:
             raise ValueError(
-                f"attention: {name} {_shape_str(t)} has dtype {t.dtype}; expected one of fp64, fp32, "
+                f"attention: {name} {_shape_str(t)} has dtype {t.dtype}; expected one of fp64, "
+                "fp32, "
                 "bf16, fp16"
             )
     if not (q.dtype == k.dtype == v.dtype):
@@ -161,7 +162,8 @@ def _check_tensors(q, k, v) -> None:
     B, H_q, T_q, d_k = q.shape
     if k.shape[0] != B or v.shape[0] != B:
         raise ValueError(
-            f"attention: batch sizes differ: q {_shape_str(q)}, k {_shape_str(k)}, v {_shape_str(v)}"
+            f"attention: batch sizes differ: q {_shape_str(q)}, k {_shape_str(k)}, v "
+            f"{_shape_str(v)}"
         )
     if k.shape[3] != d_k:
         raise ValueError(
@@ -174,7 +176,8 @@ def _check_tensors(q, k, v) -> None:
         )
     if d_k == 0 or v.shape[3] == 0:
         raise ValueError(
-            f"attention: q {_shape_str(q)} and v {_shape_str(v)} need d_k >= 1 and d_v >= 1 (a head "
+            f"attention: q {_shape_str(q)} and v {_shape_str(v)} need d_k >= 1 and d_v >= 1 (a "
+            "head "
             "of width 0 has no scores or values)"
         )
     H_kv = k.shape[1]
@@ -246,7 +249,8 @@ def make_problem(
             )
         if not isinstance(pattern, Pattern):
             raise ValueError(
-                f"attention: pattern must be a causalattn.masks.Pattern, got {type(pattern).__name__}"
+                "attention: pattern must be a causalattn.masks.Pattern, got "
+                f"{type(pattern).__name__}"
             )
     else:
         pattern = Pattern(causal=causal, **given)

@@ -452,9 +452,9 @@ class _Recorder:
         )
         pat, n = pattern_from_hf(module, query, key, attention_mask, **kwargs)
         scale = float(scaling) if scaling is not None else masks.default_scale(query.shape[-1])
-        kpm = self.key_padding
-        if kpm is not None:
-            kpm = kpm[:, :n] if kpm.shape[1] >= n else None
+        key_padding = self.key_padding
+        if key_padding is not None:
+            key_padding = key_padding[:, :n] if key_padding.shape[1] >= n else None
         rec = {
             "layer": layer,
             "Q": _numpy(query),
@@ -464,7 +464,7 @@ class _Recorder:
             "received": _host(pat),
             "scale": scale,
         }
-        rec["declared"] = _host(_declared(module, layer, rec["received"], kpm))
+        rec["declared"] = _host(_declared(module, layer, rec["received"], key_padding))
         proj = _projection(module)
         if proj is not None:
             H32 = out.detach().reshape(*out.shape[:2], -1)  # (B, T_q, H·d_v), as o_proj reads it
@@ -605,17 +605,17 @@ def capture(
         tokenizer = _local_tokenizer(model)
     dev = next(model.parameters()).device
     ids = ids.to(dev)
-    kpm = None if am is None else am.to(dev)
-    rec = _Recorder(set(chosen), kpm, engine)
+    key_padding = None if am is None else am.to(dev)
+    rec = _Recorder(set(chosen), key_padding, engine)
     old = model.config._attn_implementation
     token = _ACTIVE.set(rec)
     was_training = model.training
     try:
         model.eval()
         model.set_attn_implementation(CAPTURE_NAME)
-        kw = {} if kpm is None else {"attention_mask": kpm.long()}
-        if kpm is not None:  # HF's convention for padded batches
-            kw["position_ids"] = (kpm.long().cumsum(-1) - 1).clamp(min=0)
+        kw = {} if key_padding is None else {"attention_mask": key_padding.long()}
+        if key_padding is not None:  # HF's convention for padded batches
+            kw["position_ids"] = (key_padding.long().cumsum(-1) - 1).clamp(min=0)
         with torch.no_grad():
             model(ids, use_cache=False, **kw)
     finally:

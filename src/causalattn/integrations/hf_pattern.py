@@ -71,7 +71,8 @@ def _documents(allowed: torch.Tensor) -> list[int] | None:
 
 
 def _fits(pat: masks.Pattern, allowed: torch.Tensor, B: int, H: int, T_q: int, n: int) -> bool:
-    """Whether ``pat`` over the first n keys gives ``allowed`` exactly (and no later key is read)."""
+    """Whether ``pat`` over the first n keys gives ``allowed`` exactly (and no later key is
+    read)."""
     try:
         got = pat.allowed(B, H, T_q, n, like=allowed)
     except ValueError:
@@ -90,10 +91,10 @@ def _structure(allowed, B, H, T_q, T_k, causal, window, chunk) -> tuple[dict, in
         for n in dict.fromkeys((T_k, last)):  # all keys, or a StaticCache's filled ones
             if n < T_q:
                 continue
-            kpm = read[:, :n].expand(B, n)
+            key_padding = read[:, :n].expand(B, n)
             kw = {"causal": causal, "window": window, "chunk": chunk}
-            if not bool(kpm.all()):
-                kw["key_padding_mask"] = kpm.contiguous()
+            if not bool(key_padding.all()):
+                kw["key_padding_mask"] = key_padding.contiguous()
             if _fits(masks.Pattern(**kw), allowed, B, H, T_q, n):
                 return kw, n
         if B == 1 and T_q == T_k and bool(read.all()):

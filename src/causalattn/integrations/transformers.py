@@ -45,7 +45,8 @@ def mask_function(
     allow_is_causal_skip: bool = True,
     **kwargs,
 ):
-    """HF's boolean ``sdpa_mask`` (same signature): None when plain causal, else ``(B, 1, T_q, T_k)``."""
+    """HF's boolean ``sdpa_mask`` (same signature): None when plain causal, else ``(B, 1, T_q,
+    T_k)``."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     return sdpa_mask(

@@ -20,7 +20,8 @@ What is stored, per head: when the trace's S and A are what Q, K, the scale and 
 give, the page carries Q and K and recomputes S and the masked softmax itself (Q, K are
 T×d_k, far smaller than T×T); otherwise S and A themselves (readable entries only). The
 precision follows the page's size budget (``max_bytes``, the file size aimed at): float64
-while it fits, else float32, else float16 with V cut to its first :data:`V_SHOWN` components plus its exact norms (the side
+while it fits, else float32, else float16 with V cut to its first :data:`V_SHOWN` components plus
+its exact norms (the side
 panel shows no more). The page says which, and how far its recomputed A is from the
 trace's (measured here, in float64). Thumbnails are max-pooled to at most 48×48. Should
 the sequences still not fit, the page keeps the first ones and says so (one sequence is

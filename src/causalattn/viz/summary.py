@@ -56,8 +56,8 @@ def thumbnail(A: np.ndarray, n: int = 48) -> np.ndarray:
     m = min(n, T)
     with np.errstate(invalid="ignore", divide="ignore"):
         top = A.max(axis=-1, keepdims=True)
-        R = np.where(top > 0, A / np.where(top > 0, top, 1.0), 0.0)
-    R = np.nan_to_num(R, nan=0.0, posinf=1.0, neginf=0.0)
+        rel = np.where(top > 0, A / np.where(top > 0, top, 1.0), 0.0)
+    rel = np.nan_to_num(rel, nan=0.0, posinf=1.0, neginf=0.0)
     starts = np.unique((np.arange(m) * T) // m)
-    P = np.maximum.reduceat(np.maximum.reduceat(R, starts, axis=0), starts, axis=1)
+    P = np.maximum.reduceat(np.maximum.reduceat(rel, starts, axis=0), starts, axis=1)
     return np.clip(np.rint(P * 255), 0, 255).astype(np.uint8)
