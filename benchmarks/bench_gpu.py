@@ -3,7 +3,7 @@
     PYTHONPATH=src python benchmarks/bench_gpu.py [--no-tune] [--quick]
 
 For (4, 32, T, 128) with T in 1k..16k, (1, 1, 2048, 1000) and (1, 8, 16384, 1000) it prints
-forward and forward+backward TFLOP/s (DESIGN.md: forward 4·B·H·T²·d halved for causal,
+forward and forward+backward TFLOP/s (docs/design.md: forward 4·B·H·T²·d halved for causal,
 backward 2.5× forward) of both, SDPA's backend (the first of flash, efficient, cudnn, math
 that runs the shape), the ratio, and the accuracy rule
 ``max|out - ref64| <= 2·max|plain_bf16 - ref64| + floor`` on the last 512 query rows of

@@ -37,7 +37,7 @@ def plain(q, k, v, allowed, scale):
 
 
 def assert_accurate(out, ref64, plain_t):
-    """DESIGN.md's rule: max|out - ref64| <= 2·max|plain_t - ref64| + floor."""
+    """docs/design.md's rule: max|out - ref64| <= 2·max|plain_t - ref64| + floor."""
     err = (out.double() - ref64).abs().max().item()
     bound = 2 * (plain_t.double() - ref64).abs().max().item() + FLOOR
     assert err <= bound, f"max|out - ref64| = {err:.3g} > {bound:.3g}"

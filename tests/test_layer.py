@@ -94,7 +94,8 @@ def test_lengths_and_key_padding_mask(engine):
 
 
 def test_padding_positions_never_reach_real_rows():
-    # DESIGN: values at unreadable positions, even NaN, never change a readable output, bit for bit
+    # docs/design.md: values at unreadable positions, even NaN, never change a readable
+    # output, bit for bit
     layer = make_layer(engine="auto", n_kv_heads=2, bias=True)
     x = torch.randn(2, 10, 32)
     lengths = torch.tensor([10, 6])

@@ -350,7 +350,7 @@ def _plain(q, k, v, dout):
 
 @pytest.mark.parametrize("P", [2, 4])
 def test_bf16_accuracy_rule(P):
-    """DESIGN.md: max|ring - ref64| <= 2·max|plain_bf16 - ref64| + floor, for H, dQ, dK, dV."""
+    """docs/design.md: max|ring - ref64| <= 2·max|plain_bf16 - ref64| + floor, for H, dQ, dK, dV."""
     got = _results(P)[0][2]["bf16"]
     q, k, v, dout, _, _ = _inputs("zigzag", P)
     q, k, v, dout = (t.bfloat16() for t in (q, k, v, dout))

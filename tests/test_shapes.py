@@ -41,7 +41,7 @@ def test_seed_table_2048_by_1000():
     assert by["H"].flops == 2 * 2048 * 2048 * 1000
     assert by["Kᵀ"].flops == 0 and by["M"].flops == 0
     assert by["A"].bytes_fp32 == 2048 * 2048 * 4  # 16 MiB per T×T matrix in fp32
-    # DESIGN.md's convention: QKᵀ + A V = 4·T²·d dense; causal halves it
+    # docs/design.md's convention: QKᵀ + A V = 4·T²·d dense; causal halves it
     dense = by["QKᵀ"].flops + by["H"].flops
     assert dense == attention_flops(2048, 1000, causal=False) == 4 * 2048**2 * 1000
     assert attention_flops(2048, 1000) == dense // 2

@@ -1,6 +1,9 @@
 """causalattn: causal self-attention in matrix form — understand it, check it, run it fast.
 
 H = softmax_last( Q Kᵀ / √d_k + M ) V
+
+The notation (X, W_Q, …, S, M, Z, A, H, C, O), "the seed", "the chapter's example", the
+layers and the conventions are defined in docs/design.md.
 """
 
 from . import masks, shapes, text, viz

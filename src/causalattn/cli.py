@@ -278,7 +278,7 @@ def shapes(
             f"[bold]{_markup_escape(r.symbol)}[/] ({r.name}): {_markup_escape(r.explanation)}"
         )
     console.print(
-        f"parameters {totals['params']:,}; attention FLOPs (QKᵀ + A V, DESIGN.md's 4·H·T²·d): "
+        f"parameters {totals['params']:,}; attention FLOPs (QKᵀ + A V, docs/design.md's 4·H·T²·d): "
         f"dense {_si(dense)}, causal {_si(dense // 2)}; all rows {_si(totals['flops'])}"
     )
 

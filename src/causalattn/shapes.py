@@ -19,7 +19,7 @@ Conventions:
   (scale and add M: 2, softmax: 4 = subtract max, exp, sum, divide); a transpose,
   the mask itself and the weights count 0. A row carries the FLOPs of computing it,
   except W_O, which carries O = H W_O (the seed's table has no O row).
-* DESIGN.md's attention convention (FlashAttention's benchmarks) counts only the two
+* docs/design.md's attention convention (FlashAttention's benchmarks) counts only the two
   T×T matrix products: QKᵀ + A V = ``4·B·H·T²·d`` for d_k = d_v = d, halved for causal
   because half of the T×T entries are never needed. The rows here are the dense matrix
   form (every entry computed, then masked), so ``QKᵀ.flops + H.flops`` equals

@@ -1,7 +1,7 @@
 """The CPU benchmark: the tiled engine against PyTorch's SDPA and naive materialized attention.
 
 One table from one run. Every group (shape, pass) times its engines in alternation and
-reports each one's median time, GFLOP/s (DESIGN.md's convention: forward 4·B·H·T_q·T_k·d,
+reports each one's median time, GFLOP/s (docs/design.md's convention: forward 4·B·H·T_q·T_k·d,
 halved for square causal; forward+backward 3.5× that), the median paired ratio to SDPA
 (SDPA's time / this engine's time), the ratio to this machine's fp32 GEMM rate for the
 same matrices (a batched Q Kᵀ at most 2048 rows at a time, timed in the same alternation)

@@ -6,7 +6,7 @@ layers hold the same weights and differ only in ``engine`` ("auto", the tiled en
 CPU, against "sdpa"); calls alternate (:mod:`causalattn.bench.timing`) and the ratio is
 the median of the paired ratios, measured in the same run. GFLOP/s count the whole layer:
 the four projections (2·m·n·k each, backward 2× the forward) plus attention by
-DESIGN.md's convention (4·B·H·T²·d halved for causal, backward 2.5× the forward).
+docs/design.md's convention (4·B·H·T²·d halved for causal, backward 2.5× the forward).
 """
 
 from __future__ import annotations
