@@ -19,7 +19,9 @@ def run(inp: _Inputs) -> Report:
     projections(st)
     scores(st)
     mask(st)
-    if st.pending is not None:  # S was recomputed: read its scale back from A, now the mask is known
+    if (
+        st.pending is not None
+    ):  # S was recomputed: read its scale back from A, now the mask is known
         scale_from_weights(st, *st.pending)
     weights(st)
     values(st)
