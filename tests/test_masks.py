@@ -112,3 +112,12 @@ def test_additive_errors():
         masks.additive(masks.causal(2), fill="min")
     with pytest.raises(ValueError, match="dtype must be floating"):
         masks.additive(masks.causal(2), dtype=np.int32)
+
+
+def test_pattern_keywords_are_the_patterns_rule_fields_in_order():
+    """The one keyword list: Pattern's fields less the placement (q_start, k_start)."""
+    import dataclasses
+
+    names = tuple(f.name for f in dataclasses.fields(masks.Pattern))
+    assert names[: len(masks.PATTERN_KEYWORDS)] == masks.PATTERN_KEYWORDS
+    assert names[len(masks.PATTERN_KEYWORDS) :] == ("q_start", "k_start")

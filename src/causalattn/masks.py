@@ -52,7 +52,25 @@ __all__ = [
     "shape_str",
     "default_scale",
     "check_lengths",
+    "PATTERN_KEYWORDS",
 ]
+
+# The keywords that say who reads whom and with what bias, in Pattern's field order: those of
+# causalattn.attention, make_problem, trace, audit and diagnose (not the placement q_start,
+# k_start). The one list: the ops' tensor arguments, probes and the HF adapter derive theirs.
+PATTERN_KEYWORDS = (
+    "causal",
+    "window",
+    "chunk",
+    "lengths",
+    "key_padding_mask",
+    "cu_seqlens",
+    "prefix_lengths",
+    "mask",
+    "alibi_slopes",
+    "softcap",
+    "sinks",
+)
 
 # Why a cell is blocked: the first reason in this order (0 = readable).
 READABLE, PADDING, DOCUMENT, FUTURE, WINDOW, CHUNK, MASK = range(7)

@@ -52,19 +52,7 @@ from .report import Diagnosis, Status
 __all__ = ["diagnose", "PATTERN_KEYWORDS"]
 
 # the declared pattern: the keywords of causalattn.attention / masks.Pattern
-PATTERN_KEYWORDS = (
-    "causal",
-    "window",
-    "chunk",
-    "lengths",
-    "key_padding_mask",
-    "cu_seqlens",
-    "prefix_lengths",
-    "mask",
-    "alibi_slopes",
-    "softcap",
-    "sinks",
-)
+PATTERN_KEYWORDS = masks.PATTERN_KEYWORDS
 _LONG_T = 2500  # fp16 rows this long lose their sums when accumulated in fp16
 
 

@@ -64,22 +64,7 @@ class Probe:
 
 
 def _fields(p: masks.Pattern) -> dict:
-    return {
-        n: getattr(p, n)
-        for n in (
-            "causal",
-            "window",
-            "chunk",
-            "lengths",
-            "key_padding_mask",
-            "cu_seqlens",
-            "prefix_lengths",
-            "mask",
-            "alibi_slopes",
-            "softcap",
-            "sinks",
-        )
-    }
+    return {n: getattr(p, n) for n in masks.PATTERN_KEYWORDS}
 
 
 def _cast(a, dtype):

@@ -26,6 +26,7 @@ import importlib
 import torch
 from torch import Tensor
 
+from ..masks import PATTERN_KEYWORDS
 from .problem import compute_dtype as lse_dtype
 from .problem import make_problem
 
@@ -59,16 +60,8 @@ def engine_problem(name: str) -> str:
     return ""
 
 
-# the pattern's tensors, in the operators' argument order (after q, k, v)
-TENSORS = (
-    "lengths",
-    "key_padding_mask",
-    "cu_seqlens",
-    "prefix_lengths",
-    "mask",
-    "alibi_slopes",
-    "sinks",
-)
+# the pattern's tensors, in the operators' argument order (after q, k, v): Pattern's order
+TENSORS = tuple(n for n in PATTERN_KEYWORDS if n not in ("causal", "window", "chunk", "softcap"))
 
 
 def _problem(q, k, v, tensors, dropout_seed, causal, window, chunk, softcap, scale, dropout_p):

@@ -28,21 +28,6 @@ from ..masks import shape_str as _shape_str
 
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
-# make_problem's pattern keywords, as on causalattn.attention
-PATTERN_KEYS = (
-    "causal",
-    "window",
-    "chunk",
-    "lengths",
-    "key_padding_mask",
-    "cu_seqlens",
-    "prefix_lengths",
-    "mask",
-    "alibi_slopes",
-    "softcap",
-    "sinks",
-)
-
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Where engines compute and merge: fp32, or fp64 for fp64 inputs (tiled, ring)."""

@@ -62,25 +62,10 @@ def mask_function(
     )
 
 
-_FIELDS = (
-    "causal",
-    "window",
-    "chunk",
-    "lengths",
-    "key_padding_mask",
-    "cu_seqlens",
-    "prefix_lengths",
-    "mask",
-    "alibi_slopes",
-    "softcap",
-    "sinks",
-)
-
-
 def engine_kwargs(pat: masks.Pattern) -> dict:
     """The pattern as :func:`causalattn.attention` keywords (only the fields that are set)."""
     kw = {"causal": pat.causal}
-    for name in _FIELDS[1:]:
+    for name in masks.PATTERN_KEYWORDS[1:]:  # causal first, always given
         v = getattr(pat, name)
         if v is not None:
             kw[name] = v
