@@ -16,7 +16,7 @@ import sys
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import NoReturn
+from typing import Annotated, NoReturn
 
 import typer
 from typer import _click as click  # the click typer vendors: its exceptions are these
@@ -95,6 +95,7 @@ app = typer.Typer(
 # sentence's N×N float64 stage alone is 80 GB.
 DEFAULT_MAX_BYTES = 2**30
 _MAX_BYTES_HELP = "Refuse to build arrays larger than this many bytes (default 1 GiB)."
+_Json = Annotated[bool, typer.Option("--json", help="Machine-readable output.")]
 
 
 # -- shared helpers (every command uses them) --------------------------------------------
@@ -228,7 +229,7 @@ def shapes(
     heads: int = typer.Option(1, "--heads", "-H", help="Number of heads h."),
     d_k: int = typer.Option(None, "--d-k", help="Query/key width per head (default d_model/h)."),
     d_v: int = typer.Option(None, "--d-v", help="Value width per head (default d_k)."),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    as_json: _Json = False,
 ) -> None:
     """The seed's dimension table for T, d_model and heads, with params, bytes and FLOPs."""
     from .shapes import shape_table
@@ -435,7 +436,7 @@ def masks(
     max_bytes: int = typer.Option(DEFAULT_MAX_BYTES, "--max-bytes", help=_MAX_BYTES_HELP),
     window: int = typer.Option(None, "--window", help="Each query reads its last W positions."),
     chunk: int = typer.Option(None, "--chunk", help="Each query reads only its own chunk of C."),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    as_json: _Json = False,
 ) -> None:
     """Token-labelled causal, padding and combined masks for each sentence (large ones summarized).
 
@@ -685,7 +686,7 @@ def trace_cmd(
         None, "--png", help="Also draw M, S, A and ‖A_ij v_j‖ into DIR as PNG."
     ),
     max_bytes: int = typer.Option(DEFAULT_MAX_BYTES, "--max-bytes", help=_MAX_BYTES_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    as_json: _Json = False,
 ) -> None:
     """Every stage of attention in dependency order (default: the chapter's example)."""
     import numpy as np
@@ -825,7 +826,7 @@ def demo(
     d_model: int = typer.Option(8, "--d-model", help="Width of the random embeddings."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random embeddings and weights."),
     max_bytes: int = typer.Option(DEFAULT_MAX_BYTES, "--max-bytes", help=_MAX_BYTES_HELP),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    as_json: _Json = False,
 ) -> None:
     """The seed's four sentences end to end, then the chapter's four-token trace."""
     from . import text
@@ -1007,6 +1008,18 @@ def _declared(
 
 _PATTERN_HELP = "The declared pattern, as for causalattn.attention (default: plain causal)."
 
+# The options that declare a pattern, one definition for audit and diagnose (the keywords
+# of causalattn.attention; _declared turns them into those keywords).
+_Window = Annotated[int, typer.Option("--window", help="Sliding window w: " + _PATTERN_HELP)]
+_Chunk = Annotated[int, typer.Option("--chunk", help="Chunks of c positions.")]
+_Lengths = Annotated[str, typer.Option("--lengths", help="Sequence lengths, e.g. 6,3.")]
+_PrefixLengths = Annotated[str, typer.Option("--prefix-lengths", help="Bidirectional prefixes.")]
+_Softcap = Annotated[float, typer.Option("--softcap", help="Scores capped as c·tanh(S/c).")]
+_Sinks = Annotated[str, typer.Option("--sinks", help="One sink logit per head, e.g. 0.5,0.1.")]
+_AlibiSlopes = Annotated[str, typer.Option("--alibi-slopes", help="One ALiBi slope per head.")]
+_Bidirectional = Annotated[bool, typer.Option("--bidirectional", help="No causal rule.")]
+_Scale = Annotated[float, typer.Option("--scale", help="The scale on Q Kᵀ (default 1/√d_k).")]
+
 
 @app.command("audit")
 def audit_cmd(
@@ -1024,16 +1037,16 @@ def audit_cmd(
         None, "--layers", help="With --model: which layers, e.g. '0,3,5-7'."
     ),
     max_bytes: int = typer.Option(2 * 2**30, "--max-bytes", help="Refuse arrays larger than this."),
-    window: int = typer.Option(None, "--window", help="Sliding window w: " + _PATTERN_HELP),
-    chunk: int = typer.Option(None, "--chunk", help="Chunks of c positions."),
-    lengths: str = typer.Option(None, "--lengths", help="Sequence lengths, e.g. 6,3."),
-    prefix_lengths: str = typer.Option(None, "--prefix-lengths", help="Bidirectional prefixes."),
-    softcap: float = typer.Option(None, "--softcap", help="Scores capped as c·tanh(S/c)."),
-    sinks: str = typer.Option(None, "--sinks", help="One sink logit per head, e.g. 0.5,0.1."),
-    alibi_slopes: str = typer.Option(None, "--alibi-slopes", help="One ALiBi slope per head."),
-    bidirectional: bool = typer.Option(False, "--bidirectional", help="No causal rule."),
-    scale: float = typer.Option(None, "--scale", help="The scale on Q Kᵀ (default 1/√d_k)."),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    window: _Window = None,
+    chunk: _Chunk = None,
+    lengths: _Lengths = None,
+    prefix_lengths: _PrefixLengths = None,
+    softcap: _Softcap = None,
+    sinks: _Sinks = None,
+    alibi_slopes: _AlibiSlopes = None,
+    bidirectional: _Bidirectional = False,
+    scale: _Scale = None,
+    as_json: _Json = False,
 ):
     """Check named arrays in dependency order. Exit 0 clean, 1 a check fails, 2 unusable input."""
     from .check import audit
@@ -1128,16 +1141,16 @@ def diagnose_cmd(
     timeout: float = typer.Option(
         60.0, "--timeout", help="Seconds before the user's code is stopped."
     ),
-    window: int = typer.Option(None, "--window", help="Sliding window w: " + _PATTERN_HELP),
-    chunk: int = typer.Option(None, "--chunk", help="Chunks of c positions."),
-    lengths: str = typer.Option(None, "--lengths", help="Sequence lengths, e.g. 6,3."),
-    prefix_lengths: str = typer.Option(None, "--prefix-lengths", help="Bidirectional prefixes."),
-    softcap: float = typer.Option(None, "--softcap", help="Scores capped as c·tanh(S/c)."),
-    sinks: str = typer.Option(None, "--sinks", help="One sink logit per head, e.g. 0.5,0.1."),
-    alibi_slopes: str = typer.Option(None, "--alibi-slopes", help="One ALiBi slope per head."),
-    bidirectional: bool = typer.Option(False, "--bidirectional", help="No causal rule."),
-    scale: float = typer.Option(None, "--scale", help="The scale on Q Kᵀ (default 1/√d_k)."),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    window: _Window = None,
+    chunk: _Chunk = None,
+    lengths: _Lengths = None,
+    prefix_lengths: _PrefixLengths = None,
+    softcap: _Softcap = None,
+    sinks: _Sinks = None,
+    alibi_slopes: _AlibiSlopes = None,
+    bidirectional: _Bidirectional = False,
+    scale: _Scale = None,
+    as_json: _Json = False,
 ):
     """Measure an attention function or module; name the first stage that differs.
     Exit 0 clean, 1 it differs, 2 it could not run.
@@ -1267,7 +1280,7 @@ def explore(
         help="Add a 'check yourself' panel of this many questions "
         "(`causalattn learn`'s, drawn with --seed).",
     ),
-    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    as_json: _Json = False,
 ) -> None:
     """One self-contained HTML page (no network) to explore masks, S, A and each query's row."""
     import dataclasses
