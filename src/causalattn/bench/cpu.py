@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..masks import Pattern
 from ..shapes import attention_flops
+from . import show
 from .timing import median_ms, median_ratio, paired_times, peak_extra_mib, reps_for
 
 _GEMM_RATE: dict = {}  # (case, dtype) -> FLOP/s of the same Q Kᵀ, from the forward group
@@ -292,20 +293,9 @@ def _rows(case: Case, pass_: str, memory: dict) -> list[dict]:
 
 def run(quick: bool = False, show_progress: bool = True) -> list[dict]:
     """Run the benchmark; a rich progress bar on stderr while it runs; returns the rows."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     groups = [(c, p) for c in cases(quick) for p in c.passes]
     rows: list[dict] = []
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        disable=not show_progress,
-        transient=True,
-    ) as prog:
+    with show.progress(show_progress) as prog:
         task = prog.add_task("peak memory (a separate process)", total=len(groups) + 1)
         memory = _memory_subprocess(quick)
         prog.advance(task)
@@ -400,31 +390,22 @@ def targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
 
 def render(rows: list[dict], console=None) -> None:
     """Print the table and the targets with rich."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    t = Table(
-        title=(
-            f"causalattn CPU benchmark ({torch.get_num_threads()} threads, "
-            f"torch {torch.__version__})"
-        )
+    t = show.table(
+        f"causalattn CPU benchmark ({torch.get_num_threads()} threads, torch {torch.__version__})",
+        (
+            "case",
+            "shape",
+            "dtype",
+            "pass",
+            "engine",
+            "ms",
+            "GFLOP/s",
+            "vs SDPA",
+            "vs GEMM",
+            "peak MiB",
+        ),
+        left=("case", "engine", "pass", "dtype"),
     )
-    for col in (
-        "case",
-        "shape",
-        "dtype",
-        "pass",
-        "engine",
-        "ms",
-        "GFLOP/s",
-        "vs SDPA",
-        "vs GEMM",
-        "peak MiB",
-    ):
-        t.add_column(
-            col, justify="right" if col not in ("case", "engine", "pass", "dtype") else "left"
-        )
 
     def fmt(x, spec):
         return "-" if x is None else format(x, spec)
@@ -442,9 +423,7 @@ def render(rows: list[dict], console=None) -> None:
             fmt(r["vs_gemm"], ".0%"),
             fmt(r["peak_extra_mib"], ".1f"),
         )
-    if not console.is_terminal:  # a pipe or file gets the whole table, not 80 squeezed columns
-        console.width = max(console.width, 150)
-    console.print(t)
+    console = show.print_table(t, console)
     notes = sorted({(r["case"], r["note"]) for r in rows if r["note"]})
     for case, note in notes:
         console.print(f"  {case}: {note}")
@@ -454,10 +433,7 @@ def render(rows: list[dict], console=None) -> None:
                 f"  decode: recomputing the whole pass takes {r['recompute_over_decode']:.0f}x one "
                 "decode step"
             )
-    console.print(f"targets (from {TARGETS_FROM}):")
-    for name, ok, nums in targets(rows):
-        tag = "[green]reached[/]" if ok else "[red]not yet[/]"
-        console.print(f"  {tag} {name}: {nums}")
+    show.print_targets(console, TARGETS_FROM, targets(rows))
 
 
 if __name__ == "__main__":  # the memory pass runs here, in a fresh process

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import show
+
 # The child: run the CLI in-process, then report its own figures to a side file.
 _CHILD = r"""
 import json, resource, sys, time
@@ -179,24 +181,22 @@ def run(reps: int = 2, quick: bool = False, timeout: float = 300.0) -> list[dict
 
 
 def render(rows: list[dict], console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    t = Table(title="Huge input through the CLI: one fresh process per run (imports included)")
-    for col in (
-        "case",
-        "bar",
-        "wall s",
-        "command s",
-        "peak MiB",
-        "peer wall s",
-        "peer MiB",
-        "output",
-        "page",
-        "met",
-    ):
-        t.add_column(col, justify="left" if col in ("case", "bar") else "right")
+    t = show.table(
+        "Huge input through the CLI: one fresh process per run (imports included)",
+        (
+            "case",
+            "bar",
+            "wall s",
+            "command s",
+            "peak MiB",
+            "peer wall s",
+            "peer MiB",
+            "output",
+            "page",
+            "met",
+        ),
+        left=("case", "bar"),
+    )
     for r in rows:
         page = (
             f"{r['page_bytes'] / 1e6:.1f} MB, {r['sentences_on_page']} sent."
@@ -215,9 +215,7 @@ def render(rows: list[dict], console=None) -> None:
             page,
             "yes" if r["meets_bar"] else "NO",
         )
-    if not console.is_terminal:
-        console.width = max(console.width, 160)
-    console.print(t)
+    console = show.print_table(t, console, width=160)
     console.print(
         "  peer: `causalattn shapes --json` in the same run, alternating (the cost of "
         "starting Python and importing the package); medians of the runs."

@@ -17,6 +17,7 @@ import time
 import torch
 
 from ..shapes import BACKWARD_FACTOR, score_flops
+from . import show
 from .timing import median_ms, median_ratio, paired_times, peak_extra_mib, reps_for
 
 
@@ -116,29 +117,23 @@ def run(
 
 def render(rows: list[dict], console=None) -> None:
     """Print the rows as a rich table."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    t = Table(
-        title=(
-            f"CausalSelfAttention, whole layer ({torch.get_num_threads()} threads, "
-            f"torch {torch.__version__})"
-        )
+    t = show.table(
+        f"CausalSelfAttention, whole layer ({torch.get_num_threads()} threads, "
+        f"torch {torch.__version__})",
+        (
+            "case",
+            "B×T×d_model×h",
+            "dtype",
+            "pass",
+            "engine",
+            "ms",
+            "GFLOP/s",
+            "vs SDPA",
+            "peak MiB",
+            "reps",
+        ),
+        left=("case", "dtype", "pass", "engine"),
     )
-    for col in (
-        "case",
-        "B×T×d_model×h",
-        "dtype",
-        "pass",
-        "engine",
-        "ms",
-        "GFLOP/s",
-        "vs SDPA",
-        "peak MiB",
-        "reps",
-    ):
-        t.add_column(col, justify="left" if col in ("case", "dtype", "pass", "engine") else "right")
     for r in rows:
         t.add_row(
             r["case"],
@@ -152,9 +147,7 @@ def render(rows: list[dict], console=None) -> None:
             "-" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.1f}",
             str(r["reps"]),
         )
-    if not console.is_terminal:  # as bench/cpu.py: a pipe or file gets the whole table
-        console.width = max(console.width, 150)
-    console.print(t)
+    console = show.print_table(t, console)
     if rows:
         console.print(
             "  vs SDPA: median of paired (SDPA time / this time), alternating calls; > 1 is "

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import show
 from .timing import median_ms, median_ratio, paired_times, reps_for
 
 WINDOW = 512
@@ -189,20 +190,9 @@ def _rows(gr: Group) -> list[dict]:
 
 def run(quick: bool = False, show_progress: bool = True) -> list[dict]:
     """Run every group; a rich progress bar on stderr; returns the rows."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     gs = groups(quick)
     rows: list[dict] = []
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=Console(stderr=True),
-        disable=not show_progress,
-        transient=True,
-    ) as prog:
+    with show.progress(show_progress) as prog:
         task = prog.add_task("patterns", total=len(gs))
         for gr in gs:
             prog.update(task, description=f"{gr.case} {list(gr.shape)} {gr.pass_}")
@@ -268,27 +258,19 @@ def targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
 
 def render(rows: list[dict], console=None) -> None:
     """Print the table and the targets with rich."""
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
-    t = Table(
-        title=f"causalattn pattern benchmark ({torch.get_num_threads()} threads, "
-        f"torch {torch.__version__})"
+    columns = ("case", "shape", "pass", "engine", "ms", "vs peers (peer time / this)")
+    t = show.table(
+        f"causalattn pattern benchmark ({torch.get_num_threads()} threads, "
+        f"torch {torch.__version__})",
+        columns,
+        left=[c for c in columns if c != "ms"],
     )
-    for col in ("case", "shape", "pass", "engine", "ms", "vs peers (peer time / this)"):
-        t.add_column(col, justify="right" if col == "ms" else "left")
     for r in rows:
         vs = ", ".join(f"{x:.2f}x {p}" for p, x in r["vs"].items()) or "(peer)"
         t.add_row(
             r["case"], "x".join(map(str, r["shape"])), r["pass"], r["engine"], f"{r['ms']:.1f}", vs
         )
-    if not console.is_terminal:
-        console.width = max(console.width, 150)
-    console.print(t)
+    console = show.print_table(t, console)
     for case, note in sorted({(r["case"], r["note"]) for r in rows if r["note"]}):
         console.print(f"  {case}: {note}")
-    console.print(f"targets (from {TARGETS_FROM}):")
-    for name, ok, nums in targets(rows):
-        tag = "[green]reached[/]" if ok else "[red]not yet[/]" if ok is False else "       "
-        console.print(f"  {tag} {name}: {nums}")
+    show.print_targets(console, TARGETS_FROM, targets(rows))

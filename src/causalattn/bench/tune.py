@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from . import show
 from .timing import median_ms, median_ratio, paired_times, reps_for
 
 
@@ -155,25 +156,21 @@ def tune(out: Path | None = None, budget_s: float = 2.0, progress=None) -> tuple
 
 
 def render(table: dict, path: Path, console=None) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = console or Console()
     prov = table["provenance"]
-    t = Table(
-        title=f"auto's table ({prov['threads']} threads, torch {prov['torch']}, {prov['date']})"
+    t = show.table(
+        f"auto's table ({prov['threads']} threads, torch {prov['torch']}, {prov['date']})",
+        (
+            "dtype",
+            "kind",
+            "shape",
+            "pass",
+            "tiled ms",
+            "sdpa ms",
+            "tiled/sdpa speed",
+            "auto runs",
+        ),
+        left=("dtype", "kind", "shape", "pass", "auto runs"),
     )
-    for col in (
-        "dtype",
-        "kind",
-        "shape",
-        "pass",
-        "tiled ms",
-        "sdpa ms",
-        "tiled/sdpa speed",
-        "auto runs",
-    ):
-        t.add_column(col, justify="right" if "ms" in col or "speed" in col else "left")
     for e in table["entries"]:
         t.add_row(
             e["dtype"],
@@ -185,7 +182,5 @@ def render(table: dict, path: Path, console=None) -> None:
             f"{e['tiled_over_sdpa_speed']:.2f}",
             e["best"],
         )
-    if not console.is_terminal:
-        console.width = max(console.width, 120)
-    console.print(t)
+    console = show.print_table(t, console, width=120)
     console.print(f"wrote {path}; engine='auto' reads it (CAUSALATTN_ENGINE=name overrides)")
