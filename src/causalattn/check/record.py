@@ -9,6 +9,9 @@ import numpy as np
 
 from .faults import BY_ID as _BY_ID
 
+# torch's spellings of the operations a mask or a scale can hide in
+_ADDS = ("add", "__add__", "__iadd__", "__radd__", "add_")
+_SCALES = ("div", "__truediv__", "__itruediv__", "div_", "mul", "__mul__", "__rmul__", "mul_")
 _SCORED = {
     "softmax",
     "log_softmax",
@@ -21,19 +24,8 @@ _SCORED = {
     "masked_fill",
     "masked_fill_",
     "where",
-    "add",
-    "__add__",
-    "__iadd__",
-    "__radd__",
-    "add_",
-    "div",
-    "__truediv__",
-    "__itruediv__",
-    "div_",
-    "mul",
-    "__mul__",
-    "__rmul__",
-    "mul_",
+    *_ADDS,
+    *_SCALES,
     "transpose",
     "permute",
     "t",
@@ -51,22 +43,25 @@ def _shown(path: str) -> str:
         return path
 
 
+def _user_line(lib_dir: str, skip=()) -> tuple[str | None, str]:
+    """``(file:line, code)`` of the innermost frame outside ``lib_dir``, this file and
+    ``skip``, less this call and the hook that called it; ``(None, "")`` when none is."""
+    here = os.path.abspath(__file__)
+    for fr in reversed(traceback.extract_stack()[:-2]):
+        f = os.path.abspath(fr.filename)
+        if f.startswith(lib_dir) or f == here or f.startswith("<") or any(s in f for s in skip):
+            continue
+        return f"{_shown(f)}:{fr.lineno}", (fr.line or "").strip()
+    return None, ""
+
+
 def _record(call, probe):
     """Run ``call(probe)`` under a TorchFunctionMode; a list of op events in call order."""
     import torch
     from torch.overrides import TorchFunctionMode
 
     torch_dir = os.path.dirname(torch.__file__)
-    here = os.path.abspath(__file__)
     events: list[dict] = []
-
-    def where():
-        for fr in reversed(traceback.extract_stack()[:-2]):  # less where() and the handler
-            f = os.path.abspath(fr.filename)
-            if f.startswith(torch_dir) or f == here or "contextlib" in f or f.startswith("<"):
-                continue
-            return f"{_shown(f)}:{fr.lineno}", (fr.line or "").strip()
-        return None, ""
 
     def neg_fill(x):
         if isinstance(x, (int, float)):
@@ -108,19 +103,10 @@ def _record(call, probe):
                     isinstance(a, (int, float)) and a == 0 for a in args[1:]
                 ):
                     ev["kind"] = "guard"  # where(cond, A, 0): often a guard for empty rows
-            elif name in ("add", "__add__", "__iadd__", "__radd__", "add_"):
+            elif name in _ADDS:
                 if any(neg_fill(a) for a in args):
                     ev["kind"] = "mask"
-            elif name in (
-                "div",
-                "__truediv__",
-                "__itruediv__",
-                "div_",
-                "mul",
-                "__mul__",
-                "__rmul__",
-                "mul_",
-            ):
+            elif name in _SCALES:
                 sc = [a for a in args[1:] if isinstance(a, (int, float))]
                 if sc:
                     ev["scalar"] = float(sc[0])
@@ -129,7 +115,7 @@ def _record(call, probe):
                     ev["kind"] = "zero"  # A * mask
             if isinstance(out, torch.Tensor):
                 ev["shape"] = tuple(out.shape)
-            ev["at"], ev["code"] = where()
+            ev["at"], ev["code"] = _user_line(torch_dir, skip=("contextlib",))
             events.append(ev)
             return out
 
@@ -142,16 +128,7 @@ def _record_numpy(caller, probe):
     """Run the NumPy ``caller(probe)`` with inputs viewed as a recording ndarray subclass
     (``__array_ufunc__`` / ``__array_function__``); op events in call order, as _record."""
     np_dir = os.path.dirname(np.__file__)
-    here = os.path.abspath(__file__)
     events: list[dict] = []
-
-    def where():
-        for fr in reversed(traceback.extract_stack()[:-2]):  # less where() and the hook
-            f = os.path.abspath(fr.filename)
-            if f.startswith(np_dir) or f == here or f.startswith("<"):
-                continue
-            return f"{_shown(f)}:{fr.lineno}", (fr.line or "").strip()
-        return None, ""
 
     def plain(x):
         if isinstance(x, Rec):
@@ -198,7 +175,7 @@ def _record_numpy(caller, probe):
             elif method == "reduce" and name == "add":
                 ev = {"op": "sum", "axis": kwargs.get("axis"), "ndim": np.ndim(inputs[0])}
             if ev is not None:
-                ev["at"], ev["code"] = where()
+                ev["at"], ev["code"] = _user_line(np_dir)
                 events.append(ev)
             return wrap(out)
 
@@ -215,7 +192,7 @@ def _record_numpy(caller, probe):
                 )
                 if kind:
                     ev = {"op": "where", "kind": kind}
-                    ev["at"], ev["code"] = where()
+                    ev["at"], ev["code"] = _user_line(np_dir)
                     events.append(ev)
             return wrap(out)
 
