@@ -457,6 +457,22 @@ def _error(path, ex, message, framework=None) -> Grade:
     return Grade(str(path), ex.name if ex else None, "error", message, framework)
 
 
+def _wrong_shape(path, ex, message, framework, diagnosis=None) -> Grade:
+    """Wrong at the shape check (a wrong shape, or a call that raised)."""
+    return Grade(
+        path,
+        ex.name,
+        "wrong",
+        message,
+        framework,
+        "shape",
+        None,
+        _STAGE_HINTS["shape"],
+        _stages(ex, "shape", True),
+        diagnosis=diagnosis,
+    )
+
+
 def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> Grade:
     """Grade the exercise whose module globals are ``ns`` (loaded from ``path``)."""
     from ..check import diagnose
@@ -493,17 +509,7 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
             f"{ex.function}() returned shape {'×'.join(map(str, got.shape)) or 'a scalar'} "
             f"for T = 5, d_k = 3, d_v = 2; expected {'×'.join(map(str, want))}"
         )
-        return Grade(
-            path,
-            ex.name,
-            "wrong",
-            msg,
-            fw,
-            "shape",
-            None,
-            _STAGE_HINTS["shape"],
-            _stages(ex, "shape", True),
-        )
+        return _wrong_shape(path, ex, msg, fw)
 
     try:
         d = diagnose(_composite(ex, user), timeout=60.0)
@@ -513,18 +519,7 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
     if d.status in ("error", "timeout", "crashed"):
         return Grade(path, ex.name, "error", raised or d.message, fw, diagnosis=dd)
     if raised is not None and d.status != "fault":
-        return Grade(
-            path,
-            ex.name,
-            "wrong",
-            f"{raised} (on T = 5, d_k = 3, d_v = 2)",
-            fw,
-            "shape",
-            None,
-            _STAGE_HINTS["shape"],
-            _stages(ex, "shape", True),
-            diagnosis=dd,
-        )
+        return _wrong_shape(path, ex, f"{raised} (on T = 5, d_k = 3, d_v = 2)", fw, dd)
     if d.ok:
         return Grade(
             path,
