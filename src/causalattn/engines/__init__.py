@@ -22,7 +22,7 @@ from . import auto as _auto
 from . import ops as _ops
 from .cache import KVCache
 from .ops import ENGINES, NO_LSE, engine_problem
-from .problem import Problem, _check_tensors, make_problem
+from .problem import Problem, _check_tensors, check_generator, make_problem
 
 _default_scale = torch.compiler.assume_constant_result(default_scale)
 
@@ -144,13 +144,7 @@ def attention(
     if why:
         raise ValueError(why)
     dropout_p = _dropout.check_p(dropout_p)
-    if generator is not None and (
-        not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
-    ):
-        raise ValueError(
-            f"attention: generator must be a CPU torch.Generator (the dropout seed is drawn "
-            f"on the host), got {generator!r}"
-        )
+    check_generator(generator)
     if scale is None:
         scale = _default_scale(int(q.shape[-1]))
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):

@@ -29,6 +29,17 @@ from ..masks import shape_str as _shape_str
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
+def check_generator(generator) -> None:
+    """The dropout generator: None or a CPU torch.Generator (the seed is drawn on the host)."""
+    if generator is not None and (
+        not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
+    ):
+        raise ValueError(
+            f"attention: generator must be a CPU torch.Generator (the dropout seed is drawn "
+            f"on the host), got {generator!r}"
+        )
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Where engines compute and merge: fp32, or fp64 for fp64 inputs (tiled, ring)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -255,12 +266,6 @@ def make_problem(
     if not math.isfinite(scale):
         raise ValueError(f"attention: scale must be finite, got {scale}")
     p = _dropout.check_p(dropout_p)
-    if generator is not None and (
-        not isinstance(generator, torch.Generator) or generator.device.type != "cpu"
-    ):
-        raise ValueError(
-            f"attention: generator must be a CPU torch.Generator (the dropout seed is drawn "
-            f"on the host), got {generator!r}"
-        )
+    check_generator(generator)
     seed = _dropout.seed_from(generator) if p > 0 else None
     return Problem(q, k, v, scale, pattern, p, seed)
