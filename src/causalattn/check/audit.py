@@ -28,7 +28,6 @@ Choices where names are ambiguous:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import numpy as np
 from .. import masks as _masks
 from ..trace import Trace
 from .inputs import DEFAULT_MAX_BYTES, _from_mapping, _from_trace, load_arrays
-from .report import AuditInputError, Report
+from .report import AuditInputError, Report, check_declared_scale
 from .stages import run as _run_stages
 
 __all__ = ["audit"]
@@ -86,10 +85,7 @@ def audit(
         _masks.Pattern(**declared)
     except ValueError as exc:
         raise AuditInputError(f"audit: {exc}") from None
-    if scale is not None and not (
-        isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0
-    ):
-        raise AuditInputError(f"audit: scale must be a finite number > 0, got {scale!r}")
+    check_declared_scale("audit", scale, AuditInputError)
     if isinstance(obj, Trace):
         inp = _from_trace(obj)
     elif isinstance(obj, (str, Path)):

@@ -47,7 +47,7 @@ from .measure import (
 )
 from .probes import Probe, merge_heads, qkv_probe, split_heads, x_probe
 from .record import _record, _record_numpy, _whitebox
-from .report import Diagnosis, Status
+from .report import Diagnosis, Status, check_declared_scale
 
 __all__ = ["diagnose", "PATTERN_KEYWORDS"]
 
@@ -103,10 +103,7 @@ def diagnose(
     }
     declared = {k: _plain(v) for k, v in declared.items() if v is not None}
     masks.Pattern(**declared)  # refuse a bad declaration here, naming the argument
-    if scale is not None and not (
-        isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0
-    ):
-        raise ValueError(f"diagnose: scale must be a finite number > 0, got {scale!r}")
+    check_declared_scale("diagnose", scale)
     from . import runner
 
     if isinstance(fn, (str, Path)):

@@ -18,6 +18,14 @@ class AuditInputError(ValueError):
     """The input cannot be audited (unreadable file, wrong ranks, non-numeric data ...)."""
 
 
+def check_declared_scale(who: str, scale, error: type[ValueError] = ValueError) -> None:
+    """A declared scale (audit, diagnose): None (1/√d_k) or a finite number > 0."""
+    if scale is not None and not (
+        isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0
+    ):
+        raise error(f"{who}: scale must be a finite number > 0, got {scale!r}")
+
+
 @dataclass
 class Check:
     """One check: ``stage`` (X, Q, K, V, S, M, A, H, C, O), what was checked, the verdict,
