@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from causalattn.engines import contract, make_problem
 from causalattn.engines import exact as ref_engine
-from causalattn.engines import make_problem
 from causalattn.engines import triton as tri
 from causalattn.shapes import attention_flops
 
@@ -193,12 +193,9 @@ def _sdpa_backend(q, k, v, backward):
 
 
 def _plain(q, k, v):
-    """matmul, softmax, matmul in bf16 with the bottom-right causal mask."""
-    T_q, T_k = q.shape[2], k.shape[2]
-    i = torch.arange(T_q, device=q.device)[:, None] + (T_k - T_q)
-    S = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    S = S.masked_fill(torch.arange(T_k, device=q.device)[None, :] > i, float("-inf"))
-    return torch.softmax(S, -1) @ v
+    """The accuracy rule's yardstick (matmul, softmax, matmul in q's dtype, bf16 here) with
+    the bottom-right causal mask: ``contract.plain``, differentiable in q, k, v."""
+    return contract.plain(make_problem(q, k, v), q.dtype)
 
 
 def _rule(got, ref, plain):

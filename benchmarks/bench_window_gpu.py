@@ -27,8 +27,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from causalattn.engines import contract, make_problem
 from causalattn.engines import exact as ref_engine
-from causalattn.engines import make_problem
 from causalattn.engines import triton as tri
 from causalattn.masks import Pattern
 
@@ -84,9 +84,7 @@ def accuracy(w: int = 256, T: int = 2048) -> dict:
     ref = ref_engine.forward(make_problem(q64, k64, v64, window=w))
     ref.backward(dO.double())
     qp, kp, vp = (t.detach().requires_grad_() for t in (q, k, v))
-    allowed = Pattern(window=w).allowed(1, 2, T, T, like=qp)
-    S = ((qp @ kp.transpose(-1, -2)) * 64**-0.5).masked_fill(~allowed, float("-inf"))
-    plain = torch.softmax(S, -1) @ vp  # the yardstick: matmul, softmax, matmul in bf16
+    plain = contract.plain(make_problem(qp, kp, vp, window=w), DT)  # the yardstick, in bf16
     plain.backward(dO)
     res = {}
     for name, got, want, base in (
