@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import causalattn as ca
-from causalattn.engines import ops
+from causalattn.engines import contract, make_problem, ops
 
 FLOOR = 1e-6
 CPU_ENGINES = ["auto", "tiled", "reference", "sdpa"]
@@ -24,16 +24,6 @@ def _fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
-
-
-def plain(q, k, v, allowed, scale):
-    """Plain PyTorch math in q's dtype (the accuracy rule's plain_t)."""
-    if q.shape[1] != k.shape[1]:
-        g = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
-    S = (q @ k.transpose(-1, -2)) * scale
-    A = torch.softmax(S.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
-    return A @ v
 
 
 def assert_accurate(out, ref64, plain_t):
@@ -146,10 +136,8 @@ def test_compiled_attention_meets_the_accuracy_rule():
     )
     out = f(q, k, v)
     ref64 = ca.attention(q.double(), k.double(), v.double(), lengths=lengths, engine="reference")
-    i = torch.arange(12)
-    L = lengths[:, None, None, None]
-    allowed = (i[None, :] <= i[:, None]) & (i[None, :] < L) & (i[:, None] < L)
-    assert_accurate(out, ref64, plain(q, k, v, allowed, 8**-0.5))
+    plain_t = contract.plain(make_problem(q, k, v, lengths=lengths), q.dtype)
+    assert_accurate(out, ref64, plain_t)
 
 
 def test_return_lse_compiles_and_its_gradient_flows():

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from causalattn import dropout
-from causalattn.engines import attention, exact, make_problem
+from causalattn.engines import attention, contract, exact, make_problem
 
 F64 = torch.float64
 
@@ -354,10 +354,7 @@ def test_accuracy_rule_low_precision_with_window_and_modifiers(dtype, floor):
     lo = [t.to(dtype) for t in (q64, k64, v64)]
     out, _, g = _grads("tiled", *lo, kw, with_lse=False)
     p = make_problem(*[t.detach().clone().requires_grad_() for t in lo], **kw)
-    kk, vv = (t.repeat_interleave(2, 1) for t in (p.k, p.v))
-    S = p.pattern.modify_scores((p.q @ kk.transpose(-1, -2)) * p.scale)
-    A = torch.softmax(S.masked_fill(~p.allowed(), float("-inf")), -1).nan_to_num(0.0)
-    plain = A @ vv
+    plain = contract.plain(p, dtype)
     gen = torch.Generator().manual_seed(1)
     dout = torch.randn(plain.shape, generator=gen, dtype=F64).to(dtype)
     pg = list(torch.autograd.grad((plain * dout).sum(), (p.q, p.k, p.v)))

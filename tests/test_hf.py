@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import _hf_tiny as tiny  # noqa: E402
 
+from causalattn.engines import contract, make_problem  # noqa: E402
 from causalattn.integrations.transformers import (  # noqa: E402
     _accepted,
     attention_forward,
@@ -270,9 +271,8 @@ def test_any_boolean_mask_runs_exactly():
     allowed = torch.rand(2, 1, 6, 6, generator=g) > 0.4
     allowed[:, :, torch.arange(6), torch.arange(6)] = True
     out, _ = attention_forward(module, q, k, v, allowed, scaling=0.5)
-    kr, vr = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
-    S = (q @ kr.transpose(-1, -2) * 0.5).masked_fill(~allowed, -torch.inf)
-    want = (S.softmax(-1) @ vr).transpose(1, 2)
+    plain = contract.plain(make_problem(q, k, v, causal=False, mask=allowed, scale=0.5), q.dtype)
+    want = plain.transpose(1, 2)
     assert (out - want).abs().max() < 1e-5
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from causalattn import KVCache
+from causalattn import KVCache, masks
 from causalattn.layer import CausalSelfAttention
 
 ENGINES = ["auto", "reference", "sdpa"]
@@ -39,9 +39,7 @@ def manual(layer: CausalSelfAttention, x: torch.Tensor, lengths=None, dtype=torc
             k = K[b, :, kv * dk : (kv + 1) * dk]
             v = V[b, :, kv * dv : (kv + 1) * dv]
             S = q @ k.T * scale
-            i = torch.arange(T)[:, None]
-            j = torch.arange(T)[None, :]
-            allowed = (j <= i) & (j < n) & (i < n)
+            allowed = torch.as_tensor(masks.Pattern(lengths=[n]).allowed(1, 1, T, T)[0, 0])
             Z = S.masked_fill(~allowed, float("-inf"))
             A = torch.softmax(Z, dim=-1).nan_to_num(0.0)  # padding rows: no readable key -> 0
             out[b, :, i_h * dv : (i_h + 1) * dv] = A @ v

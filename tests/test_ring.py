@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from causalattn.distributed.demo import free_port
-from causalattn.engines import attention
+from causalattn.engines import attention, contract, exact, make_problem
 
 # name: (B, H_q, H_kv, T as a function of P, d_k, d_v, layout, lengths as a function of T)
 CASES = {
@@ -336,14 +336,10 @@ def test_nan_past_lengths_changes_nothing(P, name):
         _close(got[n], want[n], f"{name} with NaN padding, P={P}, {n}")
 
 
-def _plain(q, k, v, dout):
-    """Plain PyTorch math in q's dtype (matmul, causal softmax, matmul) and its gradients."""
+def _with_grads(forward, q, k, v, dout):
+    """``forward(problem)`` on the causal problem of q, k, v: [out, dq, dk, dv]."""
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    g = q.shape[1] // k.shape[1]
-    S = (q @ k.repeat_interleave(g, 1).transpose(-1, -2)) * q.shape[-1] ** -0.5
-    T = q.shape[2]
-    S = S.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
-    out = S.softmax(-1) @ v.repeat_interleave(g, 1)
+    out = forward(make_problem(q, k, v))
     out.backward(dout)
     return [out.detach(), q.grad, k.grad, v.grad]
 
@@ -354,8 +350,8 @@ def test_bf16_accuracy_rule(P):
     got = _results(P)[0][2]["bf16"]
     q, k, v, dout, _, _ = _inputs("zigzag", P)
     q, k, v, dout = (t.bfloat16() for t in (q, k, v, dout))
-    ref = _plain(*(t.double() for t in (q, k, v, dout)))
-    plain = _plain(q, k, v, dout)
+    ref = _with_grads(exact.forward, *(t.double() for t in (q, k, v, dout)))
+    plain = _with_grads(lambda p: contract.plain(p, torch.bfloat16), q, k, v, dout)
     for n, g, r, p in zip(
         ("out", "dq", "dk", "dv"),
         (torch.as_tensor(got[n]) for n in ("out", "dq", "dk", "dv")),
