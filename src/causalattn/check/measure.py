@@ -113,19 +113,29 @@ def read_pattern(A: np.ndarray, noise: float = 0.0) -> np.ndarray:
     return (np.abs(A) > noise) | np.isnan(A)
 
 
+def spans(numbers, dash: str = "..") -> list[str]:
+    """Runs of consecutive integers folded, in the order given: [2, 3, 4, 7] -> ['2..4', '7']
+    (the one folding: rows_text here, the question texts of :mod:`causalattn.learn`)."""
+    numbers = [int(n) for n in numbers]
+    if not numbers:
+        return []
+    parts, start, prev = [], numbers[0], numbers[0]
+    for n in numbers[1:] + [None]:
+        if n is not None and n == prev + 1:
+            prev = n
+            continue
+        parts.append(f"{start}" if start == prev else f"{start}{dash}{prev}")
+        if n is not None:
+            start = prev = n
+    return parts
+
+
 def rows_text(rows) -> str:
     """1-based query numbers, ranges folded: 'rows 2..8', 'row 1', 'rows 1, 3, 5'."""
     rows = [int(r) + 1 for r in rows]
     if not rows:
         return "no rows"
-    parts, start, prev = [], rows[0], rows[0]
-    for r in rows[1:] + [None]:
-        if r is not None and r == prev + 1:
-            prev = r
-            continue
-        parts.append(f"{start}" if start == prev else f"{start}..{prev}")
-        if r is not None:
-            start = prev = r
+    parts = spans(rows)
     return (
         ("row " if len(rows) == 1 else "rows ")
         + ", ".join(parts[:6])

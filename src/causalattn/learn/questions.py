@@ -30,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import masks, text
+from ..check.measure import spans
 from ..reference import softmax_last
 from ..reference import trace as run_trace
 from ..shapes import shape_table
@@ -47,18 +48,7 @@ def _vec(v) -> str:
 
 def _span(idx) -> str:
     """0-based indices -> '3–5' style 1-based ranges ('none' when empty)."""
-    idx = sorted(int(i) + 1 for i in idx)
-    if not idx:
-        return "none"
-    parts, start, prev = [], idx[0], idx[0]
-    for k in idx[1:] + [None]:
-        if k is not None and k == prev + 1:
-            prev = k
-            continue
-        parts.append(f"{start}" if start == prev else f"{start}–{prev}")
-        if k is not None:
-            start = prev = k
-    return ", ".join(parts)
+    return ", ".join(spans(sorted(int(i) + 1 for i in idx), "–")) or "none"
 
 
 def _keys(idx, verb: str = "") -> str:
