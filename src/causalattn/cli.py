@@ -1170,7 +1170,7 @@ def diagnose_cmd(
         _print_json(d.to_dict())
     else:
         _console().print(str(d), markup=False)
-    if d.status in ("error", "timeout", "crashed"):
+    if d.not_run:
         raise typer.Exit(2)
     if not d.ok:
         raise typer.Exit(1)

@@ -214,6 +214,11 @@ class Diagnosis:
     def ok(self) -> bool:
         return self.status == Status.CLEAN
 
+    @property
+    def not_run(self) -> bool:
+        """The function could not be measured: it raised, timed out or its worker died."""
+        return self.status in (Status.ERROR, Status.TIMEOUT, Status.CRASHED)
+
     def to_dict(self) -> dict:
         return {
             "fault": self.fault,

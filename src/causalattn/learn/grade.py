@@ -516,7 +516,7 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
     except ValueError as exc:
         return _error(path, ex, f"diagnose: {exc}", fw)
     dd = d.to_dict()
-    if d.status in ("error", "timeout", "crashed"):
+    if d.not_run:
         return Grade(path, ex.name, "error", raised or d.message, fw, diagnosis=dd)
     if raised is not None and d.status != "fault":
         return _wrong_shape(path, ex, f"{raised} (on T = 5, d_k = 3, d_v = 2)", fw, dd)
