@@ -11,7 +11,6 @@ and the peak extra resident memory of one call (see :mod:`causalattn.bench.timin
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 import sys
 import time
@@ -21,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ..masks import Pattern
+from ..masks import Pattern, default_scale
 from ..shapes import attention_flops
 from . import show
 from .timing import median_ms, median_ratio, paired_times, peak_extra_mib, reps_for
@@ -100,7 +99,7 @@ def _group(case: Case, pass_: str) -> tuple[dict[str, Callable], dict]:
     from ..engines import KVCache, attention, make_problem
 
     B, H, T, d, dt = case.B, case.H, case.T, case.d, case.dtype
-    scale = 1.0 / math.sqrt(d)
+    scale = default_scale(d)
     gen = torch.Generator().manual_seed(0)
     grad = pass_ == "fwd+bwd"
 

@@ -16,13 +16,13 @@ and reports each engine's median time and the median paired ratio to each named 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from ..masks import default_scale
 from . import show
 from .timing import median_ms, median_ratio, paired_times, reps_for
 
@@ -87,7 +87,7 @@ def _calls(gr: Group) -> tuple[dict[str, Callable], dict]:
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(B, H, T, d, generator=gen).requires_grad_(grad) for _ in range(3))
     dout = torch.randn(B, H, T, d, generator=gen)
-    scale = 1.0 / math.sqrt(d)
+    scale = default_scale(d)
     info: dict = {"note": gr.note}
 
     def tiled(**kw):
