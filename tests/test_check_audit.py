@@ -107,3 +107,13 @@ def test_cli_declared_window(tmp_path, tr):
     np.savez(p, q=tr.Q, k=tr.K, v=tr.V)
     r = CliRunner().invoke(app, ["audit", str(p)])
     assert r.exit_code == 2 and "nothing to check" in r.output
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf"), "1"])
+def test_audit_and_diagnose_refuse_a_declared_scale_that_is_not_finite_and_positive(scale):
+    from causalattn import diagnose
+
+    with pytest.raises(AuditInputError, match=r"^audit: scale must be a finite number > 0"):
+        audit({}, scale=scale)
+    with pytest.raises(ValueError, match=r"^diagnose: scale must be a finite number > 0"):
+        diagnose(lambda q, k, v: v, scale=scale, isolate=False)

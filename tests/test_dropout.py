@@ -185,3 +185,11 @@ def test_placed_key_halves_merge_to_the_whole_as_ring_ranks_do():
     )
     torch.testing.assert_close(lse, want_lse)
     torch.testing.assert_close(out, want, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("call", [attention, make_problem], ids=["attention", "make_problem"])
+@pytest.mark.parametrize("generator", ["seed", 7])
+def test_a_generator_that_is_not_a_cpu_torch_generator_is_refused_naming_it(call, generator):
+    q, k, v = _inputs(1, 1, 4, 2)
+    with pytest.raises(ValueError, match=r"^attention: generator must be a CPU torch.Generator"):
+        call(q, k, v, dropout_p=0.1, generator=generator)
