@@ -36,3 +36,14 @@ def status_kib(field: str) -> int | None:
     except OSError:
         return None
     return None
+
+
+def reset_peak() -> bool:
+    """Reset VmHWM to the current resident set (Linux: /proc/self/clear_refs); False where
+    that cannot be done (the high-water mark then stays the lifetime peak)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True

@@ -19,17 +19,14 @@ import statistics
 import time
 from collections.abc import Callable
 
-from ..memory import pin_malloc, status_kib
+from ..memory import pin_malloc, reset_peak, status_kib
 
 
 def peak_extra_mib(fn: Callable[[], object]) -> tuple[float | None, object]:
     """Run ``fn`` once; return (peak resident memory above the start, in MiB, or None; its
     result)."""
     pin_malloc()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-    except OSError:
+    if not reset_peak():
         return None, fn()
     base = status_kib("VmRSS")
     result = fn()

@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..memory import pin_malloc, status_kib
+from ..memory import pin_malloc, reset_peak, status_kib
 from .layout import LAYOUTS, shard, unshard
 from .ring import RingStats, _kernels, ring_attention
 
@@ -43,11 +43,7 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
         else:
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")  # reset VmHWM to the current RSS
-            except OSError:
-                pass
+            reset_peak()  # where it cannot, VmHWM stays the lifetime peak
             self.base = (status_kib("VmRSS") or 0) * 1024
         return self
 
