@@ -121,3 +121,41 @@ def test_pattern_keywords_are_the_patterns_rule_fields_in_order():
     names = tuple(f.name for f in dataclasses.fields(masks.Pattern))
     assert names[: len(masks.PATTERN_KEYWORDS)] == masks.PATTERN_KEYWORDS
     assert names[len(masks.PATTERN_KEYWORDS) :] == ("q_start", "k_start")
+
+
+def test_check_lengths_names_the_caller_the_batch_size_and_the_bound():
+    """The one lengths check: int64 (B,) back, else a ValueError from ``what`` naming (B,)."""
+    for given in ([2, 0, 3], (2, 0, 3), np.array([2, 0, 3], np.int32), torch.tensor([2, 0, 3])):
+        got = masks.check_lengths(given, 3, "ring_attention", B=3)
+        assert got.dtype == np.int64 and got.tolist() == [2, 0, 3]
+    with pytest.raises(ValueError, match=r"^ring_attention: lengths must be a 1-D integer array "):
+        masks.check_lengths([1, 2], 3, "ring_attention", B=3)
+    with pytest.raises(ValueError, match=r"array \(B,\) = \(3,\), got shape \(2,\) and dtype int"):
+        masks.check_lengths([1, 2], 3, "ring_attention", B=3)
+    with pytest.raises(ValueError, match=r"array \(B,\), got shape \(1, 1\) and dtype int"):
+        masks.check_lengths([[1]], 3, "layer")
+    with pytest.raises(ValueError, match=r"dtype bool"):
+        masks.check_lengths(np.array([True]), 3, "layer")
+    with pytest.raises(ValueError, match=r"^ring: lengths must lie in \[0, T=4\] \(T = 2·2\), got"):
+        masks.check_lengths([5], 4, "ring", note=" (T = 2·2)")
+    with pytest.raises(ValueError, match=r"lengths must lie in \[0, T=4\], got \[-1\]"):
+        masks.check_lengths(torch.tensor([-1]), 4, "layer")
+    assert masks.check_lengths([4, 0], 4, "layer").tolist() == [4, 0]  # both ends included
+    assert masks.check_lengths(np.zeros(0, np.int64), 4, "layer").shape == (0,)
+
+
+def test_padding_masks_say_which_mask_was_asked_for():
+    with pytest.raises(ValueError, match=r"^key padding mask: lengths must lie in \[0, T=3\]"):
+        masks.key_padding([4], 3)
+    with pytest.raises(ValueError, match=r"^query padding mask: lengths must lie in \[0, T=3\]"):
+        masks.query_padding([4], 3)
+    with pytest.raises(ValueError, match=r"mask: T must be >= 0"):
+        masks.key_padding([0], -1)
+    assert masks.key_padding(np.zeros(0, np.int64), 2).shape == (0, 2)
+    assert masks.query_padding(np.array([2, 0]), 4).tolist() == [[1, 1, 0, 0], [0, 0, 0, 0]]
+
+
+def test_shapes_in_messages_are_written_as_python_tuples():
+    assert masks.shape_str(np.zeros((2, 5))) == "(2, 5)"
+    assert masks.shape_str(torch.zeros(3)) == "(3,)"
+    assert masks.shape_str(np.zeros(())) == "()"

@@ -265,3 +265,63 @@ def test_a_placed_block_of_queries_and_keys_reads_as_the_whole_sequence_does(cas
         cols = np.flatnonzero(part[b].any(axis=(0, 1)))
         if cols.size:
             assert lo <= cols[0] and cols[-1] < hi
+
+
+@settings(max_examples=120, deadline=None)
+@given(patterns())
+def test_row_ranges_with_key_padding_and_mask_anded_in_are_the_rules_cell_by_cell(case):
+    """The kernels' per-row key intervals [lo, hi): every rule but key_padding_mask and mask
+    leaves one interval per row; the intervals never move back along the rows, and a row
+    that reads nothing is empty (padding rows at T_k)."""
+    B, H, T_q, T_k, kw = case
+    pat = Pattern(**kw)
+    lo, hi = pat.row_ranges(B, T_q, T_k)
+    n = B if (kw.get("lengths") is not None or kw.get("prefix_lengths") is not None) else 1
+    assert lo.shape == hi.shape == (n, T_q) and lo.dtype == hi.dtype == np.int64
+    j = np.arange(T_k)
+    interval = (j >= lo[..., None]) & (j < hi[..., None])  # (n, T_q, T_k)
+    want = brute(B, H, T_q, T_k, **{**_brute_kw(kw), "kpm": None, "mask": None})[:, 0]
+    assert (np.broadcast_to(interval, want.shape) == want).all()
+    assert (lo <= hi).all() and (hi <= T_k).all() and (lo >= 0).all()
+    assert (np.diff(lo, axis=1) >= 0).all() and (np.diff(hi, axis=1) >= 0).all()
+    if kw.get("lengths") is not None:
+        pos = np.arange(T_q) + T_k - T_q
+        padding = pos[None, :] >= np.asarray(kw["lengths"])[:, None]
+        assert (lo[padding] == T_k).all() and (hi[padding] == T_k).all()
+
+
+def test_row_ranges_of_a_placed_block_are_its_own_key_indices():
+    """Ring block pair: queries at global 8..11 against keys at global 4..11."""
+    lo, hi = Pattern(window=3, q_start=8, k_start=4).row_ranges(1, 4, 8)
+    assert lo.tolist() == [[2, 3, 4, 5]] and hi.tolist() == [[5, 6, 7, 8]]
+    lo, hi = Pattern(chunk=4, q_start=8, k_start=4).row_ranges(1, 4, 8)
+    assert lo.tolist() == [[4, 4, 4, 4]] and hi.tolist() == [[5, 6, 7, 8]]
+    lo, hi = Pattern(prefix_lengths=[10], q_start=8, k_start=4).row_ranges(1, 4, 8)
+    assert lo.tolist() == [[0, 0, 0, 0]] and hi.tolist() == [[6, 6, 7, 8]]
+
+
+@pytest.mark.parametrize("rule", [{}, {"window": 3}, {"chunk": 4}])
+def test_counts_are_the_cells_of_each_kind(rule):
+    """masks.counts (O(B·T) from the row ranges) against the dense reasons, per sequence."""
+    T, lengths = 9, [9, 5, 0, 1]
+    got = masks.counts(lengths, T, **rule)
+    reasons = Pattern(lengths=lengths, **rule).reasons(len(lengths), 1, T, T)[:, 0]
+    kinds = ["readable", "future", "padding"] + [k for k in ("window", "chunk") if k in rule]
+    assert sorted(got) == sorted(kinds)
+    for kind in kinds:
+        code = next(c for c, name in masks.REASONS.items() if name == kind)
+        assert got[kind].tolist() == (reasons == code).sum(axis=(1, 2)).tolist(), kind
+    assert all(got[k].dtype == np.int64 for k in kinds)
+
+
+def test_alibi_slopes_are_the_papers_geometric_sequences():
+    """H a power of two: 2^(-8h/H), h = 1..H; otherwise the next lower power of two's slopes,
+    then every other slope of the next higher one."""
+    assert masks.alibi_slopes(1).tolist() == [2.0**-8]
+    assert masks.alibi_slopes(4).tolist() == [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8]
+    assert masks.alibi_slopes(8).tolist() == [2.0**-h for h in range(1, 9)]
+    six = [2.0**-2, 2.0**-4, 2.0**-6, 2.0**-8, 2.0**-1, 2.0**-3]  # 4, then 8's odd ones
+    assert masks.alibi_slopes(6).tolist() == six
+    assert masks.alibi_slopes(6).dtype == np.float64
+    with pytest.raises(ValueError, match="n_heads must be >= 1"):
+        masks.alibi_slopes(0)
