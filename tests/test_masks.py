@@ -125,8 +125,8 @@ def test_pattern_keywords_are_the_patterns_rule_fields_in_order():
 
 def test_check_lengths_names_the_caller_the_batch_size_and_the_bound():
     """The one lengths check: int64 (B,) back, else a ValueError from ``what`` naming (B,)."""
-    for given in ([2, 0, 3], (2, 0, 3), np.array([2, 0, 3], np.int32), torch.tensor([2, 0, 3])):
-        got = masks.check_lengths(given, 3, "ring_attention", B=3)
+    for lengths in ([2, 0, 3], (2, 0, 3), np.array([2, 0, 3], np.int32), torch.tensor([2, 0, 3])):
+        got = masks.check_lengths(lengths, 3, "ring_attention", B=3)
         assert got.dtype == np.int64 and got.tolist() == [2, 0, 3]
     with pytest.raises(ValueError, match=r"^ring_attention: lengths must be a 1-D integer array "):
         masks.check_lengths([1, 2], 3, "ring_attention", B=3)
