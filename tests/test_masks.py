@@ -159,3 +159,23 @@ def test_shapes_in_messages_are_written_as_python_tuples():
     assert masks.shape_str(np.zeros((2, 5))) == "(2, 5)"
     assert masks.shape_str(torch.zeros(3)) == "(3,)"
     assert masks.shape_str(np.zeros(())) == "()"
+
+
+def test_causal_errors_name_the_axis_and_what_was_given():
+    with pytest.raises(ValueError, match=r"^mask: T_k must be >= 0, got -1$"):
+        masks.causal(2, -1)
+    with pytest.raises(ValueError, match=r"^mask: T_k must be an integer, got float$"):
+        masks.causal(2, 1.5)
+    with pytest.raises(ValueError, match=r"^mask: T_q must be an integer, got bool$"):
+        masks.causal(True)
+    with pytest.raises(ValueError, match=r"with bottom-right alignment T_q must be <= T_k$"):
+        masks.causal(3, 2)
+
+
+def test_combine_reads_lists_as_numpy_and_says_what_is_wrong():
+    got = masks.combine([[True, False], [True, True]], np.array([True, True]))
+    assert isinstance(got, np.ndarray) and got.tolist() == [[True, False], [True, True]]
+    with pytest.raises(ValueError, match=r"^combine: at least one mask is required$"):
+        masks.combine()
+    with pytest.raises(ValueError, match=r"^combine: masks must be all NumPy or all torch, not"):
+        masks.combine(masks.causal(2), torch.ones(2, 2, dtype=torch.bool))

@@ -151,6 +151,7 @@ def test_reasons_name_why_a_cell_is_blocked():
     assert names[0] == ["readable", "future", "future", "padding"]
     assert names[2] == ["window", "readable", "readable", "padding"]
     assert names[3] == ["padding"] * 4
+    assert r.dtype == np.uint8
     docs = Pattern(cu_seqlens=[0, 2, 4]).reasons(1, 1, 4, 4)[0, 0]
     assert masks.REASONS[docs[2, 0]] == "document" and masks.REASONS[docs[1, 3]] == "document"
 
