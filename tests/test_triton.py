@@ -9,8 +9,6 @@ with that setting, and this process's other tests keep the compiled kernels.
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -41,16 +39,15 @@ if not INTERPRETED:
         """What the interpreter cannot show: the kernels compile for sm_90 (no GPU needed),
         fit its shared memory, use wgmma and pipeline their loads (the dense mask's tiles
         are visited behind a branch on the block table, which the pipeliner leaves alone)."""
-        sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
-        import compile_check as cc
+        from causalattn.engines import triton_compile
 
-        for name, args, kw in cc.launches(dtype, 256, d, lengths, True, kpm, **pattern):
-            k = cc.compile_launch(name, args, kw)
-            assert k.metadata.shared <= cc.SMEM_LIMIT, (name, k.metadata.shared)
+        for name, args, kw in triton_compile.launches(dtype, 256, d, lengths, True, kpm, **pattern):
+            k = triton_compile.compile_launch(name, args, kw)
+            assert k.metadata.shared <= triton_compile.SMEM_LIMIT, (name, k.metadata.shared)
             if name != "bwd_preprocess":  # the attention kernels: tensor cores, async loads
                 assert "warp_group_dot" in k.asm["ttgir"], f"{name}: no wgmma"
                 if "mask" not in pattern:
-                    assert cc.pipelined(k), f"{name}: loads not pipelined"
+                    assert triton_compile.pipelined(k), f"{name}: loads not pipelined"
 
 
 if not INTERPRETED and not torch.cuda.is_available():
