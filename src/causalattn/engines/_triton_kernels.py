@@ -1,16 +1,37 @@
 """Triton kernels of the GPU engine (imported only where triton is installed).
 
 Notation: a program owns one tile of rows, BLOCK_M queries × BLOCK_N keys at a time.
-Which keys a query row i may read is one interval per row, ``LO[b, i] <= j < HI[b, i]``
-(:meth:`causalattn.masks.Pattern.row_ranges`: causal, window, chunk, prefix, lengths,
-documents; ``LO = HI = T_k`` for a row with no readable key), intersected with
-``key_padding_mask`` and a dense ``mask``. Because LO and HI never decrease along i, a
-tile of rows reads one contiguous key range, and inside it the keys every row may read
-form one contiguous run: key tiles in that run are computed without a mask, the tiles at
-its two ends (the causal diagonal, a window's start, a sequence start, a length) with
-``tl.where``. With a dense mask every tile is masked, and a host-made table of its kind
-per tile (0 skip, 1 full, 2 partial) skips the empty ones and loads the mask only for
-partial ones.
+Which keys a query row i may read under the positional rules (causal, window, chunk,
+prefix, lengths, documents) is one interval per row, ``lo_i <= j < hi_i``
+(:meth:`causalattn.masks.Pattern.row_ranges`; ``lo = hi = T_k`` for a row with no readable
+key), to which the key padding and a dense mask are added. Because lo and hi never decrease
+along i, a tile of rows reads one contiguous key range, and inside it the keys every row
+may read form one contiguous run: key tiles in that run are computed without a mask, the
+tiles at its two ends (the causal diagonal, a window's start, a sequence start, a length)
+with ``tl.where``. With a dense mask every tile is masked, and a host-made table of the
+kind of each tile skips the empty ones and loads the mask only for partial ones.
+
+Words, one per meaning (``triton.py``, the host side, uses the same):
+
+- *allowed*: cell (i, j) may be read, as in :meth:`causalattn.masks.Pattern.allowed`: j lies
+  in row i's interval, the key is not padding and the dense mask lets the cell through.
+  P and dS are exactly 0 where a cell is not allowed.
+- *interval*: ``[lo_i, hi_i)``, from the host's ``LO``, ``HI`` (B, T_q) when
+  ``HOST_INTERVALS``, else computed here for plain causal or full attention.
+- *key padding*: the pattern's ``key_padding_mask`` (B, T_k) as int8, nonzero = a real key.
+- *dense mask*: the pattern's explicit ``mask`` (B', H', T_q, T_k) as int8; *tile kinds*:
+  its table per BLOCK_M × BLOCK_N tile (B', H', n_m, n_n): 0 skip, 1 full, 2 partial.
+- ``*_valid``: an index inside its tensor (row < T_q, key < T_k, column < d).
+- ``*_live``: a row or key a tile must touch: a key some row of the tile may read (every
+  other key is loaded as 0, so padding never leaks), a row that may read some key.
+- *spans*: the key tiles a row tile visits (or the query tiles a key tile visits), in three
+  runs: masked ``[start, u1)``, unmasked ``[u1, u2)``, masked ``[u2, end)``; with a dense
+  mask or key padding the middle run is empty.
+- *hash*: a level of the dropout hash (never called a key: keys are attention's).
+
+Arguments: every (B, H, T, d) tensor comes with its four strides on one line,
+``Q, stride_qb, stride_qh, stride_qm, stride_qd`` (batch, head, token, column; the token
+axis is m for queries, n for keys); ``q_head`` points at the (b, h) matrix of Q.
 
 Scores: S = Q Kᵀ·scale, then softcap c·tanh(S/c), then ALiBi -slope·|pos(i) - j|, kept in
 log2 units (times LOG2E: exp2 is the fast exponential). Sinks join the denominator after
@@ -54,28 +75,40 @@ def _fmix(x):
 
 
 @triton.jit
-def _head_key(seed, seed_offset, b, h):
+def _head_hash(seed, seed_offset, b, h):
     """The (seed, offset, b, h) level of the hash: one uint32 per program and head."""
-    key = _fmix(b.to(tl.uint32) * _GOLD + h.to(tl.uint32) + seed_offset.to(tl.uint32) * _OFFSET)
-    return _fmix(key ^ seed.to(tl.uint32))
+    x = _fmix(b.to(tl.uint32) * _GOLD + h.to(tl.uint32) + seed_offset.to(tl.uint32) * _OFFSET)
+    return _fmix(x ^ seed.to(tl.uint32))
 
 
 @triton.jit
-def _row_keys(head, ROWPOS, offs_m, ok):
-    pos = tl.load(ROWPOS + offs_m, mask=ok, other=0).to(tl.uint32)
-    return _fmix(head ^ (pos * _GOLD + _ROW))
+def _row_hash(head_hash, Q_POS, offs_m, valid):
+    """The rows' level, from the queries' global positions."""
+    pos = tl.load(Q_POS + offs_m, mask=valid, other=0).to(tl.uint32)
+    return _fmix(head_hash ^ (pos * _GOLD + _ROW))
 
 
 @triton.jit
-def _col_keys(COLPOS, offs_n, ok):
-    pos = tl.load(COLPOS + offs_n, mask=ok, other=0).to(tl.uint32)
+def _key_hash(K_POS, offs_n, valid):
+    """The keys' level, from the keys' global positions."""
+    pos = tl.load(K_POS + offs_n, mask=valid, other=0).to(tl.uint32)
     return _fmix(pos * _GOLD + _COL)
 
 
 @triton.jit
-def _keep(row_key, col_key, drop_thr):
-    """Kept cells of a tile from broadcastable row and column keys (XOR: either orientation)."""
-    return (_fmix(row_key ^ col_key) >> 8) >= drop_thr
+def _keep(row_hash, key_hash, drop_thr):
+    """Kept cells of a tile from broadcastable row and key hashes (XOR: either orientation)."""
+    return (_fmix(row_hash ^ key_hash) >> 8) >= drop_thr
+
+
+@triton.jit
+def _rows_hash(seed, seed_offset, b, h, Q_POS, offs_m, valid, DROPOUT: tl.constexpr):
+    """The rows' level for head (b, h) with dropout; without it a placeholder (unused)."""
+    if DROPOUT:
+        rows = _row_hash(_head_hash(seed, seed_offset, b, h), Q_POS, offs_m, valid)
+    else:
+        rows = offs_m
+    return rows
 
 
 # ---- scores and masks --------------------------------------------------------------------
@@ -114,107 +147,186 @@ def _scores(s, pos_i, j, scale, softcap, slope, SOFTCAP: tl.constexpr, ALIBI: tl
 
 
 @triton.jit
-def _dense(MASKb, stride_mt, i, j, ok, kind):
+def _slope(SLOPES, index, ALIBI: tl.constexpr):
+    """The ALiBi slope of one (b, h) (0 without ALiBi)."""
+    slope = 0.0
+    if ALIBI:
+        slope = tl.load(SLOPES + index)
+    return slope
+
+
+@triton.jit
+def _program(H):
+    """(row or key tile, column block, b, head) of this program: grid axes 0 and 1, and
+    axis 2 over B·H heads."""
+    pid_bh = tl.program_id(2)
+    return tl.program_id(0), tl.program_id(1), pid_bh // H, pid_bh % H
+
+
+@triton.jit
+def _head(X, b, h, stride_b, stride_h):
+    """Pointer to the (b, h) slice of X (int64 offsets: B·H·T·d passes 2³¹)."""
+    return X + (b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h)
+
+
+@triton.jit
+def _head_rows(X, b, h, H_q, T_q):
+    """Pointer to the (b, h) row of a contiguous (B, H_q, T_q) array (LSE, DELTA)."""
+    return X + (b * H_q + h).to(tl.int64) * T_q
+
+
+@triton.jit
+def _lse_log2(lse_head, offs, valid):
+    """Saved log-sum-exps of rows offs in log2 units; +inf for an empty row (P = 0)."""
+    lse = tl.load(lse_head + offs, mask=valid, other=float("-inf"))
+    return tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E
+
+
+@triton.jit
+def _tile_kind(kinds_head, row_block, key_block, stride_tm, HAS_DENSE_MASK: tl.constexpr):
+    """The dense mask's kind of one tile (0 skip, 1 full, 2 partial); 2 without one."""
+    if HAS_DENSE_MASK:
+        kind = tl.load(kinds_head + row_block * stride_tm + key_block)
+    else:
+        kind = 2
+    return kind
+
+
+@triton.jit
+def _dense(mask_head, stride_mm, i, j, live, kind):
     """The dense mask on a tile (rows i, keys j, broadcastable); only partial tiles
     (kind 2) read memory, full ones (kind 1) are all True. Row offsets in int64: T_q·T_k
     passes 2³¹ at T = 46341."""
-    partial = (ok.to(tl.int32) * 0 + kind) == 2  # broadcast first (the interpreter needs it)
-    return tl.load(MASKb + i.to(tl.int64) * stride_mt + j, mask=ok & partial, other=1) != 0
+    partial = (live.to(tl.int32) * 0 + kind) == 2  # broadcast first (the interpreter needs it)
+    return tl.load(mask_head + i.to(tl.int64) * stride_mm + j, mask=live & partial, other=1) != 0
 
 
 @triton.jit
-def _dot_rows_cols(
-    A,
-    B,
-    offs_a,
-    offs_b,
-    a_ok,
-    b_ok,
-    stride_at: tl.constexpr,
-    stride_ad: tl.constexpr,
-    stride_bt: tl.constexpr,
-    stride_bd: tl.constexpr,
-    D: tl.constexpr,
-    BLOCK_A: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_D: tl.constexpr,
-    PREC: tl.constexpr,
+def _allowed(lo, hi, i, j, live, mask_head, stride_mm, kind, HAS_DENSE_MASK: tl.constexpr):
+    """The allowed cells of a tile: live row and key, j in [lo, hi) of row i, and the dense
+    mask (broadcastable rows i, lo, hi and keys j: either orientation)."""
+    allowed = (j >= lo) & (j < hi) & live
+    if HAS_DENSE_MASK:
+        allowed = allowed & _dense(mask_head, stride_mm, i, j, live, kind)
+    return allowed
+
+
+@triton.jit
+def _live_keys(
+    key_padding, offs_n, n_lo, n_hi, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr
 ):
-    """Σ_d A[a, d] B[b, d] for rows offs_a of A and offs_b of B, over d-chunks -> fp32
-    (BLOCK_A, BLOCK_B)."""
-    acc = tl.zeros([BLOCK_A, BLOCK_B], dtype=tl.float32)
-    for c in range(NUM_D):
-        offs_d = c * BLOCK_D + tl.arange(0, BLOCK_D)
-        d_ok = offs_d < D
-        a = tl.load(
-            A + offs_a[:, None] * stride_at + offs_d[None, :] * stride_ad,
-            mask=a_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        bT = tl.load(
-            B + offs_b[None, :] * stride_bt + offs_d[:, None] * stride_bd,
-            mask=b_ok[None, :] & d_ok[:, None],
-            other=0.0,
-        )
-        acc += tl.dot(a, bT, input_precision=PREC)
-    return acc
+    """Keys in [n_lo, n_hi) that are not padding (all of them in an unmasked tile)."""
+    if MASKED:
+        live = (offs_n >= n_lo) & (offs_n < n_hi)
+        if HAS_KEY_PADDING:
+            live = live & (tl.load(key_padding + offs_n, mask=live, other=0) != 0)
+    else:
+        live = offs_n >= 0
+    return live
 
 
 @triton.jit
-def _row_interval(LOb, HIb, offs_m, row_ok, T_k, OFF, ROWS: tl.constexpr, CAUSAL: tl.constexpr):
-    """Keys row i may read: [lo_i, hi_i), from the host's arrays (ROWS) or, for plain
-    causal / full attention, computed here (no host work at all)."""
-    if ROWS:
-        lo = tl.load(LOb + offs_m, mask=row_ok, other=0)
-        hi = tl.load(HIb + offs_m, mask=row_ok, other=0)
+def _intervals(
+    lo_b, hi_b, offs_m, valid, T_k, q_offset, HOST_INTERVALS: tl.constexpr, CAUSAL: tl.constexpr
+):
+    """Rows' intervals [lo, hi) (empty for invalid rows): from the host's arrays of batch
+    row b, or, for plain causal / full attention, computed here (no host work at all)."""
+    if HOST_INTERVALS:
+        lo = tl.load(lo_b + offs_m, mask=valid, other=0)
+        hi = tl.load(hi_b + offs_m, mask=valid, other=0)
     else:
         lo = tl.zeros_like(offs_m)
         if CAUSAL:
-            hi = tl.minimum(offs_m + OFF + 1, T_k)
+            hi = tl.minimum(offs_m + q_offset + 1, T_k)
         else:
             hi = tl.zeros_like(offs_m) + T_k
-        hi = tl.where(row_ok, hi, 0)
+        hi = tl.where(valid, hi, 0)
     return lo, hi
 
 
 @triton.jit
-def _row_bounds(
-    LOb,
-    HIb,
-    offs_m,
-    T_q,
-    T_k,
-    OFF,
-    BLOCK_N: tl.constexpr,
-    HAS_KPM: tl.constexpr,
-    ROWS: tl.constexpr,
-    CAUSAL: tl.constexpr,
-):
-    """Per-row intervals of a row tile and the key tiles to visit: masked [start, u1),
-    unmasked [u1, u2), masked [u2, end)."""
-    row_ok = offs_m < T_q
-    lo, hi = _row_interval(LOb, HIb, offs_m, row_ok, T_k, OFF, ROWS, CAUSAL)
-    live = row_ok & (lo < hi)
-    n_lo = tl.min(tl.where(live, lo, T_k), axis=0)
-    end = tl.max(tl.where(live, hi, 0), axis=0)
-    f_lo = tl.max(tl.where(live, lo, 0), axis=0)
-    f_hi = tl.min(tl.where(live, hi, T_k), axis=0)
-    start = (n_lo // BLOCK_N) * BLOCK_N
-    u1 = tl.minimum(tl.maximum(tl.cdiv(f_lo, BLOCK_N) * BLOCK_N, start), end)
-    u2 = tl.minimum(tl.maximum((f_hi // BLOCK_N) * BLOCK_N, u1), end)
-    if HAS_KPM:
-        u2 = u1
-    return lo, hi, live, n_lo, end, start, u1, u2
+def _span(run: tl.constexpr, start, u1, u2, end):
+    """Bounds of run 0 (masked [start, u1)), 1 (unmasked [u1, u2)) or 2 (masked [u2, end))."""
+    first = start
+    last = u1
+    if run == 1:
+        first = u1
+        last = u2
+    if run == 2:
+        first = u2
+        last = end
+    return first, last
+
+
+# ---- tiles -------------------------------------------------------------------------------
+@triton.jit
+def _load_tile(ptr, offs_r, offs_c, r_valid, c_valid, stride_r, stride_c):
+    """ptr[r, c] for r in offs_r, c in offs_c -> (len(offs_r), len(offs_c)), 0 outside
+    r_valid × c_valid."""
+    return tl.load(
+        ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c,
+        mask=r_valid[:, None] & c_valid[None, :],
+        other=0.0,
+    )
 
 
 @triton.jit
-def _key_ok(KPMb, offs_n, n_lo, n_hi, HAS_KPM: tl.constexpr):
-    """Keys some row of the tile may read; every other key is loaded as 0 (padding never leaks)."""
-    ok = (offs_n >= n_lo) & (offs_n < n_hi)
-    if HAS_KPM:
-        ok = ok & (tl.load(KPMb + offs_n, mask=ok, other=0) != 0)
-    return ok
+def _load_tile_t(ptr, offs_r, offs_c, r_valid, c_valid, stride_r, stride_c):
+    """The same tile transposed: ptr[r, c] at [c, r] -> (len(offs_c), len(offs_r))."""
+    return tl.load(
+        ptr + offs_r[None, :] * stride_r + offs_c[:, None] * stride_c,
+        mask=r_valid[None, :] & c_valid[:, None],
+        other=0.0,
+    )
+
+
+@triton.jit
+def _store_tile(ptr, x, offs_r, offs_c, r_valid, c_valid, stride_r, stride_c):
+    """x -> ptr[r, c] in ptr's dtype, inside r_valid × c_valid."""
+    tl.store(
+        ptr + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c,
+        x.to(ptr.dtype.element_ty),
+        mask=r_valid[:, None] & c_valid[None, :],
+    )
+
+
+@triton.jit
+def _rows_in_registers(
+    x_head, offs_t, t_valid, stride_t, stride_d,
+    D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, NUM_D: tl.constexpr,
+):  # fmt: skip
+    """A tile's rows of a (T, D) matrix, kept for the whole loop when D fits one chunk;
+    else a placeholder (_dot_nt loads them by d-chunks)."""
+    if NUM_D == 1:
+        offs_d = tl.arange(0, BLOCK_D)
+        x = _load_tile(x_head, offs_t, offs_d, t_valid, offs_d < D, stride_t, stride_d)
+    else:
+        x = tl.zeros([BLOCK_T, 16], dtype=tl.float32)
+    return x
+
+
+@triton.jit
+def _dot_nt(
+    a, a_head, b_head, offs_a, offs_b, a_live, b_live,
+    stride_a, stride_ad, stride_b, stride_bd,
+    D: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_D: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Σ_d A[a, d]·B[b, d] for rows offs_a of A and offs_b of B -> fp32 (BLOCK_A, BLOCK_B):
+    from ``a`` (_rows_in_registers) when D fits one chunk, else over d-chunks of both."""
+    if NUM_D == 1:
+        offs_d = tl.arange(0, BLOCK_D)
+        bT = _load_tile_t(b_head, offs_b, offs_d, b_live, offs_d < D, stride_b, stride_bd)
+        acc = tl.dot(a, bT, input_precision=PREC)
+    else:
+        acc = tl.zeros([BLOCK_A, BLOCK_B], dtype=tl.float32)
+        for c in range(NUM_D):
+            offs_d = c * BLOCK_D + tl.arange(0, BLOCK_D)
+            d_valid = offs_d < D
+            a_c = _load_tile(a_head, offs_a, offs_d, a_live, d_valid, stride_a, stride_ad)
+            bT = _load_tile_t(b_head, offs_b, offs_d, b_live, d_valid, stride_b, stride_bd)
+            acc += tl.dot(a_c, bT, input_precision=PREC)
+    return acc
 
 
 @triton.jit
@@ -236,105 +348,110 @@ def _nonfinite_reads(p, v, PREC: tl.constexpr):
 
 
 @triton.jit
+def _add_weighted(acc, p_kept, p, x, MASKED: tl.constexpr, PREC: tl.constexpr):
+    """acc + p_kept @ x (P·V forward, Pᵀ·dH for dV). In a masked tile p is exactly 0 where a
+    row may not read, but 0·NaN is NaN: multiply finite values only, then add back the
+    NaN/±inf of values a row does read (rare; exact IEEE sums)."""
+    if MASKED:
+        finite = tl.abs(x) < float("inf")
+        acc = acc + tl.dot(p_kept.to(x.dtype), tl.where(finite, x, 0.0), input_precision=PREC)
+        if tl.sum(tl.sum(tl.where(finite, 0, 1), axis=1), axis=0) > 0:
+            acc += _nonfinite_reads(p, x, PREC)
+    else:
+        acc = acc + tl.dot(p_kept.to(x.dtype), x, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def _finite0(x):
     """x with NaN and ±inf replaced by 0: for products whose weight is 0 where x is unreadable."""
     return tl.where(tl.abs(x) < float("inf"), x, 0.0)
 
 
+@triton.jit
+def _query_rows(
+    LO, HI, SLOPES, Q_POS, pid_m, b, h, H_q, T_q, T_k, q_offset, seed, seed_offset,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_KEY_PADDING: tl.constexpr, HOST_INTERVALS: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_DENSE_MASK: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+):  # fmt: skip
+    """What a program over BLOCK_M query rows of head (b, h) knows before its key loop:
+    the rows, their intervals, the live rows (a readable key), the live keys [n_lo, n_hi)
+    and the spans [start, u1), [u1, u2), [u2, n_hi) of key tiles, the ALiBi slope and the
+    rows' dropout hash."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_valid = offs_m < T_q
+    b64 = b.to(tl.int64)
+    lo, hi = _intervals(
+        LO + b64 * T_q, HI + b64 * T_q, offs_m, row_valid, T_k, q_offset, HOST_INTERVALS, CAUSAL
+    )
+    row_live = row_valid & (lo < hi)
+    n_lo = tl.min(tl.where(row_live, lo, T_k), axis=0)
+    n_hi = tl.max(tl.where(row_live, hi, 0), axis=0)
+    f_lo = tl.max(tl.where(row_live, lo, 0), axis=0)
+    f_hi = tl.min(tl.where(row_live, hi, T_k), axis=0)
+    start = (n_lo // BLOCK_N) * BLOCK_N
+    u1 = tl.minimum(tl.maximum(tl.cdiv(f_lo, BLOCK_N) * BLOCK_N, start), n_hi)
+    u2 = tl.minimum(tl.maximum((f_hi // BLOCK_N) * BLOCK_N, u1), n_hi)
+    if HAS_KEY_PADDING:
+        u2 = u1
+    if HAS_DENSE_MASK:  # one masked run; the tile kinds skip the empty tiles
+        u1 = n_hi
+        u2 = n_hi
+    slope = _slope(SLOPES, b * H_q + h, ALIBI)
+    rows_hash = _rows_hash(seed, seed_offset, b, h, Q_POS, offs_m, row_valid, DROPOUT)
+    return offs_m, row_valid, lo, hi, row_live, n_lo, n_hi, start, u1, u2, slope, rows_hash
+
+
+@triton.jit
+def _key_tile(
+    q, q_head, k_head, start_n, offs_m, row_valid, key_padding, n_lo, n_hi,
+    stride_qm, stride_qd, stride_kn, stride_kd,
+    D_K: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
+    NUM_DK: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """The key tile at start_n as a row tile sees it: its keys, the live ones (keys in
+    [n_lo, n_hi) and not padding; all of them in an unmasked tile) and the products Q Kᵀ."""
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    key_live = _live_keys(key_padding, offs_n, n_lo, n_hi, MASKED, HAS_KEY_PADDING)
+    s = _dot_nt(
+        q, q_head, k_head, offs_m, offs_n, row_valid, key_live,
+        stride_qm, stride_qd, stride_kn, stride_kd,
+        D_K, BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, PREC,
+    )  # fmt: skip
+    return offs_n, key_live, s
+
+
 # ---- forward -----------------------------------------------------------------------------
 @triton.jit
 def _fwd_tile(
-    acc,
-    l_i,
-    m_i,
-    q,
-    Qb,
-    Kb,
-    Vb,
-    KPMb,
-    MASKb,
-    COLPOS,
-    offs_m,
-    row_ok,
-    lo,
-    hi,
-    n_lo,
-    n_hi,
-    start_n,
-    kind,
-    row_keys,
-    stride_qt: tl.constexpr,
-    stride_qd: tl.constexpr,
-    stride_kt: tl.constexpr,
-    stride_kd: tl.constexpr,
-    stride_vt: tl.constexpr,
-    stride_vd: tl.constexpr,
-    stride_mt,
-    D_K: tl.constexpr,
-    D_V: tl.constexpr,
-    OFF,
-    offs_dv,
-    dv_ok,
-    scale,
-    softcap,
-    slope,
-    drop_thr,
-    MASKED: tl.constexpr,
-    HAS_KPM: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_DK: tl.constexpr,
-    NUM_DK: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    offs_n = start_n + tl.arange(0, BLOCK_N)
+    acc, l_i, m_i, q, start_n, kind,
+    q_head, stride_qm: tl.constexpr, stride_qd: tl.constexpr,
+    k_head, stride_kn: tl.constexpr, stride_kd: tl.constexpr,
+    v_head, stride_vn: tl.constexpr, stride_vd: tl.constexpr,
+    offs_m, row_valid, lo, hi, rows_hash, key_padding, n_lo, n_hi, K_POS,
+    mask_head, stride_mm, offs_dv, dv_valid,
+    q_offset, scale, softcap, slope, drop_thr,
+    D_K: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
+    HAS_DENSE_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """One key tile of the online softmax: (acc, l_i, m_i) updated."""
+    offs_n, key_live, s = _key_tile(
+        q, q_head, k_head, start_n, offs_m, row_valid, key_padding, n_lo, n_hi,
+        stride_qm, stride_qd, stride_kn, stride_kd, D_K, MASKED, HAS_KEY_PADDING,
+        BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, PREC,
+    )  # fmt: skip
+    s, _ = _scores(
+        s, offs_m[:, None] + q_offset, offs_n[None, :], scale, softcap, slope, SOFTCAP, ALIBI
+    )
     if MASKED:
-        k_ok = _key_ok(KPMb, offs_n, n_lo, n_hi, HAS_KPM)
-    else:
-        k_ok = offs_n >= 0
-    if NUM_DK == 1:
-        offs_d = tl.arange(0, BLOCK_DK)
-        kT = tl.load(
-            Kb + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd,
-            mask=k_ok[None, :] & (offs_d[:, None] < D_K),
-            other=0.0,
-        )
-        s = tl.dot(q, kT, input_precision=PREC)
-    else:
-        s = _dot_rows_cols(
-            Qb,
-            Kb,
-            offs_m,
-            offs_n,
-            row_ok,
-            k_ok,
-            stride_qt,
-            stride_qd,
-            stride_kt,
-            stride_kd,
-            D_K,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_DK,
-            NUM_DK,
-            PREC,
-        )
-    s, _ = _scores(s, offs_m[:, None] + OFF, offs_n[None, :], scale, softcap, slope, SOFTCAP, ALIBI)
-    if MASKED:
-        allowed = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None]) & k_ok[None, :]
-        if HAS_MASK:
-            allowed = allowed & _dense(
-                MASKb,
-                stride_mt,
-                offs_m[:, None],
-                offs_n[None, :],
-                row_ok[:, None] & k_ok[None, :],
-                kind,
-            )
+        allowed = _allowed(
+            lo[:, None], hi[:, None], offs_m[:, None], offs_n[None, :],
+            row_valid[:, None] & key_live[None, :], mask_head, stride_mm, kind, HAS_DENSE_MASK,
+        )  # fmt: skip
         s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing yet: keep 0s
@@ -345,339 +462,72 @@ def _fwd_tile(
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, axis=1)  # the denominator counts dropped weights too
     if DROPOUT:
-        col_keys = _col_keys(COLPOS, offs_n, k_ok)
-        p_v = tl.where(_keep(row_keys[:, None], col_keys[None, :], drop_thr), p, 0.0)
+        keys_hash = _key_hash(K_POS, offs_n, key_live)
+        p_kept = tl.where(_keep(rows_hash[:, None], keys_hash[None, :], drop_thr), p, 0.0)
     else:
-        p_v = p
-    v = tl.load(
-        Vb + offs_n[:, None] * stride_vt + offs_dv[None, :] * stride_vd,
-        mask=k_ok[:, None] & dv_ok[None, :],
-        other=0.0,
-    )
-    if MASKED:
-        # p is exactly 0 where a row may not read, but 0·NaN is NaN: multiply finite values
-        # only, then add back the NaN/±inf of values a row does read (rare; exact IEEE sums)
-        finite = tl.abs(v) < float("inf")
-        acc = acc * alpha[:, None] + tl.dot(
-            p_v.to(v.dtype), tl.where(finite, v, 0.0), input_precision=PREC
-        )
-        if tl.sum(tl.sum(tl.where(finite, 0, 1), axis=1), axis=0) > 0:
-            acc += _nonfinite_reads(p, v, PREC)
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p_v.to(v.dtype), v, input_precision=PREC)
+        p_kept = p
+    v = _load_tile(v_head, offs_n, offs_dv, key_live, dv_valid, stride_vn, stride_vd)
+    acc = _add_weighted(acc * alpha[:, None], p_kept, p, v, MASKED, PREC)
     return acc, l_i, m_new
 
 
 @triton.jit
 def fwd_kernel(
-    Q,
-    K,
-    V,
-    O,
-    LSE,
-    LO,
-    HI,
-    KPM,
-    MASK,
-    BLOCKS,
-    SLOPES,
-    SINK_LOGITS,
-    ROWPOS,
-    COLPOS,
-    stride_qb,
-    stride_qh,
-    stride_qt: tl.constexpr,
-    stride_qd: tl.constexpr,
-    stride_kb,
-    stride_kh,
-    stride_kt: tl.constexpr,
-    stride_kd: tl.constexpr,
-    stride_vb,
-    stride_vh,
-    stride_vt: tl.constexpr,
-    stride_vd: tl.constexpr,
-    stride_ob,
-    stride_oh,
-    stride_ot: tl.constexpr,
-    stride_od: tl.constexpr,
-    stride_mb,
-    stride_mh,
-    stride_mt,
-    stride_tb,
-    stride_th,
-    stride_tm,
-    H_q,
-    T_q,
-    T_k,
-    D_K: tl.constexpr,
-    D_V: tl.constexpr,
-    GROUP,
-    OFF,
-    scale,
-    softcap,
-    seed,
-    seed_offset,
-    drop_thr,
-    drop_scale,
-    HAS_KPM: tl.constexpr,
-    ROWS: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    SINKS: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_DK: tl.constexpr,
-    NUM_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    PREC: tl.constexpr,
-):
+    Q, stride_qb, stride_qh, stride_qm: tl.constexpr, stride_qd: tl.constexpr,
+    K, stride_kb, stride_kh, stride_kn: tl.constexpr, stride_kd: tl.constexpr,
+    V, stride_vb, stride_vh, stride_vn: tl.constexpr, stride_vd: tl.constexpr,
+    O, stride_ob, stride_oh, stride_om: tl.constexpr, stride_od: tl.constexpr,
+    LSE, SINK_LOGITS,
+    LO, HI, KEY_PADDING,
+    DENSE_MASK, stride_mb, stride_mh, stride_mm,
+    TILE_KINDS, stride_tb, stride_th, stride_tm,
+    SLOPES, Q_POS, K_POS,
+    H_q, T_q, T_k, D_K: tl.constexpr, D_V: tl.constexpr, GROUP, q_offset,
+    scale, softcap, seed, seed_offset, drop_thr, drop_scale,
+    HAS_KEY_PADDING: tl.constexpr, HOST_INTERVALS: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_DENSE_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    DROPOUT: tl.constexpr, SINKS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
+    NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
     """One program: BLOCK_M query rows × BLOCK_DV output columns of one (b, h)."""
-    pid_m = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    pid_bh = tl.program_id(2)
-    b = pid_bh // H_q
-    h = pid_bh % H_q
-    hk = h // GROUP
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    Qb = Q + b64 * stride_qb + h64 * stride_qh
-    Kb = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
-    Vb = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
-    KPMb = KPM + b64 * T_k
-    MASKb = MASK + b64 * stride_mb + h64 * stride_mh
-    BLOCKSb = BLOCKS + b64 * stride_tb + h64 * stride_th + pid_m * stride_tm
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    lo, hi, live, n_lo, n_hi, start, u1, u2 = _row_bounds(
-        LO + b64 * T_q, HI + b64 * T_q, offs_m, T_q, T_k, OFF, BLOCK_N, HAS_KPM, ROWS, CAUSAL
-    )
-    row_ok = offs_m < T_q
+    pid_m, pid_c, b, h = _program(H_q)
+    offs_m, row_valid, lo, hi, row_live, n_lo, n_hi, start, u1, u2, slope, rows_hash = _query_rows(
+        LO, HI, SLOPES, Q_POS, pid_m, b, h, H_q, T_q, T_k, q_offset, seed, seed_offset,
+        BLOCK_M, BLOCK_N, HAS_KEY_PADDING, HOST_INTERVALS, CAUSAL, HAS_DENSE_MASK, ALIBI, DROPOUT,
+    )  # fmt: skip
+    q_head = _head(Q, b, h, stride_qb, stride_qh)
+    k_head = _head(K, b, h // GROUP, stride_kb, stride_kh)
+    v_head = _head(V, b, h // GROUP, stride_vb, stride_vh)
+    mask_head = _head(DENSE_MASK, b, h, stride_mb, stride_mh)
+    kinds_head = _head(TILE_KINDS, b, h, stride_tb, stride_th)
+    key_padding = KEY_PADDING + b.to(tl.int64) * T_k
     offs_dv = pid_c * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    dv_ok = offs_dv < D_V
-    slope = 0.0
-    if ALIBI:
-        slope = tl.load(SLOPES + pid_bh)
-    if DROPOUT:
-        row_keys = _row_keys(_head_key(seed, seed_offset, b, h), ROWPOS, offs_m, row_ok)
-    else:
-        row_keys = offs_m  # unused
-
-    if NUM_DK == 1:
-        offs_d = tl.arange(0, BLOCK_DK)
-        q = tl.load(
-            Qb + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-            mask=row_ok[:, None] & (offs_d[None, :] < D_K),
-            other=0.0,
-        )
-    else:
-        q = tl.zeros([BLOCK_M, 16], dtype=tl.float32)  # unused: Q is loaded by d-chunks
+    dv_valid = offs_dv < D_V
+    q = _rows_in_registers(
+        q_head, offs_m, row_valid, stride_qm, stride_qd, D_K, BLOCK_M, BLOCK_DK, NUM_DK
+    )
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    if HAS_MASK:  # every tile masked; the table skips empty ones
-        for start_n in range(start, n_hi, BLOCK_N):
-            kind = tl.load(BLOCKSb + start_n // BLOCK_N)
+    for run in tl.static_range(1 if HAS_DENSE_MASK else 3):
+        first, last = _span(run, start, u1, u2, n_hi)
+        for start_n in range(first, last, BLOCK_N):
+            kind = _tile_kind(kinds_head, pid_m, start_n // BLOCK_N, stride_tm, HAS_DENSE_MASK)
             if kind != 0:
                 acc, l_i, m_i = _fwd_tile(
-                    acc,
-                    l_i,
-                    m_i,
-                    q,
-                    Qb,
-                    Kb,
-                    Vb,
-                    KPMb,
-                    MASKb,
-                    COLPOS,
-                    offs_m,
-                    row_ok,
-                    lo,
-                    hi,
-                    n_lo,
-                    n_hi,
-                    start_n,
-                    kind,
-                    row_keys,
-                    stride_qt,
-                    stride_qd,
-                    stride_kt,
-                    stride_kd,
-                    stride_vt,
-                    stride_vd,
-                    stride_mt,
-                    D_K,
-                    D_V,
-                    OFF,
-                    offs_dv,
-                    dv_ok,
-                    scale,
-                    softcap,
-                    slope,
-                    drop_thr,
-                    True,
-                    HAS_KPM,
-                    HAS_MASK,
-                    SOFTCAP,
-                    ALIBI,
-                    DROPOUT,
-                    BLOCK_M,
-                    BLOCK_N,
-                    BLOCK_DK,
-                    NUM_DK,
-                    PREC,
-                )
-    else:
-        for start_n in range(start, u1, BLOCK_N):  # leading edge (window, document): masked
-            acc, l_i, m_i = _fwd_tile(
-                acc,
-                l_i,
-                m_i,
-                q,
-                Qb,
-                Kb,
-                Vb,
-                KPMb,
-                MASKb,
-                COLPOS,
-                offs_m,
-                row_ok,
-                lo,
-                hi,
-                n_lo,
-                n_hi,
-                start_n,
-                2,
-                row_keys,
-                stride_qt,
-                stride_qd,
-                stride_kt,
-                stride_kd,
-                stride_vt,
-                stride_vd,
-                stride_mt,
-                D_K,
-                D_V,
-                OFF,
-                offs_dv,
-                dv_ok,
-                scale,
-                softcap,
-                slope,
-                drop_thr,
-                True,
-                HAS_KPM,
-                HAS_MASK,
-                SOFTCAP,
-                ALIBI,
-                DROPOUT,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_DK,
-                NUM_DK,
-                PREC,
-            )
-        for start_n in range(u1, u2, BLOCK_N):  # every row reads every key: no mask
-            acc, l_i, m_i = _fwd_tile(
-                acc,
-                l_i,
-                m_i,
-                q,
-                Qb,
-                Kb,
-                Vb,
-                KPMb,
-                MASKb,
-                COLPOS,
-                offs_m,
-                row_ok,
-                lo,
-                hi,
-                n_lo,
-                n_hi,
-                start_n,
-                2,
-                row_keys,
-                stride_qt,
-                stride_qd,
-                stride_kt,
-                stride_kd,
-                stride_vt,
-                stride_vd,
-                stride_mt,
-                D_K,
-                D_V,
-                OFF,
-                offs_dv,
-                dv_ok,
-                scale,
-                softcap,
-                slope,
-                drop_thr,
-                False,
-                HAS_KPM,
-                HAS_MASK,
-                SOFTCAP,
-                ALIBI,
-                DROPOUT,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_DK,
-                NUM_DK,
-                PREC,
-            )
-        for start_n in range(u2, n_hi, BLOCK_N):  # trailing edge (causal diagonal): masked
-            acc, l_i, m_i = _fwd_tile(
-                acc,
-                l_i,
-                m_i,
-                q,
-                Qb,
-                Kb,
-                Vb,
-                KPMb,
-                MASKb,
-                COLPOS,
-                offs_m,
-                row_ok,
-                lo,
-                hi,
-                n_lo,
-                n_hi,
-                start_n,
-                2,
-                row_keys,
-                stride_qt,
-                stride_qd,
-                stride_kt,
-                stride_kd,
-                stride_vt,
-                stride_vd,
-                stride_mt,
-                D_K,
-                D_V,
-                OFF,
-                offs_dv,
-                dv_ok,
-                scale,
-                softcap,
-                slope,
-                drop_thr,
-                True,
-                HAS_KPM,
-                HAS_MASK,
-                SOFTCAP,
-                ALIBI,
-                DROPOUT,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_DK,
-                NUM_DK,
-                PREC,
-            )
+                    acc, l_i, m_i, q, start_n, kind,
+                    q_head, stride_qm, stride_qd,
+                    k_head, stride_kn, stride_kd,
+                    v_head, stride_vn, stride_vd,
+                    offs_m, row_valid, lo, hi, rows_hash, key_padding, n_lo, n_hi, K_POS,
+                    mask_head, stride_mm, offs_dv, dv_valid,
+                    q_offset, scale, softcap, slope, drop_thr,
+                    D_K, run != 1, HAS_KEY_PADDING, HAS_DENSE_MASK, SOFTCAP, ALIBI, DROPOUT,
+                    BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, PREC,
+                )  # fmt: skip
 
-    has = live & (l_i != 0.0)  # rows with a readable key (NaN scores stay NaN, not 0)
+    has = row_live & (l_i != 0.0)  # rows with a readable key (NaN scores stay NaN, not 0)
     if SINKS:  # the sink joins the denominator and takes no value
         sink = tl.load(SINK_LOGITS + h) * LOG2E
         m_all = tl.maximum(m_i, sink)
@@ -689,1164 +539,377 @@ def fwd_kernel(
         acc = acc * drop_scale
     out = acc / tl.where(has, l_i, 1.0)[:, None]
     out = tl.where(has[:, None], out, 0.0)
-    Ob = O + b64 * stride_ob + h64 * stride_oh
-    tl.store(
-        Ob + offs_m[:, None] * stride_ot + offs_dv[None, :] * stride_od,
-        out.to(O.dtype.element_ty),
-        mask=row_ok[:, None] & dv_ok[None, :],
-    )
+    o_head = _head(O, b, h, stride_ob, stride_oh)
+    _store_tile(o_head, out, offs_m, offs_dv, row_valid, dv_valid, stride_om, stride_od)
     if pid_c == 0:
         lse = tl.where(has, (m_i + tl.math.log2(tl.where(has, l_i, 1.0))) / LOG2E, float("-inf"))
-        tl.store(LSE + pid_bh.to(tl.int64) * T_q + offs_m, lse, mask=row_ok)
+        tl.store(_head_rows(LSE, b, h, H_q, T_q) + offs_m, lse, mask=row_valid)
 
 
 # ---- backward ----------------------------------------------------------------------------
 @triton.jit
+def _bwd_weights(
+    s, lse, pos_i, j, lo, hi, i, live, mask_head, stride_mm, kind,
+    scale, softcap, slope, MASKED: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+):  # fmt: skip
+    """The forward's weights recomputed on a tile from the products s and the saved lse
+    (log2 units), either orientation (broadcastable row vectors lse, pos_i, lo, hi, i and
+    key vector j): (P, the softcap's derivative, the allowed cells), P = 0 where not allowed."""
+    s, softcap_grad = _scores(s, pos_i, j, scale, softcap, slope, SOFTCAP, ALIBI)
+    p = tl.math.exp2(s - lse)
+    if MASKED:
+        allowed = _allowed(lo, hi, i, j, live, mask_head, stride_mm, kind, HAS_DENSE_MASK)
+        p = tl.where(allowed, p, 0.0)
+    else:
+        allowed = live  # unused: nothing is masked
+    return p, softcap_grad, allowed
+
+
+@triton.jit
+def _score_grads(
+    p, dp, delta, softcap_grad, allowed, keep, drop_scale,
+    MASKED: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
+):  # fmt: skip
+    """dS = P ∘ (dP - D), dP through the kept cells (scaled 1/(1-p)), times the softcap's
+    derivative; 0 where not allowed."""
+    if DROPOUT:
+        dp = tl.where(keep, dp * drop_scale, 0.0)
+    ds = p * (dp - delta)
+    if SOFTCAP:
+        ds = ds * softcap_grad
+    if MASKED:
+        ds = tl.where(allowed, ds, 0.0)
+    return ds
+
+
+@triton.jit
+def _add_ds_dot(
+    acc, ds, x_head, offs_t, t_live, offs_c, c_valid, stride_t, stride_c,
+    MASKED: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """acc + dS @ X[offs_t, offs_c] (dQ from K, dK from Q). In a masked tile X's NaN and
+    ±inf count 0 where their weight is 0 (a NaN a row does read is in dS already)."""
+    x = _load_tile(x_head, offs_t, offs_c, t_live, c_valid, stride_t, stride_c)
+    if MASKED:
+        x = _finite0(x)
+    return acc + tl.dot(ds.to(x.dtype), x, input_precision=PREC)
+
+
+@triton.jit
 def _dkdv_tile(
-    acc_dk,
-    acc_dv,
-    k,
-    v,
-    Kb,
-    Vb,
-    Qb,
-    DOb,
-    LSEb,
-    DDb,
-    LOb,
-    HIb,
-    MASKb,
-    ROWPOS,
-    offs_n,
-    k_ok,
-    start_m,
-    q_end,
-    kind,
-    head_key,
-    col_keys,
-    stride_qt: tl.constexpr,
-    stride_qd: tl.constexpr,
-    stride_kt: tl.constexpr,
-    stride_kd: tl.constexpr,
-    stride_vt: tl.constexpr,
-    stride_vd: tl.constexpr,
-    stride_dot: tl.constexpr,
-    stride_dod: tl.constexpr,
-    stride_mt,
-    T_k,
-    D_K: tl.constexpr,
-    D_V: tl.constexpr,
-    OFF,
-    offs_c,
-    ck_ok,
-    cv_ok,
-    scale,
-    softcap,
-    slope,
-    drop_thr,
-    drop_scale,
-    MASKED: tl.constexpr,
-    ROWS: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_DK: tl.constexpr,
-    NUM_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    NUM_DV: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    """Transposed form: sT = K Qᵀ (BLOCK_N × BLOCK_M), so dK, dV rows stay with this program."""
+    acc_dk, acc_dv, k, v, start_m, q_end, kind, head_hash, keys_hash,
+    q_head, stride_qm: tl.constexpr, stride_qd: tl.constexpr,
+    k_head, stride_kn: tl.constexpr, stride_kd: tl.constexpr,
+    v_head, stride_vn: tl.constexpr, stride_vd: tl.constexpr,
+    do_head, stride_dom: tl.constexpr, stride_dod: tl.constexpr,
+    lse_head, delta_head, lo_b, hi_b, Q_POS, mask_head, stride_mm,
+    offs_n, key_live, offs_c, ck_valid, cv_valid,
+    T_k, q_offset, scale, softcap, slope, drop_thr, drop_scale,
+    D_K: tl.constexpr, D_V: tl.constexpr, MASKED: tl.constexpr,
+    HOST_INTERVALS: tl.constexpr, CAUSAL: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
+    NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """One query tile, transposed: sT = K Qᵀ (BLOCK_N × BLOCK_M), so dK, dV rows stay with
+    this program. Rows at or past q_end read none of these keys."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     if MASKED:
-        m_ok = offs_m < q_end
+        row_live = offs_m < q_end
     else:
-        m_ok = offs_m >= 0
-    if NUM_DK == 1:
-        offs_d = tl.arange(0, BLOCK_DK)
-        qT = tl.load(
-            Qb + offs_m[None, :] * stride_qt + offs_d[:, None] * stride_qd,
-            mask=m_ok[None, :] & (offs_d[:, None] < D_K),
-            other=0.0,
-        )
-        sT = tl.dot(k, qT, input_precision=PREC)
-    else:
-        sT = _dot_rows_cols(
-            Kb,
-            Qb,
-            offs_n,
-            offs_m,
-            k_ok,
-            m_ok,
-            stride_kt,
-            stride_kd,
-            stride_qt,
-            stride_qd,
-            D_K,
-            BLOCK_N,
-            BLOCK_M,
-            BLOCK_DK,
-            NUM_DK,
-            PREC,
-        )
-    sT, gradT = _scores(
-        sT, offs_m[None, :] + OFF, offs_n[:, None], scale, softcap, slope, SOFTCAP, ALIBI
-    )
-    lse = tl.load(LSEb + offs_m, mask=m_ok, other=float("-inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E  # empty: P = 0
-    pT = tl.math.exp2(sT - lse[None, :])
+        row_live = offs_m >= 0
+    sT = _dot_nt(
+        k, k_head, q_head, offs_n, offs_m, key_live, row_live,
+        stride_kn, stride_kd, stride_qm, stride_qd,
+        D_K, BLOCK_N, BLOCK_M, BLOCK_DK, NUM_DK, PREC,
+    )  # fmt: skip
+    lse = _lse_log2(lse_head, offs_m, row_live)
     if MASKED:
-        lo, hi = _row_interval(LOb, HIb, offs_m, m_ok, T_k, OFF, ROWS, CAUSAL)
-        allowed = (
-            (offs_n[:, None] >= lo[None, :])
-            & (offs_n[:, None] < hi[None, :])
-            & m_ok[None, :]
-            & k_ok[:, None]
-        )
-        if HAS_MASK:
-            allowed = allowed & _dense(
-                MASKb,
-                stride_mt,
-                offs_m[None, :],
-                offs_n[:, None],
-                m_ok[None, :] & k_ok[:, None],
-                kind,
-            )
-        pT = tl.where(allowed, pT, 0.0)
+        lo, hi = _intervals(lo_b, hi_b, offs_m, row_live, T_k, q_offset, HOST_INTERVALS, CAUSAL)
+    else:
+        lo = offs_m  # unused: nothing is masked
+        hi = offs_m
+    pT, softcap_gradT, allowedT = _bwd_weights(
+        sT, lse[None, :], offs_m[None, :] + q_offset,
+        offs_n[:, None], lo[None, :], hi[None, :], offs_m[None, :],
+        row_live[None, :] & key_live[:, None], mask_head, stride_mm, kind,
+        scale, softcap, slope, MASKED, HAS_DENSE_MASK, SOFTCAP, ALIBI,
+    )  # fmt: skip
     if DROPOUT:
-        keepT = _keep(
-            _row_keys(head_key, ROWPOS, offs_m, m_ok)[None, :], col_keys[:, None], drop_thr
-        )
-        pT_v = tl.where(keepT, pT, 0.0)
+        rows_hash = _row_hash(head_hash, Q_POS, offs_m, row_live)
+        keepT = _keep(rows_hash[None, :], keys_hash[:, None], drop_thr)
+        pT_kept = tl.where(keepT, pT, 0.0)
     else:
-        pT_v = pT
-    do_c = tl.load(
-        DOb + offs_m[:, None] * stride_dot + offs_c[None, :] * stride_dod,
-        mask=m_ok[:, None] & cv_ok[None, :],
-        other=0.0,
-    )
-    if MASKED:  # as in the forward: dH rows that may not read this key never reach dV
-        finite = tl.abs(do_c) < float("inf")
-        acc_dv += tl.dot(pT_v.to(do_c.dtype), tl.where(finite, do_c, 0.0), input_precision=PREC)
-        if tl.sum(tl.sum(tl.where(finite, 0, 1), axis=1), axis=0) > 0:
-            acc_dv += _nonfinite_reads(pT, do_c, PREC)
-    else:
-        acc_dv += tl.dot(pT_v.to(do_c.dtype), do_c, input_precision=PREC)
-    if NUM_DV == 1:
-        offs_d = tl.arange(0, BLOCK_DV)
-        doT = tl.load(
-            DOb + offs_m[None, :] * stride_dot + offs_d[:, None] * stride_dod,
-            mask=m_ok[None, :] & (offs_d[:, None] < D_V),
-            other=0.0,
-        )
-        dpT = tl.dot(v, doT, input_precision=PREC)
-    else:
-        dpT = _dot_rows_cols(
-            Vb,
-            DOb,
-            offs_n,
-            offs_m,
-            k_ok,
-            m_ok,
-            stride_vt,
-            stride_vd,
-            stride_dot,
-            stride_dod,
-            D_V,
-            BLOCK_N,
-            BLOCK_M,
-            BLOCK_DV,
-            NUM_DV,
-            PREC,
-        )
-    if DROPOUT:
-        dpT = tl.where(keepT, dpT * drop_scale, 0.0)
-    Di = tl.load(DDb + offs_m, mask=m_ok, other=0.0)
-    dsT = pT * (dpT - Di[None, :])
-    if SOFTCAP:
-        dsT = dsT * gradT
-    if MASKED:
-        dsT = tl.where(allowed, dsT, 0.0)
-    q_c = tl.load(
-        Qb + offs_m[:, None] * stride_qt + offs_c[None, :] * stride_qd,
-        mask=m_ok[:, None] & ck_ok[None, :],
-        other=0.0,
-    )
-    if MASKED:
-        q_c = _finite0(q_c)  # rows that may not read: weight 0 (a read NaN is in dsT already)
-    acc_dk += tl.dot(dsT.to(q_c.dtype), q_c, input_precision=PREC)
+        keepT = allowedT  # unused
+        pT_kept = pT
+    do_c = _load_tile(do_head, offs_m, offs_c, row_live, cv_valid, stride_dom, stride_dod)
+    # as in the forward: dH rows that may not read this key never reach dV
+    acc_dv = _add_weighted(acc_dv, pT_kept, pT, do_c, MASKED, PREC)
+    dpT = _dot_nt(
+        v, v_head, do_head, offs_n, offs_m, key_live, row_live,
+        stride_vn, stride_vd, stride_dom, stride_dod,
+        D_V, BLOCK_N, BLOCK_M, BLOCK_DV, NUM_DV, PREC,
+    )  # fmt: skip
+    delta = tl.load(delta_head + offs_m, mask=row_live, other=0.0)
+    dsT = _score_grads(
+        pT, dpT, delta[None, :], softcap_gradT, allowedT, keepT, drop_scale,
+        MASKED, SOFTCAP, DROPOUT,
+    )  # fmt: skip
+    acc_dk = _add_ds_dot(
+        acc_dk, dsT, q_head, offs_m, row_live, offs_c, ck_valid, stride_qm, stride_qd,
+        MASKED, PREC,
+    )  # fmt: skip
     return acc_dk, acc_dv
 
 
 @triton.jit
 def dkdv_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DD,
-    DK,
-    DV,
-    LO,
-    HI,
-    KPM,
-    RANGES,
-    MASK,
-    BLOCKS,
-    SLOPES,
-    ROWPOS,
-    COLPOS,
-    stride_qb,
-    stride_qh,
-    stride_qt: tl.constexpr,
-    stride_qd: tl.constexpr,
-    stride_kb,
-    stride_kh,
-    stride_kt: tl.constexpr,
-    stride_kd: tl.constexpr,
-    stride_vb,
-    stride_vh,
-    stride_vt: tl.constexpr,
-    stride_vd: tl.constexpr,
-    stride_dob,
-    stride_doh,
-    stride_dot: tl.constexpr,
-    stride_dod: tl.constexpr,
-    stride_dkb,
-    stride_dkh,
-    stride_dkt: tl.constexpr,
-    stride_dkd: tl.constexpr,
-    stride_dvb,
-    stride_dvh,
-    stride_dvt: tl.constexpr,
-    stride_dvd: tl.constexpr,
-    stride_mb,
-    stride_mh,
-    stride_mt,
-    stride_tb,
-    stride_th,
-    stride_tm,
-    H_q,
-    H_kv,
-    T_q,
-    T_k,
-    D_K: tl.constexpr,
-    D_V: tl.constexpr,
-    GROUP,
-    N_BLOCKS,
-    OFF,
-    scale,
-    softcap,
-    seed,
-    seed_offset,
-    drop_thr,
-    drop_scale,
-    HAS_KPM: tl.constexpr,
-    ROWS: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
+    Q, stride_qb, stride_qh, stride_qm: tl.constexpr, stride_qd: tl.constexpr,
+    K, stride_kb, stride_kh, stride_kn: tl.constexpr, stride_kd: tl.constexpr,
+    V, stride_vb, stride_vh, stride_vn: tl.constexpr, stride_vd: tl.constexpr,
+    DO, stride_dob, stride_doh, stride_dom: tl.constexpr, stride_dod: tl.constexpr,
+    DK, stride_dkb, stride_dkh, stride_dkn: tl.constexpr, stride_dkd: tl.constexpr,
+    DV, stride_dvb, stride_dvh, stride_dvn: tl.constexpr, stride_dvd: tl.constexpr,
+    LSE, DELTA, KEY_TILE_ROWS, stride_rb,
+    LO, HI, KEY_PADDING,
+    DENSE_MASK, stride_mb, stride_mh, stride_mm,
+    TILE_KINDS, stride_tb, stride_th, stride_tm,
+    SLOPES, Q_POS, K_POS,
+    H_q, T_q, T_k, D_K: tl.constexpr, D_V: tl.constexpr, GROUP, q_offset,
+    scale, softcap, seed, seed_offset, drop_thr, drop_scale,
+    HAS_KEY_PADDING: tl.constexpr, HOST_INTERVALS: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_DENSE_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_DK: tl.constexpr,
-    NUM_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    NUM_DV: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    PREC: tl.constexpr,
-):
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
+    NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr,
+    BLOCK_C: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
     """One program: BLOCK_N keys × BLOCK_C columns of dK and dV for one (b, kv-head),
     summed over the GROUP query heads that share it (no atomics)."""
-    pid_n = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    pid_bh = tl.program_id(2)
-    b = pid_bh // H_kv
-    hk = pid_bh % H_kv
+    pid_n, pid_c, b, hk = _program(H_q // GROUP)
     b64 = b.to(tl.int64)
-    Kb = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
-    Vb = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
+    k_head = _head(K, b, hk, stride_kb, stride_kh)
+    v_head = _head(V, b, hk, stride_vb, stride_vh)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_ok = offs_n < T_k
-    if HAS_KPM:
-        k_ok = k_ok & (tl.load(KPM + b64 * T_k + offs_n, mask=k_ok, other=0) != 0)
-    # query rows that may read this key tile, from the host: [qlo, qhi), unmasked [r1, r2)
-    if ROWS:
-        R = RANGES + (b64 * N_BLOCKS + pid_n) * 4
-        qlo = tl.load(R)
-        qhi = tl.load(R + 1)
-        r1 = tl.load(R + 2)
-        r2 = tl.load(R + 3)
-    else:  # plain causal (row i reads keys <= i + OFF) or full attention
+    key_valid = offs_n < T_k
+    key_padding = KEY_PADDING + b64 * T_k
+    key_live = _live_keys(key_padding, offs_n, 0, T_k, True, HAS_KEY_PADDING)
+    # query rows that may read this key tile, from the host: [q_lo, q_hi), unmasked [r1, r2)
+    if HOST_INTERVALS:
+        tile_rows = KEY_TILE_ROWS + b64 * stride_rb + pid_n * 4
+        q_lo = tl.load(tile_rows)
+        q_hi = tl.load(tile_rows + 1)
+        r1 = tl.load(tile_rows + 2)
+        r2 = tl.load(tile_rows + 3)
+    else:  # plain causal (row i reads keys <= i + q_offset) or full attention
         s0 = pid_n * BLOCK_N
-        qhi = T_q
+        q_hi = T_q
         r2 = T_q
         if CAUSAL:
-            qlo = tl.maximum(s0 - OFF, 0)
-            r1 = tl.maximum(s0 + BLOCK_N - 1 - OFF, 0)
+            q_lo = tl.maximum(s0 - q_offset, 0)
+            r1 = tl.maximum(s0 + BLOCK_N - 1 - q_offset, 0)
         else:
-            qlo = 0
+            q_lo = 0
             r1 = 0
         r1 = tl.where(s0 + BLOCK_N > T_k, T_q, r1)  # a partial tile: every row masked
-        if HAS_KPM:
+        if HAS_KEY_PADDING:
             r1 = 0
             r2 = 0
-    qhi = tl.where(qhi > qlo, qhi, 0)  # nobody reads this tile (past every length)
-    q_start = (qlo // BLOCK_M) * BLOCK_M
-    u1 = tl.minimum(tl.maximum(tl.cdiv(r1, BLOCK_M) * BLOCK_M, q_start), qhi)
-    u2 = tl.minimum(tl.maximum((r2 // BLOCK_M) * BLOCK_M, u1), qhi)
+    q_hi = tl.where(q_hi > q_lo, q_hi, 0)  # nobody reads this tile (past every length)
+    q_start = (q_lo // BLOCK_M) * BLOCK_M
+    u1 = tl.minimum(tl.maximum(tl.cdiv(r1, BLOCK_M) * BLOCK_M, q_start), q_hi)
+    u2 = tl.minimum(tl.maximum((r2 // BLOCK_M) * BLOCK_M, u1), q_hi)
+    if HAS_DENSE_MASK:  # one masked run; the tile kinds skip the empty tiles
+        u1 = q_hi
+        u2 = q_hi
 
-    if NUM_DK == 1:
-        offs_d = tl.arange(0, BLOCK_DK)
-        k = tl.load(
-            Kb + offs_n[:, None] * stride_kt + offs_d[None, :] * stride_kd,
-            mask=k_ok[:, None] & (offs_d[None, :] < D_K),
-            other=0.0,
-        )
-    else:
-        k = tl.zeros([BLOCK_N, 16], dtype=tl.float32)  # unused: K is loaded by d-chunks
-    if NUM_DV == 1:
-        offs_d = tl.arange(0, BLOCK_DV)
-        v = tl.load(
-            Vb + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd,
-            mask=k_ok[:, None] & (offs_d[None, :] < D_V),
-            other=0.0,
-        )
-    else:
-        v = tl.zeros([BLOCK_N, 16], dtype=tl.float32)
+    k = _rows_in_registers(
+        k_head, offs_n, key_live, stride_kn, stride_kd, D_K, BLOCK_N, BLOCK_DK, NUM_DK
+    )
+    v = _rows_in_registers(
+        v_head, offs_n, key_live, stride_vn, stride_vd, D_V, BLOCK_N, BLOCK_DV, NUM_DV
+    )
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    ck_ok = offs_c < D_K
-    cv_ok = offs_c < D_V
+    ck_valid = offs_c < D_K
+    cv_valid = offs_c < D_V
     acc_dk = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
     acc_dv = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
-    LOb = LO + b64 * T_q
-    HIb = HI + b64 * T_q
     if DROPOUT:
-        col_keys = _col_keys(COLPOS, offs_n, offs_n < T_k)
+        keys_hash = _key_hash(K_POS, offs_n, key_valid)
     else:
-        col_keys = offs_n  # unused
+        keys_hash = offs_n  # unused
     for g in range(GROUP):
         h = hk * GROUP + g
-        h64 = h.to(tl.int64)
-        Qb = Q + b64 * stride_qb + h64 * stride_qh
-        DOb = DO + b64 * stride_dob + h64 * stride_doh
-        LSEb = LSE + (b64 * H_q + h64) * T_q
-        DDb = DD + (b64 * H_q + h64) * T_q
-        MASKb = MASK + b64 * stride_mb + h64 * stride_mh
-        BLOCKSb = BLOCKS + b64 * stride_tb + h64 * stride_th + pid_n
-        slope = 0.0
-        if ALIBI:
-            slope = tl.load(SLOPES + b64 * H_q + h64)
-        head_key = 0
+        q_head = _head(Q, b, h, stride_qb, stride_qh)
+        do_head = _head(DO, b, h, stride_dob, stride_doh)
+        lse_head = _head_rows(LSE, b, h, H_q, T_q)
+        delta_head = _head_rows(DELTA, b, h, H_q, T_q)
+        mask_head = _head(DENSE_MASK, b, h, stride_mb, stride_mh)
+        kinds_head = _head(TILE_KINDS, b, h, stride_tb, stride_th)
+        slope = _slope(SLOPES, b * H_q + h, ALIBI)
+        head_hash = 0
         if DROPOUT:
-            head_key = _head_key(seed, seed_offset, b, h)
-        if HAS_MASK:  # every tile masked; the table skips empty ones
-            for start_m in range(q_start, qhi, BLOCK_M):
-                kind = tl.load(BLOCKSb + (start_m // BLOCK_M) * stride_tm)
+            head_hash = _head_hash(seed, seed_offset, b, h)
+        for run in tl.static_range(1 if HAS_DENSE_MASK else 3):
+            first, last = _span(run, q_start, u1, u2, q_hi)
+            for start_m in range(first, last, BLOCK_M):
+                kind = _tile_kind(kinds_head, start_m // BLOCK_M, pid_n, stride_tm, HAS_DENSE_MASK)
                 if kind != 0:
                     acc_dk, acc_dv = _dkdv_tile(
-                        acc_dk,
-                        acc_dv,
-                        k,
-                        v,
-                        Kb,
-                        Vb,
-                        Qb,
-                        DOb,
-                        LSEb,
-                        DDb,
-                        LOb,
-                        HIb,
-                        MASKb,
-                        ROWPOS,
-                        offs_n,
-                        k_ok,
-                        start_m,
-                        qhi,
-                        kind,
-                        head_key,
-                        col_keys,
-                        stride_qt,
-                        stride_qd,
-                        stride_kt,
-                        stride_kd,
-                        stride_vt,
-                        stride_vd,
-                        stride_dot,
-                        stride_dod,
-                        stride_mt,
-                        T_k,
-                        D_K,
-                        D_V,
-                        OFF,
-                        offs_c,
-                        ck_ok,
-                        cv_ok,
-                        scale,
-                        softcap,
-                        slope,
-                        drop_thr,
-                        drop_scale,
-                        True,
-                        ROWS,
-                        CAUSAL,
-                        HAS_MASK,
-                        SOFTCAP,
-                        ALIBI,
-                        DROPOUT,
-                        BLOCK_M,
-                        BLOCK_N,
-                        BLOCK_DK,
-                        NUM_DK,
-                        BLOCK_DV,
-                        NUM_DV,
-                        BLOCK_C,
-                        PREC,
-                    )
-        else:
-            for start_m in range(q_start, u1, BLOCK_M):
-                acc_dk, acc_dv = _dkdv_tile(
-                    acc_dk,
-                    acc_dv,
-                    k,
-                    v,
-                    Kb,
-                    Vb,
-                    Qb,
-                    DOb,
-                    LSEb,
-                    DDb,
-                    LOb,
-                    HIb,
-                    MASKb,
-                    ROWPOS,
-                    offs_n,
-                    k_ok,
-                    start_m,
-                    qhi,
-                    2,
-                    head_key,
-                    col_keys,
-                    stride_qt,
-                    stride_qd,
-                    stride_kt,
-                    stride_kd,
-                    stride_vt,
-                    stride_vd,
-                    stride_dot,
-                    stride_dod,
-                    stride_mt,
-                    T_k,
-                    D_K,
-                    D_V,
-                    OFF,
-                    offs_c,
-                    ck_ok,
-                    cv_ok,
-                    scale,
-                    softcap,
-                    slope,
-                    drop_thr,
-                    drop_scale,
-                    True,
-                    ROWS,
-                    CAUSAL,
-                    HAS_MASK,
-                    SOFTCAP,
-                    ALIBI,
-                    DROPOUT,
-                    BLOCK_M,
-                    BLOCK_N,
-                    BLOCK_DK,
-                    NUM_DK,
-                    BLOCK_DV,
-                    NUM_DV,
-                    BLOCK_C,
-                    PREC,
-                )
-            for start_m in range(u1, u2, BLOCK_M):
-                acc_dk, acc_dv = _dkdv_tile(
-                    acc_dk,
-                    acc_dv,
-                    k,
-                    v,
-                    Kb,
-                    Vb,
-                    Qb,
-                    DOb,
-                    LSEb,
-                    DDb,
-                    LOb,
-                    HIb,
-                    MASKb,
-                    ROWPOS,
-                    offs_n,
-                    k_ok,
-                    start_m,
-                    qhi,
-                    2,
-                    head_key,
-                    col_keys,
-                    stride_qt,
-                    stride_qd,
-                    stride_kt,
-                    stride_kd,
-                    stride_vt,
-                    stride_vd,
-                    stride_dot,
-                    stride_dod,
-                    stride_mt,
-                    T_k,
-                    D_K,
-                    D_V,
-                    OFF,
-                    offs_c,
-                    ck_ok,
-                    cv_ok,
-                    scale,
-                    softcap,
-                    slope,
-                    drop_thr,
-                    drop_scale,
-                    False,
-                    ROWS,
-                    CAUSAL,
-                    HAS_MASK,
-                    SOFTCAP,
-                    ALIBI,
-                    DROPOUT,
-                    BLOCK_M,
-                    BLOCK_N,
-                    BLOCK_DK,
-                    NUM_DK,
-                    BLOCK_DV,
-                    NUM_DV,
-                    BLOCK_C,
-                    PREC,
-                )
-            for start_m in range(u2, qhi, BLOCK_M):
-                acc_dk, acc_dv = _dkdv_tile(
-                    acc_dk,
-                    acc_dv,
-                    k,
-                    v,
-                    Kb,
-                    Vb,
-                    Qb,
-                    DOb,
-                    LSEb,
-                    DDb,
-                    LOb,
-                    HIb,
-                    MASKb,
-                    ROWPOS,
-                    offs_n,
-                    k_ok,
-                    start_m,
-                    qhi,
-                    2,
-                    head_key,
-                    col_keys,
-                    stride_qt,
-                    stride_qd,
-                    stride_kt,
-                    stride_kd,
-                    stride_vt,
-                    stride_vd,
-                    stride_dot,
-                    stride_dod,
-                    stride_mt,
-                    T_k,
-                    D_K,
-                    D_V,
-                    OFF,
-                    offs_c,
-                    ck_ok,
-                    cv_ok,
-                    scale,
-                    softcap,
-                    slope,
-                    drop_thr,
-                    drop_scale,
-                    True,
-                    ROWS,
-                    CAUSAL,
-                    HAS_MASK,
-                    SOFTCAP,
-                    ALIBI,
-                    DROPOUT,
-                    BLOCK_M,
-                    BLOCK_N,
-                    BLOCK_DK,
-                    NUM_DK,
-                    BLOCK_DV,
-                    NUM_DV,
-                    BLOCK_C,
-                    PREC,
-                )
+                        acc_dk, acc_dv, k, v, start_m, q_hi, kind, head_hash, keys_hash,
+                        q_head, stride_qm, stride_qd,
+                        k_head, stride_kn, stride_kd,
+                        v_head, stride_vn, stride_vd,
+                        do_head, stride_dom, stride_dod,
+                        lse_head, delta_head, LO + b64 * T_q, HI + b64 * T_q, Q_POS,
+                        mask_head, stride_mm, offs_n, key_live, offs_c, ck_valid, cv_valid,
+                        T_k, q_offset, scale, softcap, slope, drop_thr, drop_scale,
+                        D_K, D_V, run != 1, HOST_INTERVALS, CAUSAL, HAS_DENSE_MASK,
+                        SOFTCAP, ALIBI, DROPOUT,
+                        BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, PREC,
+                    )  # fmt: skip
 
-    n_ok = offs_n < T_k
-    DKb = DK + b64 * stride_dkb + hk.to(tl.int64) * stride_dkh
-    tl.store(
-        DKb + offs_n[:, None] * stride_dkt + offs_c[None, :] * stride_dkd,
-        (acc_dk * scale).to(DK.dtype.element_ty),
-        mask=n_ok[:, None] & ck_ok[None, :],
+    dk_head = _head(DK, b, hk, stride_dkb, stride_dkh)
+    _store_tile(
+        dk_head, acc_dk * scale, offs_n, offs_c, key_valid, ck_valid, stride_dkn, stride_dkd
     )
     if DROPOUT:
         acc_dv = acc_dv * drop_scale
-    DVb = DV + b64 * stride_dvb + hk.to(tl.int64) * stride_dvh
-    tl.store(
-        DVb + offs_n[:, None] * stride_dvt + offs_c[None, :] * stride_dvd,
-        acc_dv.to(DV.dtype.element_ty),
-        mask=n_ok[:, None] & cv_ok[None, :],
-    )
+    dv_head = _head(DV, b, hk, stride_dvb, stride_dvh)
+    _store_tile(dv_head, acc_dv, offs_n, offs_c, key_valid, cv_valid, stride_dvn, stride_dvd)
 
 
 @triton.jit
 def _dq_tile(
-    acc,
-    q,
-    do,
-    Qb,
-    Kb,
-    Vb,
-    DOb,
-    KPMb,
-    MASKb,
-    COLPOS,
-    offs_m,
-    row_ok,
-    lo,
-    hi,
-    lse,
-    Di,
-    n_lo,
-    n_hi,
-    start_n,
-    kind,
-    row_keys,
-    stride_qt: tl.constexpr,
-    stride_qd: tl.constexpr,
-    stride_kt: tl.constexpr,
-    stride_kd: tl.constexpr,
-    stride_vt: tl.constexpr,
-    stride_vd: tl.constexpr,
-    stride_dot: tl.constexpr,
-    stride_dod: tl.constexpr,
-    stride_mt,
-    D_K: tl.constexpr,
-    D_V: tl.constexpr,
-    OFF,
-    offs_c,
-    c_ok,
-    scale,
-    softcap,
-    slope,
-    drop_thr,
-    drop_scale,
-    MASKED: tl.constexpr,
-    HAS_KPM: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_DK: tl.constexpr,
-    NUM_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    NUM_DV: tl.constexpr,
-    PREC: tl.constexpr,
-):
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    if MASKED:
-        k_ok = _key_ok(KPMb, offs_n, n_lo, n_hi, HAS_KPM)
-    else:
-        k_ok = offs_n >= 0
-    if NUM_DK == 1:
-        offs_d = tl.arange(0, BLOCK_DK)
-        kT = tl.load(
-            Kb + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd,
-            mask=k_ok[None, :] & (offs_d[:, None] < D_K),
-            other=0.0,
-        )
-        s = tl.dot(q, kT, input_precision=PREC)
-    else:
-        s = _dot_rows_cols(
-            Qb,
-            Kb,
-            offs_m,
-            offs_n,
-            row_ok,
-            k_ok,
-            stride_qt,
-            stride_qd,
-            stride_kt,
-            stride_kd,
-            D_K,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_DK,
-            NUM_DK,
-            PREC,
-        )
-    s, grad = _scores(
-        s, offs_m[:, None] + OFF, offs_n[None, :], scale, softcap, slope, SOFTCAP, ALIBI
-    )
-    p = tl.math.exp2(s - lse[:, None])
-    if MASKED:
-        allowed = (offs_n[None, :] >= lo[:, None]) & (offs_n[None, :] < hi[:, None]) & k_ok[None, :]
-        if HAS_MASK:
-            allowed = allowed & _dense(
-                MASKb,
-                stride_mt,
-                offs_m[:, None],
-                offs_n[None, :],
-                row_ok[:, None] & k_ok[None, :],
-                kind,
-            )
-        p = tl.where(allowed, p, 0.0)
-    if NUM_DV == 1:
-        offs_d = tl.arange(0, BLOCK_DV)
-        vT = tl.load(
-            Vb + offs_n[None, :] * stride_vt + offs_d[:, None] * stride_vd,
-            mask=k_ok[None, :] & (offs_d[:, None] < D_V),
-            other=0.0,
-        )
-        dp = tl.dot(do, vT, input_precision=PREC)
-    else:
-        dp = _dot_rows_cols(
-            DOb,
-            Vb,
-            offs_m,
-            offs_n,
-            row_ok,
-            k_ok,
-            stride_dot,
-            stride_dod,
-            stride_vt,
-            stride_vd,
-            D_V,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_DV,
-            NUM_DV,
-            PREC,
-        )
+    acc, q, do, start_n, kind,
+    q_head, stride_qm: tl.constexpr, stride_qd: tl.constexpr,
+    k_head, stride_kn: tl.constexpr, stride_kd: tl.constexpr,
+    v_head, stride_vn: tl.constexpr, stride_vd: tl.constexpr,
+    do_head, stride_dom: tl.constexpr, stride_dod: tl.constexpr,
+    offs_m, row_valid, lo, hi, lse, delta, rows_hash, key_padding, n_lo, n_hi, K_POS,
+    mask_head, stride_mm, offs_c, c_valid,
+    q_offset, scale, softcap, slope, drop_thr, drop_scale,
+    D_K: tl.constexpr, D_V: tl.constexpr, MASKED: tl.constexpr,
+    HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+    ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
+    NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """One key tile of dQ = dS K."""
+    offs_n, key_live, s = _key_tile(
+        q, q_head, k_head, start_n, offs_m, row_valid, key_padding, n_lo, n_hi,
+        stride_qm, stride_qd, stride_kn, stride_kd, D_K, MASKED, HAS_KEY_PADDING,
+        BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, PREC,
+    )  # fmt: skip
+    p, softcap_grad, allowed = _bwd_weights(
+        s, lse[:, None], offs_m[:, None] + q_offset, offs_n[None, :], lo[:, None], hi[:, None],
+        offs_m[:, None], row_valid[:, None] & key_live[None, :], mask_head, stride_mm, kind,
+        scale, softcap, slope, MASKED, HAS_DENSE_MASK, SOFTCAP, ALIBI,
+    )  # fmt: skip
+    dp = _dot_nt(
+        do, do_head, v_head, offs_m, offs_n, row_valid, key_live,
+        stride_dom, stride_dod, stride_vn, stride_vd,
+        D_V, BLOCK_M, BLOCK_N, BLOCK_DV, NUM_DV, PREC,
+    )  # fmt: skip
     if DROPOUT:
-        keep = _keep(row_keys[:, None], _col_keys(COLPOS, offs_n, k_ok)[None, :], drop_thr)
-        dp = tl.where(keep, dp * drop_scale, 0.0)
-    ds = p * (dp - Di[:, None])
-    if SOFTCAP:
-        ds = ds * grad
-    if MASKED:
-        ds = tl.where(allowed, ds, 0.0)
-    k_c = tl.load(
-        Kb + offs_n[:, None] * stride_kt + offs_c[None, :] * stride_kd,
-        mask=k_ok[:, None] & c_ok[None, :],
-        other=0.0,
-    )
-    if MASKED:
-        k_c = _finite0(k_c)  # keys the row may not read: weight 0 (a read NaN is in ds already)
-    acc += tl.dot(ds.to(k_c.dtype), k_c, input_precision=PREC)
-    return acc
+        keep = _keep(rows_hash[:, None], _key_hash(K_POS, offs_n, key_live)[None, :], drop_thr)
+    else:
+        keep = allowed  # unused
+    ds = _score_grads(
+        p, dp, delta[:, None], softcap_grad, allowed, keep, drop_scale, MASKED, SOFTCAP, DROPOUT
+    )  # fmt: skip
+    return _add_ds_dot(
+        acc, ds, k_head, offs_n, key_live, offs_c, c_valid, stride_kn, stride_kd, MASKED, PREC
+    )  # fmt: skip
 
 
 @triton.jit
 def dq_kernel(
-    Q,
-    K,
-    V,
-    DO,
-    LSE,
-    DD,
-    DQ,
-    LO,
-    HI,
-    KPM,
-    MASK,
-    BLOCKS,
-    SLOPES,
-    ROWPOS,
-    COLPOS,
-    stride_qb,
-    stride_qh,
-    stride_qt: tl.constexpr,
-    stride_qd: tl.constexpr,
-    stride_kb,
-    stride_kh,
-    stride_kt: tl.constexpr,
-    stride_kd: tl.constexpr,
-    stride_vb,
-    stride_vh,
-    stride_vt: tl.constexpr,
-    stride_vd: tl.constexpr,
-    stride_dob,
-    stride_doh,
-    stride_dot: tl.constexpr,
-    stride_dod: tl.constexpr,
-    stride_dqb,
-    stride_dqh,
-    stride_dqt: tl.constexpr,
-    stride_dqd: tl.constexpr,
-    stride_mb,
-    stride_mh,
-    stride_mt,
-    stride_tb,
-    stride_th,
-    stride_tm,
-    H_q,
-    T_q,
-    T_k,
-    D_K: tl.constexpr,
-    D_V: tl.constexpr,
-    GROUP,
-    OFF,
-    scale,
-    softcap,
-    seed,
-    seed_offset,
-    drop_thr,
-    drop_scale,
-    HAS_KPM: tl.constexpr,
-    ROWS: tl.constexpr,
-    CAUSAL: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr,
+    Q, stride_qb, stride_qh, stride_qm: tl.constexpr, stride_qd: tl.constexpr,
+    K, stride_kb, stride_kh, stride_kn: tl.constexpr, stride_kd: tl.constexpr,
+    V, stride_vb, stride_vh, stride_vn: tl.constexpr, stride_vd: tl.constexpr,
+    DO, stride_dob, stride_doh, stride_dom: tl.constexpr, stride_dod: tl.constexpr,
+    DQ, stride_dqb, stride_dqh, stride_dqm: tl.constexpr, stride_dqd: tl.constexpr,
+    LSE, DELTA,
+    LO, HI, KEY_PADDING,
+    DENSE_MASK, stride_mb, stride_mh, stride_mm,
+    TILE_KINDS, stride_tb, stride_th, stride_tm,
+    SLOPES, Q_POS, K_POS,
+    H_q, T_q, T_k, D_K: tl.constexpr, D_V: tl.constexpr, GROUP, q_offset,
+    scale, softcap, seed, seed_offset, drop_thr, drop_scale,
+    HAS_KEY_PADDING: tl.constexpr, HOST_INTERVALS: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_DENSE_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
     DROPOUT: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_DK: tl.constexpr,
-    NUM_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    NUM_DV: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-    PREC: tl.constexpr,
-):
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
+    NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr,
+    BLOCK_C: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
     """One program: BLOCK_M query rows × BLOCK_C columns of dQ for one (b, h)."""
-    pid_m = tl.program_id(0)
-    pid_c = tl.program_id(1)
-    pid_bh = tl.program_id(2)
-    b = pid_bh // H_q
-    h = pid_bh % H_q
-    hk = h // GROUP
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    Qb = Q + b64 * stride_qb + h64 * stride_qh
-    Kb = K + b64 * stride_kb + hk.to(tl.int64) * stride_kh
-    Vb = V + b64 * stride_vb + hk.to(tl.int64) * stride_vh
-    DOb = DO + b64 * stride_dob + h64 * stride_doh
-    KPMb = KPM + b64 * T_k
-    MASKb = MASK + b64 * stride_mb + h64 * stride_mh
-    BLOCKSb = BLOCKS + b64 * stride_tb + h64 * stride_th + pid_m * stride_tm
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    lo, hi, live, n_lo, n_hi, start, u1, u2 = _row_bounds(
-        LO + b64 * T_q, HI + b64 * T_q, offs_m, T_q, T_k, OFF, BLOCK_N, HAS_KPM, ROWS, CAUSAL
+    pid_m, pid_c, b, h = _program(H_q)
+    offs_m, row_valid, lo, hi, row_live, n_lo, n_hi, start, u1, u2, slope, rows_hash = _query_rows(
+        LO, HI, SLOPES, Q_POS, pid_m, b, h, H_q, T_q, T_k, q_offset, seed, seed_offset,
+        BLOCK_M, BLOCK_N, HAS_KEY_PADDING, HOST_INTERVALS, CAUSAL, HAS_DENSE_MASK, ALIBI, DROPOUT,
+    )  # fmt: skip
+    lse = _lse_log2(_head_rows(LSE, b, h, H_q, T_q), offs_m, row_valid)
+    delta = tl.load(_head_rows(DELTA, b, h, H_q, T_q) + offs_m, mask=row_valid, other=0.0)
+    q_head = _head(Q, b, h, stride_qb, stride_qh)
+    q = _rows_in_registers(
+        q_head, offs_m, row_valid, stride_qm, stride_qd, D_K, BLOCK_M, BLOCK_DK, NUM_DK
     )
-    row_ok = offs_m < T_q
-    lse = tl.load(LSE + pid_bh.to(tl.int64) * T_q + offs_m, mask=row_ok, other=float("-inf"))
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E  # empty: P = 0
-    Di = tl.load(DD + pid_bh.to(tl.int64) * T_q + offs_m, mask=row_ok, other=0.0)
-    slope = 0.0
-    if ALIBI:
-        slope = tl.load(SLOPES + pid_bh)
-    if DROPOUT:
-        row_keys = _row_keys(_head_key(seed, seed_offset, b, h), ROWPOS, offs_m, row_ok)
-    else:
-        row_keys = offs_m  # unused
-    if NUM_DK == 1:
-        offs_d = tl.arange(0, BLOCK_DK)
-        q = tl.load(
-            Qb + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-            mask=row_ok[:, None] & (offs_d[None, :] < D_K),
-            other=0.0,
-        )
-    else:
-        q = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
-    if NUM_DV == 1:
-        offs_d = tl.arange(0, BLOCK_DV)
-        do = tl.load(
-            DOb + offs_m[:, None] * stride_dot + offs_d[None, :] * stride_dod,
-            mask=row_ok[:, None] & (offs_d[None, :] < D_V),
-            other=0.0,
-        )
-    else:
-        do = tl.zeros([BLOCK_M, 16], dtype=tl.float32)
+    do_head = _head(DO, b, h, stride_dob, stride_doh)
+    do = _rows_in_registers(
+        do_head, offs_m, row_valid, stride_dom, stride_dod, D_V, BLOCK_M, BLOCK_DV, NUM_DV
+    )
+    k_head = _head(K, b, h // GROUP, stride_kb, stride_kh)
+    v_head = _head(V, b, h // GROUP, stride_vb, stride_vh)
+    key_padding = KEY_PADDING + b.to(tl.int64) * T_k
+    mask_head = _head(DENSE_MASK, b, h, stride_mb, stride_mh)
+    kinds_head = _head(TILE_KINDS, b, h, stride_tb, stride_th)
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = offs_c < D_K
+    c_valid = offs_c < D_K
     acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
-    if HAS_MASK:  # every tile masked; the table skips empty ones
-        for start_n in range(start, n_hi, BLOCK_N):
-            kind = tl.load(BLOCKSb + start_n // BLOCK_N)
+    for run in tl.static_range(1 if HAS_DENSE_MASK else 3):
+        first, last = _span(run, start, u1, u2, n_hi)
+        for start_n in range(first, last, BLOCK_N):
+            kind = _tile_kind(kinds_head, pid_m, start_n // BLOCK_N, stride_tm, HAS_DENSE_MASK)
             if kind != 0:
                 acc = _dq_tile(
-                    acc,
-                    q,
-                    do,
-                    Qb,
-                    Kb,
-                    Vb,
-                    DOb,
-                    KPMb,
-                    MASKb,
-                    COLPOS,
-                    offs_m,
-                    row_ok,
-                    lo,
-                    hi,
-                    lse,
-                    Di,
-                    n_lo,
-                    n_hi,
-                    start_n,
-                    kind,
-                    row_keys,
-                    stride_qt,
-                    stride_qd,
-                    stride_kt,
-                    stride_kd,
-                    stride_vt,
-                    stride_vd,
-                    stride_dot,
-                    stride_dod,
-                    stride_mt,
-                    D_K,
-                    D_V,
-                    OFF,
-                    offs_c,
-                    c_ok,
-                    scale,
-                    softcap,
-                    slope,
-                    drop_thr,
-                    drop_scale,
-                    True,
-                    HAS_KPM,
-                    HAS_MASK,
-                    SOFTCAP,
-                    ALIBI,
-                    DROPOUT,
-                    BLOCK_M,
-                    BLOCK_N,
-                    BLOCK_DK,
-                    NUM_DK,
-                    BLOCK_DV,
-                    NUM_DV,
-                    PREC,
-                )
-    else:
-        for start_n in range(start, u1, BLOCK_N):
-            acc = _dq_tile(
-                acc,
-                q,
-                do,
-                Qb,
-                Kb,
-                Vb,
-                DOb,
-                KPMb,
-                MASKb,
-                COLPOS,
-                offs_m,
-                row_ok,
-                lo,
-                hi,
-                lse,
-                Di,
-                n_lo,
-                n_hi,
-                start_n,
-                2,
-                row_keys,
-                stride_qt,
-                stride_qd,
-                stride_kt,
-                stride_kd,
-                stride_vt,
-                stride_vd,
-                stride_dot,
-                stride_dod,
-                stride_mt,
-                D_K,
-                D_V,
-                OFF,
-                offs_c,
-                c_ok,
-                scale,
-                softcap,
-                slope,
-                drop_thr,
-                drop_scale,
-                True,
-                HAS_KPM,
-                HAS_MASK,
-                SOFTCAP,
-                ALIBI,
-                DROPOUT,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_DK,
-                NUM_DK,
-                BLOCK_DV,
-                NUM_DV,
-                PREC,
-            )
-        for start_n in range(u1, u2, BLOCK_N):
-            acc = _dq_tile(
-                acc,
-                q,
-                do,
-                Qb,
-                Kb,
-                Vb,
-                DOb,
-                KPMb,
-                MASKb,
-                COLPOS,
-                offs_m,
-                row_ok,
-                lo,
-                hi,
-                lse,
-                Di,
-                n_lo,
-                n_hi,
-                start_n,
-                2,
-                row_keys,
-                stride_qt,
-                stride_qd,
-                stride_kt,
-                stride_kd,
-                stride_vt,
-                stride_vd,
-                stride_dot,
-                stride_dod,
-                stride_mt,
-                D_K,
-                D_V,
-                OFF,
-                offs_c,
-                c_ok,
-                scale,
-                softcap,
-                slope,
-                drop_thr,
-                drop_scale,
-                False,
-                HAS_KPM,
-                HAS_MASK,
-                SOFTCAP,
-                ALIBI,
-                DROPOUT,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_DK,
-                NUM_DK,
-                BLOCK_DV,
-                NUM_DV,
-                PREC,
-            )
-        for start_n in range(u2, n_hi, BLOCK_N):
-            acc = _dq_tile(
-                acc,
-                q,
-                do,
-                Qb,
-                Kb,
-                Vb,
-                DOb,
-                KPMb,
-                MASKb,
-                COLPOS,
-                offs_m,
-                row_ok,
-                lo,
-                hi,
-                lse,
-                Di,
-                n_lo,
-                n_hi,
-                start_n,
-                2,
-                row_keys,
-                stride_qt,
-                stride_qd,
-                stride_kt,
-                stride_kd,
-                stride_vt,
-                stride_vd,
-                stride_dot,
-                stride_dod,
-                stride_mt,
-                D_K,
-                D_V,
-                OFF,
-                offs_c,
-                c_ok,
-                scale,
-                softcap,
-                slope,
-                drop_thr,
-                drop_scale,
-                True,
-                HAS_KPM,
-                HAS_MASK,
-                SOFTCAP,
-                ALIBI,
-                DROPOUT,
-                BLOCK_M,
-                BLOCK_N,
-                BLOCK_DK,
-                NUM_DK,
-                BLOCK_DV,
-                NUM_DV,
-                PREC,
-            )
-    dq = tl.where(live[:, None], acc * scale, 0.0)
-    DQb = DQ + b64 * stride_dqb + h64 * stride_dqh
-    tl.store(
-        DQb + offs_m[:, None] * stride_dqt + offs_c[None, :] * stride_dqd,
-        dq.to(DQ.dtype.element_ty),
-        mask=row_ok[:, None] & c_ok[None, :],
-    )
+                    acc, q, do, start_n, kind,
+                    q_head, stride_qm, stride_qd,
+                    k_head, stride_kn, stride_kd,
+                    v_head, stride_vn, stride_vd,
+                    do_head, stride_dom, stride_dod,
+                    offs_m, row_valid, lo, hi, lse, delta, rows_hash,
+                    key_padding, n_lo, n_hi, K_POS, mask_head, stride_mm, offs_c, c_valid,
+                    q_offset, scale, softcap, slope, drop_thr, drop_scale,
+                    D_K, D_V, run != 1, HAS_KEY_PADDING, HAS_DENSE_MASK, SOFTCAP, ALIBI, DROPOUT,
+                    BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, PREC,
+                )  # fmt: skip
+    dq = tl.where(row_live[:, None], acc * scale, 0.0)
+    dq_head = _head(DQ, b, h, stride_dqb, stride_dqh)
+    _store_tile(dq_head, dq, offs_m, offs_c, row_valid, c_valid, stride_dqm, stride_dqd)
 
 
 @triton.jit
 def bwd_preprocess(
-    O,
-    DO,
-    LSE,
-    DLSE,
-    DD,
-    N_ROWS,
-    D_V: tl.constexpr,
-    HAS_DLSE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    NUM_DV: tl.constexpr,
-):
+    O, DO, LSE, DLSE, DELTA, N_ROWS,
+    D_V: tl.constexpr, HAS_DLSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr,
+):  # fmt: skip
     """D = rowsum(dH ∘ H) in fp32 (minus the lse gradient; 0 on empty rows), for the
-    rows of contiguous (B·H_q·T_q, d_v) views of H and dH."""
+    rows of contiguous (B·H_q·T_q, d_v) views of H and dH, into DELTA."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < N_ROWS
+    row_valid = offs_m < N_ROWS
     rows = offs_m.to(tl.int64) * D_V
     acc = tl.zeros([BLOCK_M], dtype=tl.float32)
     for c in range(NUM_DV):
         offs_d = c * BLOCK_DV + tl.arange(0, BLOCK_DV)
-        ok = row_ok[:, None] & (offs_d[None, :] < D_V)
-        o = tl.load(O + rows[:, None] + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
-        do = tl.load(DO + rows[:, None] + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+        d_valid = offs_d < D_V
+        o = _load_tile(O, rows, offs_d, row_valid, d_valid, 1, 1).to(tl.float32)
+        do = _load_tile(DO, rows, offs_d, row_valid, d_valid, 1, 1).to(tl.float32)
         acc += tl.sum(o * do, axis=1)
     if HAS_DLSE:  # d lse / d S = A, so a gradient on lse shifts D
-        acc -= tl.load(DLSE + offs_m, mask=row_ok, other=0.0)
-    lse = tl.load(LSE + offs_m, mask=row_ok, other=0.0)
-    tl.store(DD + offs_m, tl.where(lse == float("-inf"), 0.0, acc), mask=row_ok)
+        acc -= tl.load(DLSE + offs_m, mask=row_valid, other=0.0)
+    lse = tl.load(LSE + offs_m, mask=row_valid, other=0.0)
+    tl.store(DELTA + offs_m, tl.where(lse == float("-inf"), 0.0, acc), mask=row_valid)

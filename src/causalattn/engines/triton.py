@@ -106,6 +106,16 @@ def _pow2(n: int) -> int:
     return max(16, 1 << max(0, (n - 1).bit_length()))
 
 
+def _tile_config(m: int, n: int, dk: int, dv: int, warps: int, stages: int, c=None) -> dict:
+    """One kernel's tiles: BLOCK_M query rows × BLOCK_N keys, d-chunks of BLOCK_DK (scores)
+    and BLOCK_DV (values), BLOCK_C output columns a program (backward only), warps and
+    pipeline stages."""
+    cfg = dict(BLOCK_M=m, BLOCK_N=n, BLOCK_DK=dk, BLOCK_DV=dv, num_warps=warps, num_stages=stages)
+    if c is not None:
+        cfg["BLOCK_C"] = c
+    return cfg
+
+
 def _configs(d_k: int, d_v: int, dtype: torch.dtype, interpret: bool) -> dict:
     """Tile sizes for the three kernels. bf16/fp16: the fastest of ``benchmarks/bench_gpu.py``'s
     candidates on an H200 (2026-11-29; d <= 128 tuned at (4, 32, 4096, 128), wider heads at
@@ -113,101 +123,37 @@ def _configs(d_k: int, d_v: int, dtype: torch.dtype, interpret: bool) -> dict:
     tiles are smaller (twice the bytes, dots without tensor cores) and were not timed."""
     pk, pv = _pow2(d_k), _pow2(d_v)
     big = max(pk, pv)
+    small = big <= 128
     if interpret:  # small tiles: several of them even at tiny T, and a fast interpreter
-        small = big <= 128
-        fwd = dict(
-            BLOCK_M=16,
-            BLOCK_N=16,
-            BLOCK_DK=pk if small else 128,
-            BLOCK_DV=pv if small else 256,
-            num_warps=1,
-            num_stages=1,
+        fwd = _tile_config(16, 16, pk if small else 128, pv if small else 256, 1, 1)
+        dkdv = _tile_config(
+            16, 16, pk if small else 128, pv if small else 128, 1, 1, c=big if small else 256
         )
-        bwd = dict(
-            BLOCK_M=16,
-            BLOCK_N=16,
-            BLOCK_DK=pk if small else 128,
-            BLOCK_DV=pv if small else 128,
-            BLOCK_C=big if small else 256,
-            num_warps=1,
-            num_stages=1,
-        )
-        cfg = {"fwd": fwd, "dkdv": dict(bwd), "dq": dict(bwd)}
+        dq = dict(dkdv)
     elif dtype != torch.float32:
-        if big <= 128:
-            fwd = dict(
-                BLOCK_M=128,
-                BLOCK_N=64,
-                BLOCK_DK=pk,
-                BLOCK_DV=pv,
-                num_warps=8 if big >= 128 else 4,
-                num_stages=3,
-            )
-        elif big <= 256:
-            fwd = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_DK=pk, BLOCK_DV=pv, num_warps=8, num_stages=2)
+        warps = 8 if big >= 128 else 4
+        if small:
+            fwd = _tile_config(128, 64, pk, pv, warps, 3)
+            dkdv = _tile_config(64, 128, pk, pv, warps, 2, c=big)
+            dq = _tile_config(128, 64, pk, pv, warps, 2, c=big)
         else:
-            # 256 output columns a program (4 for d = 1000: Q Kᵀ computed 4 times); 128 rows
-            # with them would spill registers (benchmarks/compile_check.py)
-            fwd = dict(
-                BLOCK_M=64, BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=256, num_warps=8, num_stages=3
-            )
-        if big <= 128:
-            dkdv = dict(
-                BLOCK_M=64,
-                BLOCK_N=128,
-                BLOCK_DK=pk,
-                BLOCK_DV=pv,
-                BLOCK_C=big,
-                num_warps=8 if big >= 128 else 4,
-                num_stages=2,
-            )
-            dq = dict(
-                BLOCK_M=128,
-                BLOCK_N=64,
-                BLOCK_DK=pk,
-                BLOCK_DV=pv,
-                BLOCK_C=big,
-                num_warps=8 if big >= 128 else 4,
-                num_stages=2,
-            )
-        else:
-            dkdv = dict(
-                BLOCK_M=64,
-                BLOCK_N=64,
-                BLOCK_DK=128,
-                BLOCK_DV=128,
-                BLOCK_C=256,
-                num_warps=8,
-                num_stages=2,
-            )
+            if big <= 256:
+                fwd = _tile_config(64, 32, pk, pv, 8, 2)
+            else:
+                # 256 output columns a program (4 for d = 1000: Q Kᵀ computed 4 times); 128
+                # rows with them would spill registers (benchmarks/compile_check.py)
+                fwd = _tile_config(64, 64, 128, 256, 8, 3)
+            dkdv = _tile_config(64, 64, 128, 128, 8, 2, c=256)
             dq = dict(dkdv)
-        cfg = {"fwd": fwd, "dkdv": dkdv, "dq": dq}
     else:
-        if big <= 128:
-            fwd = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_DK=pk, BLOCK_DV=pv, num_warps=4, num_stages=2)
-            dkdv = dict(
-                BLOCK_M=32,
-                BLOCK_N=32,
-                BLOCK_DK=pk,
-                BLOCK_DV=pv,
-                BLOCK_C=big,
-                num_warps=4,
-                num_stages=2,
-            )
-            dq = dict(dkdv)
+        if small:
+            fwd = _tile_config(64, 32, pk, pv, 4, 2)
+            dkdv = _tile_config(32, 32, pk, pv, 4, 2, c=big)
         else:
-            fwd = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_DK=32, BLOCK_DV=128, num_warps=4, num_stages=1)
-            dkdv = dict(
-                BLOCK_M=32,
-                BLOCK_N=32,
-                BLOCK_DK=32,
-                BLOCK_DV=32,
-                BLOCK_C=64,
-                num_warps=4,
-                num_stages=1,
-            )
-            dq = dict(dkdv)
-        cfg = {"fwd": fwd, "dkdv": dkdv, "dq": dq}
+            fwd = _tile_config(64, 32, 32, 128, 4, 1)
+            dkdv = _tile_config(32, 32, 32, 32, 4, 1, c=64)
+        dq = dict(dkdv)
+    cfg = {"fwd": fwd, "dkdv": dkdv, "dq": dq}
     if CONFIG_OVERRIDE:
         for name, over in CONFIG_OVERRIDE.items():
             cfg[name] = {**cfg[name], **over}
@@ -272,19 +218,28 @@ def _device_tensor(x, dev, dtype) -> torch.Tensor:
     return t.to(device=dev, dtype=dtype).contiguous()
 
 
+def _broadcast_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """Batch, head and row strides of a (B', H', rows, cols) tensor, 0 along a broadcast
+    axis of size 1 (the kernels then read the one slice for every b or h)."""
+    st = t.stride()
+    return (st[0] if t.shape[0] > 1 else 0, st[1] if t.shape[1] > 1 else 0, st[2])
+
+
 class _Plan:
     """Everything the kernels read besides Q, K, V, derived once from ``p.pattern`` and the
-    dropout settings: per-row key intervals ``LO <= j < HI`` ((B, T_q) int32, from
+    dropout settings, named as in the kernels (see ``_triton_kernels``' words): per-row key
+    intervals ``LO <= j < HI`` ((B, T_q) int32, from
     :meth:`causalattn.masks.Pattern.row_ranges`; plain causal and full attention compute
-    them in the kernels), the key padding mask, the dense mask with a block table per tile
+    them in the kernels), the key padding, the dense mask with its tile kinds per tile
     size, ALiBi slopes (B, H_q), sinks (H_q,) and the dropout hash's inputs."""
 
     def __init__(self, p: Problem):
         pat = p.pattern
-        B, H_q, T_q, _ = p.q.shape
+        B, H_q, T_q, d_k = p.q.shape
         T_k = p.k.shape[2]
         dev = p.q.device
         self.dims = (B, H_q, T_q, T_k)
+        self.d_k, self.d_v, self.group = d_k, p.v.shape[-1], p.group
         # query i sits at key index i + offset (bottom-right, or as the pattern places it)
         self.offset = pat.query_start(T_q, T_k) - pat.k_start
         self.T_k, self.causal = T_k, pat.causal
@@ -292,14 +247,16 @@ class _Plan:
         self.none32 = torch.zeros(1, dtype=torch.int32, device=dev)
         nonef = torch.zeros(1, dtype=torch.float32, device=dev)
 
-        self.has_kpm = pat.key_padding_mask is not None
-        self.kpm = _device_tensor(pat.key_padding_mask, dev, torch.int8) if self.has_kpm else none8
+        self.has_key_padding = pat.key_padding_mask is not None
+        self.key_padding = none8
+        if self.has_key_padding:
+            self.key_padding = _device_tensor(pat.key_padding_mask, dev, torch.int8)
         # plain causal / full attention: the kernels compute the intervals themselves
-        self.arrays = any(
+        self.host_intervals = any(
             x is not None
             for x in (pat.lengths, pat.cu_seqlens, pat.window, pat.chunk, pat.prefix_lengths)
         )
-        if self.arrays:
+        if self.host_intervals:
             lo, hi = pat.row_ranges(B, T_q, T_k)
             self.lo64, self.hi64 = (
                 torch.from_numpy(np.array(np.broadcast_to(x, (B, T_q)), order="C")).to(dev)
@@ -309,19 +266,14 @@ class _Plan:
         else:
             self.lo = self.hi = self.none32
 
-        self.has_mask = pat.mask is not None
-        self.mask, self.mask_strides, self._blocks = none8, (0, 0, 0), {}
-        if self.has_mask:
+        self.has_dense_mask = pat.mask is not None
+        self.dense_mask, self.dense_mask_strides, self._tile_kinds = none8, (0, 0, 0), {}
+        if self.has_dense_mask:
             m = pat.mask if isinstance(pat.mask, torch.Tensor) else torch.as_tensor(pat.mask)
             m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)).to(dev).contiguous()
-            self.mask_bool = m
-            self.mask = m.view(torch.int8)
-            st = m.stride()
-            self.mask_strides = (
-                st[0] if m.shape[0] > 1 else 0,
-                st[1] if m.shape[1] > 1 else 0,
-                st[2],
-            )
+            self.dense_mask_bool = m
+            self.dense_mask = m.view(torch.int8)
+            self.dense_mask_strides = _broadcast_strides(m)
 
         self.has_alibi = pat.alibi_slopes is not None
         self.slopes = nonef
@@ -335,81 +287,90 @@ class _Plan:
         self.dropout = p.dropout_p > 0
         self.seed = self.seed_offset = self.drop_thr = 0
         self.drop_scale = 1.0
-        self.rowpos = self.colpos = self.none32
+        self.q_pos = self.k_pos = self.none32
         if self.dropout:
             self.seed, self.seed_offset = p.dropout_seed
             self.drop_thr = _dropout.threshold(p.dropout_p)
             self.drop_scale = 0.0 if p.dropout_p >= 1 else 1.0 / (1.0 - p.dropout_p)
-            self.rowpos = p.dropout_rows().to(dev, torch.int32).contiguous()
-            self.colpos = p.dropout_cols().to(dev, torch.int32).contiguous()
+            self.q_pos = p.dropout_rows().to(dev, torch.int32).contiguous()
+            self.k_pos = p.dropout_cols().to(dev, torch.int32).contiguous()
 
     def flags(self) -> dict:
         return dict(
-            HAS_KPM=self.has_kpm,
-            ROWS=self.arrays,
+            HAS_KEY_PADDING=self.has_key_padding,
+            HOST_INTERVALS=self.host_intervals,
             CAUSAL=self.causal,
-            HAS_MASK=self.has_mask,
+            HAS_DENSE_MASK=self.has_dense_mask,
             SOFTCAP=self.softcap is not None,
             ALIBI=self.has_alibi,
             DROPOUT=self.dropout,
         )
 
-    def scalars(self, scale: float) -> tuple:
-        """scale, softcap, seed, seed_offset, drop_thr, drop_scale: the kernels' scalars."""
+    def arrays(self, block_m: int, block_n: int) -> tuple:
+        """The kernels' pattern arguments, in their order: LO, HI, KEY_PADDING, DENSE_MASK
+        and its strides, TILE_KINDS (for this tile size) and its strides, SLOPES, Q_POS,
+        K_POS."""
+        kinds, kinds_strides = self.tile_kinds(block_m, block_n)
         return (
-            scale,
-            self.softcap or 1.0,
-            self.seed,
-            self.seed_offset,
-            self.drop_thr,
-            self.drop_scale,
+            self.lo,
+            self.hi,
+            self.key_padding,
+            self.dense_mask,
+            *self.dense_mask_strides,
+            kinds,
+            *kinds_strides,
+            self.slopes,
+            self.q_pos,
+            self.k_pos,
         )
 
-    def blocks(self, block_m: int, block_n: int):
+    def scalars(self, scale: float) -> tuple:
+        """The kernels' sizes and scalars, in their order: H_q, T_q, T_k, D_K, D_V, GROUP,
+        q_offset, scale, softcap, seed, seed_offset, drop_thr, drop_scale."""
+        _, H_q, T_q, T_k = self.dims
+        sizes = (H_q, T_q, T_k, self.d_k, self.d_v, self.group, self.offset)
+        drop = (self.seed, self.seed_offset, self.drop_thr, self.drop_scale)
+        return (*sizes, scale, self.softcap or 1.0, *drop)
+
+    def tile_kinds(self, block_m: int, block_n: int):
         """The dense mask's kind per (BLOCK_M × BLOCK_N) tile, int8 (B', H', n_m, n_n):
-        0 nothing readable (skipped), 1 all readable (no mask load), 2 partial; and its
+        0 nothing allowed (skipped), 1 all allowed (no mask load), 2 partial; and its
         (batch, head, row-block) strides."""
-        if not self.has_mask:
-            return self.mask, (0, 0, 0)
-        if (block_m, block_n) not in self._blocks:
-            m = self.mask_bool
+        if not self.has_dense_mask:
+            return self.dense_mask, (0, 0, 0)
+        if (block_m, block_n) not in self._tile_kinds:
+            m = self.dense_mask_bool
             _, _, T_q, T_k = m.shape
             n_m, n_n = triton.cdiv(T_q, block_m), triton.cdiv(T_k, block_n)
             pad = (0, n_n * block_n - T_k, 0, n_m * block_m - T_q)
             tiles = (*m.shape[:2], n_m, block_m, n_n, block_n)
 
-            def padded(value):  # cells past T_q, T_k: neither readable nor blocking "full"
+            def padded(value):  # cells past T_q, T_k: neither allowed nor blocking "full"
                 return torch.nn.functional.pad(m, pad, value=value) if any(pad) else m
 
             some = padded(False).view(tiles).any(5).any(3)
             every = padded(True).view(tiles).all(5).all(3)
             kinds = torch.where(every, 1, torch.where(some, 2, 0)).to(torch.int8).contiguous()
-            st = kinds.stride()
-            strides = (
-                st[0] if kinds.shape[0] > 1 else 0,
-                st[1] if kinds.shape[1] > 1 else 0,
-                st[2],
-            )
-            self._blocks[(block_m, block_n)] = (kinds, strides)
-        return self._blocks[(block_m, block_n)]
+            self._tile_kinds[(block_m, block_n)] = (kinds, _broadcast_strides(kinds))
+        return self._tile_kinds[(block_m, block_n)]
 
-    def key_tile_ranges(self, block_n: int) -> torch.Tensor:
-        """For each key tile: the rows that may read it [qlo, qhi) and the rows that read
-        all of it [r1, r2) (empty when the tile is partial or a key mask is given) -> (B, n, 4)."""
+    def key_tile_rows(self, block_n: int) -> torch.Tensor:
+        """For each key tile: the rows that may read it [q_lo, q_hi) and the rows that read
+        all of it [r1, r2) (empty when the tile is partial or keys are padded) -> (B, n, 4)."""
         T_k = self.T_k
-        if not self.arrays:  # computed in the kernel
-            return torch.zeros(1, 1, 4, dtype=torch.int32, device=self.kpm.device)
+        if not self.host_intervals:  # computed in the kernel
+            return torch.zeros(1, 1, 4, dtype=torch.int32, device=self.key_padding.device)
         B = self.lo64.shape[0]
         s = torch.arange(0, T_k, block_n, device=self.lo64.device, dtype=torch.int64)
         e = torch.clamp(s + block_n, max=T_k)
         S, E, F = (x.expand(B, -1).contiguous() for x in (s, e, s + block_n))
-        qlo = torch.searchsorted(self.hi64, S, right=True)  # first row with HI > s
-        qhi = torch.searchsorted(self.lo64, E, right=False)  # first row with LO >= e
+        q_lo = torch.searchsorted(self.hi64, S, right=True)  # first row with HI > s
+        q_hi = torch.searchsorted(self.lo64, E, right=False)  # first row with LO >= e
         r1 = torch.searchsorted(self.hi64, F, right=False)  # first row with HI >= s + n
         r2 = torch.searchsorted(self.lo64, S, right=True)  # first row with LO > s
-        if self.has_kpm:
+        if self.has_key_padding:
             r1 = r2 = torch.zeros_like(r1)
-        return torch.stack([qlo, qhi, r1, r2], dim=-1).to(torch.int32).contiguous()
+        return torch.stack([q_lo, q_hi, r1, r2], dim=-1).to(torch.int32).contiguous()
 
 
 def _prec(dtype: torch.dtype) -> str | None:
@@ -419,68 +380,43 @@ def _prec(dtype: torch.dtype) -> str | None:
 
 def _tiles(c: dict, d_k: int, d_v: int) -> dict:
     """A kernel config as launch keywords: tile sizes, d-chunk counts, warps, stages."""
-    kw = {
-        n: c[n]
-        for n in (
-            "BLOCK_M",
-            "BLOCK_N",
-            "BLOCK_DK",
-            "BLOCK_DV",
-            "BLOCK_C",
-            "num_warps",
-            "num_stages",
-        )
-        if n in c
-    }
+    names = ("BLOCK_M", "BLOCK_N", "BLOCK_DK", "BLOCK_DV", "BLOCK_C", "num_warps", "num_stages")
+    kw = {n: c[n] for n in names if n in c}
     kw["NUM_DK"] = triton.cdiv(d_k, c["BLOCK_DK"])
     if "BLOCK_C" in c:
         kw["NUM_DV"] = triton.cdiv(d_v, c["BLOCK_DV"])
     return kw
 
 
-def _launch_fwd(q, k, v, plan: _Plan, scale: float, cfg: dict):
-    kern = _kernels()
-    B, H_q, T_q, d_k = q.shape
-    H_kv, T_k, d_v = k.shape[1], k.shape[2], v.shape[3]
-    o = torch.empty(B, H_q, T_q, d_v, dtype=q.dtype, device=q.device)
-    lse = torch.empty(B, H_q, T_q, dtype=torch.float32, device=q.device)
-    c = cfg["fwd"]
-    blocks, block_strides = plan.blocks(c["BLOCK_M"], c["BLOCK_N"])
-    grid = (triton.cdiv(T_q, c["BLOCK_M"]), triton.cdiv(d_v, c["BLOCK_DV"]), B * H_q)
-    kern.fwd_kernel[grid](
-        q,
-        k,
-        v,
-        o,
-        lse,
-        plan.lo,
-        plan.hi,
-        plan.kpm,
-        plan.mask,
-        blocks,
-        plan.slopes,
-        plan.sinks,
-        plan.rowpos,
-        plan.colpos,
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *o.stride(),
-        *plan.mask_strides,
-        *block_strides,
-        H_q,
-        T_q,
-        T_k,
-        d_k,
-        d_v,
-        H_q // H_kv,
-        plan.offset,
+def _strided(t: torch.Tensor) -> tuple:
+    """A (B, H, T, d) tensor as the kernels take it: the tensor, then its four strides."""
+    return (t, *t.stride())
+
+
+def _launch(name: str, grid, c: dict, tensors, own, plan: _Plan, scale: float, **constexprs):
+    """Launch kernel ``name`` with arguments in the kernels' order: each (B, H, T, d) tensor
+    with its strides, the kernel's own arrays ``own``, the pattern's arrays, the sizes and
+    scalars, then the constexprs (flags, precision, tiles)."""
+    getattr(_kernels(), name)[grid](
+        *(x for t in tensors for x in _strided(t)),
+        *own,
+        *plan.arrays(c["BLOCK_M"], c["BLOCK_N"]),
         *plan.scalars(scale),
         **plan.flags(),
-        SINKS=plan.has_sinks,
-        PREC=_prec(q.dtype),
-        **_tiles(c, d_k, d_v),
+        **constexprs,
+        PREC=_prec(tensors[0].dtype),
+        **_tiles(c, plan.d_k, plan.d_v),
     )
+
+
+def _launch_fwd(q, k, v, plan: _Plan, scale: float, cfg: dict):
+    B, H_q, T_q, _ = q.shape
+    o = torch.empty(B, H_q, T_q, plan.d_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H_q, T_q, dtype=torch.float32, device=q.device)
+    c = cfg["fwd"]
+    grid = (triton.cdiv(T_q, c["BLOCK_M"]), triton.cdiv(plan.d_v, c["BLOCK_DV"]), B * H_q)
+    own = (lse, plan.sinks)
+    _launch("fwd_kernel", grid, c, (q, k, v, o), own, plan, scale, SINKS=plan.has_sinks)
     return o, lse
 
 
@@ -511,95 +447,20 @@ def _launch_preprocess(out, dout, lse, dlse, cfg: dict):
 
 
 def _launch_bwd(q, k, v, do, lse, D, plan: _Plan, scale: float, cfg: dict):
-    kern = _kernels()
-    B, H_q, T_q, d_k = q.shape
-    H_kv, T_k, d_v = k.shape[1], k.shape[2], v.shape[3]
-    dq = torch.empty_like(q)
-    dk = torch.empty_like(k)
-    dv = torch.empty_like(v)
+    B, H_q, T_q, T_k = plan.dims
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     c = cfg["dkdv"]
-    ranges = plan.key_tile_ranges(c["BLOCK_N"])
-    blocks, block_strides = plan.blocks(c["BLOCK_M"], c["BLOCK_N"])
-    n_blocks = triton.cdiv(T_k, c["BLOCK_N"])
-    grid = (n_blocks, triton.cdiv(max(d_k, d_v), c["BLOCK_C"]), B * H_kv)
-    kern.dkdv_kernel[grid](
-        q,
-        k,
-        v,
-        do,
-        lse,
-        D,
-        dk,
-        dv,
-        plan.lo,
-        plan.hi,
-        plan.kpm,
-        ranges,
-        plan.mask,
-        blocks,
-        plan.slopes,
-        plan.rowpos,
-        plan.colpos,
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *do.stride(),
-        *dk.stride(),
-        *dv.stride(),
-        *plan.mask_strides,
-        *block_strides,
-        H_q,
-        H_kv,
-        T_q,
-        T_k,
-        d_k,
-        d_v,
-        H_q // H_kv,
-        n_blocks,
-        plan.offset,
-        *plan.scalars(scale),
-        **plan.flags(),
-        PREC=_prec(q.dtype),
-        **_tiles(c, d_k, d_v),
+    tile_rows = plan.key_tile_rows(c["BLOCK_N"])
+    own = (lse, D, tile_rows, tile_rows.stride(0))
+    grid = (
+        triton.cdiv(T_k, c["BLOCK_N"]),
+        triton.cdiv(max(plan.d_k, plan.d_v), c["BLOCK_C"]),
+        B * H_q // plan.group,
     )
+    _launch("dkdv_kernel", grid, c, (q, k, v, do, dk, dv), own, plan, scale)
     c = cfg["dq"]
-    blocks, block_strides = plan.blocks(c["BLOCK_M"], c["BLOCK_N"])
-    grid = (triton.cdiv(T_q, c["BLOCK_M"]), triton.cdiv(d_k, c["BLOCK_C"]), B * H_q)
-    kern.dq_kernel[grid](
-        q,
-        k,
-        v,
-        do,
-        lse,
-        D,
-        dq,
-        plan.lo,
-        plan.hi,
-        plan.kpm,
-        plan.mask,
-        blocks,
-        plan.slopes,
-        plan.rowpos,
-        plan.colpos,
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *do.stride(),
-        *dq.stride(),
-        *plan.mask_strides,
-        *block_strides,
-        H_q,
-        T_q,
-        T_k,
-        d_k,
-        d_v,
-        H_q // H_kv,
-        plan.offset,
-        *plan.scalars(scale),
-        **plan.flags(),
-        PREC=_prec(q.dtype),
-        **_tiles(c, d_k, d_v),
-    )
+    grid = (triton.cdiv(T_q, c["BLOCK_M"]), triton.cdiv(plan.d_k, c["BLOCK_C"]), B * H_q)
+    _launch("dq_kernel", grid, c, (q, k, v, do, dq), (lse, D), plan, scale)
     return dq, dk, dv
 
 
