@@ -17,32 +17,23 @@ import torch
 
 from causalattn.engines.triton_compile import TYPE_NAMES, launches, report
 
-VARIANTS = [  # (dtype, T, d, lengths, causal, kpm, pattern keywords)
-    (torch.bfloat16, 4096, 128, False, True, False, {}),
-    (torch.bfloat16, 4096, 1000, False, True, False, {}),
-    (torch.float32, 1024, 64, True, True, True, {}),
-    (torch.float32, 1024, 1000, True, False, False, {}),
-    (torch.float16, 1024, 256, True, True, False, {}),
-    # issues 11 and 12: window (host row ranges), dense mask (block table), modifiers, dropout
-    (torch.bfloat16, 4096, 128, False, True, False, {"window": 512}),
-    (
-        torch.bfloat16,
-        1024,
-        128,
-        False,
-        True,
-        False,
-        {"mask": torch.ones(1, 2, 1024, 1024, dtype=torch.bool)},
-    ),
-    (
-        torch.bfloat16,
-        1024,
-        128,
-        False,
-        True,
-        False,
-        {"softcap": 30.0, "alibi_slopes": [0.5, 0.25], "sinks": [0.0, 1.0], "dropout_p": 0.1},
-    ),
+
+def _variant(dtype, T, d, lengths=False, causal=True, key_padding=False, **pattern):
+    """One row of VARIANTS: launches' arguments (pattern: attention's other keywords)."""
+    return dtype, T, d, lengths, causal, key_padding, pattern
+
+
+MODIFIERS = dict(softcap=30.0, alibi_slopes=[0.5, 0.25], sinks=[0.0, 1.0], dropout_p=0.1)
+VARIANTS = [
+    _variant(torch.bfloat16, 4096, 128),  # the two benchmark shapes (--quick)
+    _variant(torch.bfloat16, 4096, 1000),
+    _variant(torch.float32, 1024, 64, lengths=True, key_padding=True),
+    _variant(torch.float32, 1024, 1000, lengths=True, causal=False),
+    _variant(torch.float16, 1024, 256, lengths=True),
+    # issues 11 and 12: window (host intervals), dense mask (tile kinds), modifiers, dropout
+    _variant(torch.bfloat16, 4096, 128, window=512),
+    _variant(torch.bfloat16, 1024, 128, mask=torch.ones(1, 2, 1024, 1024, dtype=torch.bool)),
+    _variant(torch.bfloat16, 1024, 128, **MODIFIERS),
 ]
 
 
@@ -51,13 +42,13 @@ def main():
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--quick", action="store_true", help="the two bf16 benchmark variants only")
     args = ap.parse_args()
-    for dtype, T, d, lengths, causal, kpm, pat in VARIANTS[:2] if args.quick else VARIANTS:
-        for name, a, kw in launches(dtype, T, d, lengths, causal, kpm, **pat):
+    for dtype, T, d, lengths, causal, key_padding, pat in VARIANTS[:2] if args.quick else VARIANTS:
+        for name, a, kw in launches(dtype, T, d, lengths, causal, key_padding, **pat):
             res = report(name, a, kw, args.arch)
             extra = " ".join(sorted(pat))
             print(
                 f"{name:11s} {TYPE_NAMES[dtype]} T={T} d={d} lengths={lengths} causal={causal} "
-                f"kpm={kpm} {extra}: {res}",
+                f"key_padding={key_padding} {extra}: {res}",
                 flush=True,
             )
 

@@ -38,7 +38,7 @@ def _inputs(B, H, H_kv, T_q, T_k, d, d_v=None, dtype=torch.float32, seed=0):
 
 def _check(q, k, v, dtype=torch.float32, grads=True, **kw):
     """Forward, lse and (optionally) dQ, dK, dV (and learned sinks' gradient) by the
-    accuracy rule of DESIGN.md, against the float64 reference engine. With dropout the two
+    accuracy rule of docs/design.md, against the float64 reference engine. With dropout the two
     runs draw the same seed from ``kw["generator"]``'s state."""
     gen = kw.pop("generator", None)
     state = gen.get_state() if gen is not None else None
@@ -116,11 +116,11 @@ def test_bottom_right_alignment_without_masks():
 
 def test_key_padding_mask_and_not_causal():
     q, k, v = _inputs(2, 2, 2, 17, 17, 32)
-    kpm = torch.rand(2, 17, generator=torch.Generator().manual_seed(3)) > 0.4
-    kpm[1, :] = False  # batch 1 reads nothing: zero rows everywhere
-    kpm[1, 16] = True  # ... except the last key, readable causally only by the last query
-    _check(q, k, v, key_padding_mask=kpm.to(DEV))
-    _check(q, k, v, causal=False, key_padding_mask=kpm.to(DEV), grads=False)
+    key_padding = torch.rand(2, 17, generator=torch.Generator().manual_seed(3)) > 0.4
+    key_padding[1, :] = False  # batch 1 reads nothing: zero rows everywhere
+    key_padding[1, 16] = True  # ... except the last key, readable causally only by the last query
+    _check(q, k, v, key_padding_mask=key_padding.to(DEV))
+    _check(q, k, v, causal=False, key_padding_mask=key_padding.to(DEV), grads=False)
 
 
 def test_wide_head_path_on_a_small_head(monkeypatch):

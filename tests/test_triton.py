@@ -26,7 +26,7 @@ if not INTERPRETED:
     )
 
     @pytest.mark.parametrize(
-        "dtype,d,lengths,kpm,pattern",
+        "dtype,d,lengths,key_padding,pattern",
         [
             (torch.bfloat16, 128, False, False, {}),  # the kernels' own causal intervals
             (torch.float16, 1000, True, True, {}),  # host intervals, key mask, d-chunked
@@ -35,13 +35,15 @@ if not INTERPRETED:
         ],
         ids=["causal", "wide-padded", "window-modifiers-dropout", "dense-mask"],
     )
-    def test_kernels_compile_for_hopper(dtype, d, lengths, kpm, pattern):
+    def test_kernels_compile_for_hopper(dtype, d, lengths, key_padding, pattern):
         """What the interpreter cannot show: the kernels compile for sm_90 (no GPU needed),
         fit its shared memory, use wgmma and pipeline their loads (the dense mask's tiles
-        are visited behind a branch on the block table, which the pipeliner leaves alone)."""
+        are visited behind a branch on the tile kinds, which the pipeliner leaves alone)."""
         from causalattn.engines import triton_compile
 
-        for name, args, kw in triton_compile.launches(dtype, 256, d, lengths, True, kpm, **pattern):
+        for name, args, kw in triton_compile.launches(
+            dtype, 256, d, lengths, True, key_padding, **pattern
+        ):
             k = triton_compile.compile_launch(name, args, kw)
             assert k.metadata.shared <= triton_compile.SMEM_LIMIT, (name, k.metadata.shared)
             if name != "bwd_preprocess":  # the attention kernels: tensor cores, async loads

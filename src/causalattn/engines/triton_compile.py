@@ -96,9 +96,11 @@ def ptxas_usage(ptx: str, arch: int) -> str:
     return f"regs {regs.group(1) if regs else '?'}, spills {spill.group(1) if spill else '?'} B"
 
 
-def launches(dtype, T: int, d: int, lengths: bool, causal: bool, kpm: bool, over=None, **pattern):
+def launches(
+    dtype, T: int, d: int, lengths: bool, causal: bool, key_padding: bool, over=None, **pattern
+):
     """The kernel launches of one forward + backward, recorded (CPU tensors, nothing runs)
-    -> [(kernel name, args, keywords)]. ``lengths``/``kpm``: a length T - 3 / an all-True
+    -> [(kernel name, args, keywords)]. ``lengths``/``key_padding``: a length T - 3 / an all-True
     key padding mask; ``over``: tile overrides per kernel; ``pattern``: more keywords of
     :func:`causalattn.attention` (window, mask, softcap, alibi_slopes, sinks, dropout_p, ...)."""
     rec = _Recorder()
@@ -109,7 +111,7 @@ def launches(dtype, T: int, d: int, lengths: bool, causal: bool, kpm: bool, over
         v,
         causal=causal,
         lengths=torch.tensor([T - 3]) if lengths else None,
-        key_padding_mask=torch.ones(1, T, dtype=torch.bool) if kpm else None,
+        key_padding_mask=torch.ones(1, T, dtype=torch.bool) if key_padding else None,
         **pattern,
     )
     cfg = engine._configs(d, d, dtype, interpret=False)
