@@ -71,7 +71,6 @@ def _interpreter_compat():
     it turns a scalar into a 1-element array and calls ``int()`` on it for ``range(lo, hi)``
     bounds, which NumPy >= 2.4 refuses (take the element); and its ``tl.dot`` multiplies
     the raw uint16 bits of bf16 operands (widen them to fp32 first)."""
-    import numpy as np
     from triton.runtime import interpreter as it
 
     if getattr(it, "_causalattn_patched", False):
@@ -378,13 +377,13 @@ def _prec(dtype: torch.dtype) -> str | None:
     return "ieee" if dtype == torch.float32 else None
 
 
-def _tiles(c: dict, d_k: int, d_v: int) -> dict:
+def _tile_keywords(tiles: dict, d_k: int, d_v: int) -> dict:
     """A kernel config as launch keywords: tile sizes, d-chunk counts, warps, stages."""
     names = ("BLOCK_M", "BLOCK_N", "BLOCK_DK", "BLOCK_DV", "BLOCK_C", "num_warps", "num_stages")
-    kw = {n: c[n] for n in names if n in c}
-    kw["NUM_DK"] = triton.cdiv(d_k, c["BLOCK_DK"])
-    if "BLOCK_C" in c:
-        kw["NUM_DV"] = triton.cdiv(d_v, c["BLOCK_DV"])
+    kw = {n: tiles[n] for n in names if n in tiles}
+    kw["NUM_DK"] = triton.cdiv(d_k, tiles["BLOCK_DK"])
+    if "BLOCK_C" in tiles:
+        kw["NUM_DV"] = triton.cdiv(d_v, tiles["BLOCK_DV"])
     return kw
 
 
@@ -393,19 +392,19 @@ def _strided(t: torch.Tensor) -> tuple:
     return (t, *t.stride())
 
 
-def _launch(name: str, grid, c: dict, tensors, own, plan: _Plan, scale: float, **constexprs):
+def _launch(name: str, grid, tiles: dict, tensors, own, plan: _Plan, scale: float, **constexprs):
     """Launch kernel ``name`` with arguments in the kernels' order: each (B, H, T, d) tensor
     with its strides, the kernel's own arrays ``own``, the pattern's arrays, the sizes and
     scalars, then the constexprs (flags, precision, tiles)."""
     getattr(_kernels(), name)[grid](
         *(x for t in tensors for x in _strided(t)),
         *own,
-        *plan.arrays(c["BLOCK_M"], c["BLOCK_N"]),
+        *plan.arrays(tiles["BLOCK_M"], tiles["BLOCK_N"]),
         *plan.scalars(scale),
         **plan.flags(),
         **constexprs,
         PREC=_prec(tensors[0].dtype),
-        **_tiles(c, plan.d_k, plan.d_v),
+        **_tile_keywords(tiles, plan.d_k, plan.d_v),
     )
 
 
@@ -413,16 +412,16 @@ def _launch_fwd(q, k, v, plan: _Plan, scale: float, cfg: dict):
     B, H_q, T_q, _ = q.shape
     o = torch.empty(B, H_q, T_q, plan.d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H_q, T_q, dtype=torch.float32, device=q.device)
-    c = cfg["fwd"]
-    grid = (triton.cdiv(T_q, c["BLOCK_M"]), triton.cdiv(plan.d_v, c["BLOCK_DV"]), B * H_q)
+    tiles = cfg["fwd"]
+    grid = (triton.cdiv(T_q, tiles["BLOCK_M"]), triton.cdiv(plan.d_v, tiles["BLOCK_DV"]), B * H_q)
     own = (lse, plan.sinks)
-    _launch("fwd_kernel", grid, c, (q, k, v, o), own, plan, scale, SINKS=plan.has_sinks)
+    _launch("fwd_kernel", grid, tiles, (q, k, v, o), own, plan, scale, SINKS=plan.has_sinks)
     return o, lse
 
 
 def _launch_preprocess(out, dout, lse, dlse, cfg: dict):
     """D = rowsum(dH ∘ H) - dlse (fp32, (B, H_q, T_q)); 0 on rows with no readable key."""
-    kern = _kernels()
+    kernels = _kernels()
     d_v = out.shape[-1]
     D = torch.empty_like(lse)
     n_rows = lse.numel()
@@ -430,7 +429,7 @@ def _launch_preprocess(out, dout, lse, dlse, cfg: dict):
     block_m = cfg["dq"]["BLOCK_M"]
     has_dlse = dlse is not None
     dlse = dlse.float().contiguous() if has_dlse else lse
-    kern.bwd_preprocess[(triton.cdiv(n_rows, block_m),)](
+    kernels.bwd_preprocess[(triton.cdiv(n_rows, block_m),)](
         out,
         dout,
         lse,
@@ -449,18 +448,18 @@ def _launch_preprocess(out, dout, lse, dlse, cfg: dict):
 def _launch_bwd(q, k, v, do, lse, D, plan: _Plan, scale: float, cfg: dict):
     B, H_q, T_q, T_k = plan.dims
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    c = cfg["dkdv"]
-    tile_rows = plan.key_tile_rows(c["BLOCK_N"])
+    tiles = cfg["dkdv"]
+    tile_rows = plan.key_tile_rows(tiles["BLOCK_N"])
     own = (lse, D, tile_rows, tile_rows.stride(0))
     grid = (
-        triton.cdiv(T_k, c["BLOCK_N"]),
-        triton.cdiv(max(plan.d_k, plan.d_v), c["BLOCK_C"]),
+        triton.cdiv(T_k, tiles["BLOCK_N"]),
+        triton.cdiv(max(plan.d_k, plan.d_v), tiles["BLOCK_C"]),
         B * H_q // plan.group,
     )
-    _launch("dkdv_kernel", grid, c, (q, k, v, do, dk, dv), own, plan, scale)
-    c = cfg["dq"]
-    grid = (triton.cdiv(T_q, c["BLOCK_M"]), triton.cdiv(plan.d_k, c["BLOCK_C"]), B * H_q)
-    _launch("dq_kernel", grid, c, (q, k, v, do, dq), (lse, D), plan, scale)
+    _launch("dkdv_kernel", grid, tiles, (q, k, v, do, dk, dv), own, plan, scale)
+    tiles = cfg["dq"]
+    grid = (triton.cdiv(T_q, tiles["BLOCK_M"]), triton.cdiv(plan.d_k, tiles["BLOCK_C"]), B * H_q)
+    _launch("dq_kernel", grid, tiles, (q, k, v, do, dq), (lse, D), plan, scale)
     return dq, dk, dv
 
 
