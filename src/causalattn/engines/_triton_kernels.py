@@ -735,6 +735,8 @@ def dkdv_kernel(
     cv_valid = offs_c < D_V
     acc_dk = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
     acc_dv = tl.zeros([BLOCK_N, BLOCK_C], dtype=tl.float32)
+    lo_b = LO + b64 * T_q  # batch row b of the intervals
+    hi_b = HI + b64 * T_q
     if DROPOUT:
         keys_hash = _key_hash(K_POS, offs_n, key_valid)
     else:
@@ -762,7 +764,7 @@ def dkdv_kernel(
                         k_head, stride_kn, stride_kd,
                         v_head, stride_vn, stride_vd,
                         do_head, stride_dom, stride_dod,
-                        lse_head, delta_head, LO + b64 * T_q, HI + b64 * T_q, Q_POS,
+                        lse_head, delta_head, lo_b, hi_b, Q_POS,
                         mask_head, stride_mm, offs_n, key_live, offs_c, ck_valid, cv_valid,
                         T_k, q_offset, scale, softcap, slope, drop_thr, drop_scale,
                         D_K, D_V, run != 1, HOST_INTERVALS, CAUSAL, HAS_DENSE_MASK,
