@@ -246,7 +246,10 @@ def _intervals(
 
 @triton.jit
 def _span(run: tl.constexpr, start, u1, u2, end):
-    """Bounds of run 0 (masked [start, u1)), 1 (unmasked [u1, u2)) or 2 (masked [u2, end))."""
+    """Bounds of run 0 (masked [start, u1): a window's start, a document's or sequence's
+    start), 1 (unmasked [u1, u2): every row reads every key) or 2 (masked [u2, end): the
+    causal diagonal, a length), as a row tile sees its key tiles (a key tile its query tiles
+    likewise). Kernels loop over runs 0..2, or over run 0 alone with a dense mask."""
     first = start
     last = u1
     if run == 1:
