@@ -52,8 +52,9 @@ import triton
 import triton.language as tl
 
 from .. import dropout as _dropout
+from . import problem as _problem
 
-LOG2E = tl.constexpr(1.4426950408889634)
+LOG2E = tl.constexpr(_problem.LOG2E)
 # causalattn.dropout's hash constants, the one definition
 _C1 = tl.constexpr(_dropout._C1)
 _C2 = tl.constexpr(_dropout._C2)

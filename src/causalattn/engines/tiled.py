@@ -43,12 +43,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .problem import Problem, compute_dtype
+from .problem import LOG2E, Problem, compute_dtype
 
 NEG_INF = float("-inf")
 # exp2 is about twice as fast as exp here (torch's exp goes through MKL's VML, which has no
 # fast path on some CPUs): scores are kept in base 2, S₂ = S·log₂e, and P = 2^(S₂ - m₂).
-LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 # Block sizes (tuned on a 2-core AVX2 machine; see _plan).
