@@ -23,8 +23,11 @@ browser:
 	  (apt-get update -qq && apt-get install -y -qq chromium >/dev/null 2>&1) || \
 	  echo "!!! chromium could not be installed: browser tests will be SKIPPED")
 
+# On WORKERS pytest-xdist processes (CI has 2 cores); tests/conftest.py gives each worker
+# its share of the cores and runs ring attention's and the browser's modules whole on one.
+WORKERS ?= 2
 test: $(STAMP) browser
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(WORKERS)
 
 # ruff's rules, ruff's formatting, then the layers of docs/design.md (.importlinter)
 lint: $(STAMP)

@@ -5,11 +5,42 @@ selected test that calls it, so a mutant in masks.py would also run every engine
 engines take their mask from masks.py) and a surviving mutant would cost the whole
 selection. Each mutated module is instead judged by its own tests, listed here; mutmut names
 the mutant in ``MUTANT_UNDER_TEST`` inside its worker. Outside a mutant run this is a no-op.
+
+How the suite shares a machine: `make test` runs it on pytest-xdist workers (`-n 2`). This
+part changes nothing a test checks; it decides where and in which order tests run and how
+many threads each worker's torch may use:
+
+- each worker's torch gets its share of the cores (no oversubscription), except the modules
+  in THREADED, whose tiled-engine cases exercise the multi-threaded tile scheduler and keep
+  all the cores, as in a serial run;
+- the modules in SERIAL run whole on one worker, one test at a time (ring attention's gloo
+  processes and their cached spawns; one Chromium at a time). This is done by the scheduler
+  below, not by ``xdist_group`` marks, which pytest 9.2 no longer lets xdist 3.8 apply
+  (pytest-xdist issue #1386: the groups are silently ignored);
+- a test that takes loopback ports holds the ``loopback_ports`` lock, across workers;
+- the longest single tests are queued first, so no worker is left with one at the end.
 """
 
 from __future__ import annotations
 
 import os
+
+import pytest
+
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+SHARE = max(1, CORES // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+THREADED = {"test_tiled.py", "test_engine_patterns.py", "test_dropout.py"}
+SERIAL = {  # module -> the unit of work it belongs to (modules in one unit share a worker)
+    "tests/test_ring.py": "gloo",
+    "tests/test_explorer_browser.py": "chromium",
+    "tests/test_hf_browser.py": "chromium",
+}
+# queued first (a name here only changes the order; a missing one changes nothing)
+LONGEST = (
+    "test_kernels_in_the_interpreter",
+    "test_triton_meets_the_contract_in_the_interpreter",
+)
 
 # mutated module (prefix of mutmut's mutant name) -> the test files that judge it
 MUTATION_TESTS = {
@@ -25,8 +56,55 @@ MUTATION_TESTS = {
     ),
 }
 
+if WORKER is not None:
+    # subprocesses (CLI, README blocks, the Triton interpreter) inherit the share too
+    os.environ.setdefault("OMP_NUM_THREADS", str(SHARE))
+    os.environ.setdefault("MKL_NUM_THREADS", str(SHARE))
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N` (dist "load"): load balancing, with each SERIAL unit sent whole to one worker
+    (largest units first, then single tests in collection order)."""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Units(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return SERIAL.get(nodeid.split("::", 1)[0], nodeid)
+
+    return Units(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads(request):
+    """Under xdist: SHARE torch threads per worker; THREADED modules keep all the cores."""
+    if WORKER is not None:
+        import torch
+
+        torch.set_num_threads(CORES if request.path.name in THREADED else SHARE)
+
+
+@pytest.fixture
+def loopback_ports(tmp_path_factory):
+    """Held while a test picks free loopback ports and binds them (free_port, then gloo or
+    torchrun): one such test at a time across xdist workers, so none takes another's port."""
+    if WORKER is None:  # a serial run: nothing else of this run binds ports meanwhile
+        yield
+        return
+    import fcntl
+
+    # the workers' base temp folders share this run's root
+    with open(tmp_path_factory.getbasetemp().parent / "loopback-ports.lock", "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        yield
+
 
 def pytest_collection_modifyitems(config, items):
+    """Under xdist, long tests first (a stable sort: the slow-marked ones and LONGEST);
+    inside a mutmut worker, only the mutated module's own test files (MUTATION_TESTS)."""
+    if WORKER is not None:
+        items.sort(key=lambda it: not (it.name in LONGEST or it.get_closest_marker("slow")))
     mutant = os.environ.get("MUTANT_UNDER_TEST", "")
     files = next((f for prefix, f in MUTATION_TESTS.items() if mutant.startswith(prefix)), None)
     if files is None:

@@ -113,7 +113,7 @@ def _cuda() -> bool:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", _runnable())
-def test_readme_block_runs(block, scratch):
+def test_readme_block_runs(block, scratch, request):
     where = f"README.md line {block['line']}"
     if "needs" in block["marks"] and block["marks"]["needs"] == "cuda" and not _cuda():
         pytest.skip(f"{where}: needs a CUDA device")
@@ -121,6 +121,7 @@ def test_readme_block_runs(block, scratch):
     if block["lang"] == "python" and "torchrun" in block["marks"]:
         from causalattn.distributed.demo import free_port
 
+        request.getfixturevalue("loopback_ports")  # free_port() then bind (tests/conftest.py)
         nproc = int(block["marks"]["torchrun"] or 2)
         (scratch / "ring.py").write_text(block["code"])
         cmd = [

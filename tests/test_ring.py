@@ -22,6 +22,9 @@ import torch
 from causalattn.distributed.demo import free_port
 from causalattn.engines import attention, contract, exact, make_problem
 
+# free_port() then bind: one such test at a time across xdist workers (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("loopback_ports")
+
 # name: (B, H_q, H_kv, T as a function of P, d_k, d_v, layout, lengths as a function of T)
 CASES = {
     "zigzag": (2, 4, 2, lambda P: 8 * P, 8, 6, "zigzag", None),
