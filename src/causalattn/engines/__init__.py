@@ -22,9 +22,9 @@ from . import auto as _auto
 from . import ops as _ops
 from .cache import KVCache
 from .ops import ENGINES, NO_LSE, engine_problem
-from .problem import Problem, _check_tensors, check_generator, make_problem
+from .problem import Problem, _check_tensors, check_generator, constant_result, make_problem
 
-_default_scale = torch.compiler.assume_constant_result(default_scale)
+_default_scale = constant_result(default_scale)
 
 __all__ = ["attention", "KVCache", "Problem", "make_problem", "ENGINES", "pick_engine", "run"]
 

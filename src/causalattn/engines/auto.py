@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from .problem import constant_result
+
 ENV = "CAUSALATTN_ENGINE"
 PACKAGED = Path(__file__).with_name("auto_table.json")
 KINDS = ("causal", "full", "padded", "packed", "decode", "masked")
@@ -152,7 +154,7 @@ FEATURES = (
 )
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def choose(device: str, d: int, kind_: str, grad: bool, no_lse: tuple, **ask) -> list:
     """[(T_max, engine), ...] for plain features: a constant while tracing (it reads the
     environment and files, which Dynamo need not see)."""
@@ -233,7 +235,7 @@ def _refusal(device: str, name: str, feats: tuple) -> str:
     return _engine_refusal(name, p, dict(zip(FEATURES, feats))["lse"])
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def refusal(name: str, device: str, **ask) -> str:
     """Why engine ``name`` does not run a problem with these features ("" when it does):
     its ``supports()`` asked about a one-row problem with the same pattern fields present
@@ -241,7 +243,7 @@ def refusal(name: str, device: str, **ask) -> str:
     return _refusal(device, name, tuple(ask[n] for n in FEATURES))
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def scalar_refusal(causal, window, chunk, softcap) -> str:
     """Pattern's own message for bad scalar keywords ("" when fine): a constant while tracing."""
     from ..masks import Pattern

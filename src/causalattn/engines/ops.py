@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..masks import PATTERN_KEYWORDS
 from .problem import compute_dtype as lse_dtype
-from .problem import make_problem
+from .problem import constant_result, make_problem
 
 ENGINES = {
     "reference": "causalattn.engines.exact",  # the engine named "reference"
@@ -50,7 +50,7 @@ def engine_module(name: str):
         raise ValueError(f"attention: engine {name!r} is not available here ({exc})") from exc
 
 
-@torch.compiler.assume_constant_result
+@constant_result
 def engine_problem(name: str) -> str:
     """Why engine ``name`` cannot run here ("" when it can): a constant while tracing."""
     try:

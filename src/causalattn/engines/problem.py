@@ -47,6 +47,15 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def constant_result(fn):
+    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` when
+    causalattn is imported (that import is about half of the CLI's start-up): Dynamo's
+    decorator only sets this attribute, which Dynamo reads when it traces a call to ``fn``
+    (tests/test_compile.py checks that the two agree)."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 @dataclass
 class Problem:
     q: torch.Tensor  # (B, H_q, T_q, d_k)
