@@ -326,3 +326,116 @@ def test_alibi_slopes_are_the_papers_geometric_sequences():
     assert masks.alibi_slopes(6).dtype == np.float64
     with pytest.raises(ValueError, match="n_heads must be >= 1"):
         masks.alibi_slopes(0)
+
+
+def _alibi_by_hand(S, slopes, qpos, kpos):
+    """S[b, h, i, j] - slope[b|., h]·|qpos[i] - kpos[j]|, cell by cell (the module doc)."""
+    out = np.array(S, dtype=np.float64)
+    sl = np.asarray(slopes, dtype=np.float64)
+    for b, h, i, j in np.ndindex(*out.shape):
+        s = sl[h] if sl.ndim == 1 else sl[b, h]
+        out[b, h, i, j] -= s * abs(qpos[i] - kpos[j])
+    return out
+
+
+@pytest.mark.parametrize("xp", ["numpy", "torch"])
+@pytest.mark.parametrize(
+    "placement",
+    [{}, {"q_start": 10, "k_start": 4}, {"k_start": 3}],
+    ids=["bottom-right", "placed", "keys-placed"],
+)
+def test_alibi_of_a_tile_uses_the_global_positions_of_its_rows_and_columns(xp, placement):
+    """A tile (queries q0:q0+2, keys k0:k0+3) of a T_q×T_k problem: ALiBi's distance is
+    |pos(i) - j| in global positions, with T_q/T_k given (not the tile's own size)."""
+    T_q, T_k, q0, k0 = 5, 7, 2, 1
+    pat = Pattern(alibi_slopes=[0.5, 0.25, 2.0], **placement)
+    S = np.arange(2 * 3 * 2 * 3, dtype=np.float32).reshape(2, 3, 2, 3)
+    qs = pat.query_start(T_q, T_k)
+    qpos, kpos = qs + q0 + np.arange(2), pat.k_start + k0 + np.arange(3)
+    want = _alibi_by_hand(S, [0.5, 0.25, 2.0], qpos, kpos)
+    got = pat.modify_scores(S if xp == "numpy" else torch.tensor(S), q0=q0, k0=k0, T_q=T_q, T_k=T_k)
+    assert type(got) is type(S if xp == "numpy" else torch.tensor(S))
+    got = np.asarray(got)
+    assert got.dtype == np.float32  # S's dtype is kept
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    if not placement:  # T_q/T_k default to S's own last axes (a whole problem)
+        whole = pat.modify_scores(S if xp == "numpy" else torch.tensor(S))
+        square = _alibi_by_hand(S, [0.5, 0.25, 2.0], 1 + np.arange(2), np.arange(3))
+        np.testing.assert_allclose(np.asarray(whole), square, rtol=1e-6)
+
+
+@pytest.mark.parametrize("xp", ["numpy", "torch"])
+def test_per_sequence_alibi_slopes_follow_the_batch_rows_asked_for(xp):
+    slopes = np.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])  # (B, H)
+    S = np.zeros((2, 2, 2, 2))
+    conv = (lambda a: a) if xp == "numpy" else torch.tensor
+    pat = Pattern(alibi_slopes=conv(slopes))
+    rows = np.arange(2)
+    got = np.asarray(pat.modify_scores(conv(S), batch=[2, 0]))
+    np.testing.assert_allclose(got, _alibi_by_hand(S, slopes[[2, 0]], rows, rows))
+    full = np.zeros((3, 2, 2, 2))
+    np.testing.assert_allclose(
+        np.asarray(pat.modify_scores(conv(full))), _alibi_by_hand(full, slopes, rows, rows)
+    )
+    # per-head slopes ignore batch: every sequence gets the same
+    heads = Pattern(alibi_slopes=conv(np.array([1.0, 2.0])))
+    np.testing.assert_allclose(
+        np.asarray(heads.modify_scores(conv(S), batch=[1, 0])),
+        _alibi_by_hand(S, [1.0, 2.0], rows, rows),
+    )
+
+
+def test_score_modifiers_keep_torch_autograd_and_the_device():
+    """Engines differentiate through the modifiers: softcap's gradient is 1 - tanh²(S/c)."""
+    S = torch.tensor([[[[0.0, 5.0], [20.0, -3.0]]]], dtype=torch.float64, requires_grad=True)
+    out = Pattern(softcap=10.0, alibi_slopes=torch.tensor([0.5])).modify_scores(S)
+    out.sum().backward()
+    assert torch.allclose(S.grad, 1 - torch.tanh(S.detach() / 10) ** 2)
+    meta = torch.empty(1, 2, 3, 3, device="meta", dtype=torch.float16)
+    got = Pattern(softcap=5.0, alibi_slopes=[0.5, 1.0]).modify_scores(meta)
+    assert got.device.type == "meta" and got.shape == meta.shape and got.dtype == torch.float16
+
+
+@settings(max_examples=100, deadline=None)
+@given(patterns())
+def test_key_range_is_the_tightest_interval_without_a_dense_mask(case):
+    """Without key_padding_mask and mask every rule leaves an interval per query row, so a
+    block's key range is exactly the hull of the keys its rows read (nothing wasted). (A
+    block reaching into a prefix drops the chunk bound: without causality that can be wider.)"""
+    B, H, T_q, T_k, kw = case
+    kw.pop("mask", None)
+    kw.pop("key_padding_mask", None)
+    if "prefix_lengths" in kw and "chunk" in kw and not kw["causal"]:
+        kw.pop("chunk")
+    pat = Pattern(**kw)
+    want = brute(B, H, T_q, T_k, **_brute_kw(kw))
+    for b in range(B):
+        assert pat.key_range(b, 2, 2, T_q, T_k) == (0, 0)  # an empty block reads nothing
+        for q0 in range(T_q):
+            for q1 in range(q0 + 1, min(T_q, q0 + 4) + 1):
+                cols = np.flatnonzero(want[b, 0, q0:q1].any(axis=0))
+                hull = (int(cols[0]), int(cols[-1]) + 1) if cols.size else (0, 0)
+                assert pat.key_range(b, q0, q1, T_q, T_k) == hull, (b, q0, q1)
+
+
+def test_slopes_and_sinks_are_checked_and_kept():
+    learned = torch.nn.Parameter(torch.tensor([0.5, -1.0]))
+    assert Pattern(sinks=learned).sinks is learned  # a learned parameter is kept as is
+    ints = Pattern(alibi_slopes=[1, 2]).alibi_slopes
+    assert ints.dtype == np.float64 and ints.tolist() == [1.0, 2.0]
+    assert Pattern(sinks=torch.empty(2, device="meta")).sinks.device.type == "meta"
+    for bad, msg in [
+        (dict(alibi_slopes=torch.tensor([0.5, float("nan")])), "alibi_slopes must be finite"),
+        (dict(sinks=torch.tensor([float("inf")])), "sinks must be finite"),
+        (dict(sinks=torch.tensor([1, 2])), "sinks must be a real array"),
+        (dict(sinks=[True, False]), "sinks must be a real array"),
+        (dict(sinks=["a"]), "sinks must be a real array"),
+        (
+            dict(alibi_slopes=np.zeros((1, 1, 1))),
+            r"^mask: alibi_slopes must be a real array with 1 or 2 axes, got shape \(1, 1, 1\) "
+            r"and dtype float64$",
+        ),
+        (dict(sinks=torch.zeros(2, 2)), r"sinks must be a real array with 1 axes, got shape \(2, "),
+    ]:
+        with pytest.raises(ValueError, match=msg):
+            Pattern(**bad)
