@@ -117,3 +117,27 @@ def test_audit_and_diagnose_refuse_a_declared_scale_that_is_not_finite_and_posit
         audit({}, scale=scale)
     with pytest.raises(ValueError, match=r"^diagnose: scale must be a finite number > 0"):
         diagnose(lambda q, k, v: v, scale=scale, isolate=False)
+
+
+@pytest.mark.parametrize(
+    "kw, other",
+    [
+        ({"lengths": [4]}, {"lengths": [5]}),
+        ({"prefix_lengths": [3]}, {"prefix_lengths": [2]}),
+        ({"cu_seqlens": [0, 2, 6]}, {"cu_seqlens": [0, 3, 6]}),
+        ({"causal": False}, {}),
+        ({"scale": 0.25}, {"scale": 0.5}),
+    ],
+)
+def test_every_declared_keyword_is_what_the_weights_are_checked_against(tr, kw, other):
+    t = ca.trace(tr.X[None], tr["W_q"], tr["W_k"], tr["W_v"], **kw)  # (B, T, d_model), B = 1
+    arrays = {**_qkv(t), "S": t.S, "A": t.A}
+    assert audit(arrays, **kw).ok, (kw, str(audit(arrays, **kw)))
+    assert not audit(arrays, **other).ok, (other, str(audit(arrays, **other)))
+
+
+def test_an_object_that_is_no_input_is_named():
+    with pytest.raises(
+        AuditInputError, match=r"^audit: expected a Trace, a mapping of arrays or a path, got int$"
+    ):
+        audit(42)

@@ -144,6 +144,39 @@ def test_without_a_process_group_the_layout_asks_for_one():
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="init_process_group"):
         layout.rank_and_size()
+    with pytest.raises(
+        ValueError,
+        match=r"^ring attention needs torch.distributed: call torch.distributed.init_process_group "
+        r"first \(gloo on CPU, nccl on GPU\), e.g. under torchrun$",
+    ):
+        layout.rank_and_size()
+
+
+def test_a_subgroup_is_asked_for_its_own_rank_and_size_and_gathered_over(monkeypatch):
+    """group= reaches torch.distributed everywhere: rank 1 of a pair inside a world of 4."""
+    pair = object()
+    monkeypatch.setattr(layout.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(layout.dist, "get_rank", lambda group=None: 1 if group is pair else 3)
+    monkeypatch.setattr(layout.dist, "get_world_size", lambda group=None: 2 if group is pair else 4)
+    assert layout.rank_and_size(pair) == (1, 2) and layout.rank_and_size() == (3, 4)
+    x = torch.arange(8)
+    local = layout.shard(x, group=pair, dim=0)
+    assert local.tolist() == _documented(8, 2, 1, "zigzag")
+    assert layout.positions(4, group=pair).tolist() == _documented(8, 2, 1, "zigzag")
+    shards = [torch.tensor(_documented(8, 2, r, "zigzag")) for r in range(2)]
+
+    def all_gather(parts, x_local, group=None):
+        assert group is pair
+        _gather_from(shards)(parts, x_local)
+
+    monkeypatch.setattr(layout.dist, "all_gather", all_gather)
+    assert torch.equal(layout.unshard(local, group=pair, dim=0), x)
+
+
+def test_positions_are_made_on_the_device_asked_for(monkeypatch):
+    _as_rank(monkeypatch, 1, 2)
+    got = layout.positions(4, device="meta")
+    assert got.device.type == "meta" and got.shape == (4,)
 
 
 def test_a_one_process_group_holds_the_whole_sequence():
