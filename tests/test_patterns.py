@@ -439,3 +439,24 @@ def test_slopes_and_sinks_are_checked_and_kept():
     ]:
         with pytest.raises(ValueError, match=msg):
             Pattern(**bad)
+
+
+@pytest.mark.parametrize("rule", [{}, {"chunk": 2}, {"window": 3}, {"causal": False, "chunk": 3}])
+def test_key_range_of_packed_documents_is_the_tightest_interval(rule):
+    """Documents [0, 3), [3, 3) (empty), [3, 7), [7, 12): a block of queries reads only
+    inside the documents it spans, chunks counted from each document's start."""
+    cu = [0, 3, 3, 7, 12]
+    pat = Pattern(cu_seqlens=cu, **rule)
+    want = brute(
+        1,
+        1,
+        12,
+        12,
+        cu=cu,
+        causal=rule.get("causal", True),
+        **{k: v for k, v in rule.items() if k != "causal"},
+    )[0, 0]
+    for q0 in range(12):
+        for q1 in range(q0 + 1, min(12, q0 + 4) + 1):
+            cols = np.flatnonzero(want[q0:q1].any(axis=0))
+            assert pat.key_range(0, q0, q1, 12, 12) == (int(cols[0]), int(cols[-1]) + 1), (q0, q1)
