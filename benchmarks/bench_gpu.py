@@ -40,106 +40,43 @@ DEV = "cuda"
 DT = torch.bfloat16
 FLOOR = 1e-3
 
-# candidate tiles per head-size class: (kernel, overrides)
+
+def _tiles(kernel, M, N, DK=None, DV=None, C=None, *, warps, stages):
+    """One tuning candidate: (kernel, tile overrides); DK/DV/C only where the class sets them."""
+    tiles = dict(BLOCK_M=M, BLOCK_N=N, BLOCK_DK=DK, BLOCK_DV=DV, BLOCK_C=C)
+    tiles = {k: v for k, v in tiles.items() if v is not None}
+    return kernel, {**tiles, "num_warps": warps, "num_stages": stages}
+
+
+# candidate tiles per head-size class: (kernel, overrides), one line each
 CANDIDATES = {
     128: [
-        ("fwd", dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)),
-        ("fwd", dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)),
-        ("fwd", dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)),
-        ("fwd", dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4)),
-        ("dkdv", dict(BLOCK_M=32, BLOCK_N=128, num_warps=8, num_stages=2)),
-        ("dkdv", dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=2)),
-        ("dkdv", dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),
-        ("dkdv", dict(BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=5)),
-        ("dq", dict(BLOCK_M=128, BLOCK_N=32, num_warps=8, num_stages=2)),
-        ("dq", dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=2)),
-        ("dq", dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2)),
-        ("dq", dict(BLOCK_M=128, BLOCK_N=32, num_warps=4, num_stages=5)),
+        _tiles("fwd", 128, 64, warps=8, stages=3),
+        _tiles("fwd", 128, 128, warps=8, stages=3),
+        _tiles("fwd", 64, 64, warps=4, stages=3),
+        _tiles("fwd", 128, 64, warps=4, stages=4),
+        _tiles("dkdv", 32, 128, warps=8, stages=2),
+        _tiles("dkdv", 64, 128, warps=8, stages=2),
+        _tiles("dkdv", 64, 64, warps=4, stages=2),
+        _tiles("dkdv", 32, 128, warps=4, stages=5),
+        _tiles("dq", 128, 32, warps=8, stages=2),
+        _tiles("dq", 128, 64, warps=8, stages=2),
+        _tiles("dq", 64, 64, warps=4, stages=2),
+        _tiles("dq", 128, 32, warps=4, stages=5),
     ],
     1024: [
-        (
-            "fwd",
-            dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=128, BLOCK_DV=256, num_warps=8, num_stages=3),
-        ),
-        ("fwd", dict(BLOCK_M=64, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=256, num_warps=8, num_stages=2)),
-        (
-            "fwd",
-            dict(BLOCK_M=128, BLOCK_N=64, BLOCK_DK=64, BLOCK_DV=128, num_warps=8, num_stages=2),
-        ),
-        (
-            "dkdv",
-            dict(
-                BLOCK_M=64,
-                BLOCK_N=64,
-                BLOCK_DK=64,
-                BLOCK_DV=64,
-                BLOCK_C=256,
-                num_warps=8,
-                num_stages=1,
-            ),
-        ),
-        (
-            "dkdv",
-            dict(
-                BLOCK_M=64,
-                BLOCK_N=64,
-                BLOCK_DK=128,
-                BLOCK_DV=128,
-                BLOCK_C=256,
-                num_warps=8,
-                num_stages=2,
-            ),
-        ),
-        (
-            "dkdv",
-            dict(
-                BLOCK_M=64,
-                BLOCK_N=64,
-                BLOCK_DK=64,
-                BLOCK_DV=64,
-                BLOCK_C=128,
-                num_warps=8,
-                num_stages=2,
-            ),
-        ),
-        (
-            "dq",
-            dict(
-                BLOCK_M=64,
-                BLOCK_N=64,
-                BLOCK_DK=64,
-                BLOCK_DV=64,
-                BLOCK_C=256,
-                num_warps=8,
-                num_stages=2,
-            ),
-        ),
-        (
-            "dq",
-            dict(
-                BLOCK_M=64,
-                BLOCK_N=64,
-                BLOCK_DK=128,
-                BLOCK_DV=128,
-                BLOCK_C=256,
-                num_warps=8,
-                num_stages=2,
-            ),
-        ),
-        (
-            "dq",
-            dict(
-                BLOCK_M=64,
-                BLOCK_N=64,
-                BLOCK_DK=64,
-                BLOCK_DV=64,
-                BLOCK_C=128,
-                num_warps=8,
-                num_stages=2,
-            ),
-        ),
+        _tiles("fwd", 64, 64, 128, 256, warps=8, stages=3),
+        _tiles("fwd", 64, 64, 64, 256, warps=8, stages=2),
+        _tiles("fwd", 128, 64, 64, 128, warps=8, stages=2),
+        _tiles("dkdv", 64, 64, 64, 64, C=256, warps=8, stages=1),
+        _tiles("dkdv", 64, 64, 128, 128, C=256, warps=8, stages=2),
+        _tiles("dkdv", 64, 64, 64, 64, C=128, warps=8, stages=2),
+        _tiles("dq", 64, 64, 64, 64, C=256, warps=8, stages=2),
+        _tiles("dq", 64, 64, 128, 128, C=256, warps=8, stages=2),
+        _tiles("dq", 64, 64, 64, 64, C=128, warps=8, stages=2),
     ],
 }
+
 TUNE_SHAPE = {128: (4, 32, 4096, 128), 1024: (1, 8, 8192, 1000)}
 
 
