@@ -7,11 +7,13 @@ anything but the page's own file (or data:/blob:) fails the test.
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 import time
 from pathlib import Path
 
+import _helpers
 import numpy as np
 import pytest
 
@@ -324,34 +326,9 @@ def test_model_view_opens_a_head_and_search_pins_a_query(page, tmp_path):
     page.clean()
 
 
-QUESTIONS = [  # the shape causalattn.learn.questions() returns
-    {
-        "id": "q1",
-        "prompt": "Along which axis does softmax run?",
-        "choices": ["down each key column", "across each query row", "over all T×T scores"],
-        "answer": 1,
-        "hint": "Each query's weights must sum to 1.",
-        "explanation": "Row i holds query i's scores over keys j.",
-        "highlight": {"matrix": "A", "axis": "row", "row": 2},
-        "data": {
-            "X": [[1, 0], [0, 1], [1, 1], [-1, 1]],
-            "W_q": [[1, 0], [0, 1]],
-            "W_k": [[1, 0], [0, 1]],
-            "W_v": [[1, 1], [1, -1]],
-            "tokens": ["x1", "x2", "<b>x3</b>", "x4"],
-        },
-    },
-    {
-        "id": "q2",
-        "prompt": "Why is cell (8, 2) of sentence 4 blocked?",
-        "choices": ["future", "padding"],
-        "answer": 1,
-        "hint": "Look at row 8's token.",
-        "explanation": "Row 8 is <PAD>.",
-        "highlight": {"matrix": "M", "cells": [[7, 1]]},
-        "sentence": 3,
-    },
-]
+# the shared questions, one token of the first needing HTML escaping in the learn panel
+QUESTIONS = copy.deepcopy(_helpers.QUESTIONS)
+QUESTIONS[0]["data"]["tokens"][2] = "<b>x3</b>"
 
 
 def _learn(page):

@@ -8,6 +8,7 @@ import re
 
 import numpy as np
 import pytest
+from _helpers import QUESTIONS
 from typer.testing import CliRunner
 
 import causalattn as ca
@@ -335,38 +336,6 @@ def test_score_modifiers_travel_as_parameters_not_as_dense_matrices():
     )  # modifiers unknown: as is
     lay = viz.explorer_data(no_pattern)["sequences"][0]["layers"][0]
     assert [h["form"] for h in lay["heads"]] == ["dense", "dense"]
-
-
-QUESTIONS = [  # the shape causalattn.learn.questions() returns
-    {
-        "id": "q1",
-        "kind": "softmax-axis",
-        "prompt": "Along which axis does softmax run?",
-        "choices": ["down each key column", "across each query row", "over all T×T scores"],
-        "answer": 1,
-        "hint": "Each query's weights must sum to 1.",
-        "explanation": "Row i holds query i's scores over keys j.",
-        "highlight": {"matrix": "A", "axis": "row", "row": 2},
-        "data": {
-            "X": [[1, 0], [0, 1], [1, 1], [-1, 1]],
-            "W_q": [[1, 0], [0, 1]],
-            "W_k": [[1, 0], [0, 1]],
-            "W_v": [[1, 1], [1, -1]],
-            "tokens": ["x1", "x2", "x3", "x4"],
-        },
-    },
-    {
-        "id": "q2",
-        "kind": "mask-cell",
-        "prompt": "Why is cell (8, 2) of sentence 4 blocked?",
-        "choices": ["future", "padding"],
-        "answer": 1,
-        "hint": "Look at row 8's token.",
-        "explanation": "Row 8 is <PAD>.",
-        "highlight": {"matrix": "M", "cells": [[7, 1]]},
-        "sentence": 3,
-    },
-]
 
 
 def test_questions_travel_with_their_matrix():
