@@ -156,11 +156,16 @@ def _verb(rows, one: str, many: str) -> str:
     return one if len(rows) == 1 else many
 
 
+def _own_key(T_q: int, T_k: int) -> np.ndarray:
+    """T_q×T_k bool: True at each query's own key, position i + T_k - T_q (bottom-right)."""
+    diag = np.zeros((T_q, T_k), bool)
+    diag[np.arange(T_q), np.arange(T_q) + T_k - T_q] = True
+    return diag
+
+
 def describe_difference(P: np.ndarray, E: np.ndarray, T_q: int, T_k: int) -> str:
     """What differs between a measured read pattern P and the expected E (T_q×T_k)."""
-    off = T_k - T_q
-    diag = np.zeros((T_q, T_k), bool)
-    diag[np.arange(T_q), np.arange(T_q) + off] = True
+    diag = _own_key(T_q, T_k)
     parts = []
     own_missing = np.flatnonzero((diag & E & ~P).any(-1))
     if own_missing.size:
@@ -254,8 +259,7 @@ def _name_pattern(p: Probe, P, E, b, h) -> str | None:
             return "padding-queries-only"
     if T_q == T_k and (P == nopad.T).all():
         return "anti-causal-mask"
-    diag = np.zeros((T_q, T_k), bool)
-    diag[np.arange(T_q), np.arange(T_q) + T_k - T_q] = True
+    diag = _own_key(T_q, T_k)
     if (P == (E & ~diag)).all():
         return "diagonal-blocked"
     if T_q < T_k and pat.window is None and (P == (_top_left(p) & (E | ~nopad))).all():
