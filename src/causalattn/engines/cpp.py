@@ -108,6 +108,32 @@ def _build() -> str:
     return ""
 
 
+def build_from_nothing(timeout_s: float = 900.0) -> tuple[float | None, str]:
+    """(seconds, "") to build the extension in a fresh, empty extension folder and load it,
+    in a subprocess (what a new user's first call pays); (None, why) when it fails."""
+    import subprocess
+    import tempfile
+    import time
+
+    code = "from causalattn.engines import cpp; print(cpp.unavailable())"
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, TORCH_EXTENSIONS_DIR=tmp)
+        t0 = time.perf_counter()
+        try:
+            res = subprocess.run(
+                [sys.executable, "-c", code],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
+        except subprocess.TimeoutExpired:
+            return None, f"no build within {timeout_s:.0f} s"
+        seconds = time.perf_counter() - t0
+    why = (res.stdout.strip().splitlines() or [""])[-1] if res.returncode == 0 else res.stderr
+    return (seconds, "") if res.returncode == 0 and not why else (None, why.strip()[:300])
+
+
 def _ops():
     why = unavailable()
     if why:
