@@ -32,6 +32,7 @@ import os
 import platform
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -82,6 +83,8 @@ def unavailable() -> str:
     why = _STATE.get("why")
     if why is None:
         why = _STATE["why"] = _build()
+        if why and not os.environ.get("CAUSALATTN_NO_CPP"):  # one line says why, once
+            warnings.warn(f"{why}; 'auto' runs the other engines", RuntimeWarning, stacklevel=2)
     return why
 
 
