@@ -1,18 +1,90 @@
-"""Calling the user's code: its signature, framework, layout; nn.Module projections."""
+"""Calling the user's code: loading a ``file.py:name`` target, its signature, framework,
+layout; nn.Module projections."""
 
 from __future__ import annotations
 
 import copy
 import inspect
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
+from .files import read_source
 from .probes import Probe, merge_heads
 
 SIGNATURES = ("qkv", "x-weights", "module")
 
 
-def _framework(fn) -> str:
+@dataclass(frozen=True)
+class Target:
+    """A ``path/file.py:name`` target, its source read (in the caller's process) by the one
+    reader of user files; :func:`load_target` executes it, in the worker."""
+
+    path: str
+    name: str
+    source: bytes
+
+
+def read_target(spec: str) -> Target:
+    """Split ``path/file.py:name`` and read the file (a regular file of Python source)."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise ValueError(f"diagnose: expected path/to/file.py:function_or_class, got {spec!r}")
+    if not Path(path).is_file():
+        raise ValueError(f"diagnose: {path}: no such file")
+    return Target(path, name, read_source(path))
+
+
+def exec_source(path: str, source: bytes, module_name: str, *, keep: bool = True) -> dict:
+    """Execute ``source`` (read from ``path``) as a module named ``module_name``; its globals.
+    Line numbers and tracebacks point at ``path``. ``keep``: leave the module in sys.modules
+    and its folder on sys.path (a worker, as ``python file.py`` would); otherwise both only
+    while it runs (as runpy does)."""
+    mod = types.ModuleType(module_name)
+    mod.__file__ = str(Path(path).resolve())
+    folder = str(Path(mod.__file__).parent)
+    sys.modules[module_name] = mod  # dataclasses, pickling and typing look modules up
+    sys.path.insert(0, folder)  # its own imports, next to it
+    try:
+        exec(compile(source, mod.__file__, "exec"), mod.__dict__)
+    finally:
+        if not keep:
+            sys.modules.pop(module_name, None)
+            if folder in sys.path:
+                sys.path.remove(folder)
+    return mod.__dict__
+
+
+def load_target(t: Target):
+    """The object named by a target: a function, a module instance, an nn.Module class
+    constructible without arguments, or a function without arguments returning one."""
+    ns = exec_source(t.path, t.source, f"_diagnosed_{Path(t.path).stem}")
+    if t.name not in ns:
+        raise ValueError(f"diagnose: {t.path} has no {t.name!r}")
+    obj = ns[t.name]
+    if inspect.isfunction(obj) and not any(
+        q.default is q.empty and q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)
+        for q in inspect.signature(obj).parameters.values()
+    ):
+        obj = obj()  # a factory: returns the configured function or module
+    if inspect.isclass(obj):
+        try:
+            obj = obj()
+        except TypeError as exc:
+            raise ValueError(
+                f"diagnose: cannot construct {t.name}() without arguments ({exc}); "
+                "name a function without arguments that returns a configured module"
+            ) from None
+    return obj
+
+
+def framework(fn) -> str:
+    """ "torch" when ``fn`` is an nn.Module or its code names torch (or anything from it:
+    its globals, its closure, nested functions included), else "numpy". A guess: the
+    Subject tries the other framework when the first call fails."""
     try:
         import torch
 
@@ -22,12 +94,27 @@ def _framework(fn) -> str:
         return "numpy"
     target = fn if hasattr(fn, "__code__") else type(fn).__call__  # a callable object
     code = getattr(target, "__code__", None)
-    if code is not None:
-        g = getattr(target, "__globals__", {})
-        for n in code.co_names:
-            mod = getattr(g.get(n), "__name__", "") or ""
-            if n in ("torch", "F") or mod.startswith("torch"):
-                return "torch"
+    if code is None:
+        return "numpy"
+    scope = dict(getattr(target, "__globals__", {}))
+    for n, cell in zip(code.co_freevars, getattr(target, "__closure__", None) or ()):
+        try:
+            scope[n] = cell.cell_contents
+        except ValueError:  # an empty cell
+            pass
+
+    def names(c):
+        yield from c.co_names
+        yield from c.co_freevars
+        for k in c.co_consts:
+            if hasattr(k, "co_names"):
+                yield from names(k)
+
+    for n in names(code):
+        v = scope.get(n)
+        mod = v.__name__ if isinstance(v, types.ModuleType) else getattr(v, "__module__", "")
+        if n in ("torch", "F") or (isinstance(mod, str) and mod.split(".")[0] == "torch"):
+            return "torch"
     return "numpy"
 
 

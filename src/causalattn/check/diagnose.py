@@ -27,12 +27,23 @@ from __future__ import annotations
 
 import inspect
 import math
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from .. import masks
-from .callers import SIGNATURES, Subject, _discover_signature, _framework, _ModuleAdapter, _pad_kind
+from . import runner
+from .callers import (
+    SIGNATURES,
+    Subject,
+    _discover_signature,
+    _ModuleAdapter,
+    _pad_kind,
+    framework,
+    load_target,
+    read_target,
+)
 from .faults import BY_ID, CATALOGUE
 from .measure import (
     Finding,
@@ -74,7 +85,7 @@ def diagnose(
     alibi_slopes=None,
     softcap: float | None = None,
     sinks=None,
-    max_memory: int = 4 * 2**30,
+    max_memory: int = runner.DEFAULT_MAX_MEMORY,
 ) -> Diagnosis:
     """Measure ``fn``'s attention and name the first stage that differs from the declared one.
 
@@ -83,7 +94,8 @@ def diagnose(
     arguments returning one). ``signature``: ``"qkv"``, ``"x-weights"`` or ``"module"``
     (discovered when None). The pattern keywords and ``scale`` (default 1/√d_k) declare what
     ``fn`` should compute, as for :func:`causalattn.attention`. ``timeout`` (seconds) and
-    ``max_memory`` (bytes) bound the worker process; ``isolate=False`` runs a callable here.
+    ``max_memory`` (bytes) bound the worker process (:mod:`.runner`); ``isolate=False``
+    runs a callable here.
     """
     if signature is not None and signature not in SIGNATURES:
         raise ValueError(f"diagnose: signature must be one of {SIGNATURES}, got {signature!r}")
@@ -104,10 +116,12 @@ def diagnose(
     declared = {k: _plain(v) for k, v in declared.items() if v is not None}
     masks.Pattern(**declared)  # refuse a bad declaration here, naming the argument
     check_declared_scale("diagnose", scale)
-    from . import runner
-
+    if isinstance(max_memory, bool) or not isinstance(max_memory, int) or max_memory <= 0:
+        raise ValueError(f"diagnose: max_memory must be a number of bytes > 0, got {max_memory!r}")
     if isinstance(fn, (str, Path)):
-        return runner.diagnose_path(str(fn), signature, declared, scale, timeout, max_memory)
+        target = read_target(str(fn))  # read here, by the one reader; executed in the worker
+        job = partial(_diagnose_target, target, signature, declared, scale)
+        return _isolated(job, str(fn), timeout, max_memory, fresh=True)
     if not callable(fn):
         raise ValueError(
             f"diagnose: expected a callable, an nn.Module or 'file.py:name', got "
@@ -117,7 +131,30 @@ def diagnose(
         signature = _discover_signature(fn)  # bad signatures are refused here, not in a worker
     if not isolate:
         return diagnose_here(fn, signature, declared, scale)
-    return runner.diagnose_isolated(fn, signature, declared, scale, timeout, max_memory)
+    what = getattr(fn, "__qualname__", None) or type(fn).__name__
+    job = partial(_diagnose_callable, fn, signature, declared, scale)
+    try:
+        return _isolated(job, what, timeout, max_memory, fresh=False)
+    except ValueError as exc:  # it cannot be sent to a worker (no fork here, no pickle)
+        raise ValueError(f"diagnose: {exc}, or pass isolate=False (no timeout)") from None
+
+
+def _isolated(job, what: str, timeout: float, max_memory: int, fresh: bool) -> Diagnosis:
+    """The job's Diagnosis, computed by the isolation runner; its failures as statuses."""
+    out = runner.run(job, timeout=timeout, max_memory=max_memory, what=what, fresh=fresh)
+    if isinstance(out, runner.Failure):
+        return Diagnosis.from_failure(out.kind, out.message)
+    return Diagnosis.from_dict(out)
+
+
+def _diagnose_target(target, signature, declared, scale) -> dict:
+    """In the worker: load ``file.py:name`` and diagnose it (a Diagnosis dict)."""
+    fn = load_target(target)
+    return _diagnose_callable(fn, signature or _discover_signature(fn), declared, scale)
+
+
+def _diagnose_callable(fn, signature, declared, scale) -> dict:
+    return diagnose_here(fn, signature, declared, scale).to_dict()
 
 
 def _check_timeout(timeout) -> float:
@@ -229,7 +266,7 @@ class _Plan:
 
 def diagnose_here(fn, sig, declared, scale) -> Diagnosis:
     """The diagnosis, in this process."""
-    framework = _framework(fn)
+    fw = framework(fn)
     adapter = _ModuleAdapter(fn) if sig == "module" else None
     dims = adapter.dims if adapter else {}
     if adapter and dims["w_o"] and dims["d_out"] < dims["hd_v"]:
@@ -238,16 +275,16 @@ def diagnose_here(fn, sig, declared, scale) -> Diagnosis:
             f"{dims['d_out']}; the weights cannot be read back through it"
         )
     pad_kind = _pad_kind(fn) if sig != "module" else None
-    subject = Subject(fn, sig, framework, adapter)
+    subject = Subject(fn, sig, fw, adapter)
     has_wo = sig == "module" and dims["w_o"] or sig == "x-weights" and _n_required(fn) >= 5
     subject.has_wo = has_wo
-    dtype = np.float32 if framework == "torch" else np.float64
+    dtype = np.float32 if fw == "torch" else np.float64
     if adapter is not None:
         dtype = np.dtype(str(next(fn.parameters()).dtype).replace("torch.", ""))
     plan = _Plan(sig, dims, pad_kind, declared, dtype, has_wo)
     details = {
         "signature": sig,
-        "framework": framework,
+        "framework": fw,
         "padding": pad_kind,
         "declared": plan.pattern().describe(),
     }

@@ -210,6 +210,13 @@ class Diagnosis:
             if v is not None:
                 setattr(self, name, np.asarray(v, dtype=bool))
 
+    @classmethod
+    def from_failure(cls, kind: str, message: str) -> Diagnosis:
+        """The function could not be measured: a runner failure (timeout, memory, crashed,
+        error) as a status."""
+        status = {"timeout": Status.TIMEOUT, "error": Status.ERROR}.get(kind, Status.CRASHED)
+        return cls(None, None, message, status=status)
+
     @property
     def ok(self) -> bool:
         return self.status == Status.CLEAN

@@ -1,6 +1,6 @@
 """Grade a filled-in exercise stage by stage with :func:`causalattn.diagnose`.
 
-    check("attention.py") -> Grade      # runs the file in a subprocess, with a timeout
+    check("attention.py") -> Grade      # runs the file in an isolated worker (check.runner)
     grade_file("attention.py")          # the same in this process
     grade_function(attention)           # a function defined here (a notebook cell)
 
@@ -14,21 +14,26 @@ a hint, and for the mask shows the learner's M against the expected one. Never a
 
 Exit codes (``Grade.exit_code``): 0 every stage right, 1 a stage is wrong, 2 the file could
 not run (it does not load, raises, or does not finish within the timeout).
+
+The file is read by the one reader of user files (:func:`causalattn.check.files.read_source`)
+and, in ``check``, executed in the one isolation runner (:mod:`causalattn.check.runner`): a
+session of its own killed whole at the end, a deadline that the inner ``diagnose`` honours,
+capped memory and output.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import runpy
-import subprocess
-import sys
+import math
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from .. import masks
+from ..check import runner
+from ..check.callers import exec_source, framework
+from ..check.files import read_source
 from ..reference import softmax_last
 from ..shapes import shape_table
 from .exercises import EXERCISES, MARK, Exercise
@@ -42,8 +47,6 @@ __all__ = [
     "STAGE_NAMES",
     "HINTS",
 ]
-
-_MARKER = "@@causalattn-learn-grade@@"
 
 STAGE_NAMES = {
     "shape": "the shape of what it returns",
@@ -182,30 +185,6 @@ class Grade:
 
 
 # -- calling the learner's function ------------------------------------------------------------
-def _framework(fn) -> str:
-    """torch when the function's code names torch (or anything from it), else numpy."""
-
-    def names(code):
-        yield from code.co_names
-        for c in code.co_consts:
-            if hasattr(c, "co_names"):
-                yield from names(c)
-
-    code, g = getattr(fn, "__code__", None), dict(getattr(fn, "__globals__", {}))
-    if code is not None and getattr(fn, "__closure__", None):  # names from an enclosing scope
-        for n, cell in zip(code.co_freevars, fn.__closure__):
-            try:
-                g[n] = cell.cell_contents
-            except ValueError:  # an empty cell
-                pass
-    for n in list(names(code)) + list(code.co_freevars) if code is not None else ():
-        v = g.get(n)
-        mod = v.__name__ if type(v).__name__ == "module" else getattr(v, "__module__", "")
-        if isinstance(mod, str) and (mod == "torch" or mod.startswith("torch.")):
-            return "torch"
-    return "numpy"
-
-
 class _Learner:
     """The learner's function, called with float64 arrays of its framework; NumPy back."""
 
@@ -473,8 +452,11 @@ def _wrong_shape(path, ex, message, framework, diagnosis=None) -> Grade:
     )
 
 
-def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> Grade:
-    """Grade the exercise whose module globals are ``ns`` (loaded from ``path``)."""
+def grade_namespace(
+    ns: dict, path: str | Path, exercise: str | None = None, timeout: float = 60.0
+) -> Grade:
+    """Grade the exercise whose module globals are ``ns`` (loaded from ``path``);
+    ``timeout``: seconds for diagnose's worker (inside ``check``, what is left of its own)."""
     from ..check import diagnose
 
     path = str(path)
@@ -485,7 +467,7 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
     fn = ns.get(ex.function)
     if not callable(fn):
         return _error(path, ex, f"{path} defines no function {ex.function}()")
-    fw = _framework(fn)
+    fw = framework(fn)
     user = _Learner(fn, fw, ex)
 
     # one call on a small T ≠ d_k input: its shape (a crash here may still be a known fault)
@@ -512,7 +494,7 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
         return _wrong_shape(path, ex, msg, fw)
 
     try:
-        d = diagnose(_composite(ex, user), timeout=60.0)
+        d = diagnose(_composite(ex, user), timeout=timeout)
     except ValueError as exc:
         return _error(path, ex, f"diagnose: {exc}", fw)
     dd = d.to_dict()
@@ -582,61 +564,55 @@ def grade_function(fn, exercise: str | None = None) -> Grade:
     return grade_namespace({EXERCISES[name].function: fn}, where, name)
 
 
-def grade_file(path: str | Path, exercise: str | None = None) -> Grade:
+def grade_file(path: str | Path, exercise: str | None = None, timeout: float = 60.0) -> Grade:
     """Load ``path`` (EXECUTES it) and grade it, in this process."""
-    p = Path(path)
-    if not p.is_file():
-        return _error(path, None, f"{path}: no such file")
     try:
-        ns = runpy.run_path(str(p.resolve()), run_name="__learner__")
+        source = read_source(path)
+    except ValueError as exc:
+        return _error(path, None, str(exc))
+    return _grade_source(str(path), source, exercise, timeout)
+
+
+def _grade_source(path: str, source: bytes, exercise: str | None, timeout: float) -> Grade:
+    try:
+        ns = exec_source(path, source, "__learner__", keep=False)
     except BaseException as exc:  # a syntax error, an import, even sys.exit in the file
         if isinstance(exc, KeyboardInterrupt):
             raise
         return _error(path, None, f"{path} does not run: {type(exc).__name__}: {exc}")
-    return grade_namespace(ns, path, exercise)
+    return grade_namespace(ns, path, exercise, timeout)
 
 
-def _worker() -> None:
-    path, exercise = sys.argv[1], (None if sys.argv[2] == "-" else sys.argv[2])
-    try:
-        g = grade_file(path, exercise)
-    except BaseException as exc:
-        g = _error(path, None, f"the grader stopped: {type(exc).__name__}: {exc}")
-    sys.stdout.flush()
-    print(_MARKER + json.dumps(g.to_dict(), default=str))
+def _grade_job(path: str, source: bytes, exercise: str | None, timeout: float) -> dict:
+    """In the worker: the grade, as a dict."""
+    return _grade_source(path, source, exercise, timeout).to_dict()
 
 
-def check(path: str | Path, exercise: str | None = None, timeout: float = 60.0) -> Grade:
-    """Grade ``path`` in a subprocess stopped after ``timeout`` seconds (the file is
-    EXECUTED there), so a hang or a crash in it becomes a grade (status "error"), not ours."""
-    if not isinstance(timeout, (int, float)) or not timeout > 0:
+def check(
+    path: str | Path,
+    exercise: str | None = None,
+    timeout: float = 60.0,
+    max_memory: int = runner.DEFAULT_MAX_MEMORY,
+) -> Grade:
+    """Grade ``path`` in the isolation runner (the file is EXECUTED there): stopped after
+    ``timeout`` seconds, its memory capped at ``max_memory`` bytes, whatever it starts
+    killed at the end; a hang or a crash becomes a grade (status "error"), not ours."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise ValueError(f"learn: timeout must be a positive number of seconds, got {timeout!r}")
-    if not Path(path).is_file():
-        return _error(path, None, f"{path}: no such file")
-    try:  # compiling runs nothing: a syntax error needs no subprocess
-        compile(Path(path).read_bytes(), str(path), "exec")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"learn: timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(max_memory, bool) or not isinstance(max_memory, int) or max_memory <= 0:
+        raise ValueError(f"learn: max_memory must be a number of bytes > 0, got {max_memory!r}")
+    try:
+        source = read_source(path)
+    except ValueError as exc:
+        return _error(path, None, str(exc))
+    try:  # compiling runs nothing: a syntax error needs no worker
+        compile(source, str(path), "exec")
     except (SyntaxError, ValueError) as exc:
         return _error(path, None, f"{path} does not run: {type(exc).__name__}: {exc}")
-    cmd = [
-        sys.executable,
-        "-c",
-        "from causalattn.learn.grade import _worker; _worker()",
-        str(path),
-        exercise or "-",
-    ]
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])  # so the child imports this causalattn
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    try:
-        res = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL
-        )
-    except subprocess.TimeoutExpired:
-        return _error(
-            path, None, f"{path} did not finish within {timeout:g} s (a hang?); it was stopped"
-        )
-    for line in reversed(res.stdout.splitlines()):
-        if line.startswith(_MARKER):
-            return Grade.from_dict(json.loads(line[len(_MARKER) :]))
-    tail = " | ".join((res.stderr or res.stdout).strip().splitlines()[-3:])
-    return _error(path, None, f"{path} crashed the grader (exit code {res.returncode}): {tail}")
+    job = partial(_grade_job, str(path), source, exercise, float(timeout))
+    out = runner.run(job, timeout=timeout, max_memory=max_memory, what=str(path), fresh=True)
+    if isinstance(out, runner.Failure):
+        return _error(path, None, out.message)
+    return Grade.from_dict(out)
