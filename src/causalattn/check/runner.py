@@ -8,7 +8,9 @@ with its ``kind``: ``"timeout"``, ``"memory"``, ``"crashed"`` or ``"error"``. Th
 - runs in a session (process group) of its own; at the end the whole group is killed,
   grandchildren included, so nothing it started outlives the call;
 - has a deadline (``timeout`` seconds); a ``run`` inside a worker gets at most what is left
-  of its own deadline, so inner calls honour the outer one;
+  of its own deadline, so inner calls honour the outer one, and its worker stays in the
+  outer session, so the outer kill reaches it too (at its own end only the inner worker
+  itself is killed; what it started goes with the outer group);
 - has its address space capped at what it started with plus ``max_memory`` bytes
   (allocations past it fail: MemoryError), and its output (stdout and stderr, kept in a
   file for a crash message) at ``max_output`` bytes;
@@ -53,6 +55,7 @@ def _physical_memory() -> int:
 DEFAULT_MAX_MEMORY = min(4 * 2**30, _physical_memory() // 4)
 
 _DEADLINE: float | None = None  # inside a worker: time.monotonic() at which it is stopped
+_MAX_MEMORY: int | None = None  # inside a worker: its memory cap (inner runs keep it)
 _MEMORY_WORDS = ("can't allocate memory", "cannot allocate memory", "out of memory")
 
 
@@ -86,8 +89,8 @@ def run(
     ``what`` names the job in messages ("hang.py did not finish within 3 s ...").
     """
     left = remaining()
-    if left is not None and left < timeout:  # a worker inside a worker: the outer deadline
-        timeout = left
+    if left is not None:  # a worker inside a worker: the outer deadline and cap
+        timeout, max_memory = min(timeout, left), min(max_memory, _MAX_MEMORY)
     limits = {"max_memory": int(max_memory), "max_output": int(max_output), "what": what}
     with tempfile.TemporaryDirectory(prefix="causalattn-run-") as tmp:
         tmp = Path(tmp)
@@ -117,11 +120,11 @@ def _limit(max_memory: int, max_output: int) -> None:
     except (OSError, StopIteration, ValueError):
         vm = 0
     for which, cap in ((resource.RLIMIT_AS, vm + max_memory), (resource.RLIMIT_FSIZE, max_output)):
-        soft, hard = resource.getrlimit(which)
+        hard = resource.getrlimit(which)[1]
         if hard != resource.RLIM_INFINITY:
             cap = min(cap, hard)  # a worker inside a worker keeps the outer cap
-        try:
-            resource.setrlimit(which, (cap, hard))
+        try:  # soft and hard: the code cannot raise it again
+            resource.setrlimit(which, (cap, cap))
         except (ValueError, OSError):
             pass
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the cap fails, not kills
@@ -152,8 +155,8 @@ def _out_of_memory(max_memory: int) -> dict:
 
 
 def _in_worker(job, limits: dict, deadline: float, result: Path) -> None:
-    global _DEADLINE
-    _DEADLINE = deadline
+    global _DEADLINE, _MAX_MEMORY
+    _DEADLINE, _MAX_MEMORY = deadline, limits["max_memory"]
     _limit(limits["max_memory"], limits["max_output"])
     out = _execute(job, limits["max_memory"])
     try:
@@ -182,7 +185,8 @@ def _fork(job, limits: dict, timeout: float, result: Path, log: Path) -> int:
         return pid
     code = 0  # the worker
     try:
-        os.setsid()
+        if _DEADLINE is None:  # not inside a worker: a session of its own
+            os.setsid()
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
@@ -207,7 +211,12 @@ def _spawn(pickled: bytes, limits: dict, timeout: float, result: Path, log: Path
     cmd = [sys.executable, "-c", "from causalattn.check.runner import _worker; _worker()"]
     with open(job_file, "rb") as stdin, open(log, "wb") as out:
         proc = subprocess.Popen(
-            cmd, stdin=stdin, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            cmd,
+            stdin=stdin,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=_DEADLINE is None,  # inside a worker: stay in its session
         )
     proc.returncode = 0  # reaped by _wait (os.waitpid), not by Popen: no warning at exit
     return proc.pid
@@ -228,7 +237,10 @@ def _wait(pid: int, timeout: float) -> tuple[int | None, bool]:
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
     try:
-        os.killpg(pid, signal.SIGKILL)  # the session the worker leads: everything it started
+        if _DEADLINE is None:
+            os.killpg(pid, signal.SIGKILL)  # the session the worker leads: all it started
+        elif rc is None:  # (not yet reaped: the pid is still the worker's)
+            os.kill(pid, signal.SIGKILL)  # the outer worker's session is killed at its end
     except (ProcessLookupError, PermissionError):
         pass
     if rc is None:

@@ -476,6 +476,8 @@ def grade_namespace(
     try:
         with np.errstate(all="ignore"):
             got = user(*args, ints=ints)
+    except MemoryError:  # not the learner's mistake to grade: the runner reports it
+        raise
     except NotImplementedError:
         return _error(
             path,

@@ -1,0 +1,220 @@
+"""The one isolation runner (check.runner) and the doors that use it — diagnose FILE,
+diagnose(callable), learn --check: a result or a typed failure; nothing a job starts
+outlives it; deadlines honoured end to end; memory capped. Whatever could run away runs in
+a subprocess with an address-space cap of its own and short deadlines."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from causalattn import diagnose
+from causalattn.check import runner
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _helpers import peak_run  # noqa: E402
+
+MiB = 2**20
+CLI = ["-c", "import sys; from causalattn.cli import main; sys.argv[0] = 'causalattn'; main()"]
+
+
+# -- the runner on its own ----------------------------------------------------------------------
+def _sleep_and_tell(path: str):
+    Path(path).write_text(str(os.getpid()))
+    time.sleep(120)
+
+
+def test_result_or_a_typed_failure():
+    assert runner.run(lambda: {"x": [1, 2]}, timeout=30) == {"x": [1, 2]}
+    cases = [
+        (lambda: 1 / 0, "error", "ZeroDivisionError"),
+        (lambda: sys.exit(3), "crashed", "sys.exit(3)"),
+        (lambda: os._exit(4), "crashed", "exit code 4"),
+        (lambda: object(), "error", "not JSON"),
+        (lambda: bytearray(512 * MiB), "memory", "ran out of memory"),
+    ]
+    for job, kind, words in cases:
+        f = runner.run(job, timeout=30, max_memory=128 * MiB, what="the job")
+        assert isinstance(f, runner.Failure) and f.kind == kind and words in f.message, f
+        assert f.kind in runner.FAILURE_KINDS
+    t0 = time.monotonic()
+    f = runner.run(lambda: time.sleep(60), timeout=1, what="sleeper")
+    assert f.kind == "timeout" and "sleeper did not finish within 1 s" in f.message, f
+    assert time.monotonic() - t0 < 15
+
+
+def test_fresh_interpreter_and_what_cannot_be_sent():
+    assert runner.run(functools.partial(json.loads, "[1, 2]"), timeout=120, fresh=True) == [1, 2]
+    f = runner.run(functools.partial(os._exit, 5), timeout=120, fresh=True, what="exit")
+    assert f.kind == "crashed" and "exit code 5" in f.message, f
+    with pytest.raises(ValueError, match="cannot be sent to a worker"):
+        runner.run(lambda: 1, timeout=10, fresh=True)
+
+
+def test_a_run_inside_a_run_honours_the_outer_deadline(tmp_path):
+    pid_file = tmp_path / "pid"
+    inner = functools.partial(_sleep_and_tell, str(pid_file))
+
+    def outer():
+        assert runner.remaining() is not None and runner.remaining() <= 2
+        return runner.run(inner, timeout=100)  # asks 100 s; gets what is left of 2
+
+    assert runner.remaining() is None  # (not inside a worker here)
+    t0 = time.monotonic()
+    f = runner.run(outer, timeout=2)
+    assert f.kind == "timeout" and time.monotonic() - t0 < 15, f
+    _assert_gone(int(pid_file.read_text()))
+
+
+# -- nothing outlives a job ---------------------------------------------------------------------
+def _group(pgid: int) -> list[int]:
+    """Live (not zombie) processes in process group ``pgid``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()  # state, ppid, pgrp, ...
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(int(d.name))
+    return out
+
+
+def _assert_gone(pid: int) -> None:
+    for _ in range(100):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text()
+        except FileNotFoundError:
+            return
+        if state[state.rindex(")") + 2] == "Z":
+            return
+        time.sleep(0.05)
+    pytest.fail(f"process {pid} survived")
+
+
+FORKS = textwrap.dedent(
+    """
+    import os, time
+    import numpy as np
+
+    def _fork_and_tell():  # children, and each a grandchild, left sleeping
+        if os.environ.get("PGID_FILE") and not os.path.exists(os.environ["PGID_FILE"]):
+            with open(os.environ["PGID_FILE"], "w") as fh:
+                fh.write(str(os.getpgid(0)))
+            for _ in range(3):
+                if os.fork() == 0:
+                    if os.fork() == 0:
+                        time.sleep(300)
+                    time.sleep(300)
+                    os._exit(0)
+
+    if os.environ.get("FORK_AT_IMPORT"):  # a file: it forks as soon as it is loaded
+        _fork_and_tell()
+
+    def attention(q, k, v):
+        _fork_and_tell()
+        s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+        T_q, T_k = s.shape[-2:]
+        z = np.where(np.tril(np.ones((T_q, T_k), bool), T_k - T_q), s, -np.inf)
+        e = np.exp(z - z.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True) @ v
+    """
+)
+
+
+@pytest.mark.parametrize("door", ["diagnose FILE", "diagnose(callable)", "learn --check"])
+def test_a_forking_file_leaves_no_process_behind(tmp_path, monkeypatch, door):
+    src = tmp_path / "attention.py"
+    src.write_text("# causalattn-exercise: attention (numpy)\n" + FORKS)
+    pgid_file = tmp_path / "pgid"
+    monkeypatch.setenv("PGID_FILE", str(pgid_file))
+    if door == "diagnose(callable)":
+        ns: dict = {}
+        exec(compile(FORKS, str(src), "exec"), ns)
+        assert diagnose(ns["attention"], timeout=60).ok
+    else:
+        args = (
+            ["diagnose", f"{src}:attention"]
+            if door.startswith("diagnose")
+            else ["learn", "--check", str(src)]
+        )
+        rc, out, _ = peak_run(CLI + args, timeout=180)
+        assert rc == 0, out
+    pgid = int(pgid_file.read_text())
+    assert pgid != os.getpgid(0)  # the job ran in a session of its own
+    for _ in range(100):
+        if not _group(pgid):
+            break
+        time.sleep(0.05)
+    assert not _group(pgid), f"left behind in group {pgid}: {_group(pgid)}"
+
+
+# -- deadlines and memory, end to end -----------------------------------------------------------
+LOOPS = textwrap.dedent(
+    """
+    # causalattn-exercise: attention (numpy)
+    import os
+    import numpy as np
+
+    def attention(q, k, v):
+        if q.shape[-2] != 5:  # the shape check (T = 5) passes; diagnose's probes hang
+            with open(os.environ["PID_FILE"], "w") as fh:
+                fh.write(str(os.getpid()))
+            while True:
+                pass
+        return np.zeros((q.shape[-2], v.shape[-1]))
+    """
+)
+
+
+@pytest.mark.parametrize("door", ["learn --check", "diagnose FILE"])
+def test_an_infinite_loop_ends_at_the_deadline_given(tmp_path, monkeypatch, door):
+    src = tmp_path / "attention.py"
+    src.write_text(LOOPS)
+    monkeypatch.setenv("PID_FILE", str(tmp_path / "pid"))
+    if door == "learn --check":
+        args = ["learn", "--check", str(src), "--timeout", "12", "--json"]
+    else:
+        args = ["diagnose", f"{src}:attention", "--timeout", "12", "--json"]
+    t0 = time.monotonic()
+    rc, out, _ = peak_run(CLI + args, timeout=120)
+    secs = time.monotonic() - t0
+    assert rc == 2 and "did not finish within" in out, out
+    said = float(out.split("did not finish within ")[1].split(" s")[0])
+    assert said <= 12 and secs < 60, (said, secs)  # the inner diagnose: what was left of 12 s
+    pid_file = tmp_path / "pid"
+    assert pid_file.exists(), "the probes never reached the loop: a slower start than 12 s?"
+    _assert_gone(int(pid_file.read_text()))
+
+
+HOG = textwrap.dedent(
+    """
+    # causalattn-exercise: attention (numpy)
+    def attention(q, k, v):
+        keep = []
+        while True:
+            keep.append(bytearray(32 * 2**20))
+    """
+)
+
+
+@pytest.mark.parametrize("door", ["learn --check", "diagnose FILE"])
+def test_a_memory_hog_ends_as_memory_within_the_cap(tmp_path, door):
+    src = tmp_path / "attention.py"
+    src.write_text(HOG)
+    if door == "learn --check":
+        args = ["learn", "--check", str(src), "--max-memory", "256M", "--json"]
+    else:
+        args = ["diagnose", f"{src}:attention", "--max-memory", "256M", "--json"]
+    rc, out, peak = peak_run(CLI + args, timeout=180)  # the test's own cap: 3 GiB of address
+    assert rc == 2 and "ran out of memory" in out and "0.25 GiB" in out, out
+    assert peak < 256 + 450, f"peak {peak:.0f} MiB"  # the cap, plus a worker's start-up
