@@ -9,6 +9,7 @@ import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -130,6 +131,26 @@ def _pad_kind(fn) -> str | None:
     return None
 
 
+def _required(fn) -> list:
+    """The parameters ``fn`` must be given positionally; ValueError when it has no signature."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        raise ValueError(
+            "diagnose: cannot read the function's signature; pass signature="
+        ) from None
+    return [
+        p
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+
+
+def takes_wo(fn) -> bool:
+    """fn(x, w_q, w_k, w_v, w_o): five required positional arguments, W_O the fifth."""
+    return len(_required(fn)) >= 5
+
+
 def _discover_signature(fn) -> str:
     try:
         import torch
@@ -138,16 +159,7 @@ def _discover_signature(fn) -> str:
             return "module"
     except ImportError:
         pass
-    try:
-        params = [
-            p
-            for p in inspect.signature(fn).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-        ]
-    except (TypeError, ValueError):
-        raise ValueError(
-            "diagnose: cannot read the function's signature; pass signature="
-        ) from None
+    params = _required(fn)
     if len(params) == 3:
         return "qkv"
     if len(params) in (4, 5):
@@ -278,51 +290,54 @@ def _lead_layouts(B: int, H: int) -> list[tuple[int, ...]]:
     return [(B, H)]
 
 
-class Subject:
-    """The user's code, called on a probe with chosen values V: ``values(probe, V)``
-    returns H per head, (B, H, T_q, n), for V (1|B, H, T_k, n). The input layout
-    (unit axes) and the framework (NumPy or torch) are found on the first call that runs."""
+class Output(NamedTuple):
+    """What one call returned: ``H`` (B, H, T_q, n) float64, the weights ``A`` when it
+    returned ``(out, weights)`` (else None), and the output's ``dtype`` (its precision)."""
 
-    def __init__(self, fn, sig, framework, adapter=None):
+    H: np.ndarray
+    weights: np.ndarray | None
+    dtype: np.dtype | None
+
+
+class Subject:
+    """The user's code, called on a probe with chosen values V: ``values(probe, V)`` returns
+    an :class:`Output` whose ``H`` is per head, (B, H, T_q, n), for V (1|B, H, T_k, n).
+    The input layout (unit axes) and the framework (NumPy or torch) are found on the first
+    call that runs and kept; ``has_wo``: the function takes W_O (x-weights, 5 arguments)."""
+
+    def __init__(self, fn, sig, framework, adapter=None, has_wo=False):
         self.fn, self.sig, self.framework, self.adapter = fn, sig, framework, adapter
+        self.has_wo = has_wo if sig != "module" else "o" in adapter.found
         self.layouts: dict = {}  # (B == 1, H == 1) -> leading axes that worked
-        self.out_dtype = None  # the dtype of the function's output (its working precision)
-        self.weights = None  # A, when the function returns (out, weights)
-        self.wrap = None  # NumPy op recording: a view of each input array
-        self.last = None  # (probe, V) of the last call, for the white-box pass
 
     # -- conversion
-    def _conv(self, a, framework=None):
+    def _conv(self, a, framework=None, wrap=None):
         if (framework or self.framework) == "torch":
             import torch
 
             return torch.from_numpy(np.ascontiguousarray(a))
-        return a if self.wrap is None else self.wrap(a)
+        return a if wrap is None else wrap(a)
 
-    def _raw(self, out):
+    @staticmethod
+    def _raw(out) -> tuple[np.ndarray, np.dtype]:
         out = _first(out)
         if type(out).__module__.startswith("torch"):
-            self.out_dtype = np.dtype(
-                str(out.dtype).replace("torch.", "").replace("bfloat16", "float32")
-            )
+            dtype = np.dtype(str(out.dtype).replace("torch.", "").replace("bfloat16", "float32"))
         else:
-            self.out_dtype = np.asarray(out).dtype
-        return _as_array(out).astype(np.float64)
+            dtype = np.asarray(out).dtype
+        return _as_array(out).astype(np.float64), dtype
 
     # -- calls
-    def values(self, p: Probe, V: np.ndarray) -> np.ndarray:
-        self.last = (p, V)
+    def values(self, p: Probe, V: np.ndarray, wrap=None) -> Output:
+        """Call the function on probe ``p`` with values ``V``; ``wrap``: a view for each
+        NumPy input (the white-box recorder's)."""
         if self.sig == "qkv":
-            return self._qkv(p, V)
+            return self._qkv(p, V, wrap)
         if self.sig == "x-weights":
-            return self._xw(p, V)
+            return self._xw(p, V, wrap)
         return self._module(p, V)
 
-    def __call__(self, p: Probe):  # white-box recording replays the last call
-        lp, V = self.last if self.last is not None else (p, None)
-        return self.values(lp, V)
-
-    def _qkv(self, p: Probe, V):
+    def _qkv(self, p: Probe, V, wrap):
         B, H = p.B, p.H
         V = np.broadcast_to(V, (B, H) + V.shape[2:]).astype(p.dtype)
         n = V.shape[-1]
@@ -336,19 +351,20 @@ class Subject:
             for lead in layouts:
                 try:
                     args = [
-                        self._conv(a.reshape(lead + a.shape[2:]).copy(), fw)
+                        self._conv(a.reshape(lead + a.shape[2:]).copy(), fw, wrap)
                         for a in (p.inputs["q"], p.inputs["k"], V)
                     ]
-                    kwargs = {k: self._conv(np.asarray(v).copy(), fw) for k, v in p.kwargs.items()}
+                    kwargs = {
+                        k: self._conv(np.asarray(v).copy(), fw, wrap) for k, v in p.kwargs.items()
+                    }
                     out = self.fn(*args, **kwargs)
-                    self.weights = _returned_weights(out)
-                    res = self._raw(out)
+                    res, dtype = self._raw(out)
                     if res.size != B * H * p.T_q * n:
                         raise ValueError(
                             f"output has shape {res.shape}, expected {lead + (p.T_q, n)}"
                         )
                     self.layouts[key], self.framework = lead, fw
-                    return res.reshape(B, H, p.T_q, n)
+                    return Output(res.reshape(B, H, p.T_q, n), _returned_weights(out), dtype)
                 except MemoryError:  # not a layout problem: the worker reports it
                     raise
                 except Exception as exc:  # the next layout, or the caller reports it
@@ -358,26 +374,20 @@ class Subject:
                         raise
         raise err
 
-    def _xw(self, p: Probe, V):
+    def _xw(self, p: Probe, V, wrap):
         x = p.inputs["x"]
         B = p.B
         pinv = np.linalg.pinv(x[0].astype(np.float64))  # (d_model, T): x pinv(x) = I_T
         w_v = (pinv @ np.asarray(V, np.float64)[0, 0]).astype(p.dtype)
         n = V.shape[-1]
         args = [x if B > 1 else x[0], p.inputs["w_q"], p.inputs["w_k"], w_v]
-        if self.adapter_wo():
+        if self.has_wo:
             args.append(np.eye(n, dtype=p.dtype))
-        out = self.fn(*[self._conv(np.ascontiguousarray(a).copy()) for a in args])
-        self.weights = _returned_weights(out)
-        res = self._raw(out)
+        out = self.fn(*[self._conv(np.ascontiguousarray(a).copy(), wrap=wrap) for a in args])
+        res, dtype = self._raw(out)
         if res.size != B * p.T_q * n:
             raise ValueError(f"output has shape {res.shape}, expected {(B, p.T_q, n)}")
-        return res.reshape(B, 1, p.T_q, n)
-
-    def adapter_wo(self) -> bool:
-        if self.sig == "module":
-            return "o" in self.adapter.found
-        return bool(getattr(self, "has_wo", False))
+        return Output(res.reshape(B, 1, p.T_q, n), _returned_weights(out), dtype)
 
     def output(self, p: Probe, w_v: np.ndarray, w_o: np.ndarray) -> np.ndarray:
         """The function's output with chosen W_V and W_O (x-weights, module): (B, T, d_out)."""
@@ -387,8 +397,7 @@ class Subject:
             out = self.fn(*[self._conv(np.ascontiguousarray(a).copy()) for a in args])
         else:
             out = self._run_module(p, w_v, w_o)
-        res = self._raw(out)
-        return res.reshape(p.B, p.T_q, -1)
+        return self._raw(out)[0].reshape(p.B, p.T_q, -1)
 
     def _run_module(self, p: Probe, w_v, w_o):
         import torch
@@ -408,16 +417,16 @@ class Subject:
         pinv = np.linalg.pinv(x0)
         V = np.asarray(V, np.float64)[0]  # (H, T_k, n)
         n = V.shape[-1]
-        cols = []
+        cols, dtype = [], None
         for c0 in range(0, n, dv):
             chunk = np.zeros((h, V.shape[1], dv))
             chunk[..., : min(dv, n - c0)] = V[..., c0 : c0 + dv]
             w_v = merge_heads(pinv @ chunk)  # (d_model, h·d_v)
             w_o = np.eye(h * dv, d_out) if d["w_o"] else None
-            out = self._raw(self._run_module(p, w_v, w_o))
+            out, dtype = self._raw(self._run_module(p, w_v, w_o))
             Hc = out.reshape(p.T_q, -1)[:, : h * dv]
             cols.append(np.moveaxis(Hc.reshape(p.T_q, h, dv), 1, 0)[..., : min(dv, n - c0)])
-        return np.concatenate(cols, -1)[None]
+        return Output(np.concatenate(cols, -1)[None], None, dtype)
 
 
 def _returned_weights(out):
