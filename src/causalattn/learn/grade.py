@@ -33,6 +33,7 @@ import numpy as np
 from .. import masks
 from ..check import runner
 from ..check.callers import exec_source, framework
+from ..check.faults import CATALOGUE
 from ..check.files import read_source
 from ..reference import softmax_last
 from ..shapes import shape_table
@@ -58,53 +59,8 @@ STAGE_NAMES = {
     "heads": "every head the same way",
 }
 
-# One hint per catalogued fault: where to look, never what to write.
-HINTS = {
-    "k-not-transposed": "S[i, j] must compare query row i with key row j over their d_k "
-    "entries. With T = d_k your product runs but pairs the wrong axes; try T ≠ d_k and "
-    "watch the shapes.",
-    "missing-scale": "Your scores are too large by a constant factor that depends on d_k. In "
-    "the chapter (d_k = 2) the last query's scores are [-0.707, 0.707, 0, 1.414].",
-    "scale-by-dk": "Your scores are too small. With d_k = 4, should the scores be halved or "
-    "quartered?",
-    "diagonal-blocked": "Look at the diagonal of M: may a token read itself?",
-    "no-mask": "Your queries read keys in their future: nothing blocks j > i.",
-    "anti-causal-mask": "Your mask lets query i read the keys after it and blocks the ones "
-    "before. Which side of the diagonal is the past?",
-    "padding-ignored": "Positions at or after `length` are <PAD>: a real query must not read "
-    "them, and a padding query reads nothing.",
-    "padding-queries-only": "Padding must block key columns too, not only query rows.",
-    "finite-min-added-twice": "Two finite minimums added together overflow to -inf, and a row "
-    "with no readable key then spreads its weight over forbidden keys. Build each blocked "
-    "entry once.",
-    "softmax-query-axis": "Your weights sum to 1 down each column. A row is one query: along "
-    "which axis are its keys?",
-    "softmax-all-entries": "Your weights sum to 1 over the whole matrix. Each query needs a "
-    "distribution of its own.",
-    "mask-after-softmax": "Your rows of A sum to less than 1: the future keys took part in the "
-    "softmax before being zeroed. Where must M enter?",
-    "unstable-softmax": "With large scores exp overflows (inf / inf is NaN). A softmax does "
-    "not change when one number is subtracted from a whole row: which number keeps every "
-    "exp at most 1?",
-    "nan-on-empty-rows": "A padding query's row is -∞ everywhere, and 0 / 0 is NaN. Such a "
-    "row reads nothing: its weights must be 0.",
-    "scale-by-sqrt-dv": "Your scores are scaled by the width of the values. The factor "
-    "belongs to the axis that Q Kᵀ contracts.",
-    "scale-by-sqrt-dmodel": "Your scores are scaled by the model's width. Each head compares "
-    "vectors of its own width.",
-    "finite-fill-too-weak": "Your blocked entries are not blocked enough: large scores "
-    "overcome a finite fill such as -1e4.",
-    "causal-top-left": "With fewer queries than keys the queries are the last positions: "
-    "where does query 0 sit?",
-    "window-off-by-one": "Count the window: w positions, the query's own included.",
-    "softmax-fp16-accumulation": "Long rows in half precision lose their sums: in which "
-    "precision is the row accumulated?",
-    "some-heads-only": "Some heads are right and others not: what differs between the heads "
-    "in your code?",
-    "output-projection-missing": "Your O is the heads' output itself: W_O never enters.",
-    "output-projection-transposed": "W_O is (h·d_v)×d_model and is used as X W is: which of "
-    "its axes meets the columns of [H_0 … H_{h-1}]?",
-}
+# One hint per catalogued fault, the catalogue's lesson: where to look, never what to write.
+HINTS = {f.id: f.lesson for f in CATALOGUE}
 _STAGE_HINTS = {
     "shape": "Write the shapes of every intermediate next to the code, in the seed's "
     "notation (T×d_k, T×T, ...), and compare with the docstring.",
@@ -130,7 +86,8 @@ _FINITE_FILL = (
 class Grade:
     """The grade of one file: ``status`` right | wrong | error; ``stages`` one dict per
     stage of the exercise (stage, name, status right | wrong | not graded); ``stage``: the
-    first wrong one; ``pattern``: the learner's M against the expected one (mask stage)."""
+    first wrong one; ``pattern``: the learner's M against the expected one (mask stage);
+    ``also``: every further fault diagnose measured (stage, fault, message, hint)."""
 
     file: str
     exercise: str | None
@@ -144,6 +101,7 @@ class Grade:
     location: str | None = None
     pattern: dict | None = None
     diagnosis: dict | None = None
+    also: list = field(default_factory=list)  # the further faults measured: stage, fault, ...
 
     @property
     def exit_code(self) -> int:
@@ -181,6 +139,8 @@ class Grade:
                 )
         if self.hint:
             lines.append(f"  hint: {self.hint}")
+        for a in self.also:
+            lines.append(f"  also wrong, stage {a['stage']}: {a['message']}")
         return "\n".join(lines)
 
 
@@ -514,16 +474,10 @@ def grade_namespace(
             stages=_stages(ex, None, True),
             diagnosis=dd,
         )
-    if d.stage in ex.stages:
-        stage = d.stage
-    elif len(ex.stages) == 1:  # the rest of the pipeline is the library's: the learner's stage
-        stage = ex.stages[0]
-    elif d.stage in ("H", "O"):
-        stage = ex.stages[-1]
-    else:  # e.g. "heads": a row of its own
-        stage = d.stage or ex.stages[0]
+    first, *rest = d.findings or [None]
+    stage = _exercise_stage(ex, d.stage)
     known = d.status == "fault"
-    hint = HINTS.get(d.fault) if known else None
+    hint = _hint(first.fault if first is not None else None, stage) if known else None
     msg = (
         f"stage {stage} is wrong: {d.message}"
         if known
@@ -536,6 +490,15 @@ def grade_namespace(
     if ex.name == "mask" and "?" in cells and "-∞" not in cells:
         hint = _FINITE_FILL  # measured in their M: only finite fills, whatever diagnose matched
     hint = hint or _STAGE_HINTS.get(stage, _STAGE_HINTS["shape"])
+    also = [  # every further fault diagnose measured, at the exercise's stage, with its lesson
+        {
+            "stage": _exercise_stage(ex, f.stage),
+            "fault": f.fault,
+            "message": f.text,
+            "hint": _hint(f.fault, _exercise_stage(ex, f.stage)),
+        }
+        for f in rest
+    ]
     return Grade(
         path,
         ex.name,
@@ -549,7 +512,24 @@ def grade_namespace(
         location,
         pattern,
         dd,
+        also,
     )
+
+
+def _exercise_stage(ex: Exercise, stage: str | None) -> str:
+    """The exercise's stage a diagnosed stage falls in."""
+    if stage in ex.stages:
+        return stage
+    if len(ex.stages) == 1:  # the rest of the pipeline is the library's: the learner's stage
+        return ex.stages[0]
+    if stage in ("H", "O"):
+        return ex.stages[-1]
+    return stage or ex.stages[0]  # e.g. "heads": a row of its own
+
+
+def _hint(fault: str | None, stage: str) -> str:
+    """The catalogue's lesson for a fault, else the stage's own hint."""
+    return HINTS.get(fault) or _STAGE_HINTS.get(stage, _STAGE_HINTS["shape"])
 
 
 def grade_function(fn, exercise: str | None = None) -> Grade:
