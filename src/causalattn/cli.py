@@ -1155,13 +1155,28 @@ def diagnose_cmd(
             **declared,
         )
     if as_json:
-        _print_json(d.to_dict())
+        _print_json({"positions": "1-based", **_one_based_findings(d.to_dict())})
     else:
-        _console().print(str(d), markup=False)
+        # every finding, one line each (never wrapped), the first in full
+        _console().print(str(d), markup=False, soft_wrap=True)
     if d.not_run:
         raise typer.Exit(2)
     if not d.ok:
         raise typer.Exit(1)
+
+
+def _one_based_findings(d: dict) -> dict:
+    """Diagnosis JSON with each finding's rows, slice, heads, patched and value rows 1-based."""
+
+    def shift(f: dict) -> dict:
+        m = dict(f.get("measurement") or {})
+        for k in ("heads", "patched_rows", "value_rows"):
+            if isinstance(m.get(k), list):
+                m[k] = [i + 1 for i in m[k]]
+        rows, sl = [i + 1 for i in f.get("rows", [])], [i + 1 for i in f.get("slice", [])]
+        return {**f, "rows": rows, "slice": sl, "measurement": m}
+
+    return {**d, "findings": [shift(f) for f in d.get("findings", [])]}
 
 
 # -- causalattn learn -------------------------------------------------------------------

@@ -271,9 +271,8 @@ def _lost_precision(pm: ProbeMeasure, s: SliceMeasure) -> Finding | None:
         f"accuracy rule allows {pm.tol:.2g} in {pm.dtype}): precision is lost inside the "
         f"function (on {pm.probe})"
     )
-    return _finding(
-        pm, s, "A", None, msg, err=s.err, rel_err=s.rel_err, tol=pm.tol, dtype=pm.dtype, bits=bits
-    )
+    m = dict(err=s.err, rel_err=s.rel_err, tol=pm.tol, dtype=pm.dtype, bits=bits, scale=c)
+    return _finding(pm, s, "A", None, msg, **m)
 
 
 def _row_scaled(s: SliceMeasure) -> bool:
