@@ -125,38 +125,44 @@ def npy_header(shape, dtype: str = "<f8") -> bytes:
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header
 
 
-def peak_run(args: list[str], *, mem: int = 3 * GiB, timeout: float = 120, cwd=None):
-    """Run ``python args`` in a session of its own, address space capped at ``mem``;
-    (exit code, stdout + stderr, peak resident MiB of it and the children it waited for).
-    The peak is this child's alone (``os.wait4``), start-up included."""
+# printed by the child at exit: its own high-water resident memory (VmHWM is the process's
+# own since its exec; ru_maxrss is not: it keeps the RSS of the forked parent it replaced)
+_PEAK_PRELUDE = """
+import atexit as _atexit, os as _os
+def _peak():
+    with open("/proc/self/status") as fh:
+        kib = next(int(s.split()[1]) for s in fh if s.startswith("VmHWM:"))
+    _os.write(2, ("\\n@@peak-kib@@ %d\\n" % kib).encode())
+_atexit.register(_peak)
+"""
+
+
+def peak_run(code: str, *, mem: int = 3 * GiB, timeout: float = 120, cwd=None):
+    """Run ``python -c code`` in a session of its own, address space capped at ``mem``;
+    (exit code, stdout + stderr, its peak resident MiB, start-up included). The peak is the
+    process's VmHWM at exit (None when it never exited normally)."""
+    import re
     import resource
-    import signal
-    import tempfile
-    import threading
 
     def caps():
         resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
 
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(
-            [sys.executable, *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
+    try:
+        res = subprocess.run(
+            [sys.executable, "-c", _PEAK_PRELUDE + code],
+            capture_output=True,
+            text=True,
             stdin=subprocess.DEVNULL,
             preexec_fn=caps,
             start_new_session=True,
             env=env,
             cwd=cwd,
+            timeout=timeout,
         )
-        timer = threading.Timer(timeout, lambda: os.killpg(proc.pid, signal.SIGKILL))
-        timer.start()
-        try:
-            _, status, usage = os.wait4(proc.pid, 0)
-        finally:
-            timer.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
-        log.seek(0)
-        out = log.read().decode("utf-8", "replace")
-    assert proc.returncode != -signal.SIGKILL, f"killed at the {timeout} s deadline:\n{out}"
-    return proc.returncode, out, usage.ru_maxrss / 1024
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"did not finish within {timeout} s: {exc.output}") from None
+    out = res.stdout + res.stderr
+    found = re.findall(r"@@peak-kib@@ (\d+)", out)
+    out = re.sub(r"\n?@@peak-kib@@ \d+\n", "", out)
+    return res.returncode, out, int(found[-1]) / 1024 if found else None

@@ -39,11 +39,10 @@ def bombs(tmp_path_factory):
     return {"npz": npz, "trace": trace_npz, "py": py, "dir": d}
 
 
-def _cli(*args: str) -> list[str]:
-    return [
-        "-c",
-        "import sys; from causalattn.cli import main; sys.argv[0] = 'causalattn'; main()",
-    ] + [*args]
+def _cli(*args: str) -> str:
+    return (
+        f"import sys; from causalattn.cli import main; sys.argv = {['causalattn', *args]!r}; main()"
+    )
 
 
 def _refused(rc, out, peak, *words):
@@ -91,7 +90,7 @@ def test_trace_load_in_python(bombs):
         "    print('refused:', exc)\n"
         "    raise SystemExit(2)\n"
     )
-    rc, out, peak = peak_run(["-c", code])
+    rc, out, peak = peak_run(code)
     _refused(rc, out, peak, "refused: trace file", "above the limit")
 
 

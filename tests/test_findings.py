@@ -26,7 +26,7 @@ SOL = Path(__file__).parent / "learn_solutions"
 
 @pytest.mark.parametrize("name", list(two_faults.FINDINGS))
 def test_every_fault_is_a_finding_main_probe_first(name):
-    d = diagnose(getattr(two_faults, name))
+    d = diagnose(getattr(two_faults, name), **two_faults.DECLARED.get(name, {}))
     want = two_faults.FINDINGS[name]
     assert [(f.stage, f.fault) for f in d.findings] == want, str(d)
     first = d.findings[0]
@@ -64,6 +64,12 @@ def test_a_patched_first_row_still_names_the_fault(name):
     assert f.measurement["patched_rows"] == [0] and set(f.rows) - {0} == {1, 2, 3, 4, 5}
     assert "every row but row 1 has diagonal-blocked's form (it is patched)" in d.message
     assert "rows 2..6 do not read their own key" in d.message
+
+
+def test_patched_rows_with_no_readable_key_still_name_the_fault():
+    d = diagnose(two_faults.no_mask_padding_rows_zeroed, lengths=[4])
+    assert d.fault == "no-mask" and d.findings[0].measurement["patched_rows"] == [4, 5], str(d)
+    assert "every row but rows 5..6 has no-mask's form (they are patched)" in d.message
 
 
 @pytest.mark.parametrize(

@@ -329,7 +329,7 @@ class Trace:
         try:
             data = read_arrays(path, max_bytes, formats=("npz",), text=("tokens",))
         except ValueError as exc:
-            raise ValueError(f"trace file {exc}") from None
+            raise ValueError(f"trace file cannot be read: {exc}") from None
         return cls.from_arrays(data)
 
     @classmethod

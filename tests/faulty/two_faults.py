@@ -2,8 +2,8 @@
 which is aligned top-left), each with two faults; the patched-row variants of catalogued
 faults; faults on the value side and in precision.
 
-``FINDINGS[name]``: the (stage, fault id) of every finding diagnose must give, in order
-(plain causal attention is what each is meant to compute).
+``FINDINGS[name]``: the (stage, fault id) of every finding diagnose must give, in order;
+``DECLARED[name]``: what the code is meant to compute (plain causal where not given).
 """
 
 import numpy as np
@@ -59,6 +59,15 @@ def diagonal_blocked_row_one_uniform(q, k, v):
     s = np.where(j < i, _scores(q, k), -np.inf)
     s[..., i[:, 0] == 0, :] = 0.0  # row 1 read nothing: patched to a uniform row
     return _softmax(s) @ v
+
+
+def no_mask_padding_rows_zeroed(q, k, v, lengths=None):
+    """No mask at all, but rows of padding queries (i >= length) patched to zero."""
+    out = _softmax(_scores(q, k)) @ v
+    if lengths is not None:
+        pad = np.arange(q.shape[-2]) >= np.asarray(lengths).reshape(-1, 1)  # (B, T_q)
+        out = np.where(pad.reshape(out.shape[:-1] + (1,)), 0.0, out)
+    return out
 
 
 def values_from_the_previous_row(q, k, v):
@@ -131,4 +140,6 @@ FINDINGS = {
     "no_mask_unstable": [("M", "no-mask"), ("A", "unstable-softmax")],
     "weak_fill_missing_scale": [("S", "missing-scale"), ("M", "finite-fill-too-weak")],
     "mask_after_softmax_unstable": [("A", "mask-after-softmax"), ("A", "unstable-softmax")],
+    "no_mask_padding_rows_zeroed": [("M", "no-mask")],
 }
+DECLARED = {"no_mask_padding_rows_zeroed": {"lengths": [4]}}  # else plain causal

@@ -147,10 +147,16 @@ def _execute(job, max_memory: int) -> dict:
 
 
 def _out_of_memory(max_memory: int) -> dict:
+    try:  # the worker's high-water mark: what the job took before it failed
+        with open("/proc/self/status") as fh:
+            kib = next(int(s.split()[1]) for s in fh if s.startswith("VmHWM:"))
+        peak = f" at a peak of {kib / 1024:.0f} MiB"
+    except (OSError, StopIteration, ValueError):
+        peak = ""
     return {
         "failure": "memory",
-        "message": f"ran out of memory (the worker is capped at {max_memory / 2**30:.3g} GiB "
-        "more than it started with; max_memory / --max-memory)",
+        "message": f"ran out of memory{peak} (the worker is capped at {max_memory / 2**30:.3g} "
+        "GiB more than it started with; max_memory / --max-memory)",
     }
 
 
