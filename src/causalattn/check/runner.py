@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..memory import status_kib
+
 __all__ = ["run", "Failure", "FAILURE_KINDS", "DEFAULT_MAX_MEMORY", "MAX_OUTPUT", "remaining"]
 
 FAILURE_KINDS = ("timeout", "memory", "crashed", "error")
@@ -114,11 +116,7 @@ def _limit(max_memory: int, max_output: int) -> None:
     """Cap this (worker) process: address space (current + max_memory), bytes it writes."""
     import resource
 
-    try:
-        with open("/proc/self/status") as fh:
-            vm = next(int(line.split()[1]) * 1024 for line in fh if line.startswith("VmSize:"))
-    except (OSError, StopIteration, ValueError):
-        vm = 0
+    vm = (status_kib("VmSize") or 0) * 1024
     for which, cap in ((resource.RLIMIT_AS, vm + max_memory), (resource.RLIMIT_FSIZE, max_output)):
         hard = resource.getrlimit(which)[1]
         if hard != resource.RLIM_INFINITY:
@@ -147,12 +145,8 @@ def _execute(job, max_memory: int) -> dict:
 
 
 def _out_of_memory(max_memory: int) -> dict:
-    try:  # the worker's high-water mark: what the job took before it failed
-        with open("/proc/self/status") as fh:
-            kib = next(int(s.split()[1]) for s in fh if s.startswith("VmHWM:"))
-        peak = f" at a peak of {kib / 1024:.0f} MiB"
-    except (OSError, StopIteration, ValueError):
-        peak = ""
+    kib = status_kib("VmHWM")  # the worker's high-water mark: what the job took
+    peak = "" if kib is None else f" at a peak of {kib / 1024:.0f} MiB"
     return {
         "failure": "memory",
         "message": f"ran out of memory{peak} (the worker is capped at {max_memory / 2**30:.3g} "
