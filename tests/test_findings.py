@@ -22,11 +22,19 @@ from faulty import two_faults  # noqa: E402
 
 FAULTY = Path(__file__).parent / "faulty"
 SOL = Path(__file__).parent / "learn_solutions"
+_SEEN: dict = {}
+
+
+def _diagnosed(name: str) -> Diagnosis:
+    """diagnose(two_faults.<name>) once per test process (in a worker, as by default)."""
+    if name not in _SEEN:
+        _SEEN[name] = diagnose(getattr(two_faults, name), **two_faults.DECLARED.get(name, {}))
+    return _SEEN[name]
 
 
 @pytest.mark.parametrize("name", list(two_faults.FINDINGS))
 def test_every_fault_is_a_finding_main_probe_first(name):
-    d = diagnose(getattr(two_faults, name), **two_faults.DECLARED.get(name, {}))
+    d = _diagnosed(name)
     want = two_faults.FINDINGS[name]
     assert [(f.stage, f.fault) for f in d.findings] == want, str(d)
     first = d.findings[0]
@@ -40,7 +48,7 @@ def test_every_fault_is_a_finding_main_probe_first(name):
 
 
 def test_the_lesser_fault_does_not_hide_the_one_every_square_call_shows():
-    d = diagnose(two_faults.mask_after_softmax_tril)
+    d = _diagnosed("mask_after_softmax_tril")
     masked, top_left = d.findings
     assert masked.probe == "main probe" and "rows sum to less than 1" in masked.message
     assert len(masked.measurement["row_sums"]) == 6 and min(masked.measurement["row_sums"]) < 1
@@ -48,7 +56,7 @@ def test_the_lesser_fault_does_not_hide_the_one_every_square_call_shows():
 
 
 def test_an_overflow_is_not_lost_behind_a_mask_fault():
-    d = diagnose(two_faults.unstable_tril)
+    d = _diagnosed("unstable_tril")
     assert d.fault == "causal-top-left" and d.also == ["unstable-softmax"]
     overflow = d.findings[1]
     assert overflow.probe == "large-score probe" and "NaN or inf" in overflow.message
@@ -58,7 +66,7 @@ def test_an_overflow_is_not_lost_behind_a_mask_fault():
     "name", ["diagonal_blocked_row_one_patched", "diagonal_blocked_row_one_uniform"]
 )
 def test_a_patched_first_row_still_names_the_fault(name):
-    d = diagnose(getattr(two_faults, name))
+    d = _diagnosed(name)
     assert d.fault == "diagonal-blocked" and d.stage == "M", str(d)
     f = d.findings[0]
     assert f.measurement["patched_rows"] == [0] and set(f.rows) - {0} == {1, 2, 3, 4, 5}
@@ -67,7 +75,7 @@ def test_a_patched_first_row_still_names_the_fault(name):
 
 
 def test_patched_rows_with_no_readable_key_still_name_the_fault():
-    d = diagnose(two_faults.no_mask_padding_rows_zeroed, lengths=[4])
+    d = _diagnosed("no_mask_padding_rows_zeroed")
     assert d.fault == "no-mask" and d.findings[0].measurement["patched_rows"] == [4, 5], str(d)
     assert "every row but rows 5..6 has no-mask's form (they are patched)" in d.message
 
@@ -77,7 +85,7 @@ def test_patched_rows_with_no_readable_key_still_name_the_fault():
     [("values_from_the_previous_row", [5, 0, 1, 2, 3, 4]), ("values_reversed", [5, 4, 3, 2, 1, 0])],
 )
 def test_values_from_the_wrong_rows_are_placed_at_H(name, rows):
-    d = diagnose(getattr(two_faults, name))
+    d = _diagnosed(name)
     assert d.stage == "H" and d.status == "unknown" and len(d.findings) == 1, str(d)
     assert d.findings[0].measurement["value_rows"] == rows
     assert "the weights are right" in d.message and "wrong rows" in d.message
@@ -87,7 +95,7 @@ def test_values_from_the_wrong_rows_are_placed_at_H(name, rows):
     "name, bits", [("weights_rounded_to_bf16", 8), ("weights_rounded_to_fp16", 11)]
 )
 def test_lost_precision_is_placed_at_A_with_its_error_and_dtype(name, bits):
-    d = diagnose(getattr(two_faults, name))
+    d = _diagnosed(name)
     assert d.stage == "A" and len(d.findings) == 1, str(d)
     m = d.findings[0].measurement
     assert m["dtype"] == "float64" and m["err"] > m["tol"] and abs(m["bits"] - bits) < 1.5, m

@@ -152,3 +152,33 @@ def test_window_off_by_one(w):
     E = pat.allowed(1, 1, T, T)[0, 0]
     P = masks.Pattern(window=w).allowed(1, 1, T, T)[0, 0]
     assert match_pattern(_probe(pattern=pat), P, E) == ("window-off-by-one", [])
+
+
+def test_measuring_is_pure_on_a_hand_made_run():
+    """measure() reads a Run (what a function returned) without running anything."""
+    from causalattn.check.measure import expected_weights, measure
+    from causalattn.check.observe import Run
+    from causalattn.check.probes import eye, qkv_probe
+
+    p = qkv_probe(
+        "main probe",
+        np.random.default_rng(0),
+        T_q=T,
+        T_k=T,
+        d_k=3,
+        mag=1.2,
+        dtype=np.float64,
+        pattern=masks.Pattern(),
+    )
+    A = expected_weights(p, C0)  # what a right function returns for V = I
+    V = np.random.default_rng(1).normal(size=(1, 1, T, T))
+    p.values.update(eye=eye(T), random=V, zero=np.zeros_like(V))
+    right = Run(p, {"eye": A, "random": A @ V, "zero": 0 * V}, np.dtype("float64"))
+    pm = measure(right, scale=None, sig="qkv")
+    (s,) = pm.slices
+    assert (s.read == CAUSAL).all() and s.mode == "rows" and abs(s.fit[0] / C0 - 1) < 1e-9
+    assert pm.linearity.err <= pm.linearity.tol and judge([pm]) == []
+    G = np.roll(np.eye(T), 1, axis=1)
+    wrong = Run(p, {"eye": A @ G, "random": A @ G @ V, "zero": 0 * V}, np.dtype("float64"))
+    (s,) = measure(wrong, scale=None, sig="qkv").slices
+    assert np.allclose(s.value_map, G) and s.value_misfit < 1e-9

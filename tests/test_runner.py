@@ -17,6 +17,7 @@ import pytest
 
 from causalattn import diagnose
 from causalattn.check import runner
+from causalattn.learn import grade
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _helpers import peak_run  # noqa: E402
@@ -68,13 +69,13 @@ def test_a_run_inside_a_run_honours_the_outer_deadline(tmp_path):
     inner = functools.partial(_sleep_and_tell, str(pid_file))
 
     def outer():
-        assert runner.remaining() is not None and runner.remaining() <= 2
-        return runner.run(inner, timeout=100)  # asks 100 s; gets what is left of 2
+        assert runner.remaining() is not None and runner.remaining() <= 5
+        return runner.run(inner, timeout=100)  # asks 100 s; gets what is left of 5
 
     assert runner.remaining() is None  # (not inside a worker here)
     t0 = time.monotonic()
-    f = runner.run(outer, timeout=2)
-    assert f.kind == "timeout" and time.monotonic() - t0 < 15, f
+    f = runner.run(outer, timeout=5)
+    assert f.kind == "timeout" and time.monotonic() - t0 < 30, f
     _assert_gone(int(pid_file.read_text()))
 
 
@@ -146,14 +147,13 @@ def test_a_forking_file_leaves_no_process_behind(tmp_path, monkeypatch, door):
         ns: dict = {}
         exec(compile(FORKS, str(src), "exec"), ns)
         assert diagnose(ns["attention"], timeout=60).ok
-    else:
-        args = (
-            ["diagnose", f"{src}:attention"]
-            if door.startswith("diagnose")
-            else ["learn", "--check", str(src)]
-        )
-        rc, out, _ = peak_run(_cli(*args), timeout=180)
-        assert rc == 0, out
+    else:  # a file: it also forks as soon as it is loaded (in the worker)
+        monkeypatch.setenv("FORK_AT_IMPORT", "1")
+        if door == "diagnose FILE":
+            assert diagnose(f"{src}:attention", timeout=120).ok
+        else:
+            g = grade.check(src, timeout=120)
+            assert g.ok, str(g)
     pgid = int(pgid_file.read_text())
     assert pgid != os.getpgid(0)  # the job ran in a session of its own
     for _ in range(100):

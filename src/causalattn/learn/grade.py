@@ -339,17 +339,19 @@ def _read_picture(d) -> dict | None:
 
 
 # -- grading ------------------------------------------------------------------------------------
-def _find_exercise(ns: dict, path: str, exercise: str | None) -> Exercise:
+def _find_exercise(ns: dict, path: str, exercise: str | None, source: bytes | None) -> Exercise:
     if exercise is not None:
         if exercise not in EXERCISES:
             raise ValueError(
                 f"learn: unknown exercise {exercise!r}; choose one of {list(EXERCISES)}"
             )
         return EXERCISES[exercise]
-    try:
-        first = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()[:1]
-    except OSError:
-        first = []
+    if source is None:  # (grade_namespace called on its own: the file, by the one reader)
+        try:
+            source = read_source(path)
+        except ValueError:
+            source = b""
+    first = source.decode("utf-8", "replace").splitlines()[:1]
     if first and first[0].startswith(MARK):
         name = first[0][len(MARK) :].split()[0] if first[0][len(MARK) :].split() else ""
         if name in EXERCISES:
@@ -413,15 +415,21 @@ def _wrong_shape(path, ex, message, framework, diagnosis=None) -> Grade:
 
 
 def grade_namespace(
-    ns: dict, path: str | Path, exercise: str | None = None, timeout: float = 60.0
+    ns: dict,
+    path: str | Path,
+    exercise: str | None = None,
+    timeout: float = 60.0,
+    *,
+    source: bytes | None = None,
 ) -> Grade:
-    """Grade the exercise whose module globals are ``ns`` (loaded from ``path``);
-    ``timeout``: seconds for diagnose's worker (inside ``check``, what is left of its own)."""
+    """Grade the exercise whose module globals are ``ns`` (loaded from ``path``, whose
+    ``source`` names the exercise on its first line); ``timeout``: seconds for diagnose's
+    worker (inside ``check``, what is left of its own)."""
     from ..check import diagnose
 
     path = str(path)
     try:
-        ex = _find_exercise(ns, path, exercise)
+        ex = _find_exercise(ns, path, exercise, source)
     except ValueError as exc:
         return _error(path, None, str(exc))
     fn = ns.get(ex.function)
@@ -562,7 +570,7 @@ def _grade_source(path: str, source: bytes, exercise: str | None, timeout: float
         if isinstance(exc, KeyboardInterrupt):
             raise
         return _error(path, None, f"{path} does not run: {type(exc).__name__}: {exc}")
-    return grade_namespace(ns, path, exercise, timeout)
+    return grade_namespace(ns, path, exercise, timeout, source=source)
 
 
 def _grade_job(path: str, source: bytes, exercise: str | None, timeout: float) -> dict:
