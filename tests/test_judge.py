@@ -65,6 +65,53 @@ def test_catalogue_forms_hold_on_every_row_but_a_patched_one():
     assert "every row but row 1 has diagonal-blocked's form" in f.message
 
 
+# every catalogued form of M on these probes, with its first row patched three ways: to read
+# every key (uniform), to read what the reference reads, or only its own key
+PATCHED = {
+    "causal": (masks.Pattern(), T, T, ["no-mask", "anti-causal-mask", "diagonal-blocked"]),
+    "lengths": (
+        masks.Pattern(lengths=[4]),
+        T,
+        T,
+        ["no-mask", "padding-ignored", "anti-causal-mask", "diagonal-blocked"],
+    ),
+    "decoding": (masks.Pattern(), 3, 7, ["no-mask", "diagonal-blocked", "causal-top-left"]),
+    "window": (
+        masks.Pattern(window=3),
+        T,
+        T,
+        ["no-mask", "anti-causal-mask", "diagonal-blocked", "window-off-by-one"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PATCHED))
+def test_every_catalogued_form_with_a_patched_first_row(case):
+    from causalattn.check.judge import _forms
+
+    pat, T_q, T_k, want = PATCHED[case]
+    pm = _probe(pattern=pat, T_q=T_q, T_k=T_k)
+    E = pat.allowed(1, 1, T_q, T_k)[0, 0]
+    own = np.zeros(T_k, bool)
+    own[T_k - T_q] = True
+    named = set()
+    for fid, F in _forms(pm, E, E, 0):
+        if F is None:
+            continue
+        for row0 in (np.ones(T_k, bool), E[0], own):
+            P = F.copy()
+            P[0] = row0
+            if (P[0] == F[0]).all() or (P == E).all():
+                continue  # not a patch of this form
+            got = match_pattern(pm, P, E)
+            if fid == "padding-queries-only":  # the same as the reference here: not shown
+                assert got == (None, []), got
+                continue
+            assert got == (fid, [0]), (fid, row0.astype(int), got)
+            named.add(fid)
+    assert sorted(named) == sorted(want)
+
+
 def test_the_main_probe_first_then_what_it_does_not_explain():
     mask_after = REF * 0 + np.tril(np.ones((T, T))) / T  # softmax over all keys, zeroed
     main = _probe(_slice(mask_after, mode="none", full_err=0.0))

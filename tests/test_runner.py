@@ -56,6 +56,49 @@ def test_result_or_a_typed_failure():
     assert time.monotonic() - t0 < 15
 
 
+def test_bad_limits_are_refused_before_anything_runs():
+    ran = []
+    for kw, word in [
+        ({"timeout": 0}, "timeout"),
+        ({"timeout": float("nan")}, "timeout"),
+        ({"timeout": float("inf")}, "timeout"),
+        ({"timeout": "5"}, "timeout"),
+        ({"timeout": 5, "max_memory": 0}, "max_memory"),
+        ({"timeout": 5, "max_memory": True}, "max_memory"),
+        ({"timeout": 5, "max_output": -1}, "max_output"),
+    ]:
+        with pytest.raises(ValueError, match=f"run: {word} must be"):
+            runner.run(lambda: ran.append(1), **kw)
+    for kw in ({"max_memory": 0}, {"max_memory": 2.5e9}, {"timeout": -1}):
+        word = next(iter(kw))
+        with pytest.raises(ValueError, match=f"diagnose: {word} must be"):
+            diagnose("nowhere.py:f", **kw)
+        with pytest.raises(ValueError, match=f"learn: {word} must be"):
+            grade.check("nowhere.py", **kw)
+    assert not ran
+
+
+def test_cli_refuses_bad_limits_in_one_line():
+    from typer.testing import CliRunner
+
+    from causalattn.cli import app
+
+    target = str(Path(__file__).parent / "faulty" / "numpy_qkv.py")
+    cases = [
+        (["diagnose", f"{target}:correct", "--max-memory", bad], "--max-memory must be")
+        for bad in ("0", "-1", "lots", "1.5G", "")
+    ] + [
+        (["learn", "--check", target, "--max-memory", "2X"], "--max-memory must be"),
+        (["learn", "--check", target, "--timeout", "0"], "timeout"),
+        (["learn", "--max-memory", "1G"], "go with --check"),
+        (["learn", "--timeout", "5"], "go with --check"),
+    ]
+    for args, words in cases:
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 2 and r.output.count("error:") == 1, (args, r.output)
+        assert words in r.output and "Traceback" not in r.output, (args, r.output)
+
+
 def test_fresh_interpreter_and_what_cannot_be_sent():
     assert runner.run(functools.partial(json.loads, "[1, 2]"), timeout=120, fresh=True) == [1, 2]
     f = runner.run(functools.partial(os._exit, 5), timeout=120, fresh=True, what="exit")

@@ -1194,7 +1194,9 @@ def learn(
     framework: str = typer.Option("numpy", "--framework", help="numpy | torch (the scaffold's)."),
     force: bool = typer.Option(False, "--force", help="Write the scaffold over an existing file."),
     check: Path = typer.Option(None, "--check", help="Grade a filled-in exercise (EXECUTES it)."),
-    timeout: float = typer.Option(60.0, "--timeout", help="Seconds before --check stops the file."),
+    timeout: float = typer.Option(
+        None, "--timeout", help="Seconds before --check stops the file (default 60)."
+    ),
     max_memory: _MaxMemory = None,
     as_json: bool = typer.Option(False, "--json", help="The question bank (or the grade) as JSON."),
 ) -> None:
@@ -1206,9 +1208,12 @@ def learn(
 
     if (output is not None or force or framework != "numpy") and (exercise is None or check):
         _fail("--output, --framework and --force go with --exercise NAME (writing a scaffold)")
+    if check is None and (timeout is not None or max_memory is not None):
+        _fail("--timeout and --max-memory go with --check FILE (grading a file)")
     if check is not None:
+        limit = 60.0 if timeout is None else timeout
         with _library_errors():
-            g = grade.check(check, exercise, timeout=timeout, max_memory=_memory_bytes(max_memory))
+            g = grade.check(check, exercise, timeout=limit, max_memory=_memory_bytes(max_memory))
         if as_json:
             _print_json(g.to_dict())
         else:

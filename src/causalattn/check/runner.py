@@ -90,6 +90,7 @@ def run(
 
     ``what`` names the job in messages ("hang.py did not finish within 3 s ...").
     """
+    _check_limits(timeout, max_memory, max_output)
     left = remaining()
     if left is not None:  # a worker inside a worker: the outer deadline and cap
         timeout, max_memory = min(timeout, left), min(max_memory, _MAX_MEMORY)
@@ -109,6 +110,17 @@ def run(
             pid = _spawn(pickled, limits, timeout, result, log)
         rc, timed_out = _wait(pid, timeout)
         return _outcome(what, rc, timed_out, timeout, result, log, int(max_memory))
+
+
+def _check_limits(timeout, max_memory, max_output) -> None:
+    """A bad limit is the caller's error, named here, before anything runs."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ValueError(f"run: timeout must be a number of seconds, got {timeout!r}")
+    if not (timeout > 0 and timeout < float("inf")):  # (NaN fails both)
+        raise ValueError(f"run: timeout must be a finite number of seconds > 0, got {timeout!r}")
+    for name, v in (("max_memory", max_memory), ("max_output", max_output)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"run: {name} must be a number of bytes > 0, got {v!r}")
 
 
 # -- in the worker -------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from .numerics import (
 )
 from .report import AuditInputError
 from .state import AuditState
+from .words import describe_difference
 
 
 def mask(st: AuditState) -> None:
@@ -192,8 +193,6 @@ def _pattern_from_weights(st, A, shape):
         return
     flat = int(np.flatnonzero(bad.reshape(-1, T_q * T_k).any(-1))[0])
     first = tuple(int(i) for i in np.unravel_index(flat, lead)) if lead else ()
-    from .words import describe_difference
-
     what = describe_difference(Pc[first], E[first], T_q, T_k)
     never = np.flatnonzero(~P[first].any(-2) & E[first].any(-2))
     msg = f"the keys A reads differ from the declared pattern ({declared}): {what}" + (

@@ -33,6 +33,7 @@ import numpy as np
 from .. import masks
 from ..check import runner
 from ..check.callers import exec_source, framework
+from ..check.diagnose import diagnose
 from ..check.faults import CATALOGUE
 from ..check.files import read_source
 from ..reference import softmax_last
@@ -425,8 +426,6 @@ def grade_namespace(
     """Grade the exercise whose module globals are ``ns`` (loaded from ``path``, whose
     ``source`` names the exercise on its first line); ``timeout``: seconds for diagnose's
     worker (inside ``check``, what is left of its own)."""
-    from ..check import diagnose
-
     path = str(path)
     try:
         ex = _find_exercise(ns, path, exercise, source)
