@@ -166,3 +166,29 @@ def peak_run(code: str, *, mem: int = 3 * GiB, timeout: float = 120, cwd=None):
     found = re.findall(r"@@peak-kib@@ (\d+)", out)
     out = re.sub(r"\n?@@peak-kib@@ \d+\n", "", out)
     return res.returncode, out, int(found[-1]) / 1024 if found else None
+
+
+# CLI calls in ONE capped process (torch imported once): each argv's exit code, output, seconds
+_MANY = """
+import json, sys, time
+from typer.testing import CliRunner
+from causalattn.cli import app
+
+def _call(argv):
+    t0 = time.monotonic()
+    r = CliRunner().invoke(app, argv)
+    return [r.exit_code, r.output, time.monotonic() - t0]
+
+print("@@many@@" + json.dumps([_call(argv) for argv in json.loads(sys.argv[1])]))
+"""
+
+
+def cli_many(*argvs, timeout: float = 120, mem: int = 3 * GiB) -> list:
+    """``causalattn ARGV`` for each argv, in one process run by :func:`peak_run` (address
+    space capped at ``mem``): [(exit code, output, seconds)] in order."""
+    import json
+
+    code = f"import sys\nsys.argv[1:] = {[json.dumps(argvs)]!r}\n" + _MANY
+    rc, out, _ = peak_run(code, mem=mem, timeout=timeout)
+    assert rc == 0 and "@@many@@" in out, out
+    return [tuple(r) for r in json.loads(out.split("@@many@@")[1].splitlines()[0])]

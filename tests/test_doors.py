@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _helpers import deflated_zeros, npy_header, peak_run, write_zip  # noqa: E402
+from _helpers import cli_many, deflated_zeros, npy_header, peak_run, write_zip  # noqa: E402
 
 BAR_MIB = 400
 BOMB_MIB = 2560  # above every door's default budget (audit: 2 GiB; trace, explore: 1 GiB)
@@ -111,20 +111,40 @@ def test_a_zip_bomb_is_refused_at_every_door(doors, bombs, door, words):
     assert not bombs["html"].exists()
 
 
-def test_json_is_charged_before_it_is_parsed(tmp_path):
+def test_json_is_charged_before_it_is_parsed_and_a_fifo_is_refused_not_waited_on(tmp_path):
     p = tmp_path / "big.json"
     p.write_text('{"X": [' + ", ".join(["0.5"] * 300_000) + "]}")  # 1.5 MB; 24 MB as lists
-    rc, out, _ = peak_run(_cli("trace", "-i", str(p), "--max-bytes", str(8 * 2**20)))
-    assert rc == 2 and "once parsed" in out and "above the limit" in out, out
-
-
-def test_a_fifo_is_refused_not_waited_on(tmp_path):
     fifo = tmp_path / "corpus.txt"
-    os.mkfifo(fifo)
-    for args in (
+    os.mkfifo(fifo)  # a reader that opened it would wait for a writer: the call's timeout
+    argvs = [
+        ["trace", "-i", str(p), "--max-bytes", str(8 * 2**20)],
         ["masks", "--file", str(fifo)],
         ["trace", "-i", str(fifo)],
         ["learn", "--check", str(fifo)],
-    ):
-        rc, out, _ = peak_run(_cli(*args), timeout=60)
+    ]
+    (rc, out, _), *fifos = cli_many(*argvs, timeout=90)
+    assert rc == 2 and "once parsed" in out and "above the limit" in out, out
+    for args, (rc, out, _) in zip(argvs[1:], fifos):
         assert rc == 2 and "not a regular file" in " ".join(out.split()), (args, out)
+
+
+def test_members_are_charged_to_one_budget_before_any_is_inflated(tmp_path):
+    """Two members of 40 MiB each under a 64 MiB budget: each fits, together they do not;
+    refused by the headers alone (a reader that inflated the first would hold 40 MiB)."""
+    import tracemalloc
+
+    from causalattn.check.files import read_arrays
+    from causalattn.check.report import AuditInputError
+
+    member = deflated_zeros(npy_header((40 * 2**20 // 8,)), 40)
+    p = write_zip(tmp_path / "two.npz", {"A.npy": member, "B.npy": member})
+    tracemalloc.start()
+    try:
+        with pytest.raises(AuditInputError, match=r"80 MiB in all \(up to 'B'.*above the limit"):
+            read_arrays(p, 64 * 2**20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2**20, f"{peak / 2**20:.1f} MiB allocated while refusing"
+    one = write_zip(tmp_path / "one.npz", {"A.npy": member})
+    assert read_arrays(one, 64 * 2**20)["A"].shape == (40 * 2**20 // 8,)  # alone, it is read

@@ -13,7 +13,8 @@ with its ``kind``: ``"timeout"``, ``"memory"``, ``"crashed"`` or ``"error"``. Th
   itself is killed; what it started goes with the outer group);
 - has its address space capped at what it started with plus ``max_memory`` bytes
   (allocations past it fail: MemoryError), and its output (stdout and stderr, kept in a
-  file for a crash message) at ``max_output`` bytes;
+  file for a crash message; any file it writes; its result) at ``max_output`` bytes each
+  (past it: a Failure "error" that says so);
 - turns ``sys.exit``, ``os._exit``, a signal or a hang into a Failure, never into a crash of
   the caller.
 
@@ -25,6 +26,7 @@ what the job does.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -140,7 +142,7 @@ def _limit(max_memory: int, max_output: int) -> None:
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the cap fails, not kills
 
 
-def _execute(job, max_memory: int) -> dict:
+def _execute(job, max_memory: int, max_output: int) -> dict:
     """{"ok": result} or {"failure": kind, "message": ...}: whatever the job does."""
     try:
         value = job()
@@ -150,10 +152,21 @@ def _execute(job, max_memory: int) -> dict:
         return {"failure": "crashed", "message": f"called sys.exit({exc.code!r})"}
     except MemoryError:
         return _out_of_memory(max_memory)
+    except OSError as exc:
+        if exc.errno == errno.EFBIG:  # RLIMIT_FSIZE: its output (or a file it wrote)
+            return {"failure": "error", "message": _too_much_output(max_output)}
+        return {"failure": "error", "message": f"{type(exc).__name__}: {exc}"[:2000]}
     except BaseException as exc:  # someone else's code may raise anything
         if isinstance(exc, RuntimeError) and any(w in str(exc).lower() for w in _MEMORY_WORDS):
             return _out_of_memory(max_memory)
         return {"failure": "error", "message": f"{type(exc).__name__}: {exc}"[:2000]}
+
+
+def _too_much_output(max_output: int) -> str:
+    return (
+        f"wrote more than the output cap of {max_output / 2**20:.3g} MiB (stdout and stderr, "
+        "any file it writes, its result; max_output)"
+    )
 
 
 def _out_of_memory(max_memory: int) -> dict:
@@ -170,11 +183,13 @@ def _in_worker(job, limits: dict, deadline: float, result: Path) -> None:
     global _DEADLINE, _MAX_MEMORY
     _DEADLINE, _MAX_MEMORY = deadline, limits["max_memory"]
     _limit(limits["max_memory"], limits["max_output"])
-    out = _execute(job, limits["max_memory"])
+    out = _execute(job, limits["max_memory"], limits["max_output"])
     try:
         text = json.dumps(out)
     except (TypeError, ValueError) as exc:
         text = json.dumps({"failure": "error", "message": f"the result is not JSON ({exc})"})
+    if len(text) > limits["max_output"]:  # (the result file is capped too)
+        text = json.dumps({"failure": "error", "message": _too_much_output(limits["max_output"])})
     result.write_text(text)
 
 
