@@ -50,7 +50,7 @@ DTYPE_NAMES = "fp64, fp32, bf16 or fp16"
 DTYPE_NAMES_OF = tuple(str(t).replace("torch.", "") for t in DTYPES)
 DECODE_ROWS = 16  # query rows at most for the key-split decoding path
 BLOCKS: tuple[int, int] | None = None  # (bq, bk) to force, for tests
-BWD_BLOCKS = (64, 64)  # backward (query rows, keys) per step; must divide the grid's
+BWD_BLOCKS = (64, 96)  # backward (query rows, keys) per step; must divide the grid's
 
 _STATE: dict = {}
 
@@ -154,7 +154,7 @@ def blocks(B: int, H_kv: int, T_q: int) -> tuple[int, int]:
     bq = 256
     while bq > 64 and B * H_kv * -(-T_q // bq) < 8:
         bq //= 2
-    return bq, 128
+    return bq, 96  # bk: a multiple of the micro-kernel's 6 rows and 16 columns
 
 
 @functools.lru_cache(maxsize=32)
