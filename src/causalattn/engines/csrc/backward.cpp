@@ -248,44 +248,49 @@ struct Backward {
         }
       }
     }
-    // the vertical pass: P, dS (over dPᵀ), and P ∘ keep (over Sᵀ)
+    // the vertical pass, a panel of columns at a time (its constants hoisted): P, dS (over
+    // dPᵀ), then P ∘ keep (over Sᵀ)
     const V ninf = vset<T>(NEG_INF<T>);
     const T* Lrow = lse2 + (b * P.Hq + h) * Tqp + a;
     const T* Drow = D + (b * P.Hq + h) * Tqp + a;
-    for (int64_t j = c; j < ce; ++j) {
-      T* srow = st + (j - c) * ld;
-      T* drow = dpt + (j - c) * ld;
-      const bool padded = P.key_padding && !P.key_padding[b * P.Tk + j];
-      for (int64_t p = 0; p < np; ++p) {
-        T* x = srow + p * nr;
-        T* y = drow + p * nr;
-        if (padded || !cols.reads(p, j)) {
-          vstore(x, V{});
-          vstore(x + N, V{});
-          vstore(y, V{});
-          vstore(y + N, V{});
-          continue;
-        }
-        const bool need = !(cols.maxlo[p] <= c && cols.minhi[p] >= ce);
-        T* t = th ? th + (j - c) * ld + p * nr : nullptr;
-        modify_and_mask(P, cols, w.tk, b, j, p, need, cap2, x, t);
-        if (P.dropout) drop_cols(y, cols.rk.data() + p * nr, colkeys[j], P.drop_thr);
-        for (int hh = 0; hh < 2; ++hh) {
-          const V s = vload(x + hh * N);
-          const auto blocked = s == ninf;  // exactly 0 there, whatever lse, dP and D are
-          V pr = exp2v(s - vload(Lrow + p * nr + hh * N));
-          pr = blocked ? V{} : pr;
-          V ds = pr * (vload(y + hh * N) - vload(Drow + p * nr + hh * N));
-          ds = blocked ? V{} : ds;
-          if (t) {
-            const V tv = vload(t + hh * N);
-            ds *= T(1) - tv * tv;
+    const bool* kp = P.key_padding ? P.key_padding + b * P.Tk : nullptr;
+    for (int64_t p = 0; p < np; ++p) {
+      const PanelMods<T> mods(P, cols, w.tk, b, p,
+                              !(cols.maxlo[p] <= c && cols.minhi[p] >= ce), cap2);
+      const V L[2] = {vload(Lrow + p * nr), vload(Lrow + p * nr + N)};
+      const V Dv[2] = {vload(Drow + p * nr), vload(Drow + p * nr + N)};
+      const uint32_t* rk = cols.rk.data() + p * nr;
+      mods.dispatch([&]<bool CAP, bool ALIBI, bool INTERVALS>() {
+        for (int64_t j = c; j < ce; ++j) {
+          T* x = st + (j - c) * ld + p * nr;
+          T* y = dpt + (j - c) * ld + p * nr;
+          if ((kp && !kp[j]) || !cols.reads(p, j)) {
+            vstore(x, V{});
+            vstore(x + N, V{});
+            vstore(y, V{});
+            vstore(y + N, V{});
+            continue;
           }
-          vstore(x + hh * N, pr);
-          vstore(y + hh * N, ds);
+          T* t = CAP ? th + (j - c) * ld + p * nr : nullptr;
+          mods.template apply<CAP, ALIBI, INTERVALS>(j, x, t);
+          if (P.dropout) drop_cols(y, rk, colkeys[j], P.drop_thr);
+          for (int hh = 0; hh < 2; ++hh) {
+            const V s = vload(x + hh * N);
+            const auto blocked = s == ninf;  // exactly 0 there, whatever lse, dP and D are
+            V pr = exp2v(s - L[hh]);
+            pr = blocked ? V{} : pr;
+            V ds = pr * (vload(y + hh * N) - Dv[hh]);
+            ds = blocked ? V{} : ds;
+            if (CAP) {
+              const V tv = vload(t + hh * N);
+              ds *= T(1) - tv * tv;
+            }
+            vstore(x + hh * N, pr);
+            vstore(y + hh * N, ds);
+          }
+          if (P.dropout) drop_cols(x, rk, colkeys[j], P.drop_thr);
         }
-        if (P.dropout) drop_cols(x, cols.rk.data() + p * nr, colkeys[j], P.drop_thr);
-      }
+      });
     }
     // dV += P dO, dK += dS Q (keys as rows; zeroed operands, non-finite rows added below);
     // by output panel first, so that the panel of dO (of Q) stays in L1 over the key rows

@@ -282,17 +282,19 @@ struct Forward {
     const Cols<T>& cols = w.cols;
     const int64_t ld = cols.ld, x0 = p * nr;
     const int64_t j_lo = std::max(c, cols.plo[p]), j_hi = std::min(ce, cols.phi[p]);
-    const bool need = !(cols.maxlo[p] <= c && cols.minhi[p] >= ce);
-    const bool touch = need || cap2 != T(0) || P.slopes || w.tk.partial;
+    const PanelMods<T> mods(P, cols, w.tk, b, p, !(cols.maxlo[p] <= c && cols.minhi[p] >= ce),
+                            cap2);
     const bool* kp = P.key_padding ? P.key_padding + b * P.Tk : nullptr;
     V mt0 = vset<T>(NEG_INF<T>), mt1 = mt0;
-    for (int64_t j = j_lo; j < j_hi; ++j) {
-      if (kp && !kp[j]) continue;
-      T* x = st + (j - c) * ld + x0;
-      if (touch) modify_and_mask(P, cols, w.tk, b, j, p, need, cap2, x, (T*)nullptr);
-      mt0 = vmax(mt0, vload(x));
-      mt1 = vmax(mt1, vload(x + N));
-    }
+    mods.dispatch([&]<bool CAP, bool ALIBI, bool INTERVALS>() {
+      for (int64_t j = j_lo; j < j_hi; ++j) {
+        if (kp && !kp[j]) continue;
+        T* x = st + (j - c) * ld + x0;
+        mods.template apply<CAP, ALIBI, INTERVALS>(j, x, nullptr);
+        mt0 = vmax(mt0, vload(x));
+        mt1 = vmax(mt1, vload(x + N));
+      }
+    });
     // the new running max (m_safe: 0 where nothing was read yet), the rescale factors
     const V mo0 = vload(m + x0), mo1 = vload(m + x0 + N);
     const V mn0 = vmax(mo0, mt0), mn1 = vmax(mo1, mt1);
