@@ -1,4 +1,7 @@
-"""Hugging Face transformers on causalattn's engines: ``attn_implementation="causalattn"``.
+"""The attention function Hugging Face calls: ``attn_implementation="causalattn"``.
+
+A leaf of the integration: capture, ablate and patch (:mod:`.hf_taps`) call into it, and
+:mod:`causalattn.integrations.transformers` is the public face of all of them.
 
     from causalattn.integrations.transformers import register
     register()                       # once per process; engine="auto" by default
@@ -14,9 +17,6 @@ key padding, or HF's dense mask itself where nothing structured reproduces it ex
 and the engines run it. Refused with a ValueError: additive score biases (values other
 than 0 / -inf in a float mask, ``position_bias``). A query row with no readable key
 (left padding) gives zeros, never NaN.
-
-``capture(model, input_ids, ...)`` (:mod:`.hf_capture`) runs a model once and returns the
-seed's stages per layer as Traces.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from .. import masks
 from ..engines import attention
 from .hf_pattern import pattern_from_hf
 
-__all__ = ["register", "attention_forward", "mask_function", "engine_kwargs", "capture", "NAME"]
+__all__ = ["register", "attention_forward", "mask_function", "engine_kwargs", "NAME"]
 
 NAME = "causalattn"
 
@@ -153,8 +153,3 @@ def register(engine: str = "auto", name: str = NAME) -> str:
     AttentionInterface.register(name, forward)
     AttentionMaskInterface.register(name, mask_function)
     return name
-
-
-from .hf_capture import CapturedTrace, capture  # noqa: E402  (it calls back into this module)
-
-__all__ += ["CapturedTrace"]
