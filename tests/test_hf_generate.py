@@ -80,3 +80,27 @@ def test_generate_is_checked():
     with pytest.raises(ValueError, match=r"T = 65 tokens \(60 \+ 5 generated\) but the model's"):
         capture(model, torch.ones(1, 60, dtype=torch.long), generate=5)
     assert model.config._attn_implementation == "eager"
+
+
+def test_explore_marks_the_generated_tokens(tmp_path):
+    from typer.testing import CliRunner
+
+    from causalattn.cli import app
+
+    d = tmp_path / "llama"
+    tiny.model("llama").save_pretrained(d)
+    tiny.tokenizer().save_pretrained(d)
+    page = tmp_path / "page.html"
+    runner = CliRunner()
+    args = ["explore", "--model", str(d), "The cat sat on the mat.", "-o", str(page)]
+    res = runner.invoke(app, [*args, "--generate", "3"])
+    assert res.exit_code == 0, res.output
+    assert '"gen":3' in page.read_text()
+    for bad, want in [
+        (["--generate", "0"], "capture: generate must be a positive number"),
+        (["--generate", "x"], "Invalid value for '--generate'"),
+    ]:
+        res = runner.invoke(app, [*args, *bad])
+        assert res.exit_code == 2 and res.output.startswith("error: ") and want in res.output
+    res = runner.invoke(app, ["explore", "a b", "--generate", "2", "-o", str(page)])
+    assert res.exit_code == 2 and "--generate needs --model" in res.output
