@@ -56,23 +56,20 @@ def test_json_is_one_object_per_head_one_based_as_the_python_api(llama_dir):
 
 
 def test_ablate_adds_each_heads_effect_on_the_loss(llama_dir):
-    rows = json.loads(
-        run("heads", "--model", llama_dir, "--json", "--sequences", "2", "--ablate").stdout
-    )
+    probe = ["--sequences", "2", "--length", "8"]
+    rows = json.loads(run("heads", "--model", llama_dir, "--json", *probe, "--ablate").stdout)
     model, tok = hf_model.load(llama_dir)
-    ids, bos = hf_heads.probe_ids(model, tok, length=24, sequences=2, seed=0)
-    base = hf_heads.repeat_losses(model, ids, 24, bos)[1]
+    ids, bos = hf_heads.probe_ids(model, tok, length=8, sequences=2, seed=0)
+    base = hf_heads.repeat_losses(model, ids, 8, bos)[1]
     with ablate(model, heads=[(1, 2)]):
-        loss = hf_heads.repeat_losses(model, ids, 24, bos)[1]
+        loss = hf_heads.repeat_losses(model, ids, 8, bos)[1]
     r = rows[6]  # layer 2, head 3
     assert (r["layer"], r["head"]) == (2, 3)
     assert r["ablated_loss"] == pytest.approx(loss, rel=1e-5)
     assert r["loss_ratio"] == pytest.approx(loss / base, rel=1e-5)
     assert len({round(x["ablated_loss"], 6) for x in rows}) > 1  # heads differ: it can fail
     mean = json.loads(
-        run(
-            "heads", "--model", llama_dir, "--json", "--sequences", "2", "--ablate", "--how", "mean"
-        ).stdout
+        run("heads", "--model", llama_dir, "--json", *probe, "--ablate", "--how", "mean").stdout
     )
     assert [x["ablated_loss"] for x in mean] != [x["ablated_loss"] for x in rows]
 

@@ -27,18 +27,18 @@ def _weights(path):
 
 
 def test_a_short_training_writes_a_folder_every_command_reads(tmp_path):
-    a = train_induction(tmp_path / "a", seed=0, steps=3, batch=4)
+    a = train_induction(tmp_path / "a", seed=0, steps=2, batch=2)
     assert a == tmp_path / "a"
     for name in ("config.json", "model.safetensors", "tokenizer.json", "training.json"):
         assert (a / name).is_file(), name
     facts = json.loads((a / "training.json").read_text())
-    assert facts["steps"] == 3 and facts["seed"] == 0 and facts["first_repeat_loss"] > 0
+    assert facts["steps"] == 2 and facts["seed"] == 0 and facts["first_repeat_loss"] > 0
     model, tok = hf_model.load(a)
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.num_hidden_layers == 2
     ids = tok(" ".join(induction.WORDS[:3]))["input_ids"]
     assert ids[0] == tok.bos_token_id and len(ids) == 4  # a word a token, after <s>
-    same = train_induction(tmp_path / "b", seed=0, steps=3, batch=4)
-    other = train_induction(tmp_path / "c", seed=1, steps=3, batch=4)
+    same = train_induction(tmp_path / "b", seed=0, steps=2, batch=2)
+    other = train_induction(tmp_path / "c", seed=1, steps=2, batch=2)
     wa, wb, wc = _weights(a), _weights(same), _weights(other)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)  # seeded: the same model again
     assert not all(torch.equal(wa[k], wc[k]) for k in wa)
@@ -58,9 +58,12 @@ def test_bad_input(tmp_path):
 
 @pytest.fixture(scope="module")
 def shipped():
+    """The shipped model and its head table as `causalattn heads --ablate` measures it (the
+    probe: 16 sequences of 24 random words repeated twice, seed 0)."""
     model, tok = hf_model.load(SHIPPED)
     ids, bos = hf_heads.probe_ids(model, tok, length=24, sequences=16, seed=0)
-    return model, tok, ids, bos
+    table = hf_heads.measure(model, tok, length=24, sequences=16, seed=0, ablate=True)
+    return model, tok, ids, bos, table
 
 
 def test_the_shipped_model_is_train_induction_seed_0(shipped):
@@ -75,14 +78,16 @@ def test_the_shipped_model_is_train_induction_seed_0(shipped):
 
 
 def test_bar_the_second_repeat_is_copied(shipped):
-    model, _, ids, bos = shipped
+    model, _, ids, bos, table = shipped
     first, second = hf_heads.repeat_losses(model, ids, 24, bos)
     assert second < 0.1 * first, (first, second)
+    assert (first, second) == (table.loss_first, table.loss_second)
 
 
 def test_bar_previous_token_head_in_layer_1_induction_head_in_layer_2(shipped):
-    model, tok, ids, _ = shipped
+    model, tok, ids, _, table = shipped
     roles = head_roles(capture(model, ids))
+    assert roles == table.roles  # the table's roles are head_roles of the probe
     best = max(roles, key=lambda r: r.induction)
     assert best.layer == 1 and best.induction >= 0.5, best
     assert max(r.previous_token for r in roles if r.layer == 0) >= 0.5
@@ -93,9 +98,8 @@ def test_bar_previous_token_head_in_layer_1_induction_head_in_layer_2(shipped):
 
 
 def test_bar_ablating_the_induction_heads_breaks_the_copy_and_a_control_does_not(shipped):
-    model, _, ids, bos = shipped
-    roles = head_roles(capture(model, ids))
-    base = hf_heads.repeat_losses(model, ids, 24, bos)[1]
+    model, _, ids, bos, table = shipped
+    roles, base = table.roles, table.loss_second
     heads = [(r.layer, r.head) for r in roles if r.induction >= 0.3]
     layer = max(roles, key=lambda r: r.induction).layer
     control = min((r for r in roles if r.layer == layer), key=lambda r: r.induction)
@@ -103,6 +107,17 @@ def test_bar_ablating_the_induction_heads_breaks_the_copy_and_a_control_does_not
         broken = hf_heads.repeat_losses(model, ids, 24, bos)[1]
     with ablate(model, heads=[(control.layer, control.head)]):
         kept = hf_heads.repeat_losses(model, ids, 24, bos)[1]
+    assert kept == table.ablated[(control.layer, control.head)]  # the table's own ablation
     assert broken >= 5 * base, (heads, base, broken)
     assert 1 / 1.5 <= kept / base <= 1.5, (control, base, kept)
     assert np.isfinite([base, broken, kept]).all()
+
+
+def test_the_readme_prints_the_heads_table_as_it_comes_out(shipped):
+    """README's transcript of `causalattn heads --model examples/induction --ablate` is what
+    the command prints (the CLI echoes this table's format())."""
+    text = (SHIPPED.parents[1] / "README.md").read_text(encoding="utf-8")
+    cmd = "$ causalattn heads --model examples/induction --ablate\n"
+    assert cmd in text
+    shown = text.split(cmd, 1)[1].split("\n```", 1)[0]
+    assert shown == shipped[-1].format()
