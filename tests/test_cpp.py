@@ -130,7 +130,7 @@ def test_decoding_splits_agree_with_one_pass_and_the_tiled_engine():
     kw = dict(lengths=[3000, 1234], key_padding_mask=torch.rand(2, 3000, generator=g) > 0.1)
     out = attention(q, k, v, engine="cpp", **kw)
     torch.testing.assert_close(out, attention(q, k, v, engine="tiled", **kw), rtol=0, atol=2e-6)
-    assert cpp._plan(2, 2, 5, 3000) == (64, 128, 8, True)  # 8 splits of 375 keys
+    assert cpp._plan(2, 2, 5, 3000) == (64, 96, 8, True)  # 8 splits of 375 keys
 
 
 def test_strided_and_low_precision_inputs():
