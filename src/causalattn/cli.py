@@ -1051,8 +1051,9 @@ def audit_cmd(
         raise typer.Exit(1)
 
 
-def _captured(model_dir: Path, text: str | None, layers: str | None):
-    """(model, tokens, traces) of a Hugging Face model folder run on one text."""
+def _captured(model_dir: Path, text: str | None, layers: str | None, generate: int | None = None):
+    """(model, traces) of a Hugging Face model folder run on one text (and ``generate``
+    greedy tokens after it)."""
     from .integrations import hf_model
 
     if text is None:
@@ -1062,7 +1063,13 @@ def _captured(model_dir: Path, text: str | None, layers: str | None):
         ids = hf_model.encode(tokenizer, text, model)
         from .integrations.hf_capture import capture
 
-        traces = capture(model, ids, layers=hf_model.parse_layers(layers), tokenizer=tokenizer)
+        traces = capture(
+            model,
+            ids,
+            layers=hf_model.parse_layers(layers),
+            tokenizer=tokenizer,
+            generate=generate,
+        )
     return model, traces
 
 
@@ -1248,6 +1255,38 @@ def learn(
 _PAGE_BYTES = 4 * 2**20
 
 
+@app.command("heads")
+def heads_cmd(
+    model: Path = typer.Option(
+        ..., "--model", help="A Hugging Face causal LM folder (save_pretrained) or cached hub id."
+    ),
+    ablate: bool = typer.Option(
+        False,
+        "--ablate",
+        help="Add each head's effect on the loss: the second-repeat loss "
+        "with that head ablated, and its ratio to the model's own.",
+    ),
+    how: str = typer.Option("zero", "--how", help="With --ablate: 'zero' or 'mean' ablation."),
+    length: int = typer.Option(24, "--length", help="Random tokens in the sequence repeated."),
+    sequences: int = typer.Option(16, "--sequences", help="How many such sequences."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random tokens."),
+    as_json: _Json = False,
+) -> None:
+    """Each head's role (previous-token, induction, first-token), measured on random tokens
+    repeated twice; layers and heads are 1-based."""
+    from .integrations import hf_heads, hf_model
+
+    with _library_errors():
+        lm, tokenizer = hf_model.load(model)
+        table = hf_heads.measure(
+            lm, tokenizer, length=length, sequences=sequences, seed=seed, ablate=ablate, how=how
+        )
+    if as_json:
+        _print_json(table.rows())
+    else:
+        typer.echo(table.format())
+
+
 def _page_sentences(batch, page_bytes: int) -> int:
     """How many sentences (from the first) fit a page of ``page_bytes``; at least one."""
     per = 32 * batch.N + 600
@@ -1269,6 +1308,9 @@ def explore(
     ),
     layers: str = typer.Option(
         None, "--layers", help="With --model: which layers, e.g. '0,3,5-7'."
+    ),
+    generate: int = typer.Option(
+        None, "--generate", help="With --model: N greedy tokens after the text (marked as such)."
     ),
     output: Path = typer.Option(
         Path("explorer.html"), "--output", "-o", help="HTML file to write."
@@ -1306,12 +1348,14 @@ def explore(
         with _library_errors():
             qs = learn.questions(seed, questions)
 
+    if generate is not None and model is None:
+        _fail("--generate needs --model (a model generates the tokens)")
     if model is not None:
         if file is not None or trace_file is not None:
             _fail("--model takes the text as its argument; leave out --file and --trace")
         if sentences and len(sentences) > 1:
             _fail(f"--model takes one text (quote it); got {len(sentences)} arguments")
-        lm, traces = _captured(model, sentences[0] if sentences else None, layers)
+        lm, traces = _captured(model, sentences[0] if sentences else None, layers, generate)
         with _library_errors():
             title = (
                 f"causalattn explorer: {type(lm).__name__} from {model.name}, "
