@@ -125,7 +125,9 @@ def _clear_stale_lock(cpp_extension, name: str) -> None:
     try:
         if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
             lock.unlink()
-            warnings.warn(f"engine 'cpp': removed a stale build lock ({lock})", RuntimeWarning)
+            warnings.warn(
+                f"engine 'cpp': removed a stale build lock ({lock})", RuntimeWarning, stacklevel=2
+            )
     except FileNotFoundError:
         pass
 
