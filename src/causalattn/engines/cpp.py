@@ -156,8 +156,10 @@ def _pattern_args(p: Problem, bq: int, bk: int) -> tuple:
     key_padding = pt.key_padding_mask
     if key_padding is not None:
         key_padding = torch.as_tensor(key_padding).to("cpu", torch.bool).contiguous()
-    kinds = mask = None
-    if pt.mask is not None:
+    kinds = mask = tile_masks = None
+    if pt.mask_mod is not None:  # mask AND mask_mod, tile by tile: partial tiles as tile masks
+        kinds, tile_masks = _tiles(p, bq, bk, lo, hi)
+    elif pt.mask is not None:
         kinds = pt.mask_tile_kinds(bq, bk).to(torch.int32)
         m = torch.as_tensor(pt.mask).to("cpu")
         mask = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)).contiguous()
@@ -178,7 +180,7 @@ def _pattern_args(p: Problem, bq: int, bk: int) -> tuple:
         key_padding,
         kinds,
         mask,
-        None,  # tile masks: partial tiles of a mask_mod (none yet)
+        tile_masks,
         slopes,
         sinks,
         float(p.scale),
@@ -192,6 +194,20 @@ def _pattern_args(p: Problem, bq: int, bk: int) -> tuple:
         bq,
         bk,
     )
+
+
+def _tiles(p: Problem, bq: int, bk: int, lo, hi):
+    """(kinds, tile_masks) of the dense mask AND the mask_mod on the (bq, bk) grid
+    (:func:`causalattn.masks_mod.tile_table`), made once per pattern and grid: the eager
+    backward reuses the forward's."""
+    from ..masks_mod import tile_table
+
+    B, H, T_q, T_k = p.dims
+    cache = p.pattern.__dict__.setdefault("_tile_tables", {})
+    key = (B, H, T_q, T_k, bq, bk)
+    if key not in cache:
+        cache[key] = tile_table(p.pattern, B, H, T_q, T_k, bq, bk, lo.numpy(), hi.numpy())
+    return cache[key]
 
 
 def _host(x):
