@@ -73,10 +73,10 @@ PATTERN_KEYWORDS = (
     "cu_seqlens",
     "prefix_lengths",
     "mask",
-    "mask_mod",
     "alibi_slopes",
     "softcap",
     "sinks",
+    "mask_mod",
     "bias",
     "rel_bias",
     "score_mod",
@@ -176,17 +176,17 @@ class Pattern:
     alibi_slopes: object = None  # (H,) or (B, H) float
     softcap: float | None = None
     sinks: object = None  # (H,) float, may be a learned torch Parameter
+    # rules and modifiers a user writes (causalattn.masks_mod)
+    mask_mod: object = None  # mask_mod(b, h, q_idx, kv_idx) -> bool, ANDed with the rules
+    bias: object = None  # float, broadcastable to (B, H, T_q, T_k); may be learned
+    rel_bias: object = None  # (H, 2T-1) float: bias of the relative position j - pos(i)
+    score_mod: object = None  # score_mod(score, b, h, q_idx, kv_idx) -> score
     # Where this problem's queries and keys sit in the whole sequence (ring attention's block
     # pairs, a decoding step): query i at q_start + i, key j at k_start + j. q_start=None
     # means bottom-right: k_start + i + T_k - T_q. Every rule and the dropout pattern use
     # these global positions; lengths, prefix_lengths and cu_seqlens are global too.
     q_start: int | None = None
     k_start: int = 0
-    # rules and modifiers a user writes (causalattn.masks_mod)
-    mask_mod: object = None  # mask_mod(b, h, q_idx, kv_idx) -> bool, ANDed with the rules
-    score_mod: object = None  # score_mod(score, b, h, q_idx, kv_idx) -> score
-    bias: object = None  # float, broadcastable to (B, H, T_q, T_k); may be learned
-    rel_bias: object = None  # (H, 2T-1) float: bias of the relative position j - pos(i)
 
     def query_start(self, T_q: int, T_k: int) -> int:
         """Global position of query 0."""

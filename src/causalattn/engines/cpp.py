@@ -333,10 +333,30 @@ def sinks_grad(p: Problem, out, lse, dout, dlse=None) -> torch.Tensor:
     return _sinks_grad(p, out, lse, dout, dlse)
 
 
+def not_yet(f) -> str:
+    """What the native kernels do not compute yet, as a phrase ("" when nothing): the one
+    place that says so. The C++ takes no additive bias, relative bias, slope gradient or
+    score_mod (a Python function, which the kernels cannot call per tile)."""
+    present = set(f.present)
+    what = [n for n in ("bias", "rel_bias") if n in present]
+    if f.score_mod:
+        what.append("score_mod")
+    if "alibi_slopes" in f.learned:
+        what.append("learnable alibi_slopes (requires_grad)")
+    return ", ".join(what)
+
+
 def refusal(f) -> str:
-    """What it cannot run ("" when it runs ``f``): dtypes beyond its four, or no build here."""
+    """What it cannot run ("" when it runs ``f``): dtypes beyond its four, what the kernels
+    do not compute yet (:func:`not_yet`), or no build here."""
     if f.dtype not in DTYPE_NAMES_OF:
         return f"engine 'cpp': dtype {f.dtype} not supported; use {DTYPE_NAMES}"
+    missing = not_yet(f)
+    if missing:
+        return (
+            f"engine 'cpp': {missing}: not in the native kernels yet; engines that run it: "
+            "'tiled' and 'reference' (engine='auto' picks one)"
+        )
     return unavailable() if f.device == "cpu" else ""
 
 

@@ -196,7 +196,26 @@ def refusal(f) -> str:
         return f"engine 'triton': dtype {f.dtype} not supported; use {DTYPE_NAMES}"
     if not (1 <= f.d_k <= 1024 and 1 <= f.d_v <= 1024):
         return f"engine 'triton': head sizes d_k={f.d_k}, d_v={f.d_v} must lie in 1..1024"
+    missing = not_yet(f)
+    if missing:
+        return (
+            f"engine 'triton': {missing}: not in the kernels; engines that run it: "
+            "'reference' (any device) and 'tiled' (CPU)"
+        )
     return ""
+
+
+def not_yet(f) -> str:
+    """What the kernels do not compute, as a phrase ("" when nothing): a score_mod (a
+    Python function; the kernels cannot call it per tile), a relative bias and slope
+    gradients."""
+    what = ["score_mod"] if f.score_mod else []
+    what += [n for n in ("bias", "rel_bias") if n in f.present]
+    if f.mask_mod:
+        what.append("mask_mod")
+    if "alibi_slopes" in f.learned:
+        what.append("learnable alibi_slopes (requires_grad)")
+    return ", ".join(what)
 
 
 def prefers(f) -> bool:
