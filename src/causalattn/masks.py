@@ -299,6 +299,17 @@ class Pattern:
             self.mask is not None and self.mask.ndim == 4 and self.mask.shape[1] > 1
         ) or self.mask_mod is not None
 
+    @property
+    def has_additive(self) -> bool:
+        """Whether additive score terms are set (ALiBi, rel_bias, bias): the trace's E."""
+        return any(getattr(self, n) is not None for n in ("alibi_slopes", "rel_bias", "bias"))
+
+    def only(self, *modifiers: str) -> Pattern:
+        """This pattern with only the named score modifiers kept (of softcap, alibi_slopes,
+        rel_bias, bias, score_mod): one stage of the modified scores at a time."""
+        names = ("softcap", "alibi_slopes", "rel_bias", "bias", "score_mod")
+        return replace(self, **{n: None for n in names if n not in modifiers})
+
     def batch_size(self) -> int:
         """B as the per-sequence data says it (lengths, prefixes, key padding), else 1."""
         for v in (self.lengths, self.prefix_lengths, self.key_padding_mask):
@@ -737,7 +748,9 @@ class Pattern:
         every = padded(True).reshape(tiles).all(5).all(3)
         return torch.where(every, 1, torch.where(some, 2, 0)).to(torch.int8).contiguous()
 
-    def block_kind(self, b, q0, q1, k0, k1, T_q, T_k, H=1) -> Literal["skip", "full", "partial"]:
+    def block_kind(
+        self, b, q0, q1, k0, k1, T_q, T_k, H=1, B=None
+    ) -> Literal["skip", "full", "partial"]:
         """Whether the tile (queries q0:q1, keys k0:k1) of batch row b is skipped, fully
         readable, or partly readable (and must be masked with :meth:`tile`)."""
         lo, hi = self.key_range(b, q0, q1, T_q, T_k)
@@ -751,7 +764,9 @@ class Pattern:
             else self.key_padding_mask.shape[0]
             if self.key_padding_mask is not None
             else b + 1
-        )
+        ) if B is None else B
+        if self.mask_mod is not None:  # a few tiles at a time, never the whole block
+            return _mod.block_kind(self, max(B, b + 1), H, T_q, T_k, q0, q1, k0, k1, [b])
         t = self.tile(max(B, b + 1), H, T_q, T_k, q0, q1, k0, k1, batch=[b])
         if t.all():
             return "full"

@@ -39,6 +39,7 @@ __all__ = [
     "captured_tensors",
     "tile_table",
     "tile_kinds",
+    "block_kind",
     "to_mask_mod",
     "to_block_mask",
     "from_block_mask",
@@ -261,6 +262,22 @@ def tile_kinds(pattern, B: int, H: int, T_q: int, T_k: int, bq: int, bk: int):
                 kinds = _classify(t, q1 - q0, k1 - k0)  # (1, H'|1)
                 out[b, :, qi, ki] = np.broadcast_to(np.asarray(kinds)[0], (heads,))
     return out
+
+
+def block_kind(pattern, B, H, T_q, T_k, q0, q1, k0, k1, batch) -> str:
+    """"skip", "full" or "partial" for queries q0:q1, keys k0:k1 of batch rows ``batch``,
+    evaluating a few tiles at a time (stops at the first tile that shows both)."""
+    some = every = None
+    rows = max(1, min(q1 - q0, TILE_CELLS // max(1, k1 - k0)))
+    cols = min(k1 - k0, TILE_CELLS // rows) or 1
+    for a in range(q0, q1, rows):
+        for c in range(k0, k1, cols):
+            t = pattern.tile(B, H, T_q, T_k, a, min(q1, a + rows), c, min(k1, c + cols), batch=batch)
+            some = bool(t.any()) or bool(some)
+            every = bool(t.all()) and every is not False
+            if some and not every:
+                return "partial"
+    return "full" if every else ("partial" if some else "skip")
 
 
 def tile_table(pattern, B: int, H: int, T_q: int, T_k: int, bq: int, bk: int, lo, hi):

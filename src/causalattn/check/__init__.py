@@ -7,9 +7,11 @@ report    Check, Report, Diagnosis                faults    the one catalogue
 probes    inputs that separate faults             measure   what a function does
 callers   the user's code, its layout             record    white-box op recording
 diagnose  measure, then name                      runner    worker process, deadline
+compare   someone's mask against a Pattern, block by block (compare_masks)
 """
 
 from .audit import audit
+from .compare import MaskComparison, MaskDifference, compare_masks
 from .diagnose import diagnose
 from .faults import CATALOGUE, Fault
 from .report import AuditInputError, Check, Diagnosis, Report
@@ -17,6 +19,9 @@ from .report import AuditInputError, Check, Diagnosis, Report
 __all__ = [
     "audit",
     "diagnose",
+    "compare_masks",
+    "MaskComparison",
+    "MaskDifference",
     "Report",
     "Check",
     "Diagnosis",

@@ -57,7 +57,9 @@ def _choose(name: str, values: tuple, k_len) -> str:
     e = engine(name)  # unknown names raise here
     # what the engine does not support: named now while tracing; in eager mode by the
     # operator, after the data checks (which name the bad argument first)
-    why = refusal_of(name, values) if torch.compiler.is_compiling() else ""
+    # (the user's functions and learned tensors are named now: nothing in the data decides)
+    user = any(values[i] for i in USER)
+    why = refusal_of(name, values) if torch.compiler.is_compiling() or user else ""
     if values[LSE] and not e.lse:
         why = (
             f"engine {name!r}: return_lse: PyTorch's SDPA does not return the log-sum-exp; "
@@ -69,6 +71,7 @@ def _choose(name: str, values: tuple, k_len) -> str:
 
 
 LSE = list(Features.__dataclass_fields__).index("lse")  # its place in feature_values
+USER = tuple(list(Features.__dataclass_fields__).index(n) for n in ("mask_mod", "score_mod", "learned"))
 
 
 def pick_engine(p: Problem, return_lse: bool = False) -> str:

@@ -67,9 +67,10 @@ def layer_stages(Q, K, V, pattern: masks.Pattern, scale: float) -> dict[str, tor
     out = {"S": (Q @ K.transpose(-1, -2)) * scale}
     Sm = out["S"]
     if pattern.softcap is not None:
-        Sm = out["S_cap"] = replace(pattern, alibi_slopes=None).modify_scores(Sm)
-    if pattern.alibi_slopes is not None:
-        out["E"] = replace(pattern, softcap=None).modify_scores(torch.zeros_like(Sm))
+        Sm = out["S_cap"] = pattern.only("softcap").modify_scores(Sm)
+    if pattern.has_additive:  # ALiBi, rel_bias, bias
+        E = pattern.only("alibi_slopes", "rel_bias", "bias").modify_scores(torch.zeros_like(Sm))
+        out["E"] = E
         Sm = Sm + out["E"]
     M = out["M"] = torch.zeros(allowed.shape, dtype=Q.dtype).masked_fill(~allowed, -math.inf)
     Z = out["Z"] = Sm + M
@@ -147,7 +148,7 @@ class _LazyStages(Mapping):
         T_k, d_v = rec.K.shape[2], rec.V.shape[3]
         names = ["Q", "K", "V", "S"]
         names += ["S_cap"] * (rec.received.softcap is not None)
-        names += ["E"] * (rec.received.alibi_slopes is not None)
+        names += ["E"] * rec.received.has_additive
         names += ["M", "Z", "A", "H"]
         if B * H * T_q * T_k * d_v * 8 <= C_LIMIT_BYTES:
             names.append("C")
