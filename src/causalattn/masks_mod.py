@@ -136,6 +136,13 @@ def evaluate_mask(fn, xp, b_rows, H: int, pos, j, dev=None):
     args = indices(xp, b_rows, H, pos, j, dev)
     target = (len(np.atleast_1d(b_rows)), H, args[2].shape[2], args[3].shape[3])
     out = _call(fn, "mask_mod", args, xp)
+    if xp is np and str(getattr(out, "dtype", "")) not in ("bool", "torch.bool"):
+        try:  # a rule written for torch that mixes NumPy in: ask it in torch
+            import torch
+
+            out = fn(*[torch.from_numpy(np.ascontiguousarray(a)) for a in args])
+        except Exception:  # noqa: BLE001 - the NumPy answer is the one named below
+            pass
     what = _shape(out) if hasattr(out, "shape") else ""
     dtype = str(getattr(out, "dtype", type(out).__name__))
     if dtype not in ("bool", "torch.bool"):
@@ -347,11 +354,15 @@ def to_mask_mod(pattern, T_q: int | None = None, T_k: int | None = None):
     inner = pattern.mask_mod
 
     def mask_mod(b, h, q_idx, kv_idx):
+        inside = None
+        if T_q is not None:  # FlexAttention pads to whole blocks: those cells read nothing
+            inside = (q_idx < T_q) & (kv_idx < T_k)
+            q_idx, kv_idx = q_idx.clamp(max=T_q - 1), kv_idx.clamp(max=T_k - 1)
         pos, j = q_idx + qs, kv_idx + ks
         out = pattern.rules_at(torch, pos, j, b, h, q_idx, kv_idx, data)
         if inner is not None:
             out = out & inner(b, h, pos, j)
-        return out
+        return out if inside is None else out & inside
 
     mask_mod.__name__ = f"causalattn_{pattern.describe().replace(' + ', '_').replace(' ', '')}"
     return mask_mod
