@@ -1028,7 +1028,8 @@ def audit_cmd(
     scale: _Scale = None,
     as_json: _Json = False,
 ):
-    """Check named arrays in dependency order. Exit 0 clean, 1 a check fails, 2 unusable input."""
+    """Check named arrays in dependency order (a file holding only a mask: compare it with the
+    declared pattern, cell by cell). Exit 0 clean, 1 a check fails, 2 unusable input."""
     from .check import audit
 
     if model is not None:
@@ -1039,6 +1040,8 @@ def audit_cmd(
     declared = _declared(
         window, chunk, lengths, prefix_lengths, softcap, sinks, alibi_slopes, bidirectional
     )
+    if _audit_mask(file, max_bytes, declared, as_json):  # a file that holds only a mask
+        return
     try:
         report = _one_based(audit(file, max_bytes=max_bytes, scale=scale, **declared))
     except (ValueError, OSError) as exc:
@@ -1049,6 +1052,29 @@ def audit_cmd(
         _console().print(str(report), markup=False)
     if not report.ok:
         raise typer.Exit(1)
+
+
+def _audit_mask(file: str, max_bytes: int, declared: dict, as_json: bool) -> bool:
+    """A file holding only a mask (one boolean array, or one named mask/attention_mask):
+    compared cell for cell with the declared pattern (causalattn.check.compare_masks).
+    False when the file holds something else (the stages audit checks)."""
+    from . import masks
+    from .check.compare import compare_masks, mask_of_file
+
+    try:
+        mask = mask_of_file(file, max_bytes)
+        if mask is None:
+            return False
+        report = compare_masks(mask, expected=masks.Pattern(**declared))
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+    if as_json:
+        _print_json({"positions": "1-based", **report.to_dict(base=1)})
+    else:
+        _console().print(report.format(base=1), markup=False)
+    if not report.ok:
+        raise typer.Exit(1)
+    return True
 
 
 def _captured(model_dir: Path, text: str | None, layers: str | None, generate: int | None = None):

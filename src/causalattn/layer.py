@@ -23,6 +23,7 @@ from torch import nn
 
 from . import dropout as _dropout
 from . import masks as _masks
+from . import masks_mod as _masks_mod
 from .engines import KVCache, attention
 from .masks import shape_str as _shape_str
 
@@ -49,8 +50,10 @@ class CausalSelfAttention(nn.Module):
     "reference", ...). The pattern (:class:`causalattn.masks.Pattern`): ``window`` (each
     query reads its last ``window`` positions), ``chunk``, ``alibi`` (fixed ALiBi slopes,
     :func:`causalattn.masks.alibi_slopes`), ``softcap`` and ``sinks`` (one learned sink
-    logit per head, the parameter ``sinks``). ``attn_dropout`` drops attention weights in
-    ``train()`` mode only, as ``nn.Dropout`` does.
+    logit per head, the parameter ``sinks``), ``mask_mod`` and ``score_mod`` (any rule or
+    function of the scores, :mod:`causalattn.masks_mod`; a score_mod's learned tensors get
+    their gradients). ``attn_dropout`` drops attention weights in ``train()`` mode only, as
+    ``nn.Dropout`` does. ``forward(x, attn_bias=...)`` adds a score bias per call.
     """
 
     def __init__(
@@ -69,6 +72,8 @@ class CausalSelfAttention(nn.Module):
         alibi: bool = False,
         softcap: float | None = None,
         sinks: bool = False,
+        mask_mod=None,
+        score_mod=None,
         attn_dropout: float = 0.0,
         device=None,
         dtype=None,
@@ -99,8 +104,11 @@ class CausalSelfAttention(nn.Module):
         self.engine = engine
         self.cache_id = next(_CACHE_IDS)
         # validated once here, by the one definition of M
-        _masks.Pattern(window=window, chunk=chunk, softcap=softcap)
+        _masks.Pattern(
+            window=window, chunk=chunk, softcap=softcap, mask_mod=mask_mod, score_mod=score_mod
+        )
         self.window, self.chunk, self.softcap = window, chunk, softcap
+        self.mask_mod, self.score_mod = mask_mod, score_mod
         self.attn_dropout = _dropout.check_p(attn_dropout, "CausalSelfAttention: attn_dropout")
         for name, flag in (("alibi", alibi), ("sinks", sinks)):
             if not isinstance(flag, bool):
@@ -150,6 +158,11 @@ class CausalSelfAttention(nn.Module):
             if getattr(self, n) is not None
         ]
         parts += [n + "=True" for n in ("alibi_slopes", "sinks") if getattr(self, n) is not None]
+        parts += [
+            f"{n}={_masks_mod.name_of(getattr(self, n))}"
+            for n in ("mask_mod", "score_mod")
+            if getattr(self, n) is not None
+        ]
         if self.attn_dropout:
             parts.append(f"attn_dropout={self.attn_dropout}")
         return "".join(", " + p for p in parts)
@@ -247,6 +260,7 @@ class CausalSelfAttention(nn.Module):
         key_padding_mask: torch.Tensor | None = None,
         lengths: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        attn_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """O ``(B, T, d_model)`` for x ``(B, T, d_model)``.
 
@@ -254,7 +268,8 @@ class CausalSelfAttention(nn.Module):
         past it padding rows, whose H is zero). ``key_padding_mask`` ``(B, T_k)`` bool,
         True = may read. With ``kv_cache`` this step's K and V are appended first and the
         T new queries are the last T positions (bottom-right alignment); T_k then counts
-        the cached positions too.
+        the cached positions too. ``attn_bias``: an additive score bias broadcastable to
+        (B, h, T, T_k) (attention's ``bias``; it may require a gradient).
         """
         self._check_x(x)
         B, T, _ = x.shape
@@ -282,6 +297,9 @@ class CausalSelfAttention(nn.Module):
             alibi_slopes=self.alibi_slopes,
             softcap=self.softcap,
             sinks=self.sinks,
+            mask_mod=self.mask_mod,
+            score_mod=self.score_mod,
+            bias=attn_bias,
             scale=self.scale,
             engine=self.engine,
             dropout_p=self.attn_dropout if self.training else 0.0,
@@ -365,6 +383,8 @@ class CausalSelfAttention(nn.Module):
             softcap=self.softcap,
             alibi_slopes=None if self.alibi_slopes is None else w(self.alibi_slopes),
             sinks=None if self.sinks is None else w(self.sinks),
+            mask_mod=self.mask_mod,
+            score_mod=self.score_mod,
             scale=self.scale,
             n_heads=self.n_heads,
             tokens=tokens,

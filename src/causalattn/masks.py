@@ -22,21 +22,27 @@ decoding case). With that, for batch row b:
 - ``lengths`` (B,): keys j < L_b; query rows with pos(i) >= L_b are padding and read nothing;
 - ``key_padding_mask`` (B, T_k) bool: blocks keys only;
 - ``cu_seqlens`` (n+1,): packed documents (B == 1), a key is read only within its document;
-- ``mask`` (B|1, H|1, T_q, T_k) bool: the general fallback, ANDed with the rest.
+- ``mask`` (B|1, H|1, T_q, T_k) bool: the general fallback, ANDed with the rest;
+- ``mask_mod(b, h, q_idx, kv_idx) -> bool``: any rule a user writes (FlexAttention's
+  signature, evaluated block by block: :mod:`causalattn.masks_mod`), ANDed with the rest.
 
 Score modifiers, in this order, on S = Q Kᵀ·scale before M (:meth:`Pattern.modify_scores`):
 ``softcap=c``: S -> c·tanh(S/c); ``alibi_slopes`` (H,) or (B, H): S_ij - slope_h·|pos(i) - j|.
-``sinks`` (H,): one logit per head that joins each row's softmax denominator and takes no
-value. A row with no readable key gives zero weights whatever the sinks.
+Then ``rel_bias`` (H, 2T−1): + rel_bias[h, c + j − pos(i)]; ``bias`` (broadcastable to
+(B, H, T_q, T_k)): + bias; ``score_mod(score, b, h, q_idx, kv_idx)``: any function of the
+scores. ``sinks`` (H,): one logit per head that joins each row's softmax denominator and
+takes no value. A row with no readable key gives zero weights whatever the sinks.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
+
+from . import masks_mod as _mod
 
 __all__ = [
     "Pattern",
@@ -70,10 +76,16 @@ PATTERN_KEYWORDS = (
     "alibi_slopes",
     "softcap",
     "sinks",
+    "mask_mod",
+    "bias",
+    "rel_bias",
+    "score_mod",
 )
+# the keywords that are functions (never operator arguments: see causalattn.engines.ops)
+CALLABLES = ("mask_mod", "score_mod")
 
 # Why a cell is blocked: the first reason in this order (0 = readable).
-READABLE, PADDING, DOCUMENT, FUTURE, WINDOW, CHUNK, MASK = range(7)
+READABLE, PADDING, DOCUMENT, FUTURE, WINDOW, CHUNK, MASK, MASK_MOD = range(8)
 REASONS = {
     READABLE: "readable",
     PADDING: "padding",
@@ -82,6 +94,7 @@ REASONS = {
     WINDOW: "window",
     CHUNK: "chunk",
     MASK: "mask",
+    MASK_MOD: "mask_mod",  # a user's rule: Pattern.reason_name gives the function's name
 }
 
 
@@ -163,6 +176,11 @@ class Pattern:
     alibi_slopes: object = None  # (H,) or (B, H) float
     softcap: float | None = None
     sinks: object = None  # (H,) float, may be a learned torch Parameter
+    # rules and modifiers a user writes (causalattn.masks_mod)
+    mask_mod: object = None  # mask_mod(b, h, q_idx, kv_idx) -> bool, ANDed with the rules
+    bias: object = None  # float, broadcastable to (B, H, T_q, T_k); may be learned
+    rel_bias: object = None  # (H, 2T-1) float: bias of the relative position j - pos(i)
+    score_mod: object = None  # score_mod(score, b, h, q_idx, kv_idx) -> score
     # Where this problem's queries and keys sit in the whole sequence (ring attention's block
     # pairs, a decoding step): query i at q_start + i, key j at k_start + j. q_start=None
     # means bottom-right: k_start + i + T_k - T_q. Every rule and the dropout pattern use
@@ -232,6 +250,19 @@ class Pattern:
             set_(self, "alibi_slopes", _float_array("alibi_slopes", self.alibi_slopes, (1, 2)))
         if self.sinks is not None:
             set_(self, "sinks", _float_array("sinks", self.sinks, (1,)))
+        _mod.check_callable("mask_mod", self.mask_mod)
+        _mod.check_callable("score_mod", self.score_mod)
+        if self.rel_bias is not None:
+            set_(self, "rel_bias", _float_array("rel_bias", self.rel_bias, (2,)))
+        if self.bias is not None:
+            b = self.bias if _is_torch(self.bias) else np.asarray(self.bias)
+            ok = b.dtype.is_floating_point if _is_torch(b) else np.issubdtype(b.dtype, np.floating)
+            if not ok or b.ndim > 4:
+                raise ValueError(
+                    f"bias: must be a float array broadcastable to (B, H, T_q, T_k) (at most 4 "
+                    f"axes), got shape {tuple(b.shape)} and dtype {b.dtype}"
+                )
+            set_(self, "bias", b)
         if self.softcap is not None:
             c = self.softcap
             if isinstance(c, bool) or not isinstance(c, (int, float, np.floating, np.integer)):
@@ -248,18 +279,49 @@ class Pattern:
 
     @property
     def has_modifiers(self) -> bool:
-        return self.softcap is not None or self.alibi_slopes is not None or self.sinks is not None
+        return any(
+            getattr(self, n) is not None
+            for n in ("softcap", "alibi_slopes", "sinks", "bias", "rel_bias", "score_mod")
+        )
 
     @property
     def per_batch(self) -> bool:
         """Whether the readable set differs between batch rows."""
         return any(
             getattr(self, n) is not None for n in ("lengths", "key_padding_mask", "prefix_lengths")
-        ) or (self.mask is not None and self.mask.ndim >= 3 and self.mask.shape[0] > 1)
+        ) or (self.mask is not None and self.mask.ndim >= 3 and self.mask.shape[0] > 1) or (
+            self.mask_mod is not None  # it may read b: taken as differing
+        )
 
     @property
     def per_head(self) -> bool:
-        return self.mask is not None and self.mask.ndim == 4 and self.mask.shape[1] > 1
+        return (
+            self.mask is not None and self.mask.ndim == 4 and self.mask.shape[1] > 1
+        ) or self.mask_mod is not None
+
+    @property
+    def has_additive(self) -> bool:
+        """Whether additive score terms are set (ALiBi, rel_bias, bias): the trace's E."""
+        return any(getattr(self, n) is not None for n in ("alibi_slopes", "rel_bias", "bias"))
+
+    def only(self, *modifiers: str) -> Pattern:
+        """This pattern with only the named score modifiers kept (of softcap, alibi_slopes,
+        rel_bias, bias, score_mod): one stage of the modified scores at a time."""
+        names = ("softcap", "alibi_slopes", "rel_bias", "bias", "score_mod")
+        return replace(self, **{n: None for n in names if n not in modifiers})
+
+    def batch_size(self) -> int:
+        """B as the per-sequence data says it (lengths, prefixes, key padding), else 1."""
+        for v in (self.lengths, self.prefix_lengths, self.key_padding_mask):
+            if v is not None:
+                return int(v.shape[0])
+        return 1
+
+    def reason_name(self, code: int) -> str:
+        """The name of a blocked reason (:data:`REASONS`); the mask_mod's own name for it."""
+        if code == MASK_MOD and self.mask_mod is not None:
+            return _mod.name_of(self.mask_mod)
+        return REASONS[int(code)]
 
     def describe(self) -> str:
         """A short human name, e.g. ``causal + window 3 + padding``."""
@@ -276,12 +338,20 @@ class Pattern:
             parts.append("documents")
         if self.mask is not None:
             parts.append("mask")
+        if self.mask_mod is not None:
+            parts.append(f"mask_mod {_mod.name_of(self.mask_mod)}")
         if self.softcap is not None:
             parts.append(f"softcap {self.softcap:g}")
         if self.alibi_slopes is not None:
             parts.append("ALiBi")
         if self.sinks is not None:
             parts.append("sinks")
+        if self.rel_bias is not None:
+            parts.append("relative bias")
+        if self.bias is not None:
+            parts.append("bias")
+        if self.score_mod is not None:
+            parts.append(f"score_mod {_mod.name_of(self.score_mod)}")
         return " + ".join(parts)
 
     # ---- shapes ----------------------------------------------------------------------
@@ -343,35 +413,103 @@ class Pattern:
             raise ValueError(
                 f"sinks: expected one logit per head, shape (H,) = ({H},), got {shape_str(s)}"
             )
+        self._check_user(B, H, T_q, T_k)
+
+    def _check_user(self, B: int, H: int, T_q: int, T_k: int) -> None:
+        """bias, rel_bias, mask_mod and score_mod against the shapes: the mask_mod and
+        score_mod are called on one small block (twice: a pure function answers the same)."""
+        b = self.bias
+        if b is not None and not _mod._fits(tuple(b.shape), (B, H, T_q, T_k)):
+            raise ValueError(
+                f"bias: shape {shape_str(b)} does not broadcast to (B, H, T_q, T_k) = "
+                f"({B}, {H}, {T_q}, {T_k}); give (B|1, H|1, T_q|1, T_k|1)"
+            )
+        r = self.rel_bias
+        if r is not None:
+            qs, ks = self.query_start(T_q, T_k), self.k_start
+            reach = max(qs + T_q - 1 - ks, ks + T_k - 1 - qs, 0)  # the largest |j - pos(i)|
+            if r.shape[0] != H or r.shape[1] % 2 == 0 or (r.shape[1] - 1) // 2 < reach:
+                raise ValueError(
+                    f"rel_bias: expected (H, 2·T−1) = ({H}, {2 * reach + 1}) or wider (odd, "
+                    f"centred on j = pos(i)), got {shape_str(r)}"
+                )
+        fn = self.mask_mod
+        if fn is not None and hasattr(fn, "mismatch"):
+            why = fn.mismatch(B, H, T_q, T_k)
+            if why:
+                raise ValueError(why)
+        if T_q == 0 or T_k == 0 or (fn is None and self.score_mod is None):
+            return
+        qs, ks = self.query_start(T_q, T_k), self.k_start
+        pos, j = np.arange(min(T_q, 16)) + qs, np.arange(min(T_k, 16)) + ks
+        rows = np.arange(B)
+        if fn is not None:
+            import torch
+
+            first = _mod.evaluate_mask(fn, torch, rows, H, pos, j)
+            again = _mod.evaluate_mask(fn, torch, rows, H, pos, j)
+            if tuple(first.shape) != tuple(again.shape) or not bool((first == again).all()):
+                raise ValueError(
+                    f"mask_mod: {_mod.name_of(fn)} is not a pure function of its indices: two "
+                    f"calls on the same block (b 0..{B - 1}, q_idx {pos[0]}..{pos[-1]}, kv_idx "
+                    f"{j[0]}..{j[-1]}) answered differently; compute the mask from b, h, "
+                    "q_idx and kv_idx only"
+                )
+        if self.score_mod is not None:
+            import torch
+
+            b4, h4, q4, k4 = _mod.indices(torch, rows, H, pos, j)
+            S = torch.zeros((B, H, len(pos), len(j)), dtype=torch.float64)
+            with torch.no_grad():
+                _mod.apply_score_mod(self.score_mod, S, b4, h4, q4, k4)
 
     # ---- the dense forms ---------------------------------------------------------------
-    def _rules(self, xp, b, q0, q1, k0, k1, T_q, T_k, dev):
-        """Each rule's readable set for rows b (index array), queries q0:q1, keys k0:k1:
-        a dict name -> bool array broadcastable to (len(b) or 1, 1 or H, rows, cols)."""
+    def rule_data(self, xp, dev=None) -> dict:
+        """The arrays the rules read, in ``xp`` (on ``dev``): the document of every position
+        and the documents' starts (``cu_seqlens``), ``lengths``, ``prefix_lengths``, the key
+        padding and the dense mask (4-D). O(T) beyond the mask itself; made once per
+        pattern and device."""
+        cache = self.__dict__.setdefault("_data_cache", {})
+        key = "numpy" if xp is np else str(dev)
+        if key not in cache:
+            cache[key] = self._rule_data(xp, dev)
+        return cache[key]
 
-        def ar(lo, hi):
-            return xp.arange(lo, hi, device=dev) if xp is not np else np.arange(lo, hi)
+    def _rule_data(self, xp, dev) -> dict:
 
-        def host(a):  # small int vector to xp
+        def host(a):
             return a if xp is np else xp.as_tensor(a, device=dev)
 
-        pos = (ar(q0, q1) + self.query_start(T_q, T_k))[:, None]  # (rows, 1) global positions
-        j = (ar(k0, k1) + self.k_start)[None, :]  # (1, cols)
         out = {}
         cu = self.cu_seqlens
         if cu is not None:
-            starts = host(cu[1:-1]) if cu.size > 2 else None
-            if starts is not None:
-                if xp is np:
-                    dq = np.searchsorted(starts, pos, side="right")
-                    dk = np.searchsorted(starts, j, side="right")
-                else:
-                    dq = xp.bucketize(pos, starts, right=True)
-                    dk = xp.bucketize(j, starts, right=True)
-                out[DOCUMENT] = dq == dk
-                local_q, local_k = pos - host(cu)[dq], j - host(cu)[dk]
+            out["doc"] = host(np.searchsorted(cu[1:-1], np.arange(int(cu[-1])), side="right"))
+            out["cu"] = host(cu)
+        for name in ("lengths", "prefix_lengths"):
+            if getattr(self, name) is not None:
+                out[name] = host(getattr(self, name))
+        for name in ("key_padding_mask", "mask"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if xp is np:
+                v = _numpy(v)
             else:
-                local_q, local_k = pos, j
+                v = (v if _is_torch(v) else xp.as_tensor(np.asarray(v))).to(dev)
+            out[name] = v.reshape((1,) * (4 - v.ndim) + tuple(v.shape)) if name == "mask" else v
+        return out
+
+    def _rule_sets(self, pos, j, b, data, key_padding=None, dense=None) -> dict:
+        """Each keyword rule's readable set at query positions ``pos`` and key positions
+        ``j`` (global, broadcastable) of batch rows ``b`` (an index array shaped (nb, 1, 1, 1)
+        or a scalar): a dict reason -> bool array. ``key_padding`` and ``dense`` are the key
+        padding and dense mask at these cells, already taken from ``data``."""
+        out = {}
+        if "doc" in data:  # packed documents: chunks count from the document's start
+            doc, cu = data["doc"], data["cu"]
+            dq, dk = doc[pos], doc[j]
+            out[DOCUMENT] = dq == dk
+            local_q, local_k = pos - cu[dq], j - cu[dk]
         else:
             local_q, local_k = pos, j
         if self.causal:
@@ -380,38 +518,72 @@ class Pattern:
             out[WINDOW] = j > pos - self.window
         if self.chunk is not None:
             out[CHUNK] = (local_k // self.chunk) == (local_q // self.chunk)
-        if self.prefix_lengths is not None:
-            P = host(self.prefix_lengths[b])[:, None, None, None]
-            inside = (j < P) & (pos < P)  # (nb, 1, rows, cols)
+        if "prefix_lengths" in data:
+            P = data["prefix_lengths"][b]
+            inside = (j < P) & (pos < P)
             for r in (FUTURE, WINDOW, CHUNK):
                 if r in out:
                     out[r] = out[r] | inside
         pad = None
-        if self.lengths is not None:
-            L = host(self.lengths[b])[:, None, None, None]
+        if "lengths" in data:
+            L = data["lengths"][b]
             pad = (j < L) & (pos < L)
-        key_padding = self.key_padding_mask
         if key_padding is not None:
-            if xp is np:
-                k = _numpy(key_padding)[b]
-            else:
-                k = key_padding if _is_torch(key_padding) else xp.as_tensor(np.asarray(key_padding))
-                k = k.to(dev)[xp.as_tensor(b, device=dev)]
-            kp = k[:, None, None, k0:k1]
-            pad = kp if pad is None else pad & kp
+            pad = key_padding if pad is None else pad & key_padding
         if pad is not None:
             out[PADDING] = pad
-        m = self.mask
-        if m is not None:
-            if xp is np:
-                m = _numpy(m)
-            else:
-                m = (m if _is_torch(m) else xp.as_tensor(np.asarray(m))).to(dev)
-            m = m.reshape((1,) * (4 - m.ndim) + tuple(m.shape))
-            if m.shape[0] > 1:
-                m = m[b] if xp is np else m[xp.as_tensor(b, device=dev)]
-            out[MASK] = m[:, :, q0:q1, k0:k1]
+        if dense is not None:
+            out[MASK] = dense
         return out
+
+    def rules_at(self, xp, pos, j, b, h, i, jl, data):
+        """Every rule ANDed (keywords, mask, not mask_mod) at query positions ``pos``, key
+        positions ``j`` (global), batch rows ``b``, heads ``h``, this problem's query and key
+        indices ``i``, ``jl`` (broadcastable index tensors, or 0-d under FlexAttention's
+        vmap); ``data`` from :meth:`rule_data`. Pointwise: what :meth:`to_mask_mod` runs."""
+        kp = data.get("key_padding_mask")
+        kp = None if kp is None else kp[b, jl]
+        m = data.get("mask")
+        if m is not None:
+            zero = i * 0
+            m = m[b if m.shape[0] > 1 else zero, h if m.shape[1] > 1 else zero, i, jl]
+        out = pos == pos  # all True, of the indices' kind and shape
+        for r in self._rule_sets(pos, j, b, data, kp, m).values():
+            out = out & r
+        return out
+
+    def _rules(self, xp, b, q0, q1, k0, k1, T_q, T_k, dev, H=1):
+        """Each rule's readable set for rows b (index array), queries q0:q1, keys k0:k1:
+        a dict name -> bool array broadcastable to (len(b) or 1, 1 or H, rows, cols)."""
+
+        def ar(lo, hi):
+            return xp.arange(lo, hi, device=dev) if xp is not np else np.arange(lo, hi)
+
+        pos = (ar(q0, q1) + self.query_start(T_q, T_k))[:, None]  # (rows, 1) global positions
+        j = (ar(k0, k1) + self.k_start)[None, :]  # (1, cols)
+        data = self.rule_data(xp, dev)
+        b4 = np.asarray(b, dtype=np.int64).reshape(-1, 1, 1, 1)
+        b4 = b4 if xp is np else xp.as_tensor(b4, device=dev)
+        kp = data.get("key_padding_mask")
+        kp = None if kp is None else kp[b4[:, :, 0, 0], k0:k1][:, :, None, :]  # (nb, 1, 1, cols)
+        m = data.get("mask")
+        if m is not None:
+            m = m[b4[:, 0, 0, 0]] if m.shape[0] > 1 else m
+            m = m[:, :, q0:q1, k0:k1]
+        out = self._rule_sets(pos, j, b4, data, kp, m)
+        if self.mask_mod is not None:
+            out[MASK_MOD] = _mod.evaluate_mask(self.mask_mod, xp, b, H, pos[:, 0], j[0], dev)
+        return out
+
+    def extra_tile(self, B, H, T_q, T_k, q0, q1, k0, k1):
+        """The dense mask AND the mask_mod (nothing else) for queries q0:q1, keys k0:k1 of
+        every batch row: torch bool (B'|1, H'|1, rows, cols) on the CPU, for kernels that
+        apply the row intervals and the key padding themselves."""
+        import torch
+
+        pt = Pattern(causal=False, mask=self.mask, mask_mod=self.mask_mod)
+        pt = replace(pt, q_start=self.query_start(T_q, T_k), k_start=self.k_start)
+        return pt.tile(B, H, T_q, T_k, q0, q1, k0, k1, like=torch.zeros(()))
 
     def _frame(self, B, like):
         """(array module, device, batch rows as a NumPy index array)."""
@@ -438,7 +610,7 @@ class Pattern:
             out = np.ones(shape, dtype=bool)
         else:
             out = xp.ones(shape, dtype=xp.bool, device=dev)
-        for r in self._rules(xp, b, q0, q1, k0, k1, T_q, T_k, dev).values():
+        for r in self._rules(xp, b, q0, q1, k0, k1, T_q, T_k, dev, H).values():
             out = out & r
         return out
 
@@ -453,7 +625,7 @@ class Pattern:
         mask)."""
         self.check(B, H, T_q, T_k)
         _, _, b = self._frame(B, None)
-        rules = self._rules(np, b, 0, T_q, 0, T_k, T_q, T_k, None)
+        rules = self._rules(np, b, 0, T_q, 0, T_k, T_q, T_k, None, H)
         shape = np.broadcast_shapes(
             (len(b) if self.per_batch else 1, 1, T_q, T_k), *(r.shape for r in rules.values())
         )
@@ -576,7 +748,9 @@ class Pattern:
         every = padded(True).reshape(tiles).all(5).all(3)
         return torch.where(every, 1, torch.where(some, 2, 0)).to(torch.int8).contiguous()
 
-    def block_kind(self, b, q0, q1, k0, k1, T_q, T_k, H=1) -> Literal["skip", "full", "partial"]:
+    def block_kind(
+        self, b, q0, q1, k0, k1, T_q, T_k, H=1, B=None
+    ) -> Literal["skip", "full", "partial"]:
         """Whether the tile (queries q0:q1, keys k0:k1) of batch row b is skipped, fully
         readable, or partly readable (and must be masked with :meth:`tile`)."""
         lo, hi = self.key_range(b, q0, q1, T_q, T_k)
@@ -590,7 +764,9 @@ class Pattern:
             else self.key_padding_mask.shape[0]
             if self.key_padding_mask is not None
             else b + 1
-        )
+        ) if B is None else B
+        if self.mask_mod is not None:  # a few tiles at a time, never the whole block
+            return _mod.block_kind(self, max(B, b + 1), H, T_q, T_k, q0, q1, k0, k1, [b])
         t = self.tile(max(B, b + 1), H, T_q, T_k, q0, q1, k0, k1, batch=[b])
         if t.all():
             return "full"
@@ -626,7 +802,66 @@ class Pattern:
                 sl = sl[batch]
             sl = sl[None] if sl.ndim == 1 else sl  # (1|B, H)
             S = S - sl[..., None, None] * dist
+        if self.rel_bias is not None or self.bias is not None or self.score_mod is not None:
+            S = self._modify_user(S, q0, k0, T_q, T_k, batch)
         return S
+
+    def _modify_user(self, S, q0, k0, T_q, T_k, batch):
+        """rel_bias, bias, then score_mod, on scores S (B'|1, H, rows, cols)."""
+        rows, cols = S.shape[-2:]
+        T_q = rows if T_q is None else T_q
+        T_k = cols if T_k is None else T_k
+        torch_ = _is_torch(S)
+        if torch_:
+            import torch as xp
+        else:
+            xp = np
+        dev = S.device if torch_ else None
+        pos = np.arange(q0, q0 + rows) + self.query_start(T_q, T_k)
+        j = np.arange(k0, k0 + cols) + self.k_start
+
+        def to_s(a):  # a bias array in S's kind and dtype (keeping its gradient in torch)
+            if torch_:
+                a = a if _is_torch(a) else xp.as_tensor(np.asarray(a))
+                return a.to(device=dev, dtype=S.dtype)
+            return _numpy(a).astype(S.dtype)
+
+        r = self.rel_bias
+        if r is not None:
+            c = (r.shape[1] - 1) // 2
+            idx = c + j[None, :] - pos[:, None]  # (rows, cols)
+            S = S + to_s(r)[:, xp.as_tensor(idx, device=dev) if torch_ else idx]
+        bias = self.bias
+        if bias is not None:
+            bias = to_s(bias)
+            bias = bias.reshape((1,) * (4 - bias.ndim) + tuple(bias.shape))
+            if bias.shape[0] > 1 and batch is not None:
+                bias = bias[xp.as_tensor(np.asarray(batch), device=dev) if torch_ else batch]
+            qs = slice(q0, q0 + rows) if bias.shape[2] > 1 else slice(None)
+            ks = slice(k0, k0 + cols) if bias.shape[3] > 1 else slice(None)
+            S = S + bias[:, :, qs, ks]
+        if self.score_mod is not None:
+            S4 = S.reshape((1,) * (4 - S.ndim) + tuple(S.shape))
+            rows_b = np.arange(S4.shape[0]) if batch is None else np.asarray(batch)
+            b, h, qi, kj = _mod.indices(xp, rows_b, S4.shape[1], pos, j, dev)
+            S = _mod.apply_score_mod(self.score_mod, S4, b, h, qi, kj).reshape(S.shape)
+        return S
+
+    # ---- FlexAttention both ways (causalattn.masks_mod) ----------------------------------
+    def to_mask_mod(self, T_q: int | None = None, T_k: int | None = None):
+        """This M as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` (pointwise torch ops);
+        with T_q, T_k its indices are FlexAttention's for such a problem."""
+        return _mod.to_mask_mod(self, T_q, T_k)
+
+    def to_block_mask(self, T_q: int, T_k: int, block_size: int = 128, **kw):
+        """FlexAttention's ``BlockMask`` of this M for (T_q, T_k), made tile by tile
+        (``B=``, ``H=``, ``device=`` as create_block_mask's)."""
+        return _mod.to_block_mask(self, T_q, T_k, block_size, **kw)
+
+    @staticmethod
+    def from_block_mask(bm) -> Pattern:
+        """The Pattern of a FlexAttention ``BlockMask`` (for its own (T_q, T_k) only)."""
+        return _mod.from_block_mask(bm)
 
 
 def alibi_slopes(n_heads: int) -> np.ndarray:

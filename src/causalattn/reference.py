@@ -11,7 +11,7 @@ readable output.
 
 from __future__ import annotations
 
-from dataclasses import replace
+import dataclasses
 
 import numpy as np
 
@@ -128,6 +128,10 @@ def trace(
     alibi_slopes=None,
     softcap: float | None = None,
     sinks=None,
+    mask_mod=None,
+    score_mod=None,
+    bias=None,
+    rel_bias=None,
     scale: float | None = None,
     n_heads: int | None = None,
     fill: str = "-inf",
@@ -148,7 +152,9 @@ def trace(
     ``n_heads`` splits the projections into heads; each head's stages then carry a head
     axis before T. ``fill`` chooses M's blocked value ('-inf' or 'finite'); weights are the
     same either way. Modifiers are stages of their own: ``S_cap`` (softcap) and ``E``
-    (ALiBi). With ``dropout_p`` > 0 the stage ``A_drop`` (A with the dropout pattern of
+    (ALiBi, and the biases ``rel_bias`` and ``bias``), ``S_mod`` (a ``score_mod``); a
+    ``mask_mod`` is ANDed into M and named as the reason of the cells it blocks. With
+    ``dropout_p`` > 0 the stage ``A_drop`` (A with the dropout pattern of
     :mod:`causalattn.dropout` for ``dropout_seed`` = (seed, offset), drawn from torch's
     RNG when None) follows A, and H = A_drop V.
     """
@@ -201,6 +207,10 @@ def trace(
         alibi_slopes=alibi_slopes,
         softcap=softcap,
         sinks=sinks,
+        mask_mod=mask_mod,
+        score_mod=score_mod,
+        bias=bias,
+        rel_bias=rel_bias,
     )
     general = None if mask is None or pattern.mask is not None else mask
     arrays, allowed, reasons = _stages(
@@ -306,12 +316,14 @@ def _stages(
     Sm = S
     if pattern.softcap is not None:
         with np.errstate(invalid="ignore", over="ignore"):
-            Sm = stages["S_cap"] = replace(pattern, alibi_slopes=None).modify_scores(S)
-    if pattern.alibi_slopes is not None:
-        bias = replace(pattern, softcap=None).modify_scores(np.zeros(lay + (T, T)))
-        stages["E"] = bias = bias.reshape(_lead_shape(bias.shape, lead, n_heads))
+            Sm = stages["S_cap"] = pattern.only("softcap").modify_scores(S)
+    if pattern.has_additive:  # ALiBi, rel_bias, bias
+        E = pattern.only("alibi_slopes", "rel_bias", "bias").modify_scores(np.zeros(lay + (T, T)))
+        stages["E"] = E = E.reshape(_lead_shape(E.shape, lead, n_heads))
         with np.errstate(invalid="ignore", over="ignore"):
-            Sm = Sm + bias
+            Sm = Sm + E
+    if pattern.score_mod is not None:
+        stages["S_mod"] = Sm = _score_mod(pattern, Sm, lead, n_heads)
     M = stages["M"] = np.broadcast_to(
         _masks.additive(allowed, fill=fill), np.broadcast_shapes(allowed.shape, S.shape)
     )
@@ -337,6 +349,17 @@ def _stages(
     return stages, allowed, reasons
 
 
+def _score_mod(pattern, Sm, lead: tuple, n_heads) -> np.ndarray:
+    """The score_mod on scores laid out like S (lead axes, [h,] T, T), as (B, H, T, T)."""
+    if len(lead) > 1:
+        raise ValueError(f"score_mod: X needs at most one batch axis, got leading axes {lead}")
+    B, H = (lead[0] if lead else 1), (n_heads or 1)
+    full = np.broadcast_to(Sm, (*lead, *((H,) if n_heads else ()), *Sm.shape[-2:]))
+    S4 = np.ascontiguousarray(full).reshape(B, H, *Sm.shape[-2:])
+    with np.errstate(invalid="ignore", over="ignore"):
+        return pattern.only("score_mod").modify_scores(S4).reshape(full.shape)
+
+
 def _is_pattern_mask(mask, x_ndim: int, n_heads) -> bool:
     """Whether a given mask is the Pattern's (B|1, H|1, T, T) form rather than a general
     array broadcast against S: only a 4-D mask beside a batched, multi-head X."""
@@ -355,7 +378,8 @@ def _lead_shape(shape4, lead: tuple, n_heads) -> tuple:
 def _pattern_cells(pattern, lead: tuple, n_heads, T: int):
     """The Pattern's blocked-reason codes laid out like S, and the (B, H) it was built for."""
     B = lead[0] if len(lead) == 1 else 1
-    if pattern.per_batch and len(lead) != 1:
+    by_row = dataclasses.replace(pattern, mask_mod=None).per_batch  # a mask_mod may read b
+    if by_row and len(lead) != 1:
         raise ValueError(
             f"mask: lengths, key_padding_mask, prefix_lengths or a per-sequence mask need X of "
             f"shape (B, T, d_model); got leading axes {lead}"

@@ -30,9 +30,10 @@ STAGES: dict[str, tuple[str, str, str]] = {
     "V": ("V", "V = X W_V", "T×d_v"),
     "S": ("S", "S = Q Kᵀ / √d_k", "T×T"),
     "S_cap": ("S_cap", "S_cap = c·tanh(S / c) (softcap)", "T×T"),
-    "E": ("E", "E_ij = -slope_h·|i - j| (ALiBi)", "T×T"),
+    "E": ("E", "E_ij = -slope_h·|i - j| (ALiBi) + rel_bias + bias", "T×T"),
+    "S_mod": ("S_mod", "S_mod = score_mod(S + E) (a function of the scores)", "T×T"),
     "M": ("M", "M_ij = 0 if j may be read, -∞ otherwise", "T×T"),
-    "Z": ("Z", "Z = S + M (S_cap for S with softcap; + E with ALiBi)", "T×T"),
+    "Z": ("Z", "Z = S + M (S_cap for S with softcap; + E with ALiBi or biases; S_mod with a score_mod)", "T×T"),
     "A": ("A", "A = softmax_last(Z) (sinks join the denominator)", "T×T"),
     "A_drop": ("A_drop", "A with dropout: kept A_ij / (1 - p), dropped 0", "T×T"),
     "H": ("H", "H = A V", "T×d_v"),
@@ -309,7 +310,9 @@ class Trace:
             from .masks import REASONS
 
             codes = np.broadcast_to(self.reasons, A.shape)[i]
-            why = tuple("" if c == 0 else REASONS[int(c)] for c in codes)
+            pat = getattr(self, "pattern", None)
+            name = pat.reason_name if pat is not None else (lambda c: REASONS[int(c)])
+            why = tuple("" if c == 0 else name(int(c)) for c in codes)
         norm = np.linalg.norm(contribution, axis=-1)
         score = np.where(readable, S[i], np.nan)
         return Explanation(

@@ -9,9 +9,11 @@ diagnose  probe -> measure -> judge -> report:
           measuring  measure (SliceMeasure, ProbeMeasure)
           judging    judge (Findings), locate (file:line)
           reporting  report (Finding, Diagnosis, Check, Report), words
+compare   someone's mask against a Pattern, block by block (compare_masks)
 """
 
 from .audit import audit
+from .compare import MaskComparison, MaskDifference, compare_masks
 from .diagnose import diagnose
 from .faults import CATALOGUE, Fault
 from .report import AuditInputError, Check, Diagnosis, Report
@@ -19,6 +21,9 @@ from .report import AuditInputError, Check, Diagnosis, Report
 __all__ = [
     "audit",
     "diagnose",
+    "compare_masks",
+    "MaskComparison",
+    "MaskDifference",
     "Report",
     "Check",
     "Diagnosis",

@@ -57,6 +57,10 @@ def audit(
     alibi_slopes=None,
     softcap: float | None = None,
     sinks=None,
+    mask_mod=None,
+    score_mod=None,
+    bias=None,
+    rel_bias=None,
 ) -> Report:
     """Check an attention computation in dependency order (see the module docstring).
 
@@ -77,6 +81,10 @@ def audit(
         "alibi_slopes": alibi_slopes,
         "softcap": softcap,
         "sinks": sinks,
+        "mask_mod": mask_mod,
+        "score_mod": score_mod,
+        "bias": bias,
+        "rel_bias": rel_bias,
     }
     declared = {k: v for k, v in declared.items() if v is not None}
     if not causal:

@@ -82,6 +82,8 @@ def diagnose(
     alibi_slopes=None,
     softcap: float | None = None,
     sinks=None,
+    mask_mod=None,
+    score_mod=None,
     max_memory: int = runner.DEFAULT_MAX_MEMORY,
 ) -> Diagnosis:
     """Measure ``fn``'s attention and name the first stage that differs from the declared one.
@@ -90,7 +92,8 @@ def diagnose(
     instance, an nn.Module class constructible without arguments, or a function without
     arguments returning one). ``signature``: ``"qkv"``, ``"x-weights"`` or ``"module"``
     (discovered when None). The pattern keywords and ``scale`` (default 1/√d_k) declare what
-    ``fn`` should compute, as for :func:`causalattn.attention`. ``timeout`` (seconds) and
+    ``fn`` should compute, as for :func:`causalattn.attention` (``mask_mod`` and
+    ``score_mod`` too: evaluated on every probe's shape). ``timeout`` (seconds) and
     ``max_memory`` (bytes) bound the worker process (:mod:`.runner`); ``isolate=False``
     runs a callable here.
     """
@@ -109,9 +112,13 @@ def diagnose(
         "alibi_slopes": alibi_slopes,
         "softcap": softcap,
         "sinks": sinks,
+        "mask_mod": mask_mod,
+        "score_mod": score_mod,
     }
     declared = {k: _plain(v) for k, v in declared.items() if v is not None}
     masks.Pattern(**declared)  # refuse a bad declaration here, naming the argument
+    if isinstance(fn, (str, Path)):  # a fresh interpreter: the declaration is pickled
+        _check_picklable({k: v for k, v in declared.items() if k in masks.CALLABLES})
     check_declared_scale("diagnose", scale)
     if isinstance(max_memory, bool) or not isinstance(max_memory, int) or max_memory <= 0:
         raise ValueError(f"diagnose: max_memory must be a number of bytes > 0, got {max_memory!r}")
@@ -161,6 +168,19 @@ def _check_timeout(timeout) -> float:
     if not math.isfinite(t) or t <= 0:
         raise ValueError(f"diagnose: timeout must be a finite number of seconds > 0, got {t:g}")
     return t
+
+
+def _check_picklable(fns: dict) -> None:
+    import pickle
+
+    for name, fn in fns.items():
+        try:
+            pickle.dumps(fn)
+        except Exception as exc:  # noqa: BLE001 - any pickling failure is named
+            raise ValueError(
+                f"diagnose: the declared {name} cannot travel to the worker interpreter "
+                f"({exc}); define it at module level"
+            ) from None
 
 
 def _plain(v):

@@ -259,11 +259,10 @@ def softmax_expected(st, allowed):
 
 
 def modified_scores(st, shape):
-    """S broadcast to ``shape``, with the declared softcap / ALiBi applied."""
+    """S broadcast to ``shape``, with the declared softcap, ALiBi, biases and score_mod."""
     S = np.broadcast_to(st.arrays["S"], shape)
-    pat = _masks.Pattern(
-        **{k: v for k, v in st.inp.pattern.items() if k in ("softcap", "alibi_slopes")}
-    )
+    mods = ("softcap", "alibi_slopes", "rel_bias", "bias", "score_mod")
+    pat = _masks.Pattern(**{k: v for k, v in st.inp.pattern.items() if k in mods})
     if not pat.has_modifiers:
         return S
     lead = shape[:-2]

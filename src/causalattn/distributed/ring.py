@@ -67,7 +67,7 @@ class _Pair:
     units: float  # n·m, halved when only partly readable
 
 
-def plan(pattern: Pattern, q_segs, kv_segs) -> list[_Pair]:
+def plan(pattern: Pattern, q_segs, kv_segs, B: int = 1) -> list[_Pair]:
     """The block pairs to compute for local query chunks ``q_segs`` against a K, V block made
     of chunks ``kv_segs`` (``[(global start, length)]`` in local order).
 
@@ -83,7 +83,8 @@ def plan(pattern: Pattern, q_segs, kv_segs) -> list[_Pair]:
         =====================  =========================  ===================
 
     A window turns far earlier chunks into "skipped" and the near ones into "partial";
-    lengths are left to the call (they differ per sequence).
+    lengths are left to the call (they differ per sequence). A ``mask_mod`` (which may read
+    b) is asked for each of the B batch rows: a pair is skipped only when no row reads it.
     """
     structure = replace(pattern, lengths=None)  # what holds for every sequence of the batch
     pairs, qo = [], 0
@@ -91,7 +92,10 @@ def plan(pattern: Pattern, q_segs, kv_segs) -> list[_Pair]:
         ko = 0
         for ka, m in kv_segs:
             placed = replace(pattern, q_start=qa, k_start=ka)
-            kind = replace(structure, q_start=qa, k_start=ka).block_kind(0, 0, n, 0, m, n, m)
+            at = replace(structure, q_start=qa, k_start=ka)
+            rows = range(B) if pattern.mask_mod is not None else (0,)
+            kinds = {at.block_kind(b, 0, n, 0, m, n, m, B=B) for b in rows}
+            kind = kinds.pop() if len(kinds) == 1 else "partial"
             if kind != "skip" and n and m:
                 units = n * m if kind == "full" else n * m / 2
                 pairs.append(_Pair(slice(qo, qo + n), slice(ko, ko + m), placed, units))
@@ -161,6 +165,7 @@ class _Config:
     dropout_p: float
     dropout_seed: tuple[int, int] | None
     link: _Link
+    B: int = 1  # batch rows (a mask_mod's block kinds are asked per row)
 
     def __post_init__(self):
         self.q_segs = segments(self.rank, self.P, self.T_local, self.layout)
@@ -182,6 +187,7 @@ class _Config:
                 self.pattern,
                 segments(rank, self.P, self.T_local, self.layout),
                 segments(src, self.P, self.T_local, self.layout),
+                self.B,
             )
         return self._plans[key]
 
@@ -435,6 +441,7 @@ def ring_attention(
     generator=None,
     return_lse: bool = False,
     stats: RingStats | None = None,
+    mask_mod=None,
 ):
     """Causal self-attention over a sequence sharded across the ranks of ``group``.
 
@@ -449,6 +456,9 @@ def ring_attention(
     for the same seed (rank 0 draws it from ``generator`` or torch's RNG). Returns this
     rank's shard of H ``(B, H_q, T/P, d_v)`` in q's dtype (and, with ``return_lse``, its
     fp32 log-sum-exp ``(B, H_q, T/P)``, -inf on padding rows). Differentiable in q, k, v.
+    ``mask_mod(b, h, q_idx, kv_idx)`` (:mod:`causalattn.masks_mod`): any further rule, at
+    global positions (the same function on every rank); block pairs it leaves empty are
+    skipped.
 
     Collective: every rank of the group must call it with the same shapes. A failing peer
     raises :class:`RingError` here (see the module docstring).
@@ -483,7 +493,7 @@ def ring_attention(
         ).tolist()
     link = _Link(group, rank, P, stats if stats is not None else RingStats())
     seed = _agree(link, layout, q, k, v, lengths_list, window, local.dropout_seed or (0, 0))
-    pattern = Pattern(causal=True, window=window, lengths=lengths_list)
+    pattern = Pattern(causal=True, window=window, lengths=lengths_list, mask_mod=mask_mod)
     cfg = _Config(
         rank,
         P,
@@ -495,6 +505,7 @@ def ring_attention(
         local.dropout_p,
         seed if local.dropout_p else None,
         link,
+        q.shape[0],
     )
     out, lse = _RingAttention.apply(q, k, v, sinks, cfg)
     return (out, lse) if return_lse else out

@@ -3,7 +3,8 @@
     attention(q, k, v, *, causal=True, window=None, lengths=None, key_padding_mask=None,
               cu_seqlens=None, prefix_lengths=None, chunk=None, mask=None,
               alibi_slopes=None, softcap=None, sinks=None, scale=None, dropout_p=0.0,
-              generator=None, engine="auto", return_lse=False)
+              generator=None, engine="auto", return_lse=False, mask_mod=None,
+              score_mod=None, bias=None, rel_bias=None)
 
 q: ``(B, H_q, T_q, d_k)``, k: ``(B, H_kv, T_k, d_k)``, v: ``(B, H_kv, T_k, d_v)`` as in
 SDPA; H_q a multiple of H_kv (grouped-query). Returns H ``(B, H_q, T_q, d_v)`` in q's
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 
 from .. import dropout as _dropout
 from ..masks import default_scale
+from ..masks_mod import check_callable
 from . import auto as _auto
 from . import cpp as _cpp
 from . import ops as _ops
@@ -29,11 +31,13 @@ from .cache import KVCache
 from .problem import Problem, _check_tensors, check_generator, constant_result, make_problem
 from .registry import (
     ENGINES,
+    LEARNED,
     TENSORS,
     Features,
     engine,
     feature_values,
     of_problem,
+    captured_of,
     refusal,
     refusal_of,
 )
@@ -53,7 +57,9 @@ def _choose(name: str, values: tuple, k_len) -> str:
     e = engine(name)  # unknown names raise here
     # what the engine does not support: named now while tracing; in eager mode by the
     # operator, after the data checks (which name the bad argument first)
-    why = refusal_of(name, values) if torch.compiler.is_compiling() else ""
+    # (the user's functions and learned tensors are named now: nothing in the data decides)
+    user = any(values[i] for i in USER)
+    why = refusal_of(name, values) if torch.compiler.is_compiling() or user else ""
     if values[LSE] and not e.lse:
         why = (
             f"engine {name!r}: return_lse: PyTorch's SDPA does not return the log-sum-exp; "
@@ -65,6 +71,7 @@ def _choose(name: str, values: tuple, k_len) -> str:
 
 
 LSE = list(Features.__dataclass_fields__).index("lse")  # its place in feature_values
+USER = tuple(list(Features.__dataclass_fields__).index(n) for n in ("mask_mod", "score_mod", "learned"))
 
 
 def pick_engine(p: Problem, return_lse: bool = False) -> str:
@@ -180,6 +187,10 @@ def attention(
     generator=None,
     engine: str = "auto",
     return_lse: bool = False,
+    mask_mod=None,
+    score_mod=None,
+    bias=None,
+    rel_bias=None,
 ):
     """Causal self-attention ``dropout(softmax_last(modify(q kᵀ·scale) + M)) v`` on one of
     the engines. ``sinks`` may be a learned Parameter (gradients flow to it).
@@ -189,6 +200,12 @@ def attention(
     under torch.func. Shapes are checked here (at trace time); what needs the data
     (lengths, cu_seqlens, finiteness) inside the operator. A plain eager call (no pattern
     tensors, modifiers or dropout) takes a remembered shortcut to the same kernels.
+
+    ``mask_mod(b, h, q_idx, kv_idx) -> bool`` and ``score_mod(score, b, h, q_idx, kv_idx)``
+    are FlexAttention's (see :mod:`causalattn.masks_mod`); ``bias`` an additive float tensor
+    broadcastable to (B, H_q, T_q, T_k), ``rel_bias`` (H_q, 2T−1) a relative-position bias.
+    Gradients flow to ``bias``, ``rel_bias``, ``alibi_slopes``, ``sinks`` and the tensors a
+    score_mod reads, where they require one.
     """
     if (
         lengths is None
@@ -199,6 +216,10 @@ def attention(
         and alibi_slopes is None
         and softcap is None
         and sinks is None
+        and mask_mod is None
+        and score_mod is None
+        and bias is None
+        and rel_bias is None
         and generator is None
         and return_lse is False
         and (dropout_p == 0 and type(dropout_p) in (float, int))
@@ -226,11 +247,18 @@ def attention(
         mask=mask,
         alibi_slopes=alibi_slopes,
         sinks=sinks,
+        bias=bias,
+        rel_bias=rel_bias,
     )
     tensors = {n: _tensor(n, x, q.device) for n, x in given.items()}
+    for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
+        check_callable(name, fn)
     grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, tensors["sinks"])
+        isinstance(t, torch.Tensor) and t.requires_grad
+        for t in (q, k, v, *(tensors[n] for n in LEARNED))
     )
+    captured = captured_of(score_mod) if grad else []
+    grad = grad or bool(captured)
     values = feature_values(
         q,
         k,
@@ -243,6 +271,9 @@ def attention(
         dropout_p=dropout_p,
         lse=return_lse,
         grad=grad,
+        mask_mod=mask_mod,
+        score_mod=score_mod,
+        captured=captured,
     )
     name = _choose(engine, values, k.shape[2])
     if name == "sdpa" and _eager(q):
@@ -259,6 +290,8 @@ def attention(
             scale=scale,
             dropout_p=dropout_p,
             generator=generator,
+            mask_mod=mask_mod,
+            score_mod=score_mod,
             **given,
         )
         return _ops.engine_module(name).forward(p, False)
@@ -269,6 +302,7 @@ def attention(
         k,
         v,
         *(tensors[n] for n in TENSORS),
+        captured=list(captured),
         dropout_seed=seed,
         causal=causal,
         window=window,
@@ -276,6 +310,7 @@ def attention(
         softcap=None if softcap is None else float(softcap),
         scale=float(scale),
         dropout_p=float(dropout_p),
+        mods=_ops.mods_id(mask_mod, score_mod),
         engine=name,
         return_lse=return_lse,
     )

@@ -21,6 +21,12 @@ Words, one per meaning (``triton.py``, the host side, uses the same):
 - *key padding*: the pattern's ``key_padding_mask`` (B, T_k) as int8, nonzero = a real key.
 - *dense mask*: the pattern's explicit ``mask`` (B', H', T_q, T_k) as int8; *tile kinds*:
   its table per BLOCK_M × BLOCK_N tile (B', H', n_m, n_n): 0 skip, 1 full, 2 partial.
+  With a ``mask_mod`` the host evaluates it (ANDed with the dense mask) tile by tile and
+  hands in *tile masks* instead: DENSE_MASK is then (n, BLOCK_M, BLOCK_N) int8, kind 3 + t
+  a partial tile read through tile mask t (``_tile_mask_head``).
+- *bias*: the pattern's additive ``bias`` with its (b, h, row, key) strides, 0 along its
+  broadcast axes, added to the scores after ALiBi; the backward writes the gradient by the
+  scores (DBIAS, B × H_q × T_q × T_k) and the host sums it over the broadcast axes.
 - ``*_valid``: an index inside its tensor (row < T_q, key < T_k, column < d).
 - ``*_live``: a row or key a tile must touch: a key some row of the tile may read (every
   other key is loaded as 0, so padding never leaks), a row that may read some key.
@@ -196,10 +202,31 @@ def _tile_kind(kinds_head, row_block, key_block, stride_tm, HAS_DENSE_MASK: tl.c
 @triton.jit
 def _dense(mask_head, stride_mm, i, j, live, kind):
     """The dense mask on a tile (rows i, keys j, broadcastable); only partial tiles
-    (kind 2) read memory, full ones (kind 1) are all True. Row offsets in int64: T_q·T_k
+    (kind >= 2) read memory, full ones (kind 1) are all True. Row offsets in int64: T_q·T_k
     passes 2³¹ at T = 46341."""
-    partial = (live.to(tl.int32) * 0 + kind) == 2  # broadcast first (the interpreter needs it)
+    partial = (live.to(tl.int32) * 0 + kind) >= 2  # broadcast first (the interpreter needs it)
     return tl.load(mask_head + i.to(tl.int64) * stride_mm + j, mask=live & partial, other=1) != 0
+
+
+@triton.jit
+def _tile_mask_head(mask_head, kind, row0, col0, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Where ``_dense`` reads a tile: the dense mask itself (kind 2), or, for kind >= 3, the
+    host's tile mask kind − 3 (BLOCK_M × BLOCK_N, row stride BLOCK_N: a mask_mod's partial
+    tile), shifted so that mask_head + i·BLOCK_N + j addresses it at rows i, keys j of the
+    tile that starts at (row0, col0)."""
+    n = (kind - 3).to(tl.int64)
+    shift = n * (BLOCK_M * BLOCK_N) - (row0 + n * 0) * BLOCK_N - col0  # int64 throughout
+    return mask_head + tl.where(kind >= 3, shift, 0)
+
+
+@triton.jit
+def _add_bias(s, bias_head, i, j, live, stride_bm, stride_bn, HAS_BIAS: tl.constexpr):
+    """s + bias (log2 units) on a tile (rows i, keys j broadcastable: either orientation);
+    the bias's broadcast axes have stride 0."""
+    if HAS_BIAS:
+        ptr = bias_head + i.to(tl.int64) * stride_bm + j.to(tl.int64) * stride_bn
+        s = s + tl.load(ptr, mask=live, other=0.0).to(tl.float32) * LOG2E
+    return s
 
 
 @triton.jit
@@ -435,11 +462,11 @@ def _fwd_tile(
     k_head, stride_kn: tl.constexpr, stride_kd: tl.constexpr,
     v_head, stride_vn: tl.constexpr, stride_vd: tl.constexpr,
     offs_m, row_valid, lo, hi, rows_hash, key_padding, n_lo, n_hi, K_POS,
-    mask_head, stride_mm, offs_dv, dv_valid,
+    mask_head, stride_mm, bias_head, stride_bm, stride_bn, offs_dv, dv_valid,
     q_offset, scale, softcap, slope, drop_thr,
     D_K: tl.constexpr, MASKED: tl.constexpr, HAS_KEY_PADDING: tl.constexpr,
     HAS_DENSE_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DK: tl.constexpr, NUM_DK: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """One key tile of the online softmax: (acc, l_i, m_i) updated."""
@@ -451,6 +478,10 @@ def _fwd_tile(
     s, _ = _scores(
         s, offs_m[:, None] + q_offset, offs_n[None, :], scale, softcap, slope, SOFTCAP, ALIBI
     )
+    s = _add_bias(
+        s, bias_head, offs_m[:, None], offs_n[None, :], row_valid[:, None] & key_live[None, :],
+        stride_bm, stride_bn, HAS_BIAS,
+    )  # fmt: skip
     if MASKED:
         allowed = _allowed(
             lo[:, None], hi[:, None], offs_m[:, None], offs_n[None, :],
@@ -462,6 +493,8 @@ def _fwd_tile(
     else:
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = m_new
+        if HAS_BIAS:  # a bias of -inf may leave a row nothing yet
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, axis=1)  # the denominator counts dropped weights too
@@ -486,10 +519,12 @@ def fwd_kernel(
     DENSE_MASK, stride_mb, stride_mh, stride_mm,
     TILE_KINDS, stride_tb, stride_th, stride_tm,
     SLOPES, Q_POS, K_POS,
+    BIAS, stride_bb, stride_bh, stride_bm, stride_bn,
     H_q, T_q, T_k, D_K: tl.constexpr, D_V: tl.constexpr, GROUP, q_offset,
     scale, softcap, seed, seed_offset, drop_thr, drop_scale,
     HAS_KEY_PADDING: tl.constexpr, HOST_INTERVALS: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_DENSE_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     DROPOUT: tl.constexpr, SINKS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
     NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr, PREC: tl.constexpr,
@@ -505,6 +540,7 @@ def fwd_kernel(
     v_head = _head(V, b, h // GROUP, stride_vb, stride_vh)
     mask_head = _head(DENSE_MASK, b, h, stride_mb, stride_mh)
     kinds_head = _head(TILE_KINDS, b, h, stride_tb, stride_th)
+    bias_head = _head(BIAS, b, h, stride_bb, stride_bh)
     key_padding = KEY_PADDING + b.to(tl.int64) * T_k
     offs_dv = pid_c * BLOCK_DV + tl.arange(0, BLOCK_DV)
     dv_valid = offs_dv < D_V
@@ -518,6 +554,7 @@ def fwd_kernel(
         first, last = _span(run, start, u1, u2, n_hi)
         for start_n in range(first, last, BLOCK_N):
             kind = _tile_kind(kinds_head, pid_m, start_n // BLOCK_N, stride_tm, HAS_DENSE_MASK)
+            tile_mask = _tile_mask_head(mask_head, kind, pid_m * BLOCK_M, start_n, BLOCK_M, BLOCK_N)
             if kind != 0:
                 acc, l_i, m_i = _fwd_tile(
                     acc, l_i, m_i, q, start_n, kind,
@@ -525,10 +562,10 @@ def fwd_kernel(
                     k_head, stride_kn, stride_kd,
                     v_head, stride_vn, stride_vd,
                     offs_m, row_valid, lo, hi, rows_hash, key_padding, n_lo, n_hi, K_POS,
-                    mask_head, stride_mm, offs_dv, dv_valid,
+                    tile_mask, stride_mm, bias_head, stride_bm, stride_bn, offs_dv, dv_valid,
                     q_offset, scale, softcap, slope, drop_thr,
-                    D_K, run != 1, HAS_KEY_PADDING, HAS_DENSE_MASK, SOFTCAP, ALIBI, DROPOUT,
-                    BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, PREC,
+                    D_K, run != 1, HAS_KEY_PADDING, HAS_DENSE_MASK, SOFTCAP, ALIBI, HAS_BIAS,
+                    DROPOUT, BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, PREC,
                 )  # fmt: skip
 
     has = row_live & (l_i != 0.0)  # rows with a readable key (NaN scores stay NaN, not 0)
@@ -554,13 +591,15 @@ def fwd_kernel(
 @triton.jit
 def _bwd_weights(
     s, lse, pos_i, j, lo, hi, i, live, mask_head, stride_mm, kind,
+    bias_head, stride_bm, stride_bn,
     scale, softcap, slope, MASKED: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
     """The forward's weights recomputed on a tile from the products s and the saved lse
     (log2 units), either orientation (broadcastable row vectors lse, pos_i, lo, hi, i and
     key vector j): (P, the softcap's derivative, the allowed cells), P = 0 where not allowed."""
     s, softcap_grad = _scores(s, pos_i, j, scale, softcap, slope, SOFTCAP, ALIBI)
+    s = _add_bias(s, bias_head, i, j, live, stride_bm, stride_bn, HAS_BIAS)
     p = tl.math.exp2(s - lse)
     if MASKED:
         allowed = _allowed(lo, hi, i, j, live, mask_head, stride_mm, kind, HAS_DENSE_MASK)
@@ -575,16 +614,18 @@ def _score_grads(
     p, dp, delta, softcap_grad, allowed, keep, drop_scale,
     MASKED: tl.constexpr, SOFTCAP: tl.constexpr, DROPOUT: tl.constexpr,
 ):  # fmt: skip
-    """dS = P ∘ (dP - D), dP through the kept cells (scaled 1/(1-p)), times the softcap's
-    derivative; 0 where not allowed."""
+    """(dS, dZ): dZ = P ∘ (dP - D) (the gradient by the modified scores: a bias's), dP
+    through the kept cells (scaled 1/(1-p)); dS = dZ times the softcap's derivative; both
+    0 where not allowed."""
     if DROPOUT:
         dp = tl.where(keep, dp * drop_scale, 0.0)
-    ds = p * (dp - delta)
+    dz = p * (dp - delta)
+    if MASKED:
+        dz = tl.where(allowed, dz, 0.0)
+    ds = dz
     if SOFTCAP:
         ds = ds * softcap_grad
-    if MASKED:
-        ds = tl.where(allowed, ds, 0.0)
-    return ds
+    return ds, dz
 
 
 @triton.jit
@@ -608,11 +649,13 @@ def _dkdv_tile(
     v_head, stride_vn: tl.constexpr, stride_vd: tl.constexpr,
     do_head, stride_dom: tl.constexpr, stride_dod: tl.constexpr,
     lse_head, delta_head, lo_b, hi_b, Q_POS, mask_head, stride_mm,
+    bias_head, stride_bm, stride_bn, dbias_head,
     offs_n, key_live, offs_c, ck_valid, cv_valid,
     T_k, q_offset, scale, softcap, slope, drop_thr, drop_scale,
     D_K: tl.constexpr, D_V: tl.constexpr, MASKED: tl.constexpr,
     HOST_INTERVALS: tl.constexpr, CAUSAL: tl.constexpr, HAS_DENSE_MASK: tl.constexpr,
-    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DBIAS: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
     NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
@@ -638,7 +681,8 @@ def _dkdv_tile(
         sT, lse[None, :], offs_m[None, :] + q_offset,
         offs_n[:, None], lo[None, :], hi[None, :], offs_m[None, :],
         row_live[None, :] & key_live[:, None], mask_head, stride_mm, kind,
-        scale, softcap, slope, MASKED, HAS_DENSE_MASK, SOFTCAP, ALIBI,
+        bias_head, stride_bm, stride_bn,
+        scale, softcap, slope, MASKED, HAS_DENSE_MASK, SOFTCAP, ALIBI, HAS_BIAS,
     )  # fmt: skip
     if DROPOUT:
         rows_hash = _row_hash(head_hash, Q_POS, offs_m, row_live)
@@ -656,10 +700,13 @@ def _dkdv_tile(
         D_V, BLOCK_N, BLOCK_M, BLOCK_DV, NUM_DV, PREC,
     )  # fmt: skip
     delta = tl.load(delta_head + offs_m, mask=row_live, other=0.0)
-    dsT = _score_grads(
+    dsT, dzT = _score_grads(
         pT, dpT, delta[None, :], softcap_gradT, allowedT, keepT, drop_scale,
         MASKED, SOFTCAP, DROPOUT,
     )  # fmt: skip
+    if HAS_DBIAS:  # each cell once: this program owns the key tile for every query head
+        ptr = dbias_head + offs_m[None, :].to(tl.int64) * T_k + offs_n[:, None]
+        tl.store(ptr, dzT, mask=row_live[None, :] & (offs_n[:, None] < T_k))
     acc_dk = _add_ds_dot(
         acc_dk, dsT, q_head, offs_m, row_live, offs_c, ck_valid, stride_qm, stride_qd,
         MASKED, PREC,
@@ -675,22 +722,26 @@ def dkdv_kernel(
     DO, stride_dob, stride_doh, stride_dom: tl.constexpr, stride_dod: tl.constexpr,
     DK, stride_dkb, stride_dkh, stride_dkn: tl.constexpr, stride_dkd: tl.constexpr,
     DV, stride_dvb, stride_dvh, stride_dvn: tl.constexpr, stride_dvd: tl.constexpr,
-    LSE, DELTA, KEY_TILE_ROWS, stride_rb,
+    LSE, DELTA, KEY_TILE_ROWS, stride_rb, DBIAS,
     LO, HI, KEY_PADDING,
     DENSE_MASK, stride_mb, stride_mh, stride_mm,
     TILE_KINDS, stride_tb, stride_th, stride_tm,
     SLOPES, Q_POS, K_POS,
+    BIAS, stride_bb, stride_bh, stride_bm, stride_bn,
     H_q, T_q, T_k, D_K: tl.constexpr, D_V: tl.constexpr, GROUP, q_offset,
     scale, softcap, seed, seed_offset, drop_thr, drop_scale,
     HAS_KEY_PADDING: tl.constexpr, HOST_INTERVALS: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_DENSE_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    DROPOUT: tl.constexpr, HAS_DBIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
     NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr,
     BLOCK_C: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     """One program: BLOCK_N keys × BLOCK_C columns of dK and dV for one (b, kv-head),
-    summed over the GROUP query heads that share it (no atomics)."""
+    summed over the GROUP query heads that share it (no atomics); with HAS_DBIAS also the
+    gradient by the scores of its key tile, into DBIAS (B, H_q, T_q, T_k) (every program of
+    the columns writes the same values)."""
     pid_n, pid_c, b, hk = _program(H_q // GROUP)
     b64 = b.to(tl.int64)
     k_head = _head(K, b, hk, stride_kb, stride_kh)
@@ -753,6 +804,8 @@ def dkdv_kernel(
         delta_head = _head_rows(DELTA, b, h, H_q, T_q)
         mask_head = _head(DENSE_MASK, b, h, stride_mb, stride_mh)
         kinds_head = _head(TILE_KINDS, b, h, stride_tb, stride_th)
+        bias_head = _head(BIAS, b, h, stride_bb, stride_bh)
+        dbias_head = DBIAS + (b64 * H_q + h) * T_q * T_k
         slope = _slope(SLOPES, b * H_q + h, ALIBI)
         head_hash = 0
         if DROPOUT:
@@ -761,6 +814,9 @@ def dkdv_kernel(
             first, last = _span(run, q_start, u1, u2, q_hi)
             for start_m in range(first, last, BLOCK_M):
                 kind = _tile_kind(kinds_head, start_m // BLOCK_M, pid_n, stride_tm, HAS_DENSE_MASK)
+                tile_mask = _tile_mask_head(
+                    mask_head, kind, start_m, pid_n * BLOCK_N, BLOCK_M, BLOCK_N
+                )
                 if kind != 0:
                     acc_dk, acc_dv = _dkdv_tile(
                         acc_dk, acc_dv, k, v, start_m, q_hi, kind, head_hash, keys_hash,
@@ -768,11 +824,12 @@ def dkdv_kernel(
                         k_head, stride_kn, stride_kd,
                         v_head, stride_vn, stride_vd,
                         do_head, stride_dom, stride_dod,
-                        lse_head, delta_head, lo_b, hi_b, Q_POS,
-                        mask_head, stride_mm, offs_n, key_live, offs_c, ck_valid, cv_valid,
+                        lse_head, delta_head, lo_b, hi_b, Q_POS, tile_mask, stride_mm,
+                        bias_head, stride_bm, stride_bn, dbias_head,
+                        offs_n, key_live, offs_c, ck_valid, cv_valid,
                         T_k, q_offset, scale, softcap, slope, drop_thr, drop_scale,
                         D_K, D_V, run != 1, HOST_INTERVALS, CAUSAL, HAS_DENSE_MASK,
-                        SOFTCAP, ALIBI, DROPOUT,
+                        SOFTCAP, ALIBI, HAS_BIAS, HAS_DBIAS, DROPOUT,
                         BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, PREC,
                     )  # fmt: skip
 
@@ -794,11 +851,11 @@ def _dq_tile(
     v_head, stride_vn: tl.constexpr, stride_vd: tl.constexpr,
     do_head, stride_dom: tl.constexpr, stride_dod: tl.constexpr,
     offs_m, row_valid, lo, hi, lse, delta, rows_hash, key_padding, n_lo, n_hi, K_POS,
-    mask_head, stride_mm, offs_c, c_valid,
+    mask_head, stride_mm, bias_head, stride_bm, stride_bn, offs_c, c_valid,
     q_offset, scale, softcap, slope, drop_thr, drop_scale,
     D_K: tl.constexpr, D_V: tl.constexpr, MASKED: tl.constexpr,
     HAS_KEY_PADDING: tl.constexpr, HAS_DENSE_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
-    ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+    ALIBI: tl.constexpr, HAS_BIAS: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
     NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
@@ -811,7 +868,8 @@ def _dq_tile(
     p, softcap_grad, allowed = _bwd_weights(
         s, lse[:, None], offs_m[:, None] + q_offset, offs_n[None, :], lo[:, None], hi[:, None],
         offs_m[:, None], row_valid[:, None] & key_live[None, :], mask_head, stride_mm, kind,
-        scale, softcap, slope, MASKED, HAS_DENSE_MASK, SOFTCAP, ALIBI,
+        bias_head, stride_bm, stride_bn,
+        scale, softcap, slope, MASKED, HAS_DENSE_MASK, SOFTCAP, ALIBI, HAS_BIAS,
     )  # fmt: skip
     dp = _dot_nt(
         do, do_head, v_head, offs_m, offs_n, row_valid, key_live,
@@ -822,7 +880,7 @@ def _dq_tile(
         keep = _keep(rows_hash[:, None], _key_hash(K_POS, offs_n, key_live)[None, :], drop_thr)
     else:
         keep = allowed  # unused
-    ds = _score_grads(
+    ds, _ = _score_grads(
         p, dp, delta[:, None], softcap_grad, allowed, keep, drop_scale, MASKED, SOFTCAP, DROPOUT
     )  # fmt: skip
     return _add_ds_dot(
@@ -842,10 +900,12 @@ def dq_kernel(
     DENSE_MASK, stride_mb, stride_mh, stride_mm,
     TILE_KINDS, stride_tb, stride_th, stride_tm,
     SLOPES, Q_POS, K_POS,
+    BIAS, stride_bb, stride_bh, stride_bm, stride_bn,
     H_q, T_q, T_k, D_K: tl.constexpr, D_V: tl.constexpr, GROUP, q_offset,
     scale, softcap, seed, seed_offset, drop_thr, drop_scale,
     HAS_KEY_PADDING: tl.constexpr, HOST_INTERVALS: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_DENSE_MASK: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DK: tl.constexpr,
     NUM_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV: tl.constexpr,
@@ -872,6 +932,7 @@ def dq_kernel(
     key_padding = KEY_PADDING + b.to(tl.int64) * T_k
     mask_head = _head(DENSE_MASK, b, h, stride_mb, stride_mh)
     kinds_head = _head(TILE_KINDS, b, h, stride_tb, stride_th)
+    bias_head = _head(BIAS, b, h, stride_bb, stride_bh)
     offs_c = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     c_valid = offs_c < D_K
     acc = tl.zeros([BLOCK_M, BLOCK_C], dtype=tl.float32)
@@ -879,6 +940,7 @@ def dq_kernel(
         first, last = _span(run, start, u1, u2, n_hi)
         for start_n in range(first, last, BLOCK_N):
             kind = _tile_kind(kinds_head, pid_m, start_n // BLOCK_N, stride_tm, HAS_DENSE_MASK)
+            tile_mask = _tile_mask_head(mask_head, kind, pid_m * BLOCK_M, start_n, BLOCK_M, BLOCK_N)
             if kind != 0:
                 acc = _dq_tile(
                     acc, q, do, start_n, kind,
@@ -887,9 +949,11 @@ def dq_kernel(
                     v_head, stride_vn, stride_vd,
                     do_head, stride_dom, stride_dod,
                     offs_m, row_valid, lo, hi, lse, delta, rows_hash,
-                    key_padding, n_lo, n_hi, K_POS, mask_head, stride_mm, offs_c, c_valid,
+                    key_padding, n_lo, n_hi, K_POS, tile_mask, stride_mm,
+                    bias_head, stride_bm, stride_bn, offs_c, c_valid,
                     q_offset, scale, softcap, slope, drop_thr, drop_scale,
-                    D_K, D_V, run != 1, HAS_KEY_PADDING, HAS_DENSE_MASK, SOFTCAP, ALIBI, DROPOUT,
+                    D_K, D_V, run != 1, HAS_KEY_PADDING, HAS_DENSE_MASK, SOFTCAP, ALIBI, HAS_BIAS,
+                    DROPOUT,
                     BLOCK_M, BLOCK_N, BLOCK_DK, NUM_DK, BLOCK_DV, NUM_DV, PREC,
                 )  # fmt: skip
     dq = tl.where(row_live[:, None], acc * scale, 0.0)

@@ -120,7 +120,7 @@ def _ladder_for(f: Features) -> tuple[tuple[int, str], ...]:
         from . import triton as tr
 
         if refusal("triton", f):
-            return ((2**62, "reference" if f.lse else "sdpa"),)
+            return ((2**62, next(n for n in FALLBACK["cuda"] if not refusal(n, f))),)
         if f.lse:
             return ((2**62, "triton"),)
         Ts = [2**i for i in range(21)]  # prefers() by T, as a ladder

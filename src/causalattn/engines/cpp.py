@@ -205,8 +205,10 @@ def _pattern_args(p: Problem, bq: int, bk: int) -> tuple:
     key_padding = pt.key_padding_mask
     if key_padding is not None:
         key_padding = torch.as_tensor(key_padding).to("cpu", torch.bool).contiguous()
-    kinds = mask = None
-    if pt.mask is not None:
+    kinds = mask = tile_masks = None
+    if pt.mask_mod is not None:  # mask AND mask_mod, tile by tile: partial tiles as tile masks
+        kinds, tile_masks = _tiles(p, bq, bk, lo, hi)
+    elif pt.mask is not None:
         kinds = pt.mask_tile_kinds(bq, bk).to(torch.int32)
         m = torch.as_tensor(pt.mask).to("cpu")
         mask = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)).contiguous()
@@ -227,7 +229,7 @@ def _pattern_args(p: Problem, bq: int, bk: int) -> tuple:
         key_padding,
         kinds,
         mask,
-        None,  # tile masks: partial tiles of a mask_mod (none yet)
+        tile_masks,
         slopes,
         sinks,
         float(p.scale),
@@ -241,6 +243,20 @@ def _pattern_args(p: Problem, bq: int, bk: int) -> tuple:
         bq,
         bk,
     )
+
+
+def _tiles(p: Problem, bq: int, bk: int, lo, hi):
+    """(kinds, tile_masks) of the dense mask AND the mask_mod on the (bq, bk) grid
+    (:func:`causalattn.masks_mod.tile_table`), made once per pattern and grid: the eager
+    backward reuses the forward's."""
+    from ..masks_mod import tile_table
+
+    B, H, T_q, T_k = p.dims
+    cache = p.pattern.__dict__.setdefault("_tile_tables", {})
+    key = (B, H, T_q, T_k, bq, bk)
+    if key not in cache:
+        cache[key] = tile_table(p.pattern, B, H, T_q, T_k, bq, bk, lo.numpy(), hi.numpy())
+    return cache[key]
 
 
 def _host(x):
@@ -366,10 +382,30 @@ def sinks_grad(p: Problem, out, lse, dout, dlse=None) -> torch.Tensor:
     return _sinks_grad(p, out, lse, dout, dlse)
 
 
+def not_yet(f) -> str:
+    """What the native kernels do not compute yet, as a phrase ("" when nothing): the one
+    place that says so. The C++ takes no additive bias, relative bias, slope gradient or
+    score_mod (a Python function, which the kernels cannot call per tile)."""
+    present = set(f.present)
+    what = [n for n in ("bias", "rel_bias") if n in present]
+    if f.score_mod:
+        what.append("score_mod")
+    if "alibi_slopes" in f.learned:
+        what.append("learnable alibi_slopes (requires_grad)")
+    return ", ".join(what)
+
+
 def refusal(f) -> str:
-    """What it cannot run ("" when it runs ``f``): dtypes beyond its four, or no build here."""
+    """What it cannot run ("" when it runs ``f``): dtypes beyond its four, what the kernels
+    do not compute yet (:func:`not_yet`), or no build here."""
     if f.dtype not in DTYPE_NAMES_OF:
         return f"engine 'cpp': dtype {f.dtype} not supported; use {DTYPE_NAMES}"
+    missing = not_yet(f)
+    if missing:
+        return (
+            f"engine 'cpp': {missing}: not in the native kernels yet; engines that run it: "
+            "'tiled' and 'reference' (engine='auto' picks one)"
+        )
     return unavailable() if f.device == "cpu" else ""
 
 

@@ -2,8 +2,10 @@
 engines are tested against (``causalattn.reference`` is the NumPy trace of every stage).
 
 O(T_q·T_k) memory; differentiable by autograd (in q, k, v and learned sinks), so it also
-gives reference gradients. The result is returned in the input dtype. Everything the
-pattern can say is supported: every rule of M, softcap, ALiBi, sinks, and dropout, whose
+gives reference gradients (to q, k, v and every learned pattern tensor: sinks, ALiBi slopes,
+``bias``, ``rel_bias``, a score_mod's captured tensors). The result is returned in the input
+dtype. Everything the pattern can say is supported: every rule of M and mask_mod, softcap,
+ALiBi, the biases, score_mod, sinks, and dropout, whose
 keep pattern is regenerated from the problem's seed (:func:`dropout_mask`) or given
 explicitly (:func:`attend`'s ``keep``), so tests can hand the same pattern to every engine.
 """
@@ -61,9 +63,13 @@ def attend(p: Problem, keep: torch.Tensor | None = None, return_lse: bool = Fals
         k = k.repeat_interleave(p.group, dim=1)
         v = v.repeat_interleave(p.group, dim=1)
     allowed = p.allowed()  # (B', H', T_q, T_k)
-    S = p.pattern.modify_scores((q @ k.transpose(-1, -2)) * p.scale)  # softcap, then ALiBi
+    # softcap, ALiBi, rel_bias, bias, score_mod
+    S = p.pattern.modify_scores((q @ k.transpose(-1, -2)) * p.scale)
     Z = S.masked_fill(~allowed, float("-inf"))
     has_key = allowed.any(dim=-1, keepdim=True).expand(*Z.shape[:-1], 1)
+    if p.pattern.bias is not None or p.pattern.score_mod is not None:
+        # a bias or score_mod of -inf on every readable key leaves the row nothing to read
+        has_key = has_key & ~(Z == float("-inf")).all(dim=-1, keepdim=True)
     m = Z.amax(dim=-1, keepdim=True)
     sink = _sinks(p)
     if sink is not None:

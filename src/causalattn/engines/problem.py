@@ -47,6 +47,18 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def autograd_inside():
+    """Re-enable autograd dispatch inside an operator's implementation, which runs below the
+    Autograd keys (they are excluded from this thread's dispatch set there): the reference's
+    recomputation and a score_mod's tiles are differentiated by autograd."""
+    C = torch._C
+    ex = C._dispatch_tls_local_exclude_set()
+    for key in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor"):
+        if hasattr(C.DispatchKey, key):
+            ex = ex.remove(getattr(C.DispatchKey, key))
+    return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), ex)
+
+
 def constant_result(fn):
     """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` when
     causalattn is imported (that import is about half of the CLI's start-up): Dynamo's
@@ -141,6 +153,7 @@ class Problem:
             and pt.chunk is None
             and pt.prefix_lengths is None
             and pt.mask is None
+            and pt.mask_mod is None
             and pt.q_start is None
             and pt.k_start == 0
         )
@@ -224,6 +237,10 @@ def make_problem(
     dropout_p=0.0,
     generator=None,
     pattern: Pattern | None = None,
+    mask_mod=None,
+    score_mod=None,
+    bias=None,
+    rel_bias=None,
 ) -> Problem:
     """Check inputs and build a :class:`Problem`; every error names the argument and shapes.
 
@@ -245,6 +262,10 @@ def make_problem(
             ("alibi_slopes", alibi_slopes),
             ("softcap", softcap),
             ("sinks", sinks),
+            ("mask_mod", mask_mod),
+            ("score_mod", score_mod),
+            ("bias", bias),
+            ("rel_bias", rel_bias),
         )
         if x is not None
     }

@@ -19,11 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..masks import PATTERN_KEYWORDS
+from ..masks import CALLABLES, PATTERN_KEYWORDS
 from .problem import constant_result
 
 # the pattern's tensors, in the operators' argument order (after q, k, v): Pattern's order
-TENSORS = tuple(n for n in PATTERN_KEYWORDS if n not in ("causal", "window", "chunk", "softcap"))
+SCALARS = ("causal", "window", "chunk", "softcap")
+TENSORS = tuple(n for n in PATTERN_KEYWORDS if n not in SCALARS + CALLABLES)
+# the pattern tensors that may be learned (gradients flow to them when they require one)
+LEARNED = ("sinks", "alibi_slopes", "bias", "rel_bias")
 KINDS = ("causal", "full", "padded", "packed", "decode", "masked")
 
 
@@ -48,12 +51,18 @@ class Features:
     lse: bool = False
     grad: bool = False
     decode: bool = False  # T_q < T_k: the queries are the last positions of the keys
+    mask_mod: bool = False  # a user's rule (Pattern.mask_mod)
+    score_mod: bool = False  # a user's function of the scores (Pattern.score_mod)
+    learned: tuple[str, ...] = ()  # LEARNED tensors that require a gradient ("captured":
+    # tensors a score_mod reads)
 
     @property
     def kind(self) -> str:
         """The mask kind, one of :data:`KINDS`: what the timing tables are indexed by."""
         p = set(self.present)
         if p - {"lengths", "key_padding_mask", "cu_seqlens"} or self.dropout:
+            return "masked"
+        if self.mask_mod or self.score_mod:
             return "masked"
         if self.window is not None or self.chunk is not None or self.softcap is not None:
             return "masked"
@@ -157,6 +166,9 @@ def feature_values(
     dropout_p=0.0,
     lse=False,
     grad=False,
+    mask_mod=None,
+    score_mod=None,
+    captured=(),
 ) -> tuple:
     """The fields of a call's :class:`Features`, as a tuple of plain values: what traced code
     hands to the constant functions that choose. While tracing, a symbolic length is None
@@ -188,7 +200,20 @@ def feature_values(
         bool(lse),
         bool(grad),
         decode,
+        mask_mod is not None,
+        score_mod is not None,
+        _learned(tensors, captured) if grad else (),
     )
+
+
+def _learned(tensors: dict, captured) -> tuple[str, ...]:
+    """The LEARNED tensors that require a gradient, and "captured" for a score_mod's."""
+    out = tuple(
+        n
+        for n in LEARNED
+        if isinstance(tensors.get(n), torch.Tensor) and tensors[n].requires_grad
+    )
+    return out + (("captured",) if captured else ())
 
 
 def features(q, k, v, **kw) -> Features:
@@ -207,8 +232,10 @@ def of_problem(p, return_lse: bool = False, grad: bool | None = None) -> Feature
     pt = p.pattern
     if grad is None:
         grad = torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in (p.q, p.k, p.v, pt.sinks)
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for t in (p.q, p.k, p.v, *(getattr(pt, n) for n in LEARNED))
         )
+    captured = captured_of(pt.score_mod) if grad else ()
     return features(
         p.q,
         p.k,
@@ -221,4 +248,16 @@ def of_problem(p, return_lse: bool = False, grad: bool | None = None) -> Feature
         dropout_p=p.dropout_p,
         lse=return_lse,
         grad=grad,
+        mask_mod=pt.mask_mod,
+        score_mod=pt.score_mod,
+        captured=captured,
     )
+
+
+def captured_of(score_mod) -> list:
+    """The tensors a score_mod reads that require a gradient (none without one)."""
+    if score_mod is None:
+        return []
+    from ..masks_mod import captured_tensors
+
+    return captured_tensors(score_mod)

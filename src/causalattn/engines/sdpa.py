@@ -1,7 +1,7 @@
 """PyTorch's scaled_dot_product_attention as an engine: the peer our engines are measured against.
 
-The pattern goes in as SDPA's dense mask: a bool mask, or a float bias where ALiBi adds
-finite entries (0 or -slope·|i-j| where readable, -inf where not). SDPA cannot express
+The pattern goes in as SDPA's dense mask (a mask_mod evaluated into it): a bool mask, or a
+float bias where ALiBi, ``bias`` or ``rel_bias`` add finite entries (0 or -slope·|i-j| where readable, -inf where not). SDPA cannot express
 softcap (a function of the scores, not an addition) or sinks (an extra denominator term):
 those raise a ValueError rather than approximate. Dropout is SDPA's own ``dropout_p``,
 drawn from torch's global RNG: its pattern differs from :mod:`causalattn.dropout`'s (the
@@ -19,6 +19,11 @@ from .problem import Problem
 def refusal(f) -> str:
     """What SDPA cannot express ("" when it runs ``f``): sinks, softcap (the registry refuses
     return_lse: SDPA does not return it)."""
+    if f.score_mod:
+        return (
+            "engine 'sdpa': score_mod: PyTorch's SDPA takes no function of the scores; engines "
+            "that run it: 'tiled' (CPU) and 'reference'"
+        )
     if "sinks" in f.present:
         return "engine 'sdpa': sinks: PyTorch's SDPA has no sink term in its softmax; use 'cpp'"
     if f.softcap is not None:
@@ -55,7 +60,8 @@ def forward(p: Problem, return_lse: bool = False):
     k = p.k.masked_fill(~readable, 0.0)
     v = p.v.masked_fill(~readable, 0.0)
     mask = allowed
-    if pt.alibi_slopes is not None:  # a float bias: ALiBi where readable, -inf elsewhere
+    if pt.alibi_slopes is not None or pt.bias is not None or pt.rel_bias is not None:
+        # a float bias: ALiBi and the biases where readable, -inf elsewhere
         B, H, T_q, T_k = p.dims
         bdt = torch.float64 if p.q.dtype == torch.float64 else torch.float32
         zero = torch.zeros(1, H, T_q, T_k, dtype=bdt, device=p.q.device)

@@ -44,8 +44,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..masks_mod import apply_score_mod
 from . import autograd as _autograd
 from .problem import LOG2E, Problem, compute_dtype
+from .registry import captured_of
 
 NEG_INF = float("-inf")
 # exp2 is about twice as fast as exp here (torch's exp goes through MKL's VML, which has no
@@ -217,6 +219,7 @@ class _Tiles:
             or pt.chunk
             or pt.cu_seqlens is not None
             or pt.prefix_lengths is not None
+            or pt.mask_mod is not None
         )
         cache: dict = {}
         self.blocks = []  # per query block: (a, a2, [(c, c2, _Mask | None), ...])
@@ -313,6 +316,125 @@ class _Heads:
             s = torch.as_tensor(_np(pt.sinks), dtype=torch.float64)
             self.sinks = (s[self.qhead] * LOG2E).to(dt)  # (N, g)
         self.softcap = None if pt.softcap is None else pt.softcap * LOG2E  # in base-2 units
+        self.rel = None  # rel_bias (H, R) in base 2, and its centre
+        if pt.rel_bias is not None:
+            r = torch.as_tensor(_np(pt.rel_bias), dtype=torch.float64)
+            self.rel, self.rel_c = (r * LOG2E).to(dt), (r.shape[1] - 1) // 2
+        self.bias = None  # bias as 4-D (B|1, H|1, T_q|1, T_k|1), its own dtype
+        if pt.bias is not None:
+            bb = torch.as_tensor(pt.bias).detach().cpu()
+            self.bias = bb.reshape((1,) * (4 - bb.dim()) + tuple(bb.shape))
+        self.score_mod = pt.score_mod
+        # scores may be -inf (or NaN) where the pattern reads: masks are filled, never added
+        self.user = pt.bias is not None or pt.score_mod is not None
+        self.pos0, self.k0 = pt.query_start(*p.dims[2:]), pt.k_start
+
+    def bias_tile(self, h, h2, a, a2, c, c2, dt) -> torch.Tensor:
+        """bias for head chunk h:h2, rows a:a2, keys c:c2: (M, g, rows|1, cols|1) in dt."""
+        b4 = self.bias
+        t = b4[:, :, _span(b4, 2, a, a2), _span(b4, 3, c, c2)]
+        zero = torch.zeros_like(self.batch[h:h2])
+        bi = self.batch[h:h2] if b4.shape[0] > 1 else zero
+        hi = self.qhead[h:h2] if b4.shape[1] > 1 else zero
+        return t[bi, hi].to(dt)
+
+    def rel_index(self, a, a2, c, c2) -> torch.Tensor:
+        """rel_bias's column c + j - pos(i) for the tile (rows, cols), int64."""
+        pos = torch.arange(a, a2) + self.pos0
+        j = torch.arange(c, c2) + self.k0
+        return self.rel_c + j[None, :] - pos[:, None]
+
+    def mod_indices(self, h, h2, a, a2, c, c2):
+        """score_mod's (b, h, q_idx, kv_idx) for the tile: (M, g, 1, 1) twice, positions."""
+        pos = (torch.arange(a, a2) + self.pos0).view(1, 1, -1, 1)
+        j = (torch.arange(c, c2) + self.k0).view(1, 1, 1, -1)
+        return self.batch[h:h2, :, None, None], self.qhead[h:h2, :, None, None], pos, j
+
+
+def _span(x: torch.Tensor, axis: int, lo: int, hi: int) -> slice:
+    """lo:hi along an axis of x, or all of it where x broadcasts there (size 1)."""
+    return slice(lo, hi) if x.shape[axis] > 1 else slice(None)
+
+
+class _Grads:
+    """Gradients of the pattern's learned tensors, summed over the tiles of one part of the
+    backward (or, for the whole call, over the parts in order): ``bias`` in its 4-D form,
+    ``rel_bias`` (H, R), ``alibi_slopes`` (1|B, H), and the tensors the score_mod reads."""
+
+    def __init__(self, p: Problem, hd, want, dcache):
+        self.p, self.hd, self.dcache = p, hd, dcache
+        self.want = set(want)
+        self.wanted = bool(self.want - {"captured"})  # read off dS in every tile
+        self.caps = captured_of(p.pattern.score_mod) if "captured" in self.want else []
+        self.sums: dict = {}
+        if hd is not None:
+            self.batch, self.qhead = hd.batch.tolist(), hd.qhead.tolist()
+
+    def _acc(self, key, shape, dtype) -> torch.Tensor:
+        if key not in self.sums:
+            self.sums[key] = torch.zeros(shape, dtype=dtype)
+        return self.sums[key]
+
+    def tile(self, dS, tape, mask, heads, h, h2, a, a2, c, c2) -> None:
+        """Add one tile's share. dS (M, g, rows, cols): the loss's gradient by the scores
+        after every modifier (natural units); through the score_mod's tape it becomes the
+        gradient by its input (in place), the one the biases and slopes take."""
+        if tape is not None:
+            x, y = tape
+            with torch.enable_grad():
+                g = torch.autograd.grad(y, [x, *self.caps], dS, allow_unused=True)
+            dS.copy_(g[0])
+            if mask is not None:  # nothing flows to a blocked cell, even 0·inf
+                dS.masked_fill_(~mask.pick(mask.allowed, heads), 0.0)
+            for i, gi in enumerate(g[1:]):
+                if gi is not None:
+                    self._acc(("captured", i), gi.shape, gi.dtype).add_(gi)
+        if not self.wanted:
+            return
+        pt, hd = self.p.pattern, self.hd
+        M, G = dS.shape[:2]
+        cells = [(m, gi, self.batch[h + m][gi], self.qhead[h + m][gi]) for m in range(M) for gi in range(G)]
+        if "bias" in self.want:
+            b4 = hd.bias
+            t = dS.sum(2, keepdim=True) if b4.shape[2] == 1 else dS
+            t = t.sum(3, keepdim=True) if b4.shape[3] == 1 else t
+            acc = self._acc("bias", b4.shape, dS.dtype)
+            rs, cs = _span(b4, 2, a, a2), _span(b4, 3, c, c2)
+            for m, gi, bi, qh in cells:
+                acc[bi if b4.shape[0] > 1 else 0, qh if b4.shape[1] > 1 else 0, rs, cs] += t[m, gi]
+        if "rel_bias" in self.want:
+            acc = self._acc("rel_bias", tuple(pt.rel_bias.shape), dS.dtype)
+            idx = hd.rel_index(a, a2, c, c2).flatten()
+            for m, gi, _, qh in cells:
+                acc[qh].index_add_(0, idx, dS[m, gi].flatten())
+        if "alibi_slopes" in self.want:
+            sl = pt.alibi_slopes
+            acc = self._acc("alibi_slopes", (sl.shape[0] if sl.ndim == 2 else 1, sl.shape[-1]), dS.dtype)
+            dist = _dist(self.p, a, a2, c, c2, self.dcache, dS.dtype)
+            for m, gi, bi, qh in cells:  # Z = ... - slope·|pos(i) - j|
+                acc[bi if sl.ndim == 2 else 0, qh] -= (dS[m, gi] * dist).sum()
+
+    def add(self, other: _Grads) -> None:
+        for key, t in other.sums.items():
+            if key in self.sums:
+                self.sums[key] += t
+            else:
+                self.sums[key] = t.clone()
+
+    def result(self) -> dict:
+        """{name: gradient shaped as the pattern's tensor}; "captured": a list, in order."""
+        pt, out = self.p.pattern, {}
+        for name in ("bias", "rel_bias", "alibi_slopes"):
+            if name in self.want:
+                shape = tuple(getattr(pt, name).shape)
+                t = self.sums.get(name)
+                out[name] = torch.zeros(shape, dtype=torch.float64) if t is None else t.reshape(shape)
+        if "captured" in self.want:
+            out["captured"] = [
+                self.sums[("captured", i)] if ("captured", i) in self.sums else torch.zeros_like(c)
+                for i, c in enumerate(self.caps)
+            ]
+        return out
 
 
 def _np(x):
@@ -324,17 +446,22 @@ def _dist(p: Problem, a: int, a2: int, c: int, c2: int, cache: dict, dt) -> torc
     slope): the same for every tile on one diagonal offset, so computed once per offset."""
     key = (a - c, a2 - a, c2 - c, dt)
     if key not in cache:
-        unit = replace(p.pattern, softcap=None, sinks=None, alibi_slopes=[1.0])
+        # ALiBi alone (the other modifiers would leak into the distance)
+        unit = replace(p.pattern.only("alibi_slopes"), sinks=None, alibi_slopes=[1.0])
         B, H, T_q, T_k = p.dims
         z = torch.zeros(1, 1, a2 - a, c2 - c, dtype=torch.float64)
         cache[key] = (-unit.modify_scores(z, a, c, T_q, T_k)[0, 0]).to(dt)
     return cache[key]
 
 
-def _modify(S4: torch.Tensor, hd: _Heads, h: int, h2: int, a, a2, c, c2, p, cache, T=None):
-    """softcap, then ALiBi, in place on base-2 scores S4 (M, g, rows, cols). With softcap and
-    ``T`` (a buffer like S4), T receives tanh(S/c) for the backward; without T, S4 comes
-    already divided by c (the forward folds 1/c into the query scale)."""
+def _modify(
+    S4: torch.Tensor, hd: _Heads, h: int, h2: int, a, a2, c, c2, p, cache, T=None, grad=False
+):
+    """softcap, ALiBi, rel_bias, bias, then the score_mod, in place on base-2 scores S4
+    (M, g, rows, cols). With softcap and ``T`` (a buffer like S4), T receives tanh(S/c) for
+    the backward; without T, S4 comes already divided by c (the forward folds 1/c into the
+    query scale). With a score_mod and ``grad``: returns (its input, its output) in natural
+    units, on autograd's tape, for the backward's vector-Jacobian product (else None)."""
     if hd.softcap is not None:
         cap = hd.softcap
         if T is not None:
@@ -347,6 +474,22 @@ def _modify(S4: torch.Tensor, hd: _Heads, h: int, h2: int, a, a2, c, c2, p, cach
         for mi, row in enumerate(hd.slope_list[h:h2]):
             for gi, slope in enumerate(row):
                 S4[mi, gi].sub_(dist, alpha=slope)
+    if hd.rel is not None:
+        S4.add_(hd.rel[hd.qhead[h:h2]][:, :, hd.rel_index(a, a2, c, c2)])
+    if hd.bias is not None:
+        S4.add_(hd.bias_tile(h, h2, a, a2, c, c2, S4.dtype), alpha=LOG2E)
+    if hd.score_mod is None:
+        return None
+    idx = hd.mod_indices(h, h2, a, a2, c, c2)
+    x = S4 * LN2
+    if not grad:
+        S4.copy_(apply_score_mod(hd.score_mod, x, *idx)).mul_(LOG2E)
+        return None
+    with torch.enable_grad():
+        x.requires_grad_(True)
+        y = apply_score_mod(hd.score_mod, x, *idx)
+    S4.copy_(y.detach()).mul_(LOG2E)
+    return x, y
 
 
 def _keep(p: Problem, hd: _Heads, h, h2, a, a2, c, c2) -> torch.Tensor:
@@ -414,13 +557,13 @@ def _fwd_job(p, Q, K, V, hd, b, O_out, L_out, workers):
                 S4 = S.view(M, g, a2 - a, c2 - c)
                 _modify(S4, hd, h, h2, a, a2, c, c2, p, dcache)
                 if mask is not None:
-                    if _flag(kbad, c, c2) or _flag(qbad, a, a2):
+                    if _flag(kbad, c, c2) or _flag(qbad, a, a2) or hd.user:
                         S4.masked_fill_(~mask.pick(mask.allowed, heads), NEG_INF)
                     else:  # adding is far cheaper than masked_fill; NaN + -inf would be NaN
                         S4.add_(mask.pick(mask.bias, heads))
                 bm = S.amax(-1)
                 m_new = bm if mx is None else torch.maximum(mx, bm)
-                if mask is None and mx is not None:  # an unmasked block: every row max is finite
+                if mask is None and mx is not None and not hd.user:  # every row max is finite
                     m_safe = m_new
                 else:  # rows with nothing read yet subtract 0 (their scores are all -inf)
                     m_safe = m_new.masked_fill(m_new == NEG_INF, 0.0)
@@ -529,7 +672,7 @@ class _QueryRows:
     d_finite: bool
 
 
-def _bwd_job(p, Q, K, V, dO, LSE, D, hd, b, dQ_out, dK, dV, workers, lanes):
+def _bwd_job(p, Q, K, V, dO, LSE, D, hd, b, dQ_out, dK, dV, workers, lanes, want, total_grads):
     """Gradients of one job: writes dQ_out (N, g, m, d), dK (N, n, d), dV (N, n, d_v).
 
     Tasks are (head chunk, key block): each accumulates its dK, dV block in a contiguous
@@ -589,6 +732,7 @@ def _bwd_job(p, Q, K, V, dO, LSE, D, hd, b, dQ_out, dK, dV, workers, lanes):
 
     def run(part):
         dq = [torch.zeros(N, g * (a2 - a), d, dtype=dt) for a, a2 in blocks]
+        grads = _Grads(p, hd, want, dcache)  # this part's sums
         bufS = torch.empty(nh * g * bq * bk, dtype=dt)
         bufP = torch.empty_like(bufS)
         bufT = torch.empty_like(bufS) if soft else None
@@ -609,10 +753,10 @@ def _bwd_job(p, Q, K, V, dO, LSE, D, hd, b, dQ_out, dK, dV, workers, lanes):
                 shape = (M, g, a2 - a, w)
                 S = torch.bmm(rows[ai].q[h:h2], Kc.transpose(1, 2), out=_tile(bufS, M, r, w))
                 T = _tile(bufT, M, r, w).view(shape) if soft else None
-                _modify(S.view(shape), hd, h, h2, a, a2, c, c2, p, dcache, T)
+                tape = _modify(S.view(shape), hd, h, h2, a, a2, c, c2, p, dcache, T, grad=True)
                 # P mixes rows into dV: its blocked entries must be exactly 0, even where a
                 # query row, a key or the given lse is NaN (then the mask goes on P itself)
-                fast = not kflag and not rows[ai].q_flag and not rows[ai].lse_nan
+                fast = not kflag and not rows[ai].q_flag and not rows[ai].lse_nan and not hd.user
                 if masked and fast:
                     S.view(shape).add_(mask.pick(mask.bias, heads))
                 P = S.sub_(rows[ai].lse[h:h2]).exp2_()
@@ -625,9 +769,11 @@ def _bwd_job(p, Q, K, V, dO, LSE, D, hd, b, dQ_out, dK, dV, workers, lanes):
                     dS.view(shape).mul_(keep)
                 dS.sub_(rows[ai].D[h:h2]).mul_(P)  # dS = P ∘ (dP·Z - D)
                 if masked and not (
-                    vfin and rows[ai].d_finite
+                    vfin and rows[ai].d_finite and not hd.user
                 ):  # P is 0 there, dP or D is not finite
                     dS.view(shape).masked_fill_(~mask.pick(mask.allowed, heads), 0.0)
+                if tape is not None or grads.wanted:  # d score_mod, biases, slopes
+                    grads.tile(dS.view(shape), tape, mask, heads, h, h2, a, a2, c, c2)
                 if soft:  # through the cap: d tanh = 1 - tanh²
                     T.mul_(T).neg_().add_(1.0)
                     dS.view(shape).mul_(T)
@@ -640,9 +786,12 @@ def _bwd_job(p, Q, K, V, dO, LSE, D, hd, b, dQ_out, dK, dV, workers, lanes):
                 _acc(dq[ai][h:h2], dS, Kc, K0c, kflag, masked)
             torch.mul(dk, LN2, out=dK[h:h2, c:c2])
             dV[h:h2, c:c2] = dvb
-        return dq
+        return dq, grads
 
-    parts = _parallel(_balanced(tasks, cost, lanes), run, workers) if tasks else []
+    results = _parallel(_balanced(tasks, cost, lanes), run, workers) if tasks else []
+    parts = [r[0] for r in results]
+    for r in results:  # in part order: the same sums on any thread count
+        total_grads.add(r[1])
     for ai, (a, a2) in enumerate(blocks):
         if not parts:
             dQ_out[:, :, a:a2] = 0.0
@@ -662,12 +811,22 @@ def _D(p: Problem, out, dout, dlse, cd):
 
 
 def bwd(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse=None):
+    """FlashAttention-2 backward by recomputation from the given ``out`` and ``lse``: see
+    :func:`bwd_grads` (this is it without the pattern tensors' gradients)."""
+    return bwd_grads(p, out, lse, dout, dlse)[:3]
+
+
+def bwd_grads(p: Problem, out, lse, dout, dlse=None, want: tuple = ()):
     """FlashAttention-2 backward by recomputation from the given ``out`` and ``lse``.
 
     ``dout`` ``(B, H_q, T_q, d_v)``; optional ``dlse`` ``(B, H_q, T_q)`` (gradient of the
     returned log-sum-exp). Returns ``(dq, dk, dv)`` in the inputs' dtypes; dk, dv are summed
     over each query-head group (grouped-query attention). Rows with lse = -inf (no readable
-    key) get zero gradient. Learned sinks: :func:`sinks_grad`.
+    key) get zero gradient. Learned sinks: :func:`sinks_grad`. ``want``: names of the
+    pattern's learned tensors ("alibi_slopes", "bias", "rel_bias", "captured": the tensors
+    the score_mod reads) whose gradients come back as a dict, the fourth result; they are
+    summed per part of the work and the parts in order (no atomics: the same bits on any
+    thread count). A score_mod's tile is differentiated by autograd.
     """
     B, _, Tq, _ = p.q.shape
     Hkv = p.k.shape[1]
@@ -680,6 +839,7 @@ def bwd(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dl
     dk = torch.zeros(k.shape, dtype=cd)  # contiguous whatever k's layout: written through views
     dv = torch.zeros(v.shape, dtype=cd)
     workers, lanes = _workers(p), _lanes(p)
+    total = _Grads(p, None, want, None)
     with torch.no_grad():
         for b0, b1 in _jobs(p):
             hd = _Heads(p, b0, b1, cd)
@@ -698,8 +858,10 @@ def bwd(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dl
                 _kv(dv, b0, b1),
                 workers,
                 lanes,
+                want,
+                total,
             )
-    return dq.to(p.q.dtype), dk.to(p.k.dtype), dv.to(p.v.dtype)
+    return dq.to(p.q.dtype), dk.to(p.k.dtype), dv.to(p.v.dtype), total.result()
 
 
 def sinks_grad(p: Problem, out, lse, dout, dlse=None) -> torch.Tensor:

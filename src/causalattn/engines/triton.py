@@ -196,7 +196,25 @@ def refusal(f) -> str:
         return f"engine 'triton': dtype {f.dtype} not supported; use {DTYPE_NAMES}"
     if not (1 <= f.d_k <= 1024 and 1 <= f.d_v <= 1024):
         return f"engine 'triton': head sizes d_k={f.d_k}, d_v={f.d_v} must lie in 1..1024"
+    missing = not_yet(f)
+    if missing:
+        return (
+            f"engine 'triton': {missing}: not in the kernels; engines that run it: "
+            "'reference' (any device) and 'tiled' (CPU)"
+        )
     return ""
+
+
+def not_yet(f) -> str:
+    """What the kernels do not compute, as a phrase ("" when nothing): a score_mod (a
+    Python function; the kernels cannot call it per tile), a relative bias and slope
+    gradients."""
+    what = ["score_mod"] if f.score_mod else []
+    if "rel_bias" in f.present:
+        what.append("rel_bias")
+    if "alibi_slopes" in f.learned:
+        what.append("learnable alibi_slopes (requires_grad)")
+    return ", ".join(what)
 
 
 def prefers(f) -> bool:
@@ -274,14 +292,23 @@ class _Plan:
         else:
             self.lo = self.hi = self.none32
 
-        self.has_dense_mask = pat.mask is not None
+        self.has_mask_mod = pat.mask_mod is not None
+        self.has_dense_mask = pat.mask is not None or self.has_mask_mod
         self.dense_mask, self.dense_mask_strides, self._tile_kinds = none8, (0, 0, 0), {}
-        if self.has_dense_mask:
+        if pat.mask is not None and not self.has_mask_mod:
             m = pat.mask if isinstance(pat.mask, torch.Tensor) else torch.as_tensor(pat.mask)
             m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)).to(dev).contiguous()
             self.dense_mask_bool = m
             self.dense_mask = m.view(torch.int8)
             self.dense_mask_strides = _broadcast_strides(m)
+
+        self.has_bias = pat.bias is not None
+        self.bias, self.bias_strides = nonef, (0, 0, 0, 0)
+        if self.has_bias:
+            bb = pat.bias.detach() if isinstance(pat.bias, torch.Tensor) else torch.as_tensor(pat.bias)
+            bb = bb.reshape((1,) * (4 - bb.dim()) + tuple(bb.shape)).to(dev)
+            self.bias = bb.expand(B, H_q, T_q, T_k)  # stride 0 along the broadcast axes
+            self.bias_strides = tuple(self.bias.stride())
 
         self.has_alibi = pat.alibi_slopes is not None
         self.slopes = nonef
@@ -311,25 +338,28 @@ class _Plan:
             HAS_DENSE_MASK=self.has_dense_mask,
             SOFTCAP=self.softcap is not None,
             ALIBI=self.has_alibi,
+            HAS_BIAS=self.has_bias,
             DROPOUT=self.dropout,
         )
 
     def arrays(self, block_m: int, block_n: int) -> tuple:
         """The kernels' pattern arguments, in their order: LO, HI, KEY_PADDING, DENSE_MASK
-        and its strides, TILE_KINDS (for this tile size) and its strides, SLOPES, Q_POS,
-        K_POS."""
-        kinds, kinds_strides = self.tile_kinds(block_m, block_n)
+        (or this tile size's tile masks) and its strides, TILE_KINDS (for this tile size) and
+        its strides, SLOPES, Q_POS, K_POS, BIAS and its strides."""
+        kinds, kinds_strides, mask, mask_strides = self.tile_kinds(block_m, block_n)
         return (
             self.lo,
             self.hi,
             self.key_padding,
-            self.dense_mask,
-            *self.dense_mask_strides,
+            mask,
+            *mask_strides,
             kinds,
             *kinds_strides,
             self.slopes,
             self.q_pos,
             self.k_pos,
+            self.bias,
+            *self.bias_strides,
         )
 
     def scalars(self, scale: float) -> tuple:
@@ -341,15 +371,31 @@ class _Plan:
         return (*sizes, scale, self.softcap or 1.0, *drop)
 
     def tile_kinds(self, block_m: int, block_n: int):
-        """The dense mask's kind per (BLOCK_M × BLOCK_N) tile, int8 (B', H', n_m, n_n)
-        (:meth:`causalattn.masks.Pattern.mask_tile_kinds`), and its (batch, head, row-block)
-        strides."""
+        """(kinds, their (batch, head, row-block) strides, the mask the kernels read, its
+        strides) for (BLOCK_M × BLOCK_N) tiles: the dense mask's kinds, int8 (B', H', n_m,
+        n_n) (:meth:`causalattn.masks.Pattern.mask_tile_kinds`) with the mask itself; with a
+        mask_mod, :func:`causalattn.masks_mod.tile_table`'s int32 kinds with its tile masks
+        (n, BLOCK_M, BLOCK_N), made on the host block by block."""
         if not self.has_dense_mask:
-            return self.dense_mask, (0, 0, 0)
-        if (block_m, block_n) not in self._tile_kinds:
+            return self.dense_mask, (0, 0, 0), self.dense_mask, (0, 0, 0)
+        key = (block_m, block_n)
+        if key in self._tile_kinds:
+            return self._tile_kinds[key]
+        dev = self.dense_mask.device
+        if self.has_mask_mod:
+            from ..masks_mod import tile_table
+
+            B, H_q, T_q, T_k = self.dims
+            lo, hi = self.pattern.row_ranges(B, T_q, T_k)
+            kinds, tiles = tile_table(self.pattern, B, H_q, T_q, T_k, block_m, block_n, lo, hi)
+            kinds = kinds.to(dev).contiguous()
+            mask = tiles.to(dev).view(torch.int8).contiguous()
+            entry = (kinds, _broadcast_strides(kinds), mask, (0, 0, block_n))
+        else:
             kinds = self.pattern.mask_tile_kinds(block_m, block_n, like=self.dense_mask_bool)
-            self._tile_kinds[(block_m, block_n)] = (kinds, _broadcast_strides(kinds))
-        return self._tile_kinds[(block_m, block_n)]
+            entry = (kinds, _broadcast_strides(kinds), self.dense_mask, self.dense_mask_strides)
+        self._tile_kinds[key] = entry
+        return entry
 
     def key_tile_rows(self, block_n: int) -> torch.Tensor:
         """For each key tile: the rows that may read it [q_lo, q_hi) and the rows that read
@@ -443,18 +489,22 @@ def _launch_preprocess(out, dout, lse, dlse, cfg: dict):
     return D
 
 
-def _launch_bwd(q, k, v, do, lse, D, plan: _Plan, scale: float, cfg: dict):
+def _launch_bwd(q, k, v, do, lse, D, plan: _Plan, scale: float, cfg: dict, dbias=None):
+    """(dq, dk, dv); with ``dbias`` (B, H_q, T_q, T_k) fp32 zeros, the gradient by the
+    modified scores written into it (what the bias's gradient is summed from)."""
     B, H_q, T_q, T_k = plan.dims
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     tiles = cfg["dkdv"]
     tile_rows = plan.key_tile_rows(tiles["BLOCK_N"])
-    own = (lse, D, tile_rows, tile_rows.stride(0))
+    own = (lse, D, tile_rows, tile_rows.stride(0), lse if dbias is None else dbias)
     grid = (
         triton.cdiv(T_k, tiles["BLOCK_N"]),
         triton.cdiv(max(plan.d_k, plan.d_v), tiles["BLOCK_C"]),
         B * H_q // plan.group,
     )
-    _launch("dkdv_kernel", grid, tiles, (q, k, v, do, dk, dv), own, plan, scale)
+    _launch(
+        "dkdv_kernel", grid, tiles, (q, k, v, do, dk, dv), own, plan, scale, HAS_DBIAS=dbias is not None
+    )
     tiles = cfg["dq"]
     grid = (triton.cdiv(T_q, tiles["BLOCK_M"]), triton.cdiv(plan.d_k, tiles["BLOCK_C"]), B * H_q)
     _launch("dq_kernel", grid, tiles, (q, k, v, do, dq), (lse, D), plan, scale)
@@ -469,12 +519,12 @@ def _sinks_grad(plan: _Plan, lse: torch.Tensor, D: torch.Tensor) -> torch.Tensor
     return -(w * D).sum(dim=(0, 2))
 
 
-def _backward(p: Problem, plan: _Plan, cfg: dict, q, k, v, out, lse, dout, dlse):
+def _backward(p: Problem, plan: _Plan, cfg: dict, q, k, v, out, lse, dout, dlse, dbias=None):
     """(dq, dk, dv, dsinks or None) from a given out and lse."""
     dout = dout.contiguous()
     lse = lse.float().contiguous()
     D = _launch_preprocess(out.contiguous(), dout, lse, dlse, cfg)
-    dq, dk, dv = _launch_bwd(q, k, v, dout, lse, D, plan, p.scale, cfg)
+    dq, dk, dv = _launch_bwd(q, k, v, dout, lse, D, plan, p.scale, cfg, dbias)
     return dq, dk, dv, _sinks_grad(plan, lse, D) if plan.has_sinks else None
 
 
@@ -539,6 +589,29 @@ def bwd(p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dl
         return _backward(p, plan, cfg, *_contiguous(p), out, lse, dout, dlse)[:3]
 
 
+def bwd_grads(p: Problem, out, lse, dout, dlse=None, want: tuple = ()):
+    """:func:`bwd` and the gradients of the learned pattern tensors in ``want`` (the kernels
+    give ``bias``'s: the gradient by the scores of every cell, summed over the bias's
+    broadcast axes on the host; O(B·H_q·T_q·T_k) memory while it runs), as a dict."""
+    other = set(want) - {"bias"}
+    if other:
+        raise ValueError(f"engine 'triton': no gradient for {sorted(other)} in the kernels")
+    B, H_q, T_q, T_k = p.dims
+    bias = p.pattern.bias
+    prep = _prepare(p)
+    if prep is None:
+        zeros = (torch.zeros_like(p.q), torch.zeros_like(p.k), torch.zeros_like(p.v))
+        return (*zeros, {"bias": torch.zeros(tuple(bias.shape), device=p.q.device)})
+    cfg, plan = prep
+    dbias = torch.zeros(B, H_q, T_q, T_k, dtype=torch.float32, device=p.q.device)
+    with torch.no_grad():
+        dq, dk, dv, _ = _backward(p, plan, cfg, *_contiguous(p), out, lse, dout, dlse, dbias)
+    shape4 = (1,) * (4 - bias.dim()) + tuple(bias.shape)
+    axes = tuple(i for i, n in enumerate(shape4) if n == 1 and dbias.shape[i] != 1)
+    g = dbias.sum(dim=axes, keepdim=True) if axes else dbias
+    return dq, dk, dv, {"bias": g.reshape(tuple(bias.shape))}
+
+
 def sinks_grad(
     p: Problem, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor, dlse=None
 ) -> torch.Tensor:
@@ -555,4 +628,14 @@ def sinks_grad(
         return _sinks_grad(plan, lse, D)
 
 
-__all__ = ["forward", "fwd", "bwd", "sinks_grad", "refusal", "prefers", "available", "MEASURED"]
+__all__ = [
+    "forward",
+    "fwd",
+    "bwd",
+    "bwd_grads",
+    "sinks_grad",
+    "refusal",
+    "prefers",
+    "available",
+    "MEASURED",
+]

@@ -126,7 +126,7 @@ def _traced_kwargs(module, query, key, attention_mask, **kwargs) -> tuple[dict, 
         )
     pat, n = pattern_from_hf(module, query, key, None, **kwargs)  # keywords and modifiers
     kw = {"causal": False, "mask": attention_mask}
-    kw.update({k: v for k, v in engine_kwargs(pat).items() if k in ("softcap", "sinks")})
+    kw.update({k: v for k, v in engine_kwargs(pat).items() if k in ("softcap", "sinks", "bias")})
     return kw, key.shape[2]
 
 

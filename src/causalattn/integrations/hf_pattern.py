@@ -10,6 +10,9 @@ look for the structured pattern that reproduces it exactly — causal, the layer
 chunk, packed documents, key padding — because the engines skip whole blocks of a
 structured pattern; where none does, the dense mask itself becomes the pattern's ``mask``.
 Nothing is guessed: every structured candidate is checked against the mask, bit for bit.
+Additive score biases come in as the pattern's ``bias``: a ``position_bias`` keyword (T5's
+relative bias) and the finite non-zero entries of an additive float mask (blocked where it
+is -inf or below finfo.min / 2, read elsewhere with that bias added).
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ from ..masks import shape_str as _shape_str
 __all__ = ["pattern_from_hf", "SUPPORTED_KWARGS"]
 
 # keywords of HF's attention-function call that carry part of the pattern
-SUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "is_causal")
-REFUSED_KWARGS = ("position_bias", "alibi", "attn_bias")  # additive biases we cannot take yet
+SUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "is_causal", "position_bias")
+BIAS_KWARGS = ("position_bias",)  # additive score biases: the pattern's bias
+REFUSED_KWARGS = ("alibi",)  # a model's own ALiBi tensor: give the slopes (alibi_slopes)
 
 
-def _boolean(mask: torch.Tensor, B: int, H: int, T_q: int, T_k: int) -> torch.Tensor:
-    """HF's mask as booleans ``(B|1, 1|H, T_q, T_k)``, True = may read; checks shape and kind."""
+def _boolean(mask: torch.Tensor, B: int, H: int, T_q: int, T_k: int):
+    """HF's mask as (booleans ``(B|1, 1|H, T_q, T_k)``, True = may read; the additive bias
+    of a float mask at its readable cells, or None); checks shape and kind."""
     if (
         mask.dim() != 4
         or mask.shape[0] not in (1, B)
@@ -41,19 +46,18 @@ def _boolean(mask: torch.Tensor, B: int, H: int, T_q: int, T_k: int) -> torch.Te
             f"{T_k}), got {_shape_str(mask)}"
         )
     if mask.dtype == torch.bool:
-        return mask
+        return mask, None
     if not mask.dtype.is_floating_point:
         raise ValueError(
             f"causalattn attention: attention_mask has dtype {mask.dtype}; expected bool or float"
         )
-    allowed = mask == 0  # HF's eager masks: 0 where allowed, finfo.min (or -inf) where blocked
-    blocked = mask <= torch.finfo(mask.dtype).min / 2
-    if not bool((allowed | blocked).all()):
-        raise ValueError(
-            "causalattn attention: attention_mask carries an additive bias (values other than 0 "
-            "and -inf/finfo.min); causalattn takes who-may-read-whom masks, and ALiBi as slopes"
-        )
-    return allowed
+    # HF's eager masks: 0 where allowed, finfo.min (or -inf) where blocked; anything else
+    # finite at a readable cell is an additive bias
+    allowed = mask > torch.finfo(mask.dtype).min / 2
+    if bool(torch.isnan(mask).any()):
+        raise ValueError("causalattn attention: attention_mask holds NaN")
+    extra = mask.masked_fill(~allowed, 0.0)
+    return allowed, (extra if bool((extra != 0).any()) else None)
 
 
 def _documents(allowed: torch.Tensor) -> list[int] | None:
@@ -154,7 +158,7 @@ def pattern_from_hf(
     for name in REFUSED_KWARGS:
         if kwargs.get(name) is not None:
             raise ValueError(
-                f"causalattn attention: {name!r} (an additive score bias) is not "
+                f"causalattn attention: {name!r} (a model's own ALiBi tensor) is not "
                 "supported; use attn_implementation='eager'"
             )
     B, H, T_q, _ = query.shape
@@ -172,6 +176,7 @@ def pattern_from_hf(
             f"causalattn attention: s_aux (sinks) must be one logit per head, "
             f"(H,) = ({H},); got {_shape_str(modifiers['sinks'])}"
         )
+    bias = _bias_of(kwargs, B, H, T_q, T_k)
     if attention_mask is None:
         n = T_k
         if causal and 1 < T_q < T_k:
@@ -180,8 +185,11 @@ def pattern_from_hf(
             n = T_q
         # a window HF did not fold into a mask does not bite yet (T_k < window); keep it
         # declared all the same, so the trace names the layer's real pattern
+        modifiers["bias"] = _keys(bias, n)
         return masks.Pattern(causal=causal, window=window if causal else None, **modifiers), n
-    allowed = _boolean(attention_mask.to(query.device), B, H, T_q, T_k)
+    allowed, extra = _boolean(attention_mask.to(query.device), B, H, T_q, T_k)
+    if extra is not None:
+        bias = extra.to(query.dtype) if bias is None else bias + extra
     key_ = (id(allowed), allowed._version, tuple(allowed.shape), B, H, T_q, causal, window, chunk)
     found = _MEMO.get(allowed, key_)
     if found is None:
@@ -195,4 +203,27 @@ def pattern_from_hf(
             found = ({"causal": False, "mask": allowed}, T_k)
         _MEMO.put(allowed, key_, found)
     kw, n = found
-    return masks.Pattern(**kw, **modifiers), n
+    return masks.Pattern(**kw, **modifiers, bias=_keys(bias, n)), n
+
+
+def _bias_of(kwargs, B: int, H: int, T_q: int, T_k: int):
+    """The additive bias keywords (position_bias), summed; None without one."""
+    total = None
+    for name in BIAS_KWARGS:
+        b = kwargs.get(name)
+        if b is None:
+            continue
+        if not isinstance(b, torch.Tensor) or not b.dtype.is_floating_point or b.dim() > 4:
+            raise ValueError(
+                f"causalattn attention: {name} must be a float tensor broadcastable to (B, H, "
+                f"T_q, T_k) = ({B}, {H}, {T_q}, {T_k}), got {getattr(b, 'shape', type(b))}"
+            )
+        total = b if total is None else total + b
+    return total
+
+
+def _keys(bias, n: int):
+    """A bias over the first n keys (a StaticCache's unfilled slots dropped)."""
+    if bias is None or bias.shape[-1] in (1, n):
+        return bias
+    return bias[..., :n]

@@ -57,6 +57,8 @@ def _pattern_rows(p: masks.Pattern, b: slice) -> masks.Pattern:
         kw["mask"] = p.mask[b]
     if p.alibi_slopes is not None and p.alibi_slopes.ndim == 2:
         kw["alibi_slopes"] = p.alibi_slopes[b]
+    if p.bias is not None and p.bias.ndim == 4 and p.bias.shape[0] > 1:
+        kw["bias"] = p.bias[b]
     return replace(p, **kw) if kw else p
 
 
@@ -68,6 +70,10 @@ def _pattern_heads(p: masks.Pattern, h: slice) -> masks.Pattern:
         kw["sinks"] = p.sinks[h]
     if p.alibi_slopes is not None:
         kw["alibi_slopes"] = p.alibi_slopes[..., h]
+    if p.rel_bias is not None:
+        kw["rel_bias"] = p.rel_bias[h]
+    if p.bias is not None and p.bias.ndim >= 3 and p.bias.shape[-3] > 1:  # (.., H, T_q, T_k)
+        kw["bias"] = p.bias[..., h, :, :]
     return replace(p, **kw) if kw else p
 
 
@@ -101,7 +107,7 @@ class CapturedTrace(Trace):
         self._rec, self._cache, self._squeeze = rec, cache, B == 1
         names = ["Q", "K", "V", "S"]
         names += ["S_cap"] * (rec.received.softcap is not None)
-        names += ["E"] * (rec.received.alibi_slopes is not None)
+        names += ["E"] * rec.received.has_additive
         names += ["M", "Z", "A", "H"]
         if B * H * T * T * rec.V.shape[3] * 8 <= C_LIMIT_BYTES:
             names.append("C")

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import masks
-from ..masks import CHUNK, DOCUMENT, FUTURE, MASK, PADDING, READABLE, REASONS, WINDOW
+from ..masks import CHUNK, DOCUMENT, FUTURE, MASK, MASK_MOD, PADDING, READABLE, REASONS, WINDOW
 from ..text import PAD
 from ..trace import Trace
 
@@ -67,6 +67,7 @@ KINDS: dict[int, Kind] = {
         Kind(WINDOW, "window", "blocked: outside the window", "#ffa94d", "#ffe8cc", False),
         Kind(CHUNK, "chunk", "blocked: another chunk", "#4dabf7", "#d0ebff", False),
         Kind(MASK, "mask", "blocked: by the mask", "#f783ac", "#fcc2d7", False),
+        Kind(MASK_MOD, "mask_mod", "blocked: by the mask_mod", "#e599f7", "#f3d9fa", False),
     )
 }
 assert {c: k.name for c, k in KINDS.items()} == REASONS, "viz.kinds must follow masks.REASONS"

@@ -1,0 +1,495 @@
+"""Rules a user writes, on the one M: ``mask_mod`` and ``score_mod`` (FlexAttention's
+signatures), the additive biases, and FlexAttention's ``BlockMask`` both ways.
+
+:class:`causalattn.masks.Pattern` holds them; this module evaluates them.
+
+- ``mask_mod(b, h, q_idx, kv_idx) -> bool``: b, h, q_idx, kv_idx are broadcastable integer
+  index tensors (torch; NumPy arrays in the NumPy reference), shaped (nb, 1, 1, 1),
+  (1, H, 1, 1), (1, 1, rows, 1) and (1, 1, 1, cols); the answer must broadcast to
+  (nb, H, rows, cols). q_idx and kv_idx are positions in the whole sequence, as the keyword
+  rules read them: query i at ``pos(i)`` (bottom-right by default, ``q_start + i`` when
+  placed), key j at ``k_start + j``; for T_q = T_k, unplaced, they are FlexAttention's
+  indices. It is ANDed with the keyword rules and ``mask``. It is only ever evaluated on
+  one block of cells at a time (:func:`evaluate_mask`), never on the whole T×T.
+- ``score_mod(score, b, h, q_idx, kv_idx) -> score``: the same indices, the scores (after
+  the scale, softcap, ALiBi, ``rel_bias`` and ``bias``, before M) in natural units; it
+  must return the scores' shape.
+- ``bias``: an additive float tensor broadcastable to (B, H, T_q, T_k), indexed by this
+  problem's query and key indices (like ``mask``). ``rel_bias`` (H, 2·T−1): the bias of a
+  relative position, ``rel_bias[h, c + (j − pos(i))]`` with c = (R−1)/2 the centre of its
+  R columns (T5; global positions, so a placed block pair reads the same entries).
+
+Tile tables (:func:`tile_table`): the kind of every (bq × bk) tile a kernel may visit —
+0 skipped, 1 fully readable, 3 + n partly readable through ``tile_masks[n]`` (bq, bk) —
+found by evaluating the rules tile by tile (O(bq·bk) at a time; identical partial tiles
+stored once), for the native engine and the Triton kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import numpy as np
+
+__all__ = [
+    "name_of",
+    "evaluate_mask",
+    "apply_score_mod",
+    "captured_tensors",
+    "tile_table",
+    "tile_kinds",
+    "block_kind",
+    "to_mask_mod",
+    "to_block_mask",
+    "from_block_mask",
+    "BlockMaskMod",
+]
+
+SKIP, FULL, PARTIAL_DENSE, PARTIAL_TILE = 0, 1, 2, 3  # the kernels' tile kinds
+TILE_CELLS = 1 << 18  # cells evaluated at once when a table is made (a few tiles)
+
+
+def _is_torch(x) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def name_of(fn) -> str:
+    """A callable's name for messages and the blocked reason: ``fn.__name__`` ("lambda" for
+    a lambda), a partial's function's, or the class name."""
+    base = getattr(fn, "func", fn)  # functools.partial
+    name = getattr(base, "__name__", None) or type(base).__name__
+    return "lambda" if name == "<lambda>" else str(name)
+
+
+def check_callable(what: str, fn) -> None:
+    if fn is not None and not callable(fn):
+        raise ValueError(
+            f"mask: {what} must be a function ({what}(b, h, q_idx, kv_idx)"
+            f"{' -> bool' if what == 'mask_mod' else ''}), got {type(fn).__name__}"
+        )
+
+
+def _shape(x) -> str:
+    return str(tuple(int(s) for s in np.shape(x)))
+
+
+def _fits(shape: tuple, target: tuple) -> bool:
+    """Whether ``shape`` broadcasts to ``target`` (every axis 1 or the target's)."""
+    if len(shape) > len(target):
+        return False
+    return all(s in (1, t) for s, t in zip(shape[::-1], target[::-1]))
+
+
+def indices(xp, b_rows, H: int, pos, j, dev=None):
+    """(b, h, q_idx, kv_idx) index tensors shaped (nb,1,1,1), (1,H,1,1), (1,1,rows,1),
+    (1,1,1,cols), int64, in ``xp`` (NumPy or torch on ``dev``)."""
+    if xp is np:
+        return (
+            np.asarray(b_rows, dtype=np.int64).reshape(-1, 1, 1, 1),
+            np.arange(H, dtype=np.int64).reshape(1, -1, 1, 1),
+            np.asarray(pos, dtype=np.int64).reshape(1, 1, -1, 1),
+            np.asarray(j, dtype=np.int64).reshape(1, 1, 1, -1),
+        )
+
+    def t(x):
+        return xp.as_tensor(np.asarray(x, dtype=np.int64), device=dev)
+
+    return (
+        t(b_rows).reshape(-1, 1, 1, 1),
+        xp.arange(H, device=dev).reshape(1, -1, 1, 1),
+        (t(pos) if not _is_torch(pos) else pos.to(dev)).reshape(1, 1, -1, 1),
+        (t(j) if not _is_torch(j) else j.to(dev)).reshape(1, 1, 1, -1),
+    )
+
+
+def _call(fn, what: str, args, xp):
+    """fn(*args); in NumPy, a function written for torch is called again on torch tensors."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001 - any error of the user's function is named
+        first = exc
+    if xp is np:
+        try:
+            import torch
+
+            return fn(*[torch.from_numpy(np.ascontiguousarray(a)) for a in args])
+        except Exception:  # noqa: BLE001 - the first error is the one to report
+            pass
+    shapes = ", ".join(f"{n} {_shape(a)}" for n, a in zip(_ARG_NAMES[what], args))
+    raise ValueError(
+        f"{what}: {name_of(fn)} raised {type(first).__name__}: {first} (called on {shapes}); "
+        f"it must compute from broadcastable index tensors, elementwise"
+    ) from first
+
+
+_ARG_NAMES = {
+    "mask_mod": ("b", "h", "q_idx", "kv_idx"),
+    "score_mod": ("score", "b", "h", "q_idx", "kv_idx"),
+}
+
+
+def evaluate_mask(fn, xp, b_rows, H: int, pos, j, dev=None):
+    """``fn``'s booleans for batch rows ``b_rows``, heads 0..H-1, query positions ``pos`` and
+    key positions ``j``: a 4-D bool array (nb|1, H|1, rows|1, cols|1) in ``xp`` (on ``dev``).
+    A ValueError names what came back when it is not booleans of a broadcastable shape."""
+    args = indices(xp, b_rows, H, pos, j, dev)
+    target = (len(np.atleast_1d(b_rows)), H, args[2].shape[2], args[3].shape[3])
+    out = _call(fn, "mask_mod", args, xp)
+    if xp is np and str(getattr(out, "dtype", "")) not in ("bool", "torch.bool"):
+        try:  # a rule written for torch that mixes NumPy in: ask it in torch
+            import torch
+
+            out = fn(*[torch.from_numpy(np.ascontiguousarray(a)) for a in args])
+        except Exception:  # noqa: BLE001 - the NumPy answer is the one named below
+            pass
+    what = _shape(out) if hasattr(out, "shape") else ""
+    dtype = str(getattr(out, "dtype", type(out).__name__))
+    if dtype not in ("bool", "torch.bool") or not hasattr(out, "shape"):  # a Python bool too
+        raise ValueError(
+            f"mask_mod: {name_of(fn)} returned {type(out).__name__} {what} of dtype {dtype}; "
+            f"it must return booleans (True = may read) of the indices' shape, e.g. "
+            "q_idx >= kv_idx"
+        )
+    if not _fits(tuple(out.shape), target):
+        raise ValueError(
+            f"mask_mod: {name_of(fn)} returned shape {what} for index tensors b "
+            f"{_shape(args[0])}, h {_shape(args[1])}, q_idx {_shape(args[2])}, kv_idx "
+            f"{_shape(args[3])}; it must broadcast to (nb, H, rows, cols) = {target}: "
+            "combine the index tensors elementwise"
+        )
+    if xp is np:
+        out = out.detach().cpu().numpy() if _is_torch(out) else np.asarray(out)
+    elif not _is_torch(out):
+        out = xp.as_tensor(np.asarray(out), device=dev)
+    elif out.device != dev and dev is not None:
+        out = out.to(dev)
+    return out.reshape((1,) * (4 - out.ndim) + tuple(out.shape))
+
+
+def apply_score_mod(fn, S, b, h, q_idx, kv_idx):
+    """``fn(S, b, h, q_idx, kv_idx)`` checked: the scores' shape, floating, in S's dtype."""
+    out = _call(fn, "score_mod", (S, b, h, q_idx, kv_idx), np if not _is_torch(S) else None)
+    if not hasattr(out, "shape") or tuple(out.shape) != tuple(S.shape):
+        raise ValueError(
+            f"score_mod: {name_of(fn)} returned shape "
+            f"{_shape(out) if hasattr(out, 'shape') else type(out).__name__} for scores of "
+            f"shape {_shape(S)}; it must return the scores' shape (change each score "
+            "elementwise, e.g. score + bias[h, q_idx - kv_idx])"
+        )
+    floating = out.dtype.is_floating_point if _is_torch(out) else np.issubdtype(out.dtype, np.floating)
+    if not floating:
+        raise ValueError(
+            f"score_mod: {name_of(fn)} returned dtype {out.dtype}; it must return float scores"
+        )
+    if _is_torch(out) != _is_torch(S):
+        out = out.detach().cpu().numpy() if _is_torch(out) else type(S)(out)
+    return out.to(S.dtype) if _is_torch(out) else out.astype(S.dtype)
+
+
+def captured_tensors(fn, limit: int = 64) -> list:
+    """The tensors that require a gradient and that ``fn`` can reach: its closure, defaults,
+    the globals it names, a partial's arguments, a bound method's object, a module's
+    parameters; nested functions followed (depth 4). What a score_mod's gradient flows to."""
+    import torch
+
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def walk(obj, depth: int) -> None:
+        if depth > 4 or len(found) >= limit or id(obj) in seen:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.requires_grad:
+                found.setdefault(id(obj), obj)
+        elif isinstance(obj, torch.nn.Module):
+            for p in obj.parameters():
+                walk(p, depth + 1)
+            walk(getattr(type(obj), "forward", None), depth + 1)
+        elif isinstance(obj, functools.partial):
+            for x in (obj.func, *obj.args, *obj.keywords.values()):
+                walk(x, depth + 1)
+        elif isinstance(obj, types.MethodType):
+            walk(obj.__self__, depth + 1)
+            walk(obj.__func__, depth + 1)
+        elif isinstance(obj, types.FunctionType):
+            for cell in obj.__closure__ or ():
+                try:
+                    walk(cell.cell_contents, depth + 1)
+                except ValueError:  # an empty cell
+                    pass
+            for x in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
+                walk(x, depth + 1)
+            g = obj.__globals__
+            for name in obj.__code__.co_names:
+                if name in g and not isinstance(g[name], types.ModuleType):
+                    walk(g[name], depth + 1)
+        elif isinstance(obj, (list, tuple)):
+            for x in obj[:limit]:
+                walk(x, depth + 1)
+        elif isinstance(obj, dict):
+            for x in list(obj.values())[:limit]:
+                walk(x, depth + 1)
+        elif callable(obj) and not isinstance(obj, type):
+            walk(getattr(type(obj), "__call__", None), depth + 1)
+            walk(getattr(obj, "__dict__", None), depth + 1)
+
+    walk(fn, 0)
+    return list(found.values())
+
+
+# ---- tile tables: the kinds of a kernel's tiles -------------------------------------------
+def _classify(t, valid_r: int, valid_c: int):
+    """(kind per (b', h'), the tile) of a 4-D bool tile (B', H', r, c): 0 none, 1 all, 2 some."""
+    some = t.any(-1).any(-1)
+    every = t.all(-1).all(-1)
+    if _is_torch(t):
+        import torch
+
+        return torch.where(every, FULL, torch.where(some, PARTIAL_DENSE, SKIP))
+    return np.where(every, FULL, np.where(some, PARTIAL_DENSE, SKIP))
+
+
+def tile_kinds(pattern, B: int, H: int, T_q: int, T_k: int, bq: int, bk: int):
+    """The whole pattern's kind per (bq × bk) tile, NumPy int8 (B', H', ceil(T_q/bq),
+    ceil(T_k/bk)): 0 nothing readable, 1 all readable, 2 partly; evaluated tile by tile
+    (tiles outside :meth:`~causalattn.masks.Pattern.key_range` are not evaluated)."""
+    pattern.check(B, H, T_q, T_k)
+    nq, nk = -(-T_q // bq), -(-T_k // bk)
+    rows = B if pattern.per_batch else 1
+    heads = H if pattern.per_head else 1
+    out = np.zeros((rows, heads, nq, nk), dtype=np.int8)
+    for b in range(rows):
+        for qi in range(nq):
+            q0, q1 = qi * bq, min(T_q, qi * bq + bq)
+            lo, hi = pattern.key_range(b, q0, q1, T_q, T_k)
+            for ki in range(lo // bk, -(-hi // bk)):
+                k0, k1 = ki * bk, min(T_k, ki * bk + bk)
+                t = pattern.tile(B, H, T_q, T_k, q0, q1, k0, k1, batch=[b])
+                kinds = _classify(t, q1 - q0, k1 - k0)  # (1, H'|1)
+                out[b, :, qi, ki] = np.broadcast_to(np.asarray(kinds)[0], (heads,))
+    return out
+
+
+def block_kind(pattern, B, H, T_q, T_k, q0, q1, k0, k1, batch) -> str:
+    """"skip", "full" or "partial" for queries q0:q1, keys k0:k1 of batch rows ``batch``,
+    evaluating a few tiles at a time (stops at the first tile that shows both)."""
+    some = every = None
+    rows = max(1, min(q1 - q0, TILE_CELLS // max(1, k1 - k0)))
+    cols = min(k1 - k0, TILE_CELLS // rows) or 1
+    for a in range(q0, q1, rows):
+        for c in range(k0, k1, cols):
+            t = pattern.tile(B, H, T_q, T_k, a, min(q1, a + rows), c, min(k1, c + cols), batch=batch)
+            some = bool(t.any()) or bool(some)
+            every = bool(t.all()) and every is not False
+            if some and not every:
+                return "partial"
+    return "full" if every else ("partial" if some else "skip")
+
+
+def tile_table(pattern, B: int, H: int, T_q: int, T_k: int, bq: int, bk: int, lo, hi):
+    """The tiles of ``mask`` AND ``mask_mod`` for a kernel that applies the row intervals
+    [lo, hi) (NumPy (B|1, T_q), :meth:`~causalattn.masks.Pattern.row_ranges`) and the key
+    padding itself: ``(kinds, tile_masks)`` torch (CPU), kinds int32 (B', H', nQB, nKB) —
+    0 skip, 1 full, 3 + n partial through ``tile_masks[n]``, bool (n, bq, bk) — or
+    (None, None) when the pattern has neither. Only tiles some row's interval reaches are
+    evaluated, a few tiles at a time; identical partial tiles are stored once."""
+    import torch
+
+    if pattern.mask is None and pattern.mask_mod is None:
+        return None, None
+    nq, nk = -(-T_q // bq), -(-T_k // bk)
+    Bp = B if pattern.per_batch or (pattern.mask is not None and _mask_rows(pattern) > 1) else 1
+    Hp = H if pattern.per_head else 1
+    kinds = torch.zeros((Bp, Hp, nq, nk), dtype=torch.int32)
+    masks: list = []
+    index: dict[bytes, int] = {}
+    lo, hi = np.asarray(lo), np.asarray(hi)
+    step = max(1, TILE_CELLS // (bq * bk))  # key tiles evaluated at once
+    for qi in range(nq):
+        q0, q1 = qi * bq, min(T_q, qi * bq + bq)
+        reach_lo, reach_hi = int(lo[:, q0:q1].min()), int(hi[:, q0:q1].max())
+        if reach_hi <= reach_lo:
+            continue
+        k_first, k_last = reach_lo // bk, -(-reach_hi // bk)
+        for kc in range(k_first, k_last, step):
+            kc2 = min(k_last, kc + step)
+            k0, k1 = kc * bk, min(T_k, kc2 * bk)
+            t = pattern.extra_tile(B, H, T_q, T_k, q0, q1, k0, k1)  # (B'|1, H'|1, r, c)
+            t = t.expand(Bp, Hp, q1 - q0, k1 - k0)
+            for ki in range(kc, kc2):
+                c0, c1 = ki * bk - k0, min(k1, ki * bk + bk) - k0
+                cell = t[:, :, :, c0:c1]
+                some, every = cell.any(-1).any(-1), cell.all(-1).all(-1)
+                kinds[:, :, qi, ki] = every.to(torch.int32)  # 1 full, 0 skip for now
+                for b, h in (some & ~every).nonzero().tolist():
+                    m = torch.zeros((bq, bk), dtype=torch.bool)
+                    m[: q1 - q0, : c1 - c0] = cell[b, h]
+                    key = m.numpy().tobytes()
+                    n = index.get(key)
+                    if n is None:
+                        n = index[key] = len(masks)
+                        masks.append(m)
+                    kinds[b, h, qi, ki] = PARTIAL_TILE + n
+    tile_masks = torch.stack(masks) if masks else torch.zeros((1, bq, bk), dtype=torch.bool)
+    return kinds.contiguous(), tile_masks.contiguous()
+
+
+def _mask_rows(pattern) -> int:
+    m = pattern.mask
+    return int(m.shape[0]) if m is not None and m.ndim >= 3 else 1
+
+
+# ---- FlexAttention both ways ----------------------------------------------------------------
+def to_mask_mod(pattern, T_q: int | None = None, T_k: int | None = None):
+    """The pattern's M as a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)``: pointwise torch
+    ops on the indices and the pattern's data (traceable by ``flex_attention`` and
+    ``create_block_mask``). With T_q and T_k, q_idx and kv_idx are FlexAttention's indices of
+    such a problem (placed as the pattern places them); without, they are positions."""
+    import torch
+
+    qs = 0 if T_q is None else pattern.query_start(T_q, T_k)
+    ks = 0 if T_q is None else pattern.k_start
+    data = pattern.rule_data(torch)
+    inner = pattern.mask_mod
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        inside = None
+        if T_q is not None:  # FlexAttention pads to whole blocks: those cells read nothing
+            inside = (q_idx < T_q) & (kv_idx < T_k)
+            q_idx, kv_idx = q_idx.clamp(max=T_q - 1), kv_idx.clamp(max=T_k - 1)
+        pos, j = q_idx + qs, kv_idx + ks
+        out = pattern.rules_at(torch, pos, j, b, h, q_idx, kv_idx, data)
+        if inner is not None:
+            out = out & inner(b, h, pos, j)
+        return out if inside is None else out & inside
+
+    mask_mod.__name__ = f"causalattn_{pattern.describe().replace(' + ', '_').replace(' ', '')}"
+    return mask_mod
+
+
+def to_block_mask(pattern, T_q: int, T_k: int, block_size: int = 128, *, B=None, H=None, device="cpu"):
+    """FlexAttention's ``BlockMask`` of the pattern for (T_q, T_k): its kind per
+    block_size × block_size tile from :func:`tile_kinds` (tile by tile), and
+    :func:`to_mask_mod` for the partial tiles."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    bs = int(block_size)
+    if bs < 1:
+        raise ValueError(f"to_block_mask: block_size must be >= 1, got {block_size!r}")
+    B = B if B is not None else pattern.batch_size()
+    H = 1 if H is None else int(H)
+    kinds = tile_kinds(pattern, B, H, T_q, T_k, bs, bs)
+    num, idx, full_num, full_idx = _kv_blocks(kinds, device)
+    return BlockMask.from_kv_blocks(
+        num,
+        idx,
+        full_num,
+        full_idx,
+        BLOCK_SIZE=(bs, bs),
+        mask_mod=to_mask_mod(pattern, T_q, T_k),
+        seq_lengths=(T_q, T_k),
+    )
+
+
+def _kv_blocks(kinds: np.ndarray, device):
+    """BlockMask's (kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices), int32."""
+    import torch
+
+    def lists(which):
+        sel = kinds == which
+        num = sel.sum(-1).astype(np.int32)
+        order = np.argsort(~sel, axis=-1, kind="stable").astype(np.int32)  # chosen first
+        return torch.as_tensor(num, device=device), torch.as_tensor(order, device=device)
+
+    n, i = lists(PARTIAL_DENSE)
+    fn, fi = lists(FULL)
+    return n, i, fn, fi
+
+
+class BlockMaskMod:
+    """A FlexAttention ``BlockMask`` as a mask_mod: full blocks read, partial blocks read
+    where the BlockMask's own mask_mod says so, absent blocks not. It fits only the
+    (T_q, T_k) it was built for (:meth:`causalattn.masks.Pattern.check` says so, never
+    truncates); q_idx, kv_idx are positions, the queries bottom-right as in the keyword
+    rules."""
+
+    def __init__(self, bm):
+        self.seq_lengths = tuple(int(x) for x in bm.seq_lengths)
+        self.block_size = tuple(int(x) for x in bm.BLOCK_SIZE)
+        self.inner = bm.mask_mod
+        self.kinds = _dense_kinds(bm)  # torch int8 (B|1, H|1, nQ, nK)
+        self.__name__ = f"BlockMask[{name_of(self.inner)}]"
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        import torch
+
+        T_q, T_k = self.seq_lengths
+        i = q_idx - (T_k - T_q)  # FlexAttention's query index
+        t = self.kinds if not _is_torch(i) else self.kinds.to(i.device)
+        if not _is_torch(i):
+            b, h, i, kv_idx = (torch.as_tensor(x) for x in (b, h, i, kv_idx))
+        bb = b if t.shape[0] > 1 else torch.zeros_like(b)
+        hh = h if t.shape[1] > 1 else torch.zeros_like(h)
+        # cells outside its own (T_q, T_k) read nothing (compare_masks names the length;
+        # attention refuses it first: mismatch)
+        inside = (i >= 0) & (i < T_q) & (kv_idx >= 0) & (kv_idx < T_k)
+        i, kv_idx = i.clamp(0, max(T_q - 1, 0)), kv_idx.clamp(0, max(T_k - 1, 0))
+        kind = t[bb, hh, i // self.block_size[0], kv_idx // self.block_size[1]]
+        inner = self.inner(b, h, i, kv_idx)
+        return inside & ((kind == FULL) | ((kind == PARTIAL_DENSE) & inner.to(torch.bool)))
+
+    def mismatch(self, B: int, H: int, T_q: int, T_k: int) -> str:
+        """Why it does not fit a problem ("" when it does)."""
+        if self.seq_lengths != (T_q, T_k):
+            return (
+                f"mask_mod: a BlockMask built for (T_q, T_k) = {self.seq_lengths} cannot mask a "
+                f"problem of ({T_q}, {T_k}); build it for this length "
+                f"(create_block_mask(..., Q_LEN={T_q}, KV_LEN={T_k}))"
+            )
+        Bb, Hb = self.kinds.shape[:2]
+        if Bb not in (1, B) or Hb not in (1, H):
+            return (
+                f"mask_mod: a BlockMask for B={Bb}, H={Hb} cannot mask a problem of B={B}, "
+                f"H={H}; build it with B=None/{B} and H=None/{H}"
+            )
+        return ""
+
+
+def _dense_kinds(bm):
+    """A BlockMask's kind per block as torch int8 (B, H, nQ, nK): 0 absent, 1 full, 2 partial."""
+    import torch
+
+    idx = bm.kv_indices.cpu().long()
+    n_k = idx.shape[-1]
+
+    def marks(num, ind):
+        take = torch.arange(ind.shape[-1]) < num.cpu()[..., None].long()
+        target = torch.where(take, ind.cpu().long().clamp(0, n_k - 1), n_k)  # n_k: unused slot
+        out = torch.zeros((*ind.shape[:-1], n_k + 1), dtype=torch.bool)
+        return out.scatter_(-1, target, True)[..., :n_k]
+
+    partial = marks(bm.kv_num_blocks, idx)
+    kinds = torch.where(partial, PARTIAL_DENSE, SKIP).to(torch.int8)
+    if bm.full_kv_num_blocks is not None:
+        kinds = torch.where(marks(bm.full_kv_num_blocks, bm.full_kv_indices), FULL, kinds)
+    T_q, T_k = (int(x) for x in bm.seq_lengths)
+    nq, nk = -(-T_q // bm.BLOCK_SIZE[0]), -(-T_k // bm.BLOCK_SIZE[1])
+    return kinds[..., :nq, :nk].to(torch.int8).contiguous()
+
+
+def from_block_mask(bm):
+    """A :class:`~causalattn.masks.Pattern` whose M is the BlockMask's (and nothing else)."""
+    from .masks import Pattern
+
+    try:
+        from torch.nn.attention.flex_attention import BlockMask
+    except ImportError as exc:  # pragma: no cover - old torch
+        raise ValueError(f"from_block_mask: FlexAttention is not available ({exc})") from exc
+    if not isinstance(bm, BlockMask):
+        raise ValueError(
+            f"from_block_mask: expected a torch.nn.attention.flex_attention.BlockMask, got "
+            f"{type(bm).__name__}"
+        )
+    return Pattern(causal=False, mask_mod=BlockMaskMod(bm))
