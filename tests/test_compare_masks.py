@@ -11,7 +11,6 @@ import subprocess
 import sys
 import textwrap
 
-import numpy as np
 import pytest
 import torch
 
@@ -34,20 +33,30 @@ def _forms(allowed: torch.Tensor, T: int):
     def theirs(b, h, q_idx, kv_idx):
         return A[b if A.shape[0] > 1 else 0, q_idx, kv_idx]
 
-    additive = torch.zeros(A.shape, dtype=torch.float32).masked_fill(~A, torch.finfo(torch.float32).min)
-    bm = create_block_mask(theirs, A.shape[0] if A.shape[0] > 1 else None, None, T, T, device="cpu", BLOCK_SIZE=16)
+    additive = torch.zeros(A.shape, dtype=torch.float32).masked_fill(
+        ~A, torch.finfo(torch.float32).min
+    )
+    bm = create_block_mask(
+        theirs, A.shape[0] if A.shape[0] > 1 else None, None, T, T, device="cpu", BLOCK_SIZE=16
+    )
     return {"bool": A, "additive": additive, "mask_mod": theirs, "block_mask": bm}
 
 
 T = 64
 # (what was meant, their mask: the meant one with one planted defect, the kind named)
 PLANTED = {
-    "future key read": (Pattern(), lambda a: a.index_put_((torch.tensor(3), torch.tensor(40)), torch.tensor(True))),
+    "future key read": (
+        Pattern(),
+        lambda a: a.index_put_((torch.tensor(3), torch.tensor(40)), torch.tensor(True)),
+    ),
     "read across documents": (Pattern(cu_seqlens=[0, 30, 64]), None),
     "padding read": (Pattern(lengths=[50]), None),
     "chunk boundary crossed": (Pattern(chunk=16), None),
     "window": (Pattern(window=8), None),
-    "readable key blocked": (Pattern(), lambda a: a.index_put_((torch.tensor(20), torch.tensor(5)), torch.tensor(False))),
+    "readable key blocked": (
+        Pattern(),
+        lambda a: a.index_put_((torch.tensor(20), torch.tensor(5)), torch.tensor(False)),
+    ),
 }
 
 

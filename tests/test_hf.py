@@ -283,7 +283,9 @@ def test_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match=r"attention_mask must be \(B, 1, T_q, T_k\)"):
         attention_forward(module, q, k, v, torch.ones(1, 1, 5, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="position_bias must be a float tensor broadcastable"):
-        attention_forward(module, q, k, v, None, position_bias=torch.zeros(1, 4, 5, 5, dtype=torch.long))
+        attention_forward(
+            module, q, k, v, None, position_bias=torch.zeros(1, 4, 5, 5, dtype=torch.long)
+        )
     with pytest.raises(ValueError, match=r"bias: shape \(1, 3, 5, 5\) does not broadcast"):
         attention_forward(module, q, k, v, None, position_bias=torch.zeros(1, 3, 5, 5))
     with pytest.raises(ValueError, match="attention_mask holds NaN"):
@@ -326,9 +328,19 @@ def test_additive_float_masks_and_position_bias_go_in_as_bias():
 def _t5(impl):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.T5Config(
-        vocab_size=tiny.VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
-        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=2,
+        vocab_size=tiny.VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=2,
     )
     torch.manual_seed(0)
     m = transformers.T5ForConditionalGeneration(cfg)

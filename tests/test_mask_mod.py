@@ -45,7 +45,9 @@ RULES = {
     "key_padding": {"key_padding_mask": torch.arange(40)[None].repeat(2, 1) % 7 != 3},
     "documents": {"cu_seqlens": [0, 11, 30, 40]},
     "prefix": {"prefix_lengths": [5, 12], "window": 6},
-    "dense mask": {"mask": torch.rand(2, 1, 40, 40, generator=torch.Generator().manual_seed(3)) > 0.4},
+    "dense mask": {
+        "mask": torch.rand(2, 1, 40, 40, generator=torch.Generator().manual_seed(3)) > 0.4
+    },
     "bidirectional window": {"causal": False, "window": 5},
     "decode": {"window": 12, "T_q": 3},  # queries are the last 3 positions
 }
@@ -271,8 +273,9 @@ def test_compiled_mask_mod_reads_its_tensors_at_run_time():
         return doc[q_idx] == doc[kv_idx]
 
     q, k, v = _qkv(B=1, T_q=64, T_k=64, dtype=torch.float32)
-    f = torch.compile(lambda q, k, v: ca.attention(q, k, v, mask_mod=same_doc, engine="tiled"),
-                      fullgraph=True)
+    f = torch.compile(
+        lambda q, k, v: ca.attention(q, k, v, mask_mod=same_doc, engine="tiled"), fullgraph=True
+    )
     torch.testing.assert_close(f(q, k, v), ca.attention(q, k, v, cu_seqlens=[0, 20, 64]))
     doc[40:] = 2
     torch.testing.assert_close(f(q, k, v), ca.attention(q, k, v, cu_seqlens=[0, 20, 40, 64]))
@@ -296,7 +299,9 @@ def test_to_block_mask_is_flexs_create_block_mask(kw):
     B = pt.batch_size()
     T = 300
     ours = pt.to_block_mask(T, T, block_size=128)
-    theirs = flex.create_block_mask(pt.to_mask_mod(T, T), B, None, T, T, device="cpu", BLOCK_SIZE=128)
+    theirs = flex.create_block_mask(
+        pt.to_mask_mod(T, T), B, None, T, T, device="cpu", BLOCK_SIZE=128
+    )
     assert ours.seq_lengths == (T, T) and ours.BLOCK_SIZE == (128, 128)
     assert torch.equal(ours.to_dense(), theirs.to_dense())  # the same blocks are visited
     # where Flex calls an edge block partial (its padding past T reads nothing), ours may
@@ -305,7 +310,9 @@ def test_to_block_mask_is_flexs_create_block_mask(kw):
     full_theirs = theirs.full_kv_num_blocks.expand_as(full_ours)
     assert bool((full_ours >= full_theirs).all())
     visited = ours.kv_num_blocks + full_ours
-    assert torch.equal(visited, (theirs.kv_num_blocks + theirs.full_kv_num_blocks).expand_as(visited))
+    assert torch.equal(
+        visited, (theirs.kv_num_blocks + theirs.full_kv_num_blocks).expand_as(visited)
+    )
     # and back: the BlockMask's M is the pattern's, cell for cell
     back = Pattern.from_block_mask(ours)
     assert np.array_equal(
@@ -318,7 +325,9 @@ def test_a_blockmask_for_another_length_is_refused_never_cut():
     bm = Pattern(window=8).to_block_mask(256, 256, block_size=64)
     pt = Pattern.from_block_mask(bm)
     q, k, v = _qkv(B=1, T_q=200, T_k=200)
-    with pytest.raises(ValueError, match=r"BlockMask built for \(T_q, T_k\) = \(256, 256\).*\(200, 200\)"):
+    with pytest.raises(
+        ValueError, match=r"BlockMask built for \(T_q, T_k\) = \(256, 256\).*\(200, 200\)"
+    ):
         ca.attention(q, k, v, causal=False, mask_mod=pt.mask_mod)
     with pytest.raises(ValueError, match="BlockMask for B=3"):
         three = flex.create_block_mask(lambda b, h, q, kv: kv <= q, 3, None, 64, 64, device="cpu")
@@ -345,10 +354,24 @@ def test_flex_compiled_on_the_cpu_gives_causalattns_output():
 @pytest.mark.parametrize(
     "fn,match",
     [
-        (lambda b, h, q, kv: (q - kv).float(), r"mask_mod: lambda returned Tensor \(1, 1, \d+, \d+\) of dtype torch.float32; it must return booleans"),
-        (lambda b, h, q, kv: torch.ones(3, 5, dtype=torch.bool), r"mask_mod: lambda returned shape \(3, 5\) for index tensors b \(2, 1, 1, 1\)"),
-        (lambda b, h, q, kv: 1 / 0, r"mask_mod: lambda raised ZeroDivisionError: division by zero \(called on b \(2, 1, 1, 1\)"),
-        (lambda b, h, q, kv: torch.rand(q.shape[2], kv.shape[3]) > 0.5, "mask_mod: lambda is not a pure function of its indices"),
+        (
+            lambda b, h, q, kv: (q - kv).float(),
+            r"mask_mod: lambda returned Tensor \(1, 1, \d+, \d+\) of dtype torch.float32; "
+            r"it must return booleans",
+        ),
+        (
+            lambda b, h, q, kv: torch.ones(3, 5, dtype=torch.bool),
+            r"mask_mod: lambda returned shape \(3, 5\) for index tensors b \(2, 1, 1, 1\)",
+        ),
+        (
+            lambda b, h, q, kv: 1 / 0,
+            r"mask_mod: lambda raised ZeroDivisionError: division by zero "
+            r"\(called on b \(2, 1, 1, 1\)",
+        ),
+        (
+            lambda b, h, q, kv: torch.rand(q.shape[2], kv.shape[3]) > 0.5,
+            "mask_mod: lambda is not a pure function of its indices",
+        ),
         (lambda b, h, q, kv: True, "mask_mod: lambda returned bool  of dtype bool"),
     ],
     ids=["float", "shape", "raises", "impure", "python-bool"],

@@ -134,7 +134,8 @@ def _kwargs(name, leaf):
 @pytest.mark.parametrize("name", ["bias", "key bias", "rel_bias", "alibi_slopes", "score_mod"])
 def test_gradcheck_of_every_learned_tensor(name, engine):
     if engine not in engines_for(name):
-        pytest.skip(f"engine {engine!r} does not run a learnable {name} here: {cpp.not_yet(_features(**LEARNED_FEATURES[name])) or cpp.unavailable()}")
+        why = cpp.not_yet(_features(**LEARNED_FEATURES[name])) or cpp.unavailable()
+        pytest.skip(f"engine {engine!r} does not run a learnable {name} here: {why}")
     (leaf,) = (t.clone().requires_grad_() for t in _learned(name).values())
     q, k, v = _qkv(grad=True)
 
@@ -221,7 +222,9 @@ def test_an_hf_style_additive_mask_as_bias_is_the_boolean_mask():
     allowed = torch.as_tensor(Pattern(window=4).allowed(1, 1, 12, 12))
     for fill in (float("-inf"), torch.finfo(F64).min):
         additive = torch.zeros(1, 1, 12, 12, dtype=F64).masked_fill(~allowed, fill)
-        for engine in ("reference", "tiled", "sdpa") + (("cpp",) if native_runs(present=("bias",)) else ()):
+        for engine in ("reference", "tiled", "sdpa") + (
+            ("cpp",) if native_runs(present=("bias",)) else ()
+        ):
             torch.testing.assert_close(
                 ca.attention(q, k, v, causal=False, bias=additive, engine=engine),
                 ca.attention(q, k, v, window=4, engine="reference"),
@@ -283,7 +286,11 @@ def test_sdpa_and_triton_refuse_a_score_mod_naming_who_runs_it():
 def test_a_score_mod_that_changes_the_shape_is_refused():
     q, k, v = _qkv()
     for engine in ("reference", "tiled"):
-        with pytest.raises(ValueError, match=r"score_mod: lambda returned shape \(2, 2, \d+\) for scores of shape \(2, 2, \d+, \d+\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"score_mod: lambda returned shape \(2, 2, \d+\) for scores of shape "
+            r"\(2, 2, \d+, \d+\)",
+        ):
             ca.attention(q, k, v, engine=engine, score_mod=lambda s, b, h, qi, kj: s.sum(-1))
     with pytest.raises(ValueError, match="score_mod: lambda returned dtype torch.bool"):
         ca.attention(q, k, v, score_mod=lambda s, b, h, qi, kj: s > 0)
@@ -293,7 +300,10 @@ def test_a_score_mod_that_changes_the_shape_is_refused():
 
 def test_a_bias_that_does_not_broadcast_is_refused():
     q, k, v = _qkv()
-    with pytest.raises(ValueError, match=r"bias: shape \(3, 9\) does not broadcast to \(B, H, T_q, T_k\) = \(2, 2, 9, 9\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"bias: shape \(3, 9\) does not broadcast to \(B, H, T_q, T_k\) = \(2, 2, 9, 9\)",
+    ):
         ca.attention(q, k, v, bias=torch.zeros(3, 9, dtype=F64))
     with pytest.raises(ValueError, match="bias: must be a float array"):
         make_problem(q, k, v, bias=torch.zeros(9, 9, dtype=torch.int64))

@@ -287,10 +287,15 @@ class Pattern:
     @property
     def per_batch(self) -> bool:
         """Whether the readable set differs between batch rows."""
-        return any(
-            getattr(self, n) is not None for n in ("lengths", "key_padding_mask", "prefix_lengths")
-        ) or (self.mask is not None and self.mask.ndim >= 3 and self.mask.shape[0] > 1) or (
-            self.mask_mod is not None  # it may read b: taken as differing
+        return (
+            any(
+                getattr(self, n) is not None
+                for n in ("lengths", "key_padding_mask", "prefix_lengths")
+            )
+            or (self.mask is not None and self.mask.ndim >= 3 and self.mask.shape[0] > 1)
+            or (
+                self.mask_mod is not None  # it may read b: taken as differing
+            )
         )
 
     @property
@@ -757,14 +762,18 @@ class Pattern:
         if hi <= k0 or lo >= k1 or lo == hi:
             return "skip"
         B = (
-            len(self.lengths)
-            if self.lengths is not None
-            else len(self.prefix_lengths)
-            if self.prefix_lengths is not None
-            else self.key_padding_mask.shape[0]
-            if self.key_padding_mask is not None
-            else b + 1
-        ) if B is None else B
+            (
+                len(self.lengths)
+                if self.lengths is not None
+                else len(self.prefix_lengths)
+                if self.prefix_lengths is not None
+                else self.key_padding_mask.shape[0]
+                if self.key_padding_mask is not None
+                else b + 1
+            )
+            if B is None
+            else B
+        )
         if self.mask_mod is not None:  # a few tiles at a time, never the whole block
             return _mod.block_kind(self, max(B, b + 1), H, T_q, T_k, q0, q1, k0, k1, [b])
         t = self.tile(max(B, b + 1), H, T_q, T_k, q0, q1, k0, k1, batch=[b])

@@ -177,7 +177,9 @@ def apply_score_mod(fn, S, b, h, q_idx, kv_idx):
             f"shape {_shape(S)}; it must return the scores' shape (change each score "
             "elementwise, e.g. score + bias[h, q_idx - kv_idx])"
         )
-    floating = out.dtype.is_floating_point if _is_torch(out) else np.issubdtype(out.dtype, np.floating)
+    floating = (
+        out.dtype.is_floating_point if _is_torch(out) else np.issubdtype(out.dtype, np.floating)
+    )
     if not floating:
         raise ValueError(
             f"score_mod: {name_of(fn)} returned dtype {out.dtype}; it must return float scores"
@@ -232,7 +234,7 @@ def captured_tensors(fn, limit: int = 64) -> list:
             for x in list(obj.values())[:limit]:
                 walk(x, depth + 1)
         elif callable(obj) and not isinstance(obj, type):
-            walk(getattr(type(obj), "__call__", None), depth + 1)
+            walk(getattr(type(obj), "__call__", None), depth + 1)  # noqa: B004 - its code
             walk(getattr(obj, "__dict__", None), depth + 1)
 
     walk(fn, 0)
@@ -273,14 +275,16 @@ def tile_kinds(pattern, B: int, H: int, T_q: int, T_k: int, bq: int, bk: int):
 
 
 def block_kind(pattern, B, H, T_q, T_k, q0, q1, k0, k1, batch) -> str:
-    """"skip", "full" or "partial" for queries q0:q1, keys k0:k1 of batch rows ``batch``,
+    """ "skip", "full" or "partial" for queries q0:q1, keys k0:k1 of batch rows ``batch``,
     evaluating a few tiles at a time (stops at the first tile that shows both)."""
     some = every = None
     rows = max(1, min(q1 - q0, TILE_CELLS // max(1, k1 - k0)))
     cols = min(k1 - k0, TILE_CELLS // rows) or 1
     for a in range(q0, q1, rows):
         for c in range(k0, k1, cols):
-            t = pattern.tile(B, H, T_q, T_k, a, min(q1, a + rows), c, min(k1, c + cols), batch=batch)
+            t = pattern.tile(
+                B, H, T_q, T_k, a, min(q1, a + rows), c, min(k1, c + cols), batch=batch
+            )
             some = bool(t.any()) or bool(some)
             every = bool(t.all()) and every is not False
             if some and not every:
@@ -369,7 +373,9 @@ def to_mask_mod(pattern, T_q: int | None = None, T_k: int | None = None):
     return mask_mod
 
 
-def to_block_mask(pattern, T_q: int, T_k: int, block_size: int = 128, *, B=None, H=None, device="cpu"):
+def to_block_mask(
+    pattern, T_q: int, T_k: int, block_size: int = 128, *, B=None, H=None, device="cpu"
+):
     """FlexAttention's ``BlockMask`` of the pattern for (T_q, T_k): its kind per
     block_size × block_size tile from :func:`tile_kinds` (tile by tile), and
     :func:`to_mask_mod` for the partial tiles."""

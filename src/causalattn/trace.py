@@ -33,7 +33,11 @@ STAGES: dict[str, tuple[str, str, str]] = {
     "E": ("E", "E_ij = -slope_h·|i - j| (ALiBi) + rel_bias + bias", "T×T"),
     "S_mod": ("S_mod", "S_mod = score_mod(S + E) (a function of the scores)", "T×T"),
     "M": ("M", "M_ij = 0 if j may be read, -∞ otherwise", "T×T"),
-    "Z": ("Z", "Z = S + M (S_cap for S with softcap; + E with ALiBi or biases; S_mod with a score_mod)", "T×T"),
+    "Z": (
+        "Z",
+        "Z = S + M (S_cap for S with softcap; + E with ALiBi or biases; S_mod with a score_mod)",
+        "T×T",
+    ),
     "A": ("A", "A = softmax_last(Z) (sinks join the denominator)", "T×T"),
     "A_drop": ("A_drop", "A with dropout: kept A_ij / (1 - p), dropped 0", "T×T"),
     "H": ("H", "H = A V", "T×d_v"),

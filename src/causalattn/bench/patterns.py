@@ -168,7 +168,9 @@ def _calls(gr: Group) -> tuple[dict[str, Callable], dict]:
         kw, fn = _window_docs(T)
         calls = {}
         for e in ("tiled", "cpp") if _native() else ("tiled",):
-            calls[f"{e} (mask_mod)"] = lambda e=e: attention(q, k, v, engine=e, causal=False, mask_mod=fn)
+            calls[f"{e} (mask_mod)"] = lambda e=e: attention(
+                q, k, v, engine=e, causal=False, mask_mod=fn
+            )
             calls[f"{e} (keywords)"] = lambda e=e: attention(q, k, v, engine=e, **kw)
         info["note"] = f"window {WINDOW} + 16 documents; the mask_mod's tiles are made every call"
         info["memory"] = True
@@ -180,7 +182,9 @@ def _calls(gr: Group) -> tuple[dict[str, Callable], dict]:
         flex = torch.compile(flex_attention, dynamic=False)
         calls = {"flex (compiled, CPU)": lambda: flex(q, k, v, block_mask=bm, scale=scale)}
         for e in ("tiled", "cpp") if _native() else ("tiled",):
-            calls[f"{e} (mask_mod)"] = lambda e=e: attention(q, k, v, engine=e, causal=False, mask_mod=fn)
+            calls[f"{e} (mask_mod)"] = lambda e=e: attention(
+                q, k, v, engine=e, causal=False, mask_mod=fn
+            )
         info["note"] = (
             "Flex's BlockMask made once outside the timing (ours evaluates the mask_mod per "
             "call); fwd+bwd: FlexAttention does not support backward on CPU"
@@ -226,8 +230,14 @@ def _rows(gr: Group) -> list[dict]:
     if gr.case == "flex":  # the row Flex cannot run
         rows.append(
             {
-                "case": "flex", "shape": list(gr.shape), "dtype": "float32", "pass": "fwd+bwd",
-                "engine": "flex (compiled, CPU)", "ms": None, "vs": {}, "reps": 0,
+                "case": "flex",
+                "shape": list(gr.shape),
+                "dtype": "float32",
+                "pass": "fwd+bwd",
+                "engine": "flex (compiled, CPU)",
+                "ms": None,
+                "vs": {},
+                "reps": 0,
                 "note": "FlexAttention does not support backward on CPU",
             }
         )
@@ -343,13 +353,23 @@ def targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
                 cost = 1 / r["vs"][f"{e} (keywords)"]
                 mem = f", peak {r['peak_mib']:.0f} MiB" if "peak_mib" in r else ""
                 out.append(
-                    (f"mask_mod window+documents T=8192 {e} {p}: <= 1.2x keywords", cost <= 1.2, f"{cost:.2f}x{mem}")
+                    (
+                        f"mask_mod window+documents T=8192 {e} {p}: <= 1.2x keywords",
+                        cost <= 1.2,
+                        f"{cost:.2f}x{mem}",
+                    )
                 )
     for e in ("tiled", "cpp"):
         r = _find(rows, "flex", f"{e} (mask_mod)", "fwd")
         if r:
             x = r["vs"]["flex (compiled, CPU)"]
-            out.append((f"flex compiled CPU T=4096 fwd vs {e} mask_mod (report; > 1: ours faster)", None, f"{x:.2f}x"))
+            out.append(
+                (
+                    f"flex compiled CPU T=4096 fwd vs {e} mask_mod (report; > 1: ours faster)",
+                    None,
+                    f"{x:.2f}x",
+                )
+            )
     return out
 
 

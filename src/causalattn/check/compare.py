@@ -204,7 +204,6 @@ class _Theirs:
     def _from_kinds(self, b, qs, q0, q1, k0, k1):
         """A BlockMask's cells from its block kinds alone (1, H'|1, rows, cols), or None
         where a block in the region is partial (its mask_mod must be asked)."""
-        import torch
 
         T_q, T_k = self.fn.seq_lengths
         bq, bk = self.block
@@ -303,7 +302,9 @@ def compare_masks(
                 differ = mine ^ want
                 if not bool(differ.any()):
                     continue
-                _classify(expected, b, H, T_q, T_k, q0, q1, k0, k1, mine, want, counts, cells, limit)
+                _classify(
+                    expected, b, H, T_q, T_k, q0, q1, k0, k1, mine, want, counts, cells, limit
+                )
     window_offset = _window_offset(expected, first, lo, T_k)
     diffs = list(th.problems)
     for kind, n in counts.items():
@@ -381,8 +382,12 @@ def _detail(kind, n, cells, w, window_offset, base) -> str:
             )
     sentences = {
         "future key read": f"future key read: {n} cells read a key after the query ({where})",
-        "read across documents": f"read across documents: {n} cells read another document ({where})",
-        "padding read": f"padding read: {n} cells read a padding key or come from a padding query ({where})",
+        "read across documents": (
+            f"read across documents: {n} cells read another document ({where})"
+        ),
+        "padding read": (
+            f"padding read: {n} cells read a padding key or come from a padding query ({where})"
+        ),
         "chunk boundary crossed": f"chunk boundary crossed: {n} cells read another chunk ({where})",
         "window": f"window: {n} cells read before the window's start ({where})",
         "mask": f"mask: {n} cells read what the mask blocks ({where})",
@@ -401,7 +406,7 @@ def mask_of_file(path, max_bytes: int):
     f = open_arrays(path, max_bytes)
     if len(f.headers) != 1:
         return None
-    (name, (shape, dtype)), = f.headers.items()
+    ((name, (shape, dtype)),) = f.headers.items()
     if not 2 <= len(shape) <= 4 or not (dtype == np.bool_ or name.lower() in MASK_NAMES):
         return None
     return next(iter(f.read().values()))

@@ -34,10 +34,10 @@ from .registry import (
     LEARNED,
     TENSORS,
     Features,
+    captured_of,
     engine,
     feature_values,
     of_problem,
-    captured_of,
     refusal,
     refusal_of,
 )
@@ -71,7 +71,9 @@ def _choose(name: str, values: tuple, k_len) -> str:
 
 
 LSE = list(Features.__dataclass_fields__).index("lse")  # its place in feature_values
-USER = tuple(list(Features.__dataclass_fields__).index(n) for n in ("mask_mod", "score_mod", "learned"))
+USER = tuple(
+    list(Features.__dataclass_fields__).index(n) for n in ("mask_mod", "score_mod", "learned")
+)
 
 
 def pick_engine(p: Problem, return_lse: bool = False) -> str:

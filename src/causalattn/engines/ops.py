@@ -431,7 +431,9 @@ def _backward(ctx, dout, dlse):
     if captured and _asks(ctx.needs_input_grad[fields.index("captured")]):
         want |= 1 << CAPTURED
     with torch.no_grad():  # the backward is not differentiable again (no double backward)
-        res = bwd(dout, dlse, q, k, v, out, lse, *tensors, captured, seed, *ctx.args.scalars(), want)
+        res = bwd(
+            dout, dlse, q, k, v, out, lse, *tensors, captured, seed, *ctx.args.scalars(), want
+        )
     named = {name: (res[3 + i] if want >> i & 1 else None) for i, name in enumerate(LEARNED)}
     caps = list(res[3 + len(LEARNED) :]) if want >> CAPTURED & 1 else [None] * len(captured)
     return OpArgs.grads(res[0], res[1], res[2], named, caps)

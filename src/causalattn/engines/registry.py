@@ -209,9 +209,7 @@ def feature_values(
 def _learned(tensors: dict, captured) -> tuple[str, ...]:
     """The LEARNED tensors that require a gradient, and "captured" for a score_mod's."""
     out = tuple(
-        n
-        for n in LEARNED
-        if isinstance(tensors.get(n), torch.Tensor) and tensors[n].requires_grad
+        n for n in LEARNED if isinstance(tensors.get(n), torch.Tensor) and tensors[n].requires_grad
     )
     return out + (("captured",) if captured else ())
 

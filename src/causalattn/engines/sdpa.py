@@ -1,7 +1,8 @@
 """PyTorch's scaled_dot_product_attention as an engine: the peer our engines are measured against.
 
 The pattern goes in as SDPA's dense mask (a mask_mod evaluated into it): a bool mask, or a
-float bias where ALiBi, ``bias`` or ``rel_bias`` add finite entries (0 or -slope·|i-j| where readable, -inf where not). SDPA cannot express
+float bias where ALiBi, ``bias`` or ``rel_bias`` add finite entries (0 or -slope·|i-j|
+where readable, -inf where not). SDPA cannot express
 softcap (a function of the scores, not an addition) or sinks (an extra denominator term):
 those raise a ValueError rather than approximate. Dropout is SDPA's own ``dropout_p``,
 drawn from torch's global RNG: its pattern differs from :mod:`causalattn.dropout`'s (the

@@ -393,7 +393,11 @@ class _Grads:
             return
         pt, hd = self.p.pattern, self.hd
         M, G = dS.shape[:2]
-        cells = [(m, gi, self.batch[h + m][gi], self.qhead[h + m][gi]) for m in range(M) for gi in range(G)]
+        cells = [
+            (m, gi, self.batch[h + m][gi], self.qhead[h + m][gi])
+            for m in range(M)
+            for gi in range(G)
+        ]
         if "bias" in self.want:
             b4 = hd.bias
             t = dS.sum(2, keepdim=True) if b4.shape[2] == 1 else dS
@@ -409,7 +413,9 @@ class _Grads:
                 acc[qh].index_add_(0, idx, dS[m, gi].flatten())
         if "alibi_slopes" in self.want:
             sl = pt.alibi_slopes
-            acc = self._acc("alibi_slopes", (sl.shape[0] if sl.ndim == 2 else 1, sl.shape[-1]), dS.dtype)
+            acc = self._acc(
+                "alibi_slopes", (sl.shape[0] if sl.ndim == 2 else 1, sl.shape[-1]), dS.dtype
+            )
             dist = _dist(self.p, a, a2, c, c2, self.dcache, dS.dtype)
             for m, gi, bi, qh in cells:  # Z = ... - slope·|pos(i) - j|
                 acc[bi if sl.ndim == 2 else 0, qh] -= (dS[m, gi] * dist).sum()
@@ -428,7 +434,9 @@ class _Grads:
             if name in self.want:
                 shape = tuple(getattr(pt, name).shape)
                 t = self.sums.get(name)
-                out[name] = torch.zeros(shape, dtype=torch.float64) if t is None else t.reshape(shape)
+                out[name] = (
+                    torch.zeros(shape, dtype=torch.float64) if t is None else t.reshape(shape)
+                )
         if "captured" in self.want:
             out["captured"] = [
                 self.sums[("captured", i)] if ("captured", i) in self.sums else torch.zeros_like(c)

@@ -305,7 +305,11 @@ class _Plan:
         self.has_bias = pat.bias is not None
         self.bias, self.bias_strides = nonef, (0, 0, 0, 0)
         if self.has_bias:
-            bb = pat.bias.detach() if isinstance(pat.bias, torch.Tensor) else torch.as_tensor(pat.bias)
+            bb = (
+                pat.bias.detach()
+                if isinstance(pat.bias, torch.Tensor)
+                else torch.as_tensor(pat.bias)
+            )
             bb = bb.reshape((1,) * (4 - bb.dim()) + tuple(bb.shape)).to(dev)
             self.bias = bb.expand(B, H_q, T_q, T_k)  # stride 0 along the broadcast axes
             self.bias_strides = tuple(self.bias.stride())
@@ -503,7 +507,14 @@ def _launch_bwd(q, k, v, do, lse, D, plan: _Plan, scale: float, cfg: dict, dbias
         B * H_q // plan.group,
     )
     _launch(
-        "dkdv_kernel", grid, tiles, (q, k, v, do, dk, dv), own, plan, scale, HAS_DBIAS=dbias is not None
+        "dkdv_kernel",
+        grid,
+        tiles,
+        (q, k, v, do, dk, dv),
+        own,
+        plan,
+        scale,
+        HAS_DBIAS=dbias is not None,
     )
     tiles = cfg["dq"]
     grid = (triton.cdiv(T_q, tiles["BLOCK_M"]), triton.cdiv(plan.d_k, tiles["BLOCK_C"]), B * H_q)
