@@ -32,6 +32,8 @@ import os
 import platform
 import shutil
 import sys
+import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +51,7 @@ DTYPE_NAMES = "fp64, fp32, bf16 or fp16"
 DTYPE_NAMES_OF = tuple(str(t).replace("torch.", "") for t in DTYPES)
 DECODE_ROWS = 16  # query rows at most for the key-split decoding path
 BLOCKS: tuple[int, int] | None = None  # (bq, bk) to force, for tests
-BWD_BLOCKS = (64, 64)  # backward (query rows, keys) per step; must divide the grid's
+BWD_BLOCKS = (64, 96)  # backward (query rows, keys) per step; must divide the grid's
 
 _STATE: dict = {}
 
@@ -82,6 +84,8 @@ def unavailable() -> str:
     why = _STATE.get("why")
     if why is None:
         why = _STATE["why"] = _build()
+        if why and not os.environ.get("CAUSALATTN_NO_CPP"):  # one line says why, once
+            warnings.warn(f"{why}; 'auto' runs the other engines", RuntimeWarning, stacklevel=2)
     return why
 
 
@@ -95,9 +99,11 @@ def _build() -> str:
 
     if not cpp_extension.is_ninja_available():
         return "engine 'cpp': the ninja build tool is not installed (pip install ninja)"
+    name = f"causalattn_cpp_{_machine_tag()}"
+    _clear_stale_lock(cpp_extension, name)
     try:
         _STATE["ext"] = cpp_extension.load(
-            name=f"causalattn_cpp_{_machine_tag()}",
+            name=name,
             sources=[str(CSRC / s) for s in SOURCES],
             extra_cflags=list(FLAGS),
             extra_ldflags=["-fopenmp"],
@@ -106,6 +112,47 @@ def _build() -> str:
     except Exception as exc:  # noqa: BLE001 - any build failure leaves the engine unavailable
         return f"engine 'cpp': the C++ extension did not build: {_first_error(str(exc))}"
     return ""
+
+
+STALE_LOCK_S = 900.0  # a build takes minutes; a lock this old was left by a killed one
+
+
+def _clear_stale_lock(cpp_extension, name: str) -> None:
+    """Remove the build folder's ``lock`` when a killed build left it: torch waits on it
+    forever otherwise (every later first call would hang)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    lock = Path(root) / name / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            warnings.warn(f"engine 'cpp': removed a stale build lock ({lock})", RuntimeWarning)
+    except FileNotFoundError:
+        pass
+
+
+def build_from_nothing(timeout_s: float = 900.0) -> tuple[float | None, str]:
+    """(seconds, "") to build the extension in a fresh, empty extension folder and load it,
+    in a subprocess (what a new user's first call pays); (None, why) when it fails."""
+    import subprocess
+    import tempfile
+
+    code = "from causalattn.engines import cpp; print(cpp.unavailable())"
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, TORCH_EXTENSIONS_DIR=tmp)
+        t0 = time.perf_counter()
+        try:
+            res = subprocess.run(
+                [sys.executable, "-c", code],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
+        except subprocess.TimeoutExpired:
+            return None, f"no build within {timeout_s:.0f} s"
+        seconds = time.perf_counter() - t0
+    why = (res.stdout.strip().splitlines() or [""])[-1] if res.returncode == 0 else res.stderr
+    return (seconds, "") if res.returncode == 0 and not why else (None, why.strip()[:300])
 
 
 def _ops():
@@ -125,7 +172,7 @@ def blocks(B: int, H_kv: int, T_q: int) -> tuple[int, int]:
     bq = 256
     while bq > 64 and B * H_kv * -(-T_q // bq) < 8:
         bq //= 2
-    return bq, 128
+    return bq, 96  # bk: a multiple of the micro-kernel's 6 rows and 16 columns
 
 
 @functools.lru_cache(maxsize=32)

@@ -16,12 +16,23 @@ namespace {
 template <typename T>
 constexpr T NEG_INF = -std::numeric_limits<T>::infinity();
 
+// One kv head's operands, packed (see Backward::pack_rows): Qp, dOp [query panel][x][NR]
+// (B operands of Sᵀ = K Qᵀ, dPᵀ = V dOᵀ; the values as given); Qn, dOn [x panel][row][NR]
+// (B operands of dK += dS Q, dV += P dO; non-finite values zeroed, their rows marked in
+// qbad, dobad); K, V in MR-key panels [key / MR][x][key % MR] (A operands of Sᵀ and dPᵀ,
+// kr, vr, zero keys past T_k); Kn [x panel][key][NR] (B of dQ += dSᵀ K; zeroed, marked in
+// kbad).
+template <typename T>
+struct Packed {
+  T *qp, *qn, *dop, *don, *kr, *vr, *kn;
+  uint8_t *qbad, *dobad, *kbad;
+};
+
 template <typename T>
 struct BWork {  // a thread's buffers, reused across tasks and calls
   std::vector<T> qp_b, qn_b, dop_b, don_b, kr_b, vr_b, kn_b, st, dpt, th, dk, dv, dq;
   std::vector<uint8_t> qbad_b, dobad_b, kbad_b;
-  T *qp, *qn, *dop, *don, *kr, *vr, *kn;  // the task's packed operands (see pack())
-  uint8_t *qbad, *dobad, *kbad;
+  Packed<T> pk;  // the task's head (thread-local buffers, or the call's shared ones)
   std::vector<Cols<T>> chunks;
   std::vector<int64_t> rlo, rhi;
   TileKinds tk;
@@ -32,6 +43,7 @@ struct Backward {
   using V = typename Vec<T>::v;
   static constexpr int N = Vec<T>::N;
   static constexpr int nr = NR<T>;
+  static constexpr int64_t KC = 256;  // K-blocking of the score GEMMs (large head sizes)
 
   const Problem& P;
   int64_t bkb, bqb, lanes;
@@ -43,6 +55,8 @@ struct Backward {
   std::vector<uint32_t> colkeys;
   I *dq_out, *dk_out, *dv_out;
   T* dq_lanes = nullptr;  // (B·Hkv, lanes, Rq, dkp) when lanes > 1
+  T* shared = nullptr;  // every head's packed operands when lanes > 1 (see views())
+  uint8_t* shared_flags = nullptr;
 
   Backward(const Problem& p, int64_t bkb_, int64_t bqb_, int64_t lanes_, const at::Tensor& dout,
            const T* D_, const T* lse2_, I* dq, I* dk, I* dv)
@@ -67,56 +81,112 @@ struct Backward {
     }
   }
 
-  // The head's operands, packed once per task: Qp, dOp [query panel][x][NR] (B operands of
-  // Sᵀ = K Qᵀ, dPᵀ = V dOᵀ; the values as given); Qn, dOn [x panel][row][NR] (B operands of
-  // dK += dS Q, dV += P dO; non-finite values zeroed, their rows marked); K, V as rows in
-  // the compute type (A operands); Kn [x panel][key][NR] (B of dQ += dSᵀ K; zeroed, marked).
-  void pack(int64_t b, int64_t hkv, BWork<T>& w) const {
-    const int64_t dk = P.dk, dv = P.dv;
-    T* qp = w.qp = scratch(w.qp_b, size_t(Rq * dk));
-    T* dop = w.dop = scratch(w.dop_b, size_t(Rq * dv));
-    T* qn = w.qn = scratch(w.qn_b, size_t(dkp * Rq));
-    T* don = w.don = scratch(w.don_b, size_t(dvp * Rq));
-    uint8_t* qbad = w.qbad = scratch(w.qbad_b, size_t(Rq));
-    uint8_t* dobad = w.dobad = scratch(w.dobad_b, size_t(Rq));
-    for (int64_t r = 0; r < Rq; ++r) {
-      const int64_t q = r / Tqp, i = r % Tqp, h = hkv * P.g + q;
-      const bool real = i < P.Tq;
-      const I* qr = real ? Q.row(b, h, i) : nullptr;
-      const I* gr = real ? dO.row(b, h, i) : nullptr;
-      T* qpd = qp + (r / nr) * dk * nr + r % nr;
-      T* dpd = dop + (r / nr) * dv * nr + r % nr;
-      uint8_t qb = 0, gb = 0;
-      for (int64_t x = 0; x < dk; ++x) {
-        const T y = real ? T(qr[x * Q.s3]) * alpha : T(0);
-        qpd[x * nr] = y;
-        const bool f = std::isfinite(y);
-        qb |= !f;
-        qn[((x / nr) * Rq + r) * nr + x % nr] = f ? y : T(0);
-      }
-      for (int64_t x = dk; x < dkp; ++x) qn[((x / nr) * Rq + r) * nr + x % nr] = T(0);
-      for (int64_t x = 0; x < dv; ++x) {
-        const T y = real ? T(gr[x * dO.s3]) * zscale : T(0);
-        dpd[x * nr] = y;
-        const bool f = std::isfinite(y);
-        gb |= !f;
-        don[((x / nr) * Rq + r) * nr + x % nr] = f ? y : T(0);
-      }
-      for (int64_t x = dv; x < dvp; ++x) don[((x / nr) * Rq + r) * nr + x % nr] = T(0);
-      qbad[r] = qb;
-      dobad[r] = gb;
+  // sizes of one head's packed operands, in elements
+  int64_t q_elems() const { return Rq * (P.dk + dkp + P.dv + dvp); }
+  int64_t k_elems() const { return kpad() * (P.dk + P.dv) + dkp * Tpad; }
+  int64_t kpad() const { return (P.Tk + MR - 1) / MR * MR; }  // keys in whole MR-panels
+  // element (j, x) of a key-panel layout of width d
+  static int64_t kat(int64_t j, int64_t x, int64_t d) { return (j / MR * d + x) * MR + j % MR; }
+
+  // Packed views of a buffer of q_elems() + k_elems() values and Rq·2 + Tk flags
+  Packed<T> views(T* buf, uint8_t* flags) const {
+    Packed<T> k;
+    k.qp = buf;
+    k.qn = k.qp + Rq * P.dk;
+    k.dop = k.qn + dkp * Rq;
+    k.don = k.dop + Rq * P.dv;
+    k.kr = k.don + dvp * Rq;
+    k.vr = k.kr + kpad() * P.dk;
+    k.kn = k.vr + kpad() * P.dv;
+    k.qbad = flags;
+    k.dobad = flags + Rq;
+    k.kbad = flags + 2 * Rq;
+    return k;
+  }
+
+  // one row of x (d values, scaled by f) into a row buffer; whether one is not finite
+  template <typename X>
+  static bool load_row(const X* src, int64_t s3, int64_t d, T f, T* dst) {
+    bool bad = false;
+    for (int64_t x = 0; x < d; ++x) {
+      dst[x] = T(src[x * s3]) * f;
+      bad |= !std::isfinite(dst[x]);
     }
-    T* kr = w.kr = scratch(w.kr_b, size_t(P.Tk * dk));
-    T* vr = w.vr = scratch(w.vr_b, size_t(P.Tk * dv));
-    for (int64_t j = 0; j < P.Tk; ++j) {
+    return bad;
+  }
+
+  // a row r (of n_rows) into both layouts: [r / NR][x][r % NR] and, zeroed where not
+  // finite, [x / NR][r][x % NR]
+  static void scatter_row(const T* y, int64_t d, int64_t dpad, int64_t r, int64_t n_rows,
+                          bool bad, T* panels, T* rows) {
+    T* pd = panels + (r / nr) * d * nr + r % nr;
+    for (int64_t x = 0; x < d; ++x) pd[x * nr] = y[x];
+    for (int64_t x0 = 0; x0 < dpad; x0 += nr) {
+      T* rd = rows + ((x0 / nr) * n_rows + r) * nr;
+      for (int64_t n = 0; n < nr; ++n) {
+        const int64_t x = x0 + n;
+        const T v = x < d ? y[x] : T(0);
+        rd[n] = (bad && !std::isfinite(v)) ? T(0) : v;
+      }
+    }
+  }
+
+  // Pack stacked query rows [r0, r1) and keys [j0, j1) of (b, kv head) into `k`.
+  void pack_rows(int64_t b, int64_t hkv, int64_t r0, int64_t r1, int64_t j0, int64_t j1,
+                 const Packed<T>& k) const {
+    std::vector<T> y(std::max(std::max(P.dk, P.dv), int64_t(1)));
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t q = r / Tqp, i = r % Tqp, h = hkv * P.g + q;
+      bool qb = false, gb = false;
+      if (i < P.Tq) {
+        qb = load_row(Q.row(b, h, i), Q.s3, P.dk, alpha, y.data());
+      } else {
+        std::fill(y.begin(), y.end(), T(0));
+      }
+      scatter_row(y.data(), P.dk, dkp, r, Rq, qb, k.qp, k.qn);
+      if (i < P.Tq) {
+        gb = load_row(dO.row(b, h, i), dO.s3, P.dv, zscale, y.data());
+      } else {
+        std::fill(y.begin(), y.end(), T(0));
+      }
+      scatter_row(y.data(), P.dv, dvp, r, Rq, gb, k.dop, k.don);
+      k.qbad[r] = qb;
+      k.dobad[r] = gb;
+    }
+    std::vector<T> yk(std::max(P.dk, int64_t(1)));
+    for (int64_t j = j0; j < j1; ++j) {
       const I* ks = K.row(b, hkv, j);
       const I* vs = Vv.row(b, hkv, j);
-      for (int64_t x = 0; x < dk; ++x) kr[j * dk + x] = T(ks[x * K.s3]);
-      for (int64_t x = 0; x < dv; ++x) vr[j * dv + x] = T(vs[x * Vv.s3]);
+      for (int64_t x = 0; x < P.dv; ++x) k.vr[kat(j, x, P.dv)] = T(vs[x * Vv.s3]);
+      const bool bad = load_row(ks, K.s3, P.dk, T(1), yk.data());
+      for (int64_t x = 0; x < P.dk; ++x) k.kr[kat(j, x, P.dk)] = yk[x];
+      k.kbad[j] = bad;
+      for (int64_t x0 = 0; x0 < dkp; x0 += nr) {  // Kn: [x / NR][j][x % NR], zeroed
+        T* kd = k.kn + ((x0 / nr) * Tpad + j) * nr;
+        for (int64_t n = 0; n < nr; ++n) {
+          const int64_t x = x0 + n;
+          const T v = x < P.dk ? yk[x] : T(0);
+          kd[n] = (bad && !std::isfinite(v)) ? T(0) : v;
+        }
+      }
     }
-    w.kn = scratch(w.kn_b, size_t(dkp * Tpad));
-    w.kbad = scratch(w.kbad_b, size_t(P.Tk));
-    pack_n<T, T>(kr, dk, 1, P.Tk, Tpad, dk, w.kn, w.kbad);
+    if (j1 == P.Tk) {  // the padding keys of the last panels
+      for (int64_t j = P.Tk; j < Tpad; ++j)
+        for (int64_t x0 = 0; x0 < dkp; x0 += nr)
+          std::fill_n(k.kn + ((x0 / nr) * Tpad + j) * nr, nr, T(0));
+      for (int64_t j = P.Tk; j < kpad(); ++j) {
+        for (int64_t x = 0; x < P.dk; ++x) k.kr[kat(j, x, P.dk)] = T(0);
+        for (int64_t x = 0; x < P.dv; ++x) k.vr[kat(j, x, P.dv)] = T(0);
+      }
+    }
+  }
+
+  // the task's own copy of its head's operands (one lane: nothing to share)
+  void pack(int64_t b, int64_t hkv, BWork<T>& w) const {
+    T* buf = scratch(w.qp_b, size_t(q_elems() + k_elems()));
+    uint8_t* flags = scratch(w.qbad_b, size_t(2 * Rq + P.Tk));
+    w.pk = views(buf, flags);
+    pack_rows(b, hkv, 0, Rq, 0, P.Tk, w.pk);
   }
 
   // the fixed query chunks of a head: bqb rows from multiples of bqb (on the kinds grid)
@@ -147,71 +217,94 @@ struct Backward {
     T* st = scratch(w.st, size_t(bkb * ld));
     T* dpt = scratch(w.dpt, size_t(bkb * ld));
     T* th = cap2 != T(0) ? scratch(w.th, size_t(bkb * ld)) : nullptr;
-    const T* kr = w.kr;
-    const T* vr = w.vr;
-    // Sᵀ = K Qᵀ, dPᵀ = V dOᵀ for the key rows some column of a panel reads
+    const T* kr = w.pk.kr;
+    const T* vr = w.pk.vr;
+    // Sᵀ = K Qᵀ, dPᵀ = V dOᵀ for the key rows some column of a panel reads (K-blocked: a
+    // wide head's panel of Q would not stay in L1)
     for (int64_t p = 0; p < np; ++p) {
       const int64_t j_lo = std::max(c, cols.plo[p]), j_hi = std::min(ce, cols.phi[p]);
-      const T* bq_ = w.qp + (r0 / nr + p) * P.dk * nr;
-      const T* bo_ = w.dop + (r0 / nr + p) * P.dv * nr;
-      for (int64_t j0 = j_lo; j0 < j_hi; j0 += MR) {
-        const int rows = int(std::min<int64_t>(MR, j_hi - j0));
-        micro_rows<false>(rows, P.dk, kr + j0 * P.dk, P.dk, 1, bq_, nr,
-                          st + (j0 - c) * ld + p * nr, ld);
-        micro_rows<false>(rows, P.dv, vr + j0 * P.dv, P.dv, 1, bo_, nr,
-                          dpt + (j0 - c) * ld + p * nr, ld);
+      const T* bq_ = w.pk.qp + (r0 / nr + p) * P.dk * nr;
+      const T* bo_ = w.pk.dop + (r0 / nr + p) * P.dv * nr;
+      for (int64_t k0 = 0; k0 < std::max(P.dk, P.dv); k0 += KC) {
+        for (int64_t j0 = j_lo / MR * MR; j0 < j_hi; j0 += MR) {  // whole MR-key panels
+          T* cs = st + (j0 - c) * ld + p * nr;
+          T* cd = dpt + (j0 - c) * ld + p * nr;
+          if (k0 < P.dk) {
+            const int64_t kc = std::min(KC, P.dk - k0);
+            const T* A = kr + kat(j0, k0, P.dk);
+            if (k0 == 0)
+              micro<MR, false>(kc, A, 1, MR, bq_ + k0 * nr, nr, cs, ld);
+            else
+              micro<MR, true>(kc, A, 1, MR, bq_ + k0 * nr, nr, cs, ld);
+          }
+          if (k0 < P.dv) {
+            const int64_t kc = std::min(KC, P.dv - k0);
+            const T* A = vr + kat(j0, k0, P.dv);
+            if (k0 == 0)
+              micro<MR, false>(kc, A, 1, MR, bo_ + k0 * nr, nr, cd, ld);
+            else
+              micro<MR, true>(kc, A, 1, MR, bo_ + k0 * nr, nr, cd, ld);
+          }
+        }
       }
     }
-    // the vertical pass: P, dS (over dPᵀ), and P ∘ keep (over Sᵀ)
+    // the vertical pass, a panel of columns at a time (its constants hoisted): P, dS (over
+    // dPᵀ), then P ∘ keep (over Sᵀ)
     const V ninf = vset<T>(NEG_INF<T>);
     const T* Lrow = lse2 + (b * P.Hq + h) * Tqp + a;
     const T* Drow = D + (b * P.Hq + h) * Tqp + a;
-    for (int64_t j = c; j < ce; ++j) {
-      T* srow = st + (j - c) * ld;
-      T* drow = dpt + (j - c) * ld;
-      const bool padded = P.key_padding && !P.key_padding[b * P.Tk + j];
-      for (int64_t p = 0; p < np; ++p) {
-        T* x = srow + p * nr;
-        T* y = drow + p * nr;
-        if (padded || !cols.reads(p, j)) {
-          vstore(x, V{});
-          vstore(x + N, V{});
-          vstore(y, V{});
-          vstore(y + N, V{});
-          continue;
-        }
-        const bool need = !(cols.maxlo[p] <= c && cols.minhi[p] >= ce);
-        T* t = th ? th + (j - c) * ld + p * nr : nullptr;
-        modify_and_mask(P, cols, w.tk, b, j, p, need, cap2, x, t);
-        if (P.dropout) drop_cols(y, cols.rk.data() + p * nr, colkeys[j], P.drop_thr);
-        for (int hh = 0; hh < 2; ++hh) {
-          const V s = vload(x + hh * N);
-          const auto blocked = s == ninf;  // exactly 0 there, whatever lse, dP and D are
-          V pr = exp2v(s - vload(Lrow + p * nr + hh * N));
-          pr = blocked ? V{} : pr;
-          V ds = pr * (vload(y + hh * N) - vload(Drow + p * nr + hh * N));
-          ds = blocked ? V{} : ds;
-          if (t) {
-            const V tv = vload(t + hh * N);
-            ds *= T(1) - tv * tv;
+    const bool* kp = P.key_padding ? P.key_padding + b * P.Tk : nullptr;
+    for (int64_t p = 0; p < np; ++p) {
+      const PanelMods<T> mods(P, cols, w.tk, b, p,
+                              !(cols.maxlo[p] <= c && cols.minhi[p] >= ce), cap2);
+      const V L[2] = {vload(Lrow + p * nr), vload(Lrow + p * nr + N)};
+      const V Dv[2] = {vload(Drow + p * nr), vload(Drow + p * nr + N)};
+      const uint32_t* rk = cols.rk.data() + p * nr;
+      mods.dispatch([&]<bool CAP, bool ALIBI, bool INTERVALS>() {
+        for (int64_t j = c; j < ce; ++j) {
+          T* x = st + (j - c) * ld + p * nr;
+          T* y = dpt + (j - c) * ld + p * nr;
+          if ((kp && !kp[j]) || !cols.reads(p, j)) {
+            vstore(x, V{});
+            vstore(x + N, V{});
+            vstore(y, V{});
+            vstore(y + N, V{});
+            continue;
           }
-          vstore(x + hh * N, pr);
-          vstore(y + hh * N, ds);
+          T* t = CAP ? th + (j - c) * ld + p * nr : nullptr;
+          mods.template apply<CAP, ALIBI, INTERVALS>(j, x, t);
+          if (P.dropout) drop_cols(y, rk, colkeys[j], P.drop_thr);
+          for (int hh = 0; hh < 2; ++hh) {
+            const V s = vload(x + hh * N);
+            const auto blocked = s == ninf;  // exactly 0 there, whatever lse, dP and D are
+            V pr = exp2v(s - L[hh]);
+            pr = blocked ? V{} : pr;
+            V ds = pr * (vload(y + hh * N) - Dv[hh]);
+            ds = blocked ? V{} : ds;
+            if (CAP) {
+              const V tv = vload(t + hh * N);
+              ds *= T(1) - tv * tv;
+            }
+            vstore(x + hh * N, pr);
+            vstore(y + hh * N, ds);
+          }
+          if (P.dropout) drop_cols(x, rk, colkeys[j], P.drop_thr);
         }
-        if (P.dropout) drop_cols(x, cols.rk.data() + p * nr, colkeys[j], P.drop_thr);
-      }
+      });
     }
-    // dV += P dO, dK += dS Q (keys as rows; zeroed operands, non-finite rows added below)
-    for (int64_t j0 = 0; j0 < wk; j0 += MR) {
-      const int rows = int(std::min<int64_t>(MR, wk - j0));
-      for (int64_t xp = 0; xp < dvp; xp += nr)
-        micro_rows<true>(rows, n, st + j0 * ld, ld, 1, w.don + ((xp / nr) * Rq + r0) * nr,
-                         nr, dVacc + j0 * dvp + xp, dvp);
-      for (int64_t xp = 0; xp < dkp; xp += nr)
-        micro_rows<true>(rows, n, dpt + j0 * ld, ld, 1, w.qn + ((xp / nr) * Rq + r0) * nr,
-                         nr, dKacc + j0 * dkp + xp, dkp);
-    }
+    // dV += P dO, dK += dS Q (keys as rows; zeroed operands, non-finite rows added below);
+    // by output panel first, so that the panel of dO (of Q) stays in L1 over the key rows
+    for (int64_t xp = 0; xp < dvp; xp += nr)
+      for (int64_t j0 = 0; j0 < wk; j0 += MR)
+        micro_rows<true>(int(std::min<int64_t>(MR, wk - j0)), n, st + j0 * ld, ld, 1,
+                         w.pk.don + ((xp / nr) * Rq + r0) * nr, nr, dVacc + j0 * dvp + xp, dvp);
+    for (int64_t xp = 0; xp < dkp; xp += nr)
+      for (int64_t j0 = 0; j0 < wk; j0 += MR)
+        micro_rows<true>(int(std::min<int64_t>(MR, wk - j0)), n, dpt + j0 * ld, ld, 1,
+                         w.pk.qn + ((xp / nr) * Rq + r0) * nr, nr, dKacc + j0 * dkp + xp, dkp);
     // dQ += dSᵀ K over the keys each row panel of queries reads
+    int64_t* rlo = scratch(w.rlo, size_t((n + MR - 1) / MR));
+    int64_t* rhi = scratch(w.rhi, size_t((n + MR - 1) / MR));
     for (int64_t q0 = 0; q0 < n; q0 += MR) {
       int64_t k0 = ce, k1 = c;
       for (int64_t cc = q0; cc < std::min(n, q0 + MR); ++cc) {
@@ -219,12 +312,17 @@ struct Backward {
         k0 = std::min(k0, std::max(c, int64_t(cols.lo[cc])));
         k1 = std::max(k1, std::min(ce, int64_t(cols.hi[cc])));
       }
-      if (k0 >= k1) continue;
-      const int rows = int(std::min<int64_t>(MR, n - q0));
-      for (int64_t xp = 0; xp < dkp; xp += nr)
-        micro_rows<true>(rows, k1 - k0, dpt + (k0 - c) * ld + q0, 1, ld,
-                         w.kn + ((xp / nr) * Tpad + k0) * nr, nr,
+      rlo[q0 / MR] = k0;
+      rhi[q0 / MR] = k1;
+    }
+    for (int64_t xp = 0; xp < dkp; xp += nr) {
+      for (int64_t q0 = 0; q0 < n; q0 += MR) {
+        const int64_t k0 = rlo[q0 / MR], k1 = rhi[q0 / MR];
+        if (k0 >= k1) continue;
+        micro_rows<true>(int(std::min<int64_t>(MR, n - q0)), k1 - k0, dpt + (k0 - c) * ld + q0, 1,
+                         ld, w.pk.kn + ((xp / nr) * Tpad + k0) * nr, nr,
                          dQacc + (r0 + q0) * dkp + xp, dkp);
+      }
     }
     fixups(b, hkv, h, a, cols, c, ce, st, dpt, w, dKacc, dVacc, dQacc);
   }
@@ -236,7 +334,7 @@ struct Backward {
     const int64_t ld = cols.ld, r0 = (h - hkv * P.g) * Tqp + a;
     for (int64_t cc = 0; cc < cols.n; ++cc) {
       const int64_t r = r0 + cc, i = a + cc;
-      if (w.dobad[r]) {
+      if (w.pk.dobad[r]) {
         const I* g = dO.row(b, h, i);
         for (int64_t j = c; j < ce; ++j) {
           const T pij = st[(j - c) * ld + cc];
@@ -247,7 +345,7 @@ struct Backward {
           }
         }
       }
-      if (w.qbad[r]) {
+      if (w.pk.qbad[r]) {
         const I* qr = Q.row(b, h, i);
         for (int64_t j = c; j < ce; ++j) {
           const T dsij = dpt[(j - c) * ld + cc];
@@ -260,14 +358,15 @@ struct Backward {
       }
     }
     for (int64_t j = c; j < ce; ++j) {
-      if (!w.kbad[j]) continue;
-      const T* kr = w.kr + j * P.dk;
+      if (!w.pk.kbad[j]) continue;
       for (int64_t cc = 0; cc < cols.n; ++cc) {
         const T dsij = dpt[(j - c) * ld + cc];
         if (dsij == T(0)) continue;
         T* dqr = dQacc + (r0 + cc) * dkp;
-        for (int64_t x = 0; x < P.dk; ++x)
-          if (!std::isfinite(kr[x])) dqr[x] += dsij * kr[x];
+        for (int64_t x = 0; x < P.dk; ++x) {
+          const T kx = w.pk.kr[kat(j, x, P.dk)];
+          if (!std::isfinite(kx)) dqr[x] += dsij * kx;
+        }
       }
     }
   }
@@ -292,7 +391,11 @@ struct Backward {
 
   void task(int64_t b, int64_t hkv, int64_t lane, const std::vector<int64_t>& lanes_of,
             BWork<T>& w) const {
-    pack(b, hkv, w);
+    if (lanes > 1)  // the head's lanes share one packing, made before the tasks
+      w.pk = views(shared + (b * P.Hkv + hkv) * (q_elems() + k_elems()),
+                   shared_flags + (b * P.Hkv + hkv) * (2 * Rq + P.Tk));
+    else
+      pack(b, hkv, w);
     chunks(b, hkv, w);
     T* dQacc = lanes > 1 ? dq_lanes + ((b * P.Hkv + hkv) * lanes + lane) * Rq * dkp
                          : scratch(w.dq, size_t(Rq * dkp));
@@ -386,6 +489,26 @@ void run(const Problem& P, const Options& o, const at::Tensor& out, const at::Te
   if (o.lanes > 1) {
     lane_buf = at::empty({P.B * P.Hkv * o.lanes * bw.Rq * bw.dkp}, opts);
     bw.dq_lanes = lane_buf.data_ptr<T>();
+  }
+  at::Tensor shared, shared_flags;
+  if (o.lanes > 1) {  // pack each head once, in row chunks over the threads
+    const int64_t heads = P.B * P.Hkv, per = bw.q_elems() + bw.k_elems();
+    shared = at::empty({heads * per}, opts);
+    shared_flags = at::empty({heads * (2 * bw.Rq + P.Tk)}, at::kByte);
+    bw.shared = shared.data_ptr<T>();
+    bw.shared_flags = shared_flags.data_ptr<uint8_t>();
+    const int64_t chunk = 64, nq = (bw.Rq + chunk - 1) / chunk, nk = (P.Tk + chunk - 1) / chunk;
+    at::parallel_for(0, heads * (nq + nk), 1, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t hh = t / (nq + nk), c = t % (nq + nk);
+        const Packed<T> k = bw.views(bw.shared + hh * per, bw.shared_flags + hh * (2 * bw.Rq + P.Tk));
+        if (c < nq)
+          bw.pack_rows(hh / P.Hkv, hh % P.Hkv, c * chunk, std::min(bw.Rq, (c + 1) * chunk), 0, 0, k);
+        else
+          bw.pack_rows(hh / P.Hkv, hh % P.Hkv, 0, 0, (c - nq) * chunk,
+                       std::min(P.Tk, (c - nq + 1) * chunk), k);
+      }
+    });
   }
   std::vector<std::vector<int64_t>> lanes_of(P.B);
   for (int64_t b = 0; b < P.B; ++b)

@@ -23,34 +23,6 @@ struct Work {  // a thread's buffers, reused across tasks and calls
   std::vector<int64_t> rlo, rhi;
 };
 
-// K as the score GEMM reads it (the A operand): rows of the compute type. The tensor itself
-// when it already is, else a converted copy.
-template <typename I, typename T>
-struct Rows4 {
-  const T* p = nullptr;
-  int64_t ld = 0, sb = 0, sh = 0;  // row, batch and head strides
-  at::Tensor copy;
-  const T* row(int64_t b, int64_t h, int64_t j) const { return p + b * sb + h * sh + j * ld; }
-};
-
-template <typename I, typename T>
-Rows4<I, T> as_rows(const at::Tensor& x) {
-  Rows4<I, T> r;
-  if (std::is_same_v<I, T> && x.stride(3) == 1) {
-    r.p = static_cast<const T*>(x.data_ptr());
-    r.ld = x.stride(2);
-    r.sb = x.stride(0);
-    r.sh = x.stride(1);
-    return r;
-  }
-  r.copy = x.to(c10::CppTypeToScalarType<T>::value).contiguous();
-  r.p = static_cast<const T*>(r.copy.data_ptr());
-  r.ld = x.size(3);
-  r.sh = x.size(2) * r.ld;
-  r.sb = x.size(1) * r.sh;
-  return r;
-}
-
 template <typename I, typename T>
 struct Forward {
   using V = typename Vec<T>::v;
@@ -63,8 +35,8 @@ struct Forward {
   T alpha;  // Q's factor: scores leave the GEMM in base 2 (or as S/c with softcap)
   T cap2;   // softcap·log2 e, 0 without softcap
   View4<I> Q, K, Vv;
-  Rows4<I, T> Kr;
-  at::Tensor vp_t, vbad_t;
+  at::Tensor kp_t, vp_t, vbad_t;
+  const T* Kp = nullptr;  // K packed in MR-key panels (see prepare)
   const T* Vp = nullptr;
   const uint8_t* vbad = nullptr;  // (B·Hkv, Tk) when V was copied with non-finite values
   std::vector<uint32_t> colkeys;  // dropout column keys of every key
@@ -89,13 +61,28 @@ struct Forward {
     }
   }
 
-  // K as rows and V as panels (blocks only: decoding reads the tensors directly). V packed
-  // once per call, [b·kv head][value panel][key][NR]: the B operand of P V read
-  // sequentially. Non-finite values are zeroed there (zero weights must not meet them) and
-  // their keys marked in vbad; the readable ones are added back exactly (see tile()).
+  // K and V packed once per call (blocks only: decoding reads the tensors directly), each
+  // as its GEMM reads it sequentially: K [b·kv head][MR-key panel][x][MR] (the A operand of
+  // Sᵀ = K Qᵀ, zero keys past T_k), V [b·kv head][value panel][key][NR] (the B operand of
+  // P V). Non-finite values of V are zeroed (zero weights must not meet them) and their keys
+  // marked in vbad; the readable ones are added back exactly (see tile()).
   void prepare() {
-    Kr = as_rows<I, T>(P.k);
-    const int64_t heads = P.B * P.Hkv, npv = dvp / nr;
+    const int64_t heads = P.B * P.Hkv, npv = dvp / nr, nkp = kpanels();
+    kp_t = at::empty({heads * nkp * P.dk * MR},
+                     at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
+    T* kp = kp_t.template data_ptr<T>();
+    at::parallel_for(0, heads * nkp, 16, [&](int64_t t0, int64_t t1) {
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t bh = t / nkp, jp = t % nkp;
+        T* dst = kp + t * P.dk * MR;
+        for (int64_t r = 0; r < MR; ++r) {
+          const int64_t j = jp * MR + r;
+          const I* src = j < P.Tk ? K.row(bh / P.Hkv, bh % P.Hkv, j) : nullptr;
+          for (int64_t x = 0; x < P.dk; ++x) dst[x * MR + r] = src ? T(src[x * K.s3]) : T(0);
+        }
+      }
+    });
+    Kp = kp;
     vp_t = at::empty({heads * npv * P.Tk * nr},
                      at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
     vbad_t = at::zeros({heads * P.Tk}, at::kByte);
@@ -128,6 +115,11 @@ struct Forward {
     });
     Vp = vp;
     vbad = any_bad ? bad : nullptr;
+  }
+  int64_t kpanels() const { return (P.Tk + MR - 1) / MR; }
+  // K's MR-key panel holding key j (a multiple of MR), from dimension x on
+  const T* kpanel(int64_t b, int64_t hkv, int64_t j, int64_t x) const {
+    return Kp + ((b * P.Hkv + hkv) * kpanels() + j / MR) * P.dk * MR + x * MR;
   }
   const T* vpanel(int64_t b, int64_t hkv, int64_t dp, int64_t j) const {
     return Vp + (((b * P.Hkv + hkv) * (dvp / nr) + dp / nr) * P.Tk + j) * nr;
@@ -218,7 +210,7 @@ struct Forward {
     T* st = scratch(w.st, size_t(bk * ld));
     T* al = scratch(w.alpha, size_t(ld));
     for (int64_t kb = cols.klo / bk; kb * bk < cols.khi; ++kb) {
-      const int64_t c = std::max(kb * bk, cols.klo), ce = std::min((kb + 1) * bk, cols.khi);
+      const int64_t c = kb * bk, ce = std::min((kb + 1) * bk, cols.khi);
       w.tk.build(P, b, hkv * P.g, P.g, qb, kb);
       if (!w.tk.any_read) continue;
       tile(w, b, hkv, c, ce, qp, st, m, l, al, acc, rlo, rhi);
@@ -230,20 +222,20 @@ struct Forward {
             T* l, T* al, T* acc, const int64_t* rlo, const int64_t* rhi) const {
     const Cols<T>& cols = w.cols;
     const int64_t R = cols.n, ld = cols.ld, np = cols.panels();
-    // Sᵀ[j - c, col] = K[j] · Qp[col] for the key rows some column of a panel reads
+    // Sᵀ[j - c, col] = K[j] · Qp[col] for the MR-key panels some column of a panel reads
+    // (the tile starts on a panel: c is a multiple of bk, a multiple of MR)
     for (int64_t k0 = 0; k0 < P.dk; k0 += KC) {
       const int64_t kc = std::min(KC, P.dk - k0);
       for (int64_t p = 0; p < np; ++p) {
         const int64_t j_lo = std::max(c, cols.plo[p]), j_hi = std::min(ce, cols.phi[p]);
-        for (int64_t j0 = j_lo; j0 < j_hi; j0 += MR) {
-          const int rows = int(std::min<int64_t>(MR, j_hi - j0));
-          const T* A = Kr.row(b, hkv, j0) + k0;
-          const T* Bp = qp + (p * P.dk + k0) * nr;
+        const T* Bp = qp + (p * P.dk + k0) * nr;
+        for (int64_t j0 = j_lo / MR * MR; j0 < j_hi; j0 += MR) {
+          const T* A = kpanel(b, hkv, j0, k0);
           T* C = st + (j0 - c) * ld + p * nr;
           if (k0 == 0)
-            micro_rows<false>(rows, kc, A, Kr.ld, 1, Bp, nr, C, ld);
+            micro<MR, false>(kc, A, 1, MR, Bp, nr, C, ld);
           else
-            micro_rows<true>(rows, kc, A, Kr.ld, 1, Bp, nr, C, ld);
+            micro<MR, true>(kc, A, 1, MR, Bp, nr, C, ld);
         }
       }
     }
@@ -290,17 +282,19 @@ struct Forward {
     const Cols<T>& cols = w.cols;
     const int64_t ld = cols.ld, x0 = p * nr;
     const int64_t j_lo = std::max(c, cols.plo[p]), j_hi = std::min(ce, cols.phi[p]);
-    const bool need = !(cols.maxlo[p] <= c && cols.minhi[p] >= ce);
-    const bool touch = need || cap2 != T(0) || P.slopes || w.tk.partial;
+    const PanelMods<T> mods(P, cols, w.tk, b, p, !(cols.maxlo[p] <= c && cols.minhi[p] >= ce),
+                            cap2);
     const bool* kp = P.key_padding ? P.key_padding + b * P.Tk : nullptr;
     V mt0 = vset<T>(NEG_INF<T>), mt1 = mt0;
-    for (int64_t j = j_lo; j < j_hi; ++j) {
-      if (kp && !kp[j]) continue;
-      T* x = st + (j - c) * ld + x0;
-      if (touch) modify_and_mask(P, cols, w.tk, b, j, p, need, cap2, x, (T*)nullptr);
-      mt0 = vmax(mt0, vload(x));
-      mt1 = vmax(mt1, vload(x + N));
-    }
+    mods.dispatch([&]<bool CAP, bool ALIBI, bool INTERVALS>() {
+      for (int64_t j = j_lo; j < j_hi; ++j) {
+        if (kp && !kp[j]) continue;
+        T* x = st + (j - c) * ld + x0;
+        mods.template apply<CAP, ALIBI, INTERVALS>(j, x, nullptr);
+        mt0 = vmax(mt0, vload(x));
+        mt1 = vmax(mt1, vload(x + N));
+      }
+    });
     // the new running max (m_safe: 0 where nothing was read yet), the rescale factors
     const V mo0 = vload(m + x0), mo1 = vload(m + x0 + N);
     const V mn0 = vmax(mo0, mt0), mn1 = vmax(mo1, mt1);

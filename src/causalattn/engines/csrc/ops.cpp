@@ -62,7 +62,8 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   P.lo = lo.data_ptr<int64_t>();
   P.hi = hi.data_ptr<int64_t>();
   P.lo_b = lo.size(0) > 1 ? P.Tq : 0;
-  check(bq > 0 && bk > 0 && bk % NR<float> == 0 && bk % NR<double> == 0, "block sizes");
+  check(bq > 0 && bk > 0 && bk % NR<float> == 0 && bk % NR<double> == 0 && bk % MR == 0,
+        "block sizes: bk a multiple of the micro-kernel's rows and columns");
   P.bq = bq;
   P.bk = bk;
   if (key_padding) {

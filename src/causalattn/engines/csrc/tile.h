@@ -83,51 +83,97 @@ struct TileKinds {
   }
 };
 
-// One key row j of a transposed tile, panel p (NR columns at x): softcap, ALiBi, then M:
-// the intervals (elementwise compares), the dense or tile mask where the tile is partial.
-// With `th`, tanh(S/c) is kept there (the backward's d tanh). Columns that may not read j
-// become -inf.
+// The modifiers and M for the NR columns of panel p, hoisted out of the key loop: one key
+// row j at a time, softcap, ALiBi, then the intervals (elementwise compares) and, where
+// the tile is partial, the dense or tile mask (a rare path, not inlined). Columns that may
+// not read j become -inf. With `th`, tanh(S/c) is kept there (the backward's d tanh).
 template <typename T>
-inline void modify_and_mask(const Problem& P, const Cols<T>& cols, const TileKinds& tk,
-                            int64_t b, int64_t j, int64_t p, bool need_intervals, T cap2,
-                            T* x, T* th) {
+struct PanelMods {
   using V = typename Vec<T>::v;
-  constexpr int N = Vec<T>::N;
-  const int64_t c0 = p * NR<T>;
-  V s[2] = {vload(x), vload(x + N)};
-  if (cap2 != T(0)) {
+  static constexpr int N = Vec<T>::N;
+  const Problem& P;
+  const Cols<T>& cols;
+  const TileKinds& tk;
+  int64_t b, c0;
+  T cap2;
+  bool intervals, alibi;
+  V lo[2], hi[2], pos[2], slope[2];
+
+  PanelMods(const Problem& P_, const Cols<T>& cols_, const TileKinds& tk_, int64_t b_,
+            int64_t p, bool need_intervals, T cap2_)
+      : P(P_), cols(cols_), tk(tk_), b(b_), c0(p * NR<T>), cap2(cap2_),
+        intervals(need_intervals), alibi(P_.slopes != nullptr) {
     for (int h = 0; h < 2; ++h) {
-      V t = tanhv(s[h]);
-      if (th) vstore(th + h * N, t);
-      s[h] = t * cap2;
+      lo[h] = vload(cols.lo.data() + c0 + h * N);
+      hi[h] = vload(cols.hi.data() + c0 + h * N);
+      pos[h] = vload(cols.pos.data() + c0 + h * N);
+      slope[h] = vload(cols.slope.data() + c0 + h * N);
     }
   }
-  if (P.slopes) {
-    const T kpos = T(P.k_start + j);
-    for (int h = 0; h < 2; ++h) {
-      V d = vload(cols.pos.data() + c0 + h * N) - kpos;
-      d = d < T(0) ? -d : d;
-      s[h] -= vload(cols.slope.data() + c0 + h * N) * d;
+
+  // fn.template operator()<CAP, ALIBI, INTERVALS>() for this panel's combination
+  template <typename F>
+  void dispatch(F&& fn) const {
+    const bool cap = cap2 != T(0);
+    if (cap) {
+      if (alibi)
+        intervals ? fn.template operator()<true, true, true>()
+                  : fn.template operator()<true, true, false>();
+      else
+        intervals ? fn.template operator()<true, false, true>()
+                  : fn.template operator()<true, false, false>();
+    } else {
+      if (alibi)
+        intervals ? fn.template operator()<false, true, true>()
+                  : fn.template operator()<false, true, false>();
+      else
+        intervals ? fn.template operator()<false, false, true>()
+                  : fn.template operator()<false, false, false>();
     }
   }
-  if (need_intervals) {
-    const T jf = T(j);
-    const V ninf = vset<T>(-std::numeric_limits<T>::infinity());
-    for (int h = 0; h < 2; ++h) {
-      const V lo = vload(cols.lo.data() + c0 + h * N), hi = vload(cols.hi.data() + c0 + h * N);
-      s[h] = ((jf < lo) | (jf >= hi)) ? ninf : s[h];
+
+  // apply<CAP, ALIBI, INTERVALS>: the same with the modifiers known at compile time (the
+  // per-panel loops are instantiated per combination: fewer live registers, no spills)
+  template <bool CAP, bool ALIBI, bool INTERVALS>
+  __attribute__((always_inline)) inline void apply(int64_t j, T* x, T* th) const {
+    if constexpr (!CAP && !ALIBI && !INTERVALS) {  // a full tile without modifiers
+      if (tk.partial) mask_cells(j, x);
+      return;
     }
+    V s[2] = {vload(x), vload(x + N)};
+    if (CAP) {
+      for (int h = 0; h < 2; ++h) {
+        const V t = tanhv(s[h]);
+        if (th) vstore(th + h * N, t);
+        s[h] = t * cap2;
+      }
+    }
+    if (ALIBI) {
+      const T kpos = T(P.k_start + j);
+      for (int h = 0; h < 2; ++h) {
+        V d = pos[h] - kpos;
+        d = d < T(0) ? -d : d;
+        s[h] -= slope[h] * d;
+      }
+    }
+    if (INTERVALS) {
+      const T jf = T(j);
+      const V ninf = vset<T>(-std::numeric_limits<T>::infinity());
+      for (int h = 0; h < 2; ++h) s[h] = ((jf < lo[h]) | (jf >= hi[h])) ? ninf : s[h];
+    }
+    vstore(x, s[0]);
+    vstore(x + N, s[1]);
+    if (tk.partial) mask_cells(j, x);
   }
-  vstore(x, s[0]);
-  vstore(x + N, s[1]);
-  if (tk.partial) {
+
+  __attribute__((noinline)) void mask_cells(int64_t j, T* x) const {
     for (int64_t c = c0; c < std::min(cols.n, c0 + NR<T>); ++c) {
       const int32_t kind = tk.of_head[cols.head[c] - tk.h0];
       if (kind != FULL && !P.allowed(b, cols.head[c], cols.i[c], j, kind))
         x[c - c0] = -std::numeric_limits<T>::infinity();
     }
   }
-}
+};
 
 // P[c] = 0 where the dropout hash of (row key rk[c], column key ck) says dropped, NR columns.
 template <typename T>
