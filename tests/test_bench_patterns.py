@@ -26,3 +26,18 @@ def test_rows_name_their_peers_and_bars_read_them():
     assert any(n.startswith("ALiBi fwd: cpp") for n in names)
     lengths = bench._doc_lengths(8192, 16)
     assert len(lengths) == 16 and sum(lengths) == 8192 and min(lengths) >= 16
+
+
+def test_mask_mod_rows_pair_each_engine_with_its_keywords_and_report_memory():
+    import torch
+
+    _, fn = bench._window_docs(512)
+    i = torch.arange(512)
+    assert bool(fn(0, 0, i[:, None], i[None, :]).any())
+    gr = bench.Group("mask_mod", (1, 2, 512, 8), "fwd+bwd", bench._mod_peers(), budget_s=0.01)
+    rows = bench._rows(gr)
+    mods = [r for r in rows if r["engine"].endswith("(mask_mod)")]
+    assert {r["engine"] for r in mods} >= {"tiled (mask_mod)"}
+    assert all("tiled (keywords)" in r["vs"] for r in mods)
+    names = [b[0] for b in bench.targets(rows)]
+    assert any(n.startswith("mask_mod window+documents T=8192 tiled fwd+bwd") for n in names)

@@ -280,14 +280,94 @@ def test_refuses_what_it_cannot_do():
     module = tiny.model("llama").model.layers[0].self_attn
     q = torch.randn(1, 4, 5, 8)
     k = v = torch.randn(1, 2, 5, 8)
-    bias = torch.randn(1, 1, 5, 5)
-    with pytest.raises(ValueError, match="additive bias"):
-        attention_forward(module, q, k, v, bias)
     with pytest.raises(ValueError, match=r"attention_mask must be \(B, 1, T_q, T_k\)"):
         attention_forward(module, q, k, v, torch.ones(1, 1, 5, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="position_bias"):
-        attention_forward(module, q, k, v, None, position_bias=torch.zeros(1, 4, 5, 5))
+    with pytest.raises(ValueError, match="position_bias must be a float tensor broadcastable"):
+        attention_forward(module, q, k, v, None, position_bias=torch.zeros(1, 4, 5, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"bias: shape \(1, 3, 5, 5\) does not broadcast"):
+        attention_forward(module, q, k, v, None, position_bias=torch.zeros(1, 3, 5, 5))
+    with pytest.raises(ValueError, match="attention_mask holds NaN"):
+        attention_forward(module, q, k, v, torch.full((1, 1, 5, 5), float("nan")))
     with pytest.raises(ValueError, match=r"s_aux \(sinks\) must be one logit per head"):
         attention_forward(module, q, k, v, None, s_aux=torch.zeros(3))
     with pytest.raises(ValueError, match="sliding_window must be >= 1"):
         attention_forward(module, q, k, v, None, sliding_window=0)
+
+
+def _module_eager(module, q, k, v, mask, **kw):
+    import sys
+
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    return eager(module, q, k, v, mask, **kw)[0]
+
+
+def test_additive_float_masks_and_position_bias_go_in_as_bias():
+    """An additive float mask (0 / finfo.min plus a bias at readable cells) and a
+    position_bias keyword: the eager function's output (issue 24: no longer refused)."""
+    module = tiny.model("llama").model.layers[0].self_attn
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 6, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 2, 6, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 2, 6, 8, generator=g, dtype=torch.float64)
+    module = module.double()
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    additive = torch.randn(2, 1, 6, 6, generator=g, dtype=torch.float64)
+    additive = additive.masked_fill(~causal, torch.finfo(torch.float64).min)
+    out, _ = attention_forward(module, q, k, v, additive, scaling=0.5)
+    # llama's eager function repeats the key-value heads itself
+    torch.testing.assert_close(out, _module_eager(module, q, k, v, additive, scaling=0.5))
+    pb = torch.randn(1, 4, 6, 6, generator=g, dtype=torch.float64)
+    zero_mask = torch.zeros(1, 1, 6, 6, dtype=torch.float64).masked_fill(~causal, float("-inf"))
+    out, _ = attention_forward(module, q, k, v, zero_mask, scaling=0.5, position_bias=pb)
+    want = _module_eager(module, q, k, v, zero_mask + pb, scaling=0.5)
+    torch.testing.assert_close(out, want)
+
+
+def _t5(impl):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.T5Config(
+        vocab_size=tiny.VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    m = transformers.T5ForConditionalGeneration(cfg)
+    m.set_attn_implementation(impl)
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.mul_(8.0)
+    return m.eval().double()
+
+
+def test_t5_position_bias_and_padding_through_bias_match_eager_logits_and_generation(monkeypatch):
+    """T5 hands its relative position bias (and the padding as an additive float mask) to
+    the attention function: encoder, decoder and cross attention through causalattn's
+    bias, the same logits and the same greedy generation as eager."""
+    from causalattn.integrations import transformers as integ
+
+    name = integ.register()
+    eager, ours = _t5("eager"), _t5(name)
+    calls = []
+    real = integ.attention
+    import functools
+
+    @functools.wraps(real)  # the same signature: the integration reads what it accepts
+    def counted(*a, **kw):
+        calls.append(kw)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(integ, "attention", counted)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, tiny.VOCAB, (2, 11), generator=g)
+    am = torch.ones(2, 11, dtype=torch.long)
+    am[1, 8:] = 0  # the second row padded
+    dec = torch.randint(3, tiny.VOCAB, (2, 7), generator=g)
+    with torch.no_grad():
+        want = eager(input_ids=ids, attention_mask=am, decoder_input_ids=dec).logits
+        got = ours(input_ids=ids, attention_mask=am, decoder_input_ids=dec).logits
+    assert calls and all(c.get("bias") is not None for c in calls)  # every layer took a bias
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+    ge = eager.generate(input_ids=ids, attention_mask=am, max_new_tokens=8, do_sample=False)
+    gc = ours.generate(input_ids=ids, attention_mask=am, max_new_tokens=8, do_sample=False)
+    assert torch.equal(ge, gc)

@@ -431,9 +431,13 @@ class BlockMaskMod:
             b, h, i, kv_idx = (torch.as_tensor(x) for x in (b, h, i, kv_idx))
         bb = b if t.shape[0] > 1 else torch.zeros_like(b)
         hh = h if t.shape[1] > 1 else torch.zeros_like(h)
+        # cells outside its own (T_q, T_k) read nothing (compare_masks names the length;
+        # attention refuses it first: mismatch)
+        inside = (i >= 0) & (i < T_q) & (kv_idx >= 0) & (kv_idx < T_k)
+        i, kv_idx = i.clamp(0, max(T_q - 1, 0)), kv_idx.clamp(0, max(T_k - 1, 0))
         kind = t[bb, hh, i // self.block_size[0], kv_idx // self.block_size[1]]
         inner = self.inner(b, h, i, kv_idx)
-        return (kind == FULL) | ((kind == PARTIAL_DENSE) & inner.to(torch.bool))
+        return inside & ((kind == FULL) | ((kind == PARTIAL_DENSE) & inner.to(torch.bool)))
 
     def mismatch(self, B: int, H: int, T_q: int, T_k: int) -> str:
         """Why it does not fit a problem ("" when it does)."""

@@ -323,21 +323,36 @@ class Trace:
         np.savez(Path(path), **self._arrays, **extra)
 
     @classmethod
-    def load(cls, path: str | Path) -> Trace:
-        """Read a .npz written by :meth:`save` (``allow_pickle=False``: data, never code)."""
+    def load(cls, path: str | Path, max_bytes: int = 2**30) -> Trace:
+        """Read a .npz written by :meth:`save` with the one reader of user files
+        (:mod:`causalattn.check.files`: headers first, ``max_bytes`` for all arrays,
+        numbers only, ``tokens`` as text; nothing executed), then :meth:`from_arrays`."""
+        from .check.files import read_arrays  # the one reader: see .importlinter
+
         try:
-            with np.load(Path(path), allow_pickle=False) as f:
-                data = {k: f[k] for k in f.files}
-        except (OSError, ValueError, EOFError) as exc:
-            raise ValueError(
-                f"trace file {path}: cannot be read as .npz of arrays ({exc})"
-            ) from exc
+            data = read_arrays(path, max_bytes, formats=("npz",), text=("tokens",))
+        except ValueError as exc:
+            raise ValueError(f"trace file cannot be read: {exc}") from None
+        return cls.from_arrays(data)
+
+    @classmethod
+    def from_arrays(cls, data: dict) -> Trace:
+        """A Trace from the named arrays :meth:`save` writes (stages, ``allowed``,
+        ``reasons``, ``scale``, ``n_heads``, ``tokens``); other names are ignored."""
         arrays = {k: v for k, v in data.items() if k in STAGES}
-        return cls(
-            arrays,
-            allowed=data.get("allowed"),
-            reasons=data.get("reasons"),
-            scale=float(data["scale"]) if "scale" in data else None,
-            n_heads=int(data["n_heads"]) if "n_heads" in data else None,
-            tokens=data["tokens"].tolist() if "tokens" in data else None,
-        )
+        tokens = data.get("tokens")
+        if tokens is not None and np.ndim(tokens) != 1:
+            raise ValueError(f"trace file: tokens must be 1-D, got shape {np.shape(tokens)}")
+        try:
+            return cls(
+                arrays,
+                allowed=data.get("allowed"),
+                reasons=data.get("reasons"),
+                scale=float(data["scale"]) if "scale" in data else None,
+                n_heads=int(data["n_heads"]) if "n_heads" in data else None,
+                tokens=np.asarray(tokens).tolist() if tokens is not None else None,
+            )
+        except TypeError as exc:  # a scale or n_heads that is not one number
+            raise ValueError(
+                f"trace file: scale and n_heads must be single numbers ({exc})"
+            ) from None

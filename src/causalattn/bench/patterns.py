@@ -13,6 +13,11 @@ and reports each engine's median time and the median paired ratio to each named 
 - softcap, sinks, ALiBi: GPT-2 small (4, 12, 1024, 64) vs the same engine without them.
 - dropout p = 0.1: GPT-2 small fwd+bwd vs the same engine with p = 0, and vs SDPA with
   ``dropout_p = 0.1`` (on the CPU SDPA materializes the weights for dropout).
+- mask_mod (issue 24): a window w = 512 plus 16 packed documents at T = 8192 (1, 8, T, 64)
+  written as a ``mask_mod`` vs the same written as keywords, on tiled and cpp, fwd and
+  fwd+bwd, with each call's peak extra memory (the mask_mod's tiles evaluated every call).
+- flex (issue 24): the same mask_mod at T = 4096 forward, FlexAttention compiled on the CPU
+  (its BlockMask made once, outside the timing) vs causalattn; fwd+bwd a row Flex cannot run.
 """
 
 from __future__ import annotations
@@ -54,6 +59,9 @@ def groups(quick: bool = False) -> list[Group]:
     peers = (*(f"{e} p=0" for e in ENGINES), "sdpa p=0.1")
     out.append(Group("dropout", gpt2, "fwd+bwd", peers, budget_s=budget))
     for p in ("fwd",) if quick else ("fwd", "fwd+bwd"):
+        out.append(Group("mask_mod", (1, 8, 8192, 64), p, _mod_peers(), budget_s=budget))
+    out.append(Group("flex", (1, 8, 4096, 64), "fwd", ("flex (compiled, CPU)",), budget_s=budget))
+    for p in ("fwd",) if quick else ("fwd", "fwd+bwd"):
         out.append(Group("documents", (1, 8, 8192, 64), p, ("sdpa (bool mask)",), budget_s=budget))
     for T in (4096,) if quick else (4096, 16384):
         for p in ("fwd",) if quick else ("fwd", "fwd+bwd"):
@@ -70,6 +78,28 @@ def groups(quick: bool = False) -> list[Group]:
                 )
             )
     return out
+
+
+def _native() -> bool:
+    from ..engines import cpp
+
+    return not cpp.unavailable()
+
+
+def _mod_peers() -> tuple[str, ...]:
+    return ("tiled (keywords)",) + (("cpp (keywords)",) if _native() else ())
+
+
+def _window_docs(T: int):
+    """(keywords, the same rule as a mask_mod) for a window of WINDOW plus 16 documents."""
+    lengths = _doc_lengths(T, 16)
+    cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+
+    def window_documents(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (kv_idx > q_idx - WINDOW) & (doc[q_idx] == doc[kv_idx])
+
+    return {"window": WINDOW, "cu_seqlens": cu}, window_documents
 
 
 def _doc_lengths(T: int, n: int, seed: int = 0) -> list[int]:
@@ -134,6 +164,27 @@ def _calls(gr: Group) -> tuple[dict[str, Callable], dict]:
             calls[f"{e} (softcap 30)"] = on(e, softcap=30.0)
             calls[f"{e} (sinks)"] = on(e, sinks=sinks)
             calls[f"{e} (ALiBi)"] = on(e, alibi_slopes=slopes)
+    elif gr.case == "mask_mod":
+        kw, fn = _window_docs(T)
+        calls = {}
+        for e in ("tiled", "cpp") if _native() else ("tiled",):
+            calls[f"{e} (mask_mod)"] = lambda e=e: attention(q, k, v, engine=e, causal=False, mask_mod=fn)
+            calls[f"{e} (keywords)"] = lambda e=e: attention(q, k, v, engine=e, **kw)
+        info["note"] = f"window {WINDOW} + 16 documents; the mask_mod's tiles are made every call"
+        info["memory"] = True
+    elif gr.case == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        _, fn = _window_docs(T)
+        bm = create_block_mask(fn, None, None, T, T, device="cpu")
+        flex = torch.compile(flex_attention, dynamic=False)
+        calls = {"flex (compiled, CPU)": lambda: flex(q, k, v, block_mask=bm, scale=scale)}
+        for e in ("tiled", "cpp") if _native() else ("tiled",):
+            calls[f"{e} (mask_mod)"] = lambda e=e: attention(q, k, v, engine=e, causal=False, mask_mod=fn)
+        info["note"] = (
+            "Flex's BlockMask made once outside the timing (ours evaluates the mask_mod per "
+            "call); fwd+bwd: FlexAttention does not support backward on CPU"
+        )
     else:  # dropout
         calls = {}
         for e in engines:
@@ -166,7 +217,20 @@ def _rows(gr: Group) -> list[dict]:
         fn()
     reps = reps_for(time.perf_counter() - t0, gr.budget_s, lo=gr.min_reps, hi=9)
     times = paired_times(fns, reps=reps, warmup=0)
+    peaks = {}
+    if info.get("memory"):
+        from .timing import peak_extra_mib
+
+        peaks = {name: peak_extra_mib(fn)[0] for name, fn in fns.items()}
     rows = []
+    if gr.case == "flex":  # the row Flex cannot run
+        rows.append(
+            {
+                "case": "flex", "shape": list(gr.shape), "dtype": "float32", "pass": "fwd+bwd",
+                "engine": "flex (compiled, CPU)", "ms": None, "vs": {}, "reps": 0,
+                "note": "FlexAttention does not support backward on CPU",
+            }
+        )
     for name, ts in times.items():
         rows.append(
             {
@@ -183,6 +247,7 @@ def _rows(gr: Group) -> list[dict]:
                 },
                 "reps": len(ts),
                 "note": info["note"],
+                **({"peak_mib": round(peaks[name], 1)} if peaks.get(name) is not None else {}),
                 **(
                     {"causal_over_readable": round(info["causal_over_readable"], 2)}
                     if "causal_over_readable" in info
@@ -218,7 +283,7 @@ def _find(rows, case, engine, pass_, T=None):
 # Where the targets come from: the project's issue 22 (the native engine), issues 11
 # (patterns, modifiers) and 12 (dropout) for the tiled engine, measured on their 2-core
 # machine.
-TARGETS_FROM = "issues 22 (cpp), 11 and 12 (tiled)"
+TARGETS_FROM = "issues 22 (cpp), 11 and 12 (tiled), 24 (mask_mod, Flex)"
 LIMITS = {  # engine -> (window speed-up vs SDPA at T=16384, documents' share of the work
     # ratio, modifier cost, dropout cost): issue 22's for cpp, 11's and 12's for tiled
     "cpp": (20.0, 0.9, 1.1, 1.2),
@@ -271,6 +336,20 @@ def targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
             out.append((f"dropout 0.1 fwd+bwd: {e} <= {drop:g}x p=0", cost <= drop, f"{cost:.2f}x"))
             x = r["vs"]["sdpa p=0.1"]
             out.append((f"dropout 0.1 fwd+bwd: {e} vs SDPA p=0.1 (report)", None, f"{x:.2f}x"))
+    for p in ("fwd", "fwd+bwd"):
+        for e in ("tiled", "cpp"):
+            r = _find(rows, "mask_mod", f"{e} (mask_mod)", p)
+            if r and f"{e} (keywords)" in r["vs"]:
+                cost = 1 / r["vs"][f"{e} (keywords)"]
+                mem = f", peak {r['peak_mib']:.0f} MiB" if "peak_mib" in r else ""
+                out.append(
+                    (f"mask_mod window+documents T=8192 {e} {p}: <= 1.2x keywords", cost <= 1.2, f"{cost:.2f}x{mem}")
+                )
+    for e in ("tiled", "cpp"):
+        r = _find(rows, "flex", f"{e} (mask_mod)", "fwd")
+        if r:
+            x = r["vs"]["flex (compiled, CPU)"]
+            out.append((f"flex compiled CPU T=4096 fwd vs {e} mask_mod (report; > 1: ours faster)", None, f"{x:.2f}x"))
     return out
 
 
@@ -285,9 +364,10 @@ def render(rows: list[dict], console=None) -> None:
     )
     for r in rows:
         vs = ", ".join(f"{x:.2f}x {p}" for p, x in r["vs"].items()) or "(peer)"
-        t.add_row(
-            r["case"], "x".join(map(str, r["shape"])), r["pass"], r["engine"], f"{r['ms']:.1f}", vs
-        )
+        ms = "-" if r["ms"] is None else f"{r['ms']:.1f}"
+        if "peak_mib" in r:
+            vs += f"; peak {r['peak_mib']:.0f} MiB"
+        t.add_row(r["case"], "x".join(map(str, r["shape"])), r["pass"], r["engine"], ms, vs)
     console = show.print_table(t, console)
     for case, note in sorted({(r["case"], r["note"]) for r in rows if r["note"]}):
         console.print(f"  {case}: {note}")

@@ -193,9 +193,32 @@ class _Theirs:
             if rq > q0 and rk > k0:
                 out[:, :, : rq - q0, : rk - k0] = d[bb : bb + 1, :, q0:rq, k0:rk]
             return out
+        if self.kinds is not None and ks == 0:  # a BlockMask: its kinds where no block is partial
+            got = self._from_kinds(b, qs, q0, q1, k0, k1)
+            if got is not None:
+                return got
         pos = torch.arange(q0, q1) + qs
         j = torch.arange(k0, k1) + ks
         return _mod.evaluate_mask(self.fn, torch, [b], H, pos, j)
+
+    def _from_kinds(self, b, qs, q0, q1, k0, k1):
+        """A BlockMask's cells from its block kinds alone (1, H'|1, rows, cols), or None
+        where a block in the region is partial (its mask_mod must be asked)."""
+        import torch
+
+        T_q, T_k = self.fn.seq_lengths
+        bq, bk = self.block
+        i0, i1 = q0 + qs - (T_k - T_q), q1 + qs - (T_k - T_q)  # FlexAttention's query indices
+        if i0 < 0 or i1 > T_q or k1 > T_k:
+            return None
+        t = self.kinds[b if self.kinds.shape[0] > 1 else 0][None]
+        qa, qb, ka, kb = i0 // bq, -(-i1 // bq), k0 // bk, -(-k1 // bk)
+        sub = t[:, :, qa:qb, ka:kb]
+        if bool((sub == _mod.PARTIAL_DENSE).any()):
+            return None
+        full = (sub == _mod.FULL).repeat_interleave(bq, 2).repeat_interleave(bk, 3)
+        r0, c0 = i0 - qa * bq, k0 - ka * bk
+        return full[:, :, r0 : r0 + (q1 - q0), c0 : c0 + (k1 - k0)].contiguous()
 
     def block_absent(self, b, q0, q1, k0, k1) -> bool:
         """Whether a BlockMask reads nothing in these cells (its blocks there are absent)."""
@@ -349,7 +372,8 @@ def _window_offset(pat, first, lo, T_k) -> int | None:
 def _detail(kind, n, cells, w, window_offset, base) -> str:
     b, h, i, j = cells[0]
     where = f"first at b={b}, h={h}, query {i + base}, key {j + base}"
-    if kind == "window" or (kind == BLOCKED and window_offset):
+    # their window wider (they read further back) or narrower (they block what it reads)
+    if (kind == "window" and window_offset) or (kind == BLOCKED and (window_offset or 0) < 0):
         if window_offset:
             return (
                 f"window off by {window_offset}: their rows read the last "

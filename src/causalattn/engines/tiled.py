@@ -446,7 +446,8 @@ def _dist(p: Problem, a: int, a2: int, c: int, c2: int, cache: dict, dt) -> torc
     slope): the same for every tile on one diagonal offset, so computed once per offset."""
     key = (a - c, a2 - a, c2 - c, dt)
     if key not in cache:
-        unit = replace(p.pattern, softcap=None, sinks=None, alibi_slopes=[1.0])
+        # ALiBi alone (the other modifiers would leak into the distance)
+        unit = replace(p.pattern.only("alibi_slopes"), sinks=None, alibi_slopes=[1.0])
         B, H, T_q, T_k = p.dims
         z = torch.zeros(1, 1, a2 - a, c2 - c, dtype=torch.float64)
         cache[key] = (-unit.modify_scores(z, a, c, T_q, T_k)[0, 0]).to(dt)
