@@ -145,10 +145,11 @@ def evaluate_mask(fn, xp, b_rows, H: int, pos, j, dev=None):
             pass
     what = _shape(out) if hasattr(out, "shape") else ""
     dtype = str(getattr(out, "dtype", type(out).__name__))
-    if dtype not in ("bool", "torch.bool"):
+    if dtype not in ("bool", "torch.bool") or not hasattr(out, "shape"):  # a Python bool too
         raise ValueError(
             f"mask_mod: {name_of(fn)} returned {type(out).__name__} {what} of dtype {dtype}; "
-            f"it must return booleans (True = may read), e.g. q_idx >= kv_idx"
+            f"it must return booleans (True = may read) of the indices' shape, e.g. "
+            "q_idx >= kv_idx"
         )
     if not _fits(tuple(out.shape), target):
         raise ValueError(
