@@ -222,3 +222,66 @@ def test_a_failing_build_is_one_line_with_the_compilers_first_error(tmp_path):
     assert lines["why"].startswith("engine 'cpp': the C++ extension did not build: ")
     assert lines["why"].endswith("error: the compiler says no")
     assert "Traceback" not in res.stdout and "Traceback" not in res.stderr
+
+
+# bias shapes against the problem (B, H, T_q, T_k), each broadcast kind the kernel handles
+# (a part per kv head or lane, the batch rows as one task) and the decoding path (T_q = 3)
+BIAS_CASES = [
+    # B, H, H_kv, T_q, T_k, d, bias shape, rel_bias, slopes shape, pattern keywords
+    (1, 2, 2, 40, 40, 8, (1, 2, 40, 40), False, None, {}),
+    (2, 4, 2, 70, 70, 16, (2, 1, 1, 70), True, (4,), {"softcap": 5.0}),
+    (2, 4, 4, 33, 100, 8, (100,), True, (2, 4), {"window": 20}),
+    (1, 2, 1, 3, 90, 8, (1, 2, 3, 90), True, (2,), {}),
+    (2, 3, 3, 130, 130, 24, (1, 3, 130, 130), True, (3,), {"sinks": [0.5, -1.0, 2.0]}),
+    (1, 2, 2, 300, 300, 8, (1, 2, 300, 1), False, None, {}),
+    (2, 4, 2, 300, 300, 8, (1, 1, 300, 1), True, None, {"window": 50}),
+]
+
+
+def _learned_grads(engine, case, seed=1):
+    B, H, H_kv, T_q, T_k, d, bshape, rel, sshape, kw = case
+    g = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    ts = [torch.randn(B, h, T, d, generator=g, dtype=f64) for h, T in ((H, T_q), (H_kv, T_k), (H_kv, T_k))]
+    extra = {"bias": torch.randn(*bshape, generator=g, dtype=f64)}
+    if rel:
+        extra["rel_bias"] = torch.randn(H, 2 * max(T_q, T_k) - 1, generator=g, dtype=f64)
+    if sshape:
+        extra["alibi_slopes"] = torch.rand(*sshape, generator=g, dtype=f64)
+    if "sinks" in kw:
+        kw = dict(kw, sinks=torch.tensor(kw["sinks"], dtype=f64))
+    leaves = [t.requires_grad_() for t in ts + list(extra.values())]
+    out = attention(*ts, engine=engine, **extra, **kw)
+    return [out, *torch.autograd.grad(out, leaves, torch.randn(out.shape, generator=g, dtype=f64))]
+
+
+@pytest.mark.parametrize("case", BIAS_CASES, ids=lambda c: f"{c[6]}-rel{int(c[7])}-{c[8]}")
+def test_bias_rel_bias_and_slopes_and_their_gradients_are_the_reference(case):
+    """H and the gradients of q, k, v, bias (summed over its broadcast axes), rel_bias and
+    ALiBi slopes, fp64, against the reference's autograd."""
+    want, got = _learned_grads("reference", case), _learned_grads("cpp", case)
+    for w, x in zip(want, got):
+        assert w.shape == x.shape
+        torch.testing.assert_close(x, w, rtol=1e-10, atol=1e-10)
+
+
+def test_learned_gradients_have_the_same_bits_on_one_and_two_threads():
+    case = (2, 4, 2, 300, 300, 8, (1, 1, 300, 300), True, (4,), {})
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        a = _learned_grads("cpp", case)
+        torch.set_num_threads(1)
+        b = _learned_grads("cpp", case)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_row_that_a_minus_inf_bias_blocks_entirely_reads_nothing():
+    q, k, v = (torch.randn(1, 2, 20, 8, dtype=torch.float64) for _ in range(3))
+    bias = torch.zeros(1, 1, 20, 20, dtype=torch.float64)
+    bias[..., 5, :] = float("-inf")  # row 5 reads nothing; every other row its causal keys
+    out = attention(q, k, v, engine="cpp", bias=bias)
+    assert torch.equal(out[:, :, 5], torch.zeros_like(out[:, :, 5]))
+    torch.testing.assert_close(out, attention(q, k, v, engine="reference", bias=bias))

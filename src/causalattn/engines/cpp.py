@@ -41,7 +41,7 @@ import torch
 
 from .. import dropout as _dropout
 from . import autograd as _autograd
-from .problem import Problem, compute_dtype
+from .problem import LOG2E, Problem, compute_dtype
 
 SOURCES = ("ops.cpp", "forward.cpp", "backward.cpp")
 CSRC = Path(__file__).with_name("csrc")
@@ -51,6 +51,7 @@ DTYPE_NAMES = "fp64, fp32, bf16 or fp16"
 DTYPE_NAMES_OF = tuple(str(t).replace("torch.", "") for t in DTYPES)
 DECODE_ROWS = 16  # query rows at most for the key-split decoding path
 BLOCKS: tuple[int, int] | None = None  # (bq, bk) to force, for tests
+REL_PAD = 64  # rel_bias rows' padding on each side (csrc/problem.h's REL_PAD)
 BWD_BLOCKS = (64, 96)  # backward (query rows, keys) per step; must divide the grid's
 
 _STATE: dict = {}
@@ -218,6 +219,7 @@ def _pattern_args(p: Problem, bq: int, bk: int) -> tuple:
         slopes = (s[None] if s.dim() == 1 else s).contiguous()
     if pt.sinks is not None:
         sinks = torch.as_tensor(_host(pt.sinks), dtype=torch.float64).contiguous()
+    bias, rel = _additive(p)
     thr, drop_scale, seed, offset = 0, 1.0, 0, 0
     if p.dropout_p > 0:
         thr = _dropout.threshold(p.dropout_p)
@@ -232,6 +234,8 @@ def _pattern_args(p: Problem, bq: int, bk: int) -> tuple:
         tile_masks,
         slopes,
         sinks,
+        bias,
+        rel,
         float(p.scale),
         float(pt.softcap or 0.0),
         int(pt.query_start(T_q, T_k)),
@@ -243,6 +247,21 @@ def _pattern_args(p: Problem, bq: int, bk: int) -> tuple:
         bq,
         bk,
     )
+
+
+def _additive(p: Problem):
+    """(bias, rel) as the kernels read them, in the compute dtype: bias as a 4-D view
+    (1|B, 1|H_q, 1|T_q, 1|T_k) (no copy when it is already fp32 / fp64); rel_bias (H_q, R)
+    times log2 e, each row reversed between REL_PAD zeros (csrc/problem.h)."""
+    pt, ct = p.pattern, compute_dtype(p.q.dtype)
+    bias = rel = None
+    if pt.bias is not None:
+        b = torch.as_tensor(_host(pt.bias)).to(ct)
+        bias = b.reshape((1,) * (4 - b.dim()) + tuple(b.shape))
+    if pt.rel_bias is not None:
+        r = torch.as_tensor(_host(pt.rel_bias), dtype=torch.float64) * LOG2E
+        rel = torch.nn.functional.pad(r.flip(-1), (REL_PAD, REL_PAD)).to(ct).contiguous()
+    return bias, rel
 
 
 def _tiles(p: Problem, bq: int, bk: int, lo, hi):
@@ -318,6 +337,8 @@ def plain(q, k, v, prep: tuple, scale: float):
         v,
         lo,
         hi,
+        None,  # key padding, kinds, mask, tile masks, slopes, sinks, bias, rel
+        None,
         None,
         None,
         None,
@@ -350,6 +371,33 @@ def bwd(p: Problem, out, lse, dout, dlse=None):
     """FlashAttention-2 backward from the GIVEN ``out`` and ``lse`` (possibly global, merged
     over key blocks): ``(dq, dk, dv)`` in the inputs' dtypes, dk, dv summed over each
     query-head group. Rows with lse = -inf get zero gradient; dropout is regenerated."""
+    return tuple(_bwd(p, out, lse, dout, dlse, 0)[:3])
+
+
+# the learned tensors the kernels differentiate, and their bits of the backward's `want`
+WANTS = {"alibi_slopes": 1, "bias": 2, "rel_bias": 4}
+
+
+def bwd_grads(p: Problem, out, lse, dout, dlse, want: tuple[str, ...]):
+    """``(dq, dk, dv, {name: grad})`` with the gradients of the learned tensors in ``want``
+    (names of :data:`WANTS`), computed in the backward's tiles from dZ = P∘(dP − D):
+    d bias = dZ summed over bias's broadcast axes, d rel_bias[h, r] = Σ dZ along relative
+    position r, d slopes = −Σ dZ·|pos(i) − j|. Each task adds in its fixed order, tasks that
+    share cells run as one or into separate parts summed in part order: the same bits
+    whatever the thread count."""
+    bits = sum(WANTS[n] for n in want)
+    dq, dk, dv, dsl, dz, drel = _bwd(p, out, lse, dout, dlse, bits)
+    pt, grads = p.pattern, {}
+    if "bias" in want:  # summed over its broadcast axes in the kernel (its 4-D form)
+        grads["bias"] = dz.reshape(tuple(pt.bias.shape))
+    if "rel_bias" in want:
+        grads["rel_bias"] = drel
+    if "alibi_slopes" in want:
+        grads["alibi_slopes"] = dsl.reshape(tuple(pt.alibi_slopes.shape))
+    return dq, dk, dv, grads
+
+
+def _bwd(p: Problem, out, lse, dout, dlse, want: int) -> list:
     q, k, v = (t.detach() for t in (p.q, p.k, p.v))  # any strides
     B, H, T_q, T_k = p.dims
     bq, bk, _, _ = _plan(B, k.shape[1], T_q, T_k)
@@ -372,6 +420,7 @@ def bwd(p: Problem, out, lse, dout, dlse=None):
         BWD_BLOCKS[0],
         BWD_BLOCKS[1],
         lanes,
+        want,
     )
 
 
@@ -383,28 +432,21 @@ def sinks_grad(p: Problem, out, lse, dout, dlse=None) -> torch.Tensor:
 
 
 def not_yet(f) -> str:
-    """What the native kernels do not compute yet, as a phrase ("" when nothing): the one
-    place that says so. The C++ takes no additive bias, relative bias, slope gradient or
-    score_mod (a Python function, which the kernels cannot call per tile)."""
-    present = set(f.present)
-    what = [n for n in ("bias", "rel_bias") if n in present]
-    if f.score_mod:
-        what.append("score_mod")
-    if "alibi_slopes" in f.learned:
-        what.append("learnable alibi_slopes (requires_grad)")
-    return ", ".join(what)
+    """What the native kernels do not compute, as a phrase ("" when nothing): the one place
+    that says so. A score_mod is a Python function, which the kernels cannot call per tile."""
+    return "score_mod" if f.score_mod else ""
 
 
 def refusal(f) -> str:
     """What it cannot run ("" when it runs ``f``): dtypes beyond its four, what the kernels
-    do not compute yet (:func:`not_yet`), or no build here."""
+    do not compute (:func:`not_yet`), or no build here."""
     if f.dtype not in DTYPE_NAMES_OF:
         return f"engine 'cpp': dtype {f.dtype} not supported; use {DTYPE_NAMES}"
     missing = not_yet(f)
     if missing:
         return (
-            f"engine 'cpp': {missing}: not in the native kernels yet; engines that run it: "
-            "'tiled' and 'reference' (engine='auto' picks one)"
+            f"engine 'cpp': {missing} (a Python function) cannot run in the native kernels; "
+            "engines that run it: 'tiled' and 'reference' (engine='auto' picks one)"
         )
     return unavailable() if f.device == "cpu" else ""
 

@@ -30,12 +30,14 @@ struct Packed {
 
 template <typename T>
 struct BWork {  // a thread's buffers, reused across tasks and calls
-  std::vector<T> qp_b, qn_b, dop_b, don_b, kr_b, vr_b, kn_b, st, dpt, th, dk, dv, dq;
+  std::vector<T> qp_b, qn_b, dop_b, don_b, kr_b, vr_b, kn_b, st, dpt, th, dk, dv, dq, slc, bt, gzt;
   std::vector<uint8_t> qbad_b, dobad_b, kbad_b;
   Packed<T> pk;  // the task's head (thread-local buffers, or the call's shared ones)
   std::vector<Cols<T>> chunks;
   std::vector<int64_t> rlo, rhi;
   TileKinds tk;
+  T *racc = nullptr, *sacc = nullptr;  // the task's d rel_bias (g, rel_ld), d slopes (g)
+  T* dz = nullptr;                     // the task's part of d bias
 };
 
 template <typename I, typename T>
@@ -56,6 +58,14 @@ struct Backward {
   I *dq_out, *dk_out, *dv_out;
   T* dq_lanes = nullptr;  // (B·Hkv, lanes, Rq, dkp) when lanes > 1
   T* shared = nullptr;  // every head's packed operands when lanes > 1 (see views())
+  int64_t want = 0;       // WANT_* bits
+  // d bias when WANT_BIAS: (parts, bias's 4-D shape); a task adds its dZ at b·zs0 + h·zs1 +
+  // i·zs2 + j·zs3 of its part (strides 0 on bias's broadcast axes), in its fixed order
+  T* dz_out = nullptr;
+  int64_t zs[4] = {0, 0, 0, 0}, zpart = 0;  // strides, elements per part
+  bool zsplit_h = false, zsplit_l = false;  // a part per kv head, per lane
+  T* racc_all = nullptr;  // (tasks, g, rel_ld) d rel_bias per task, reversed rows
+  T* sacc_all = nullptr;  // (tasks, g) d slopes per task
   uint8_t* shared_flags = nullptr;
 
   Backward(const Problem& p, int64_t bkb_, int64_t bqb_, int64_t lanes_, const at::Tensor& dout,
@@ -202,6 +212,11 @@ struct Backward {
         cols.i.resize(cols.n);
         for (int64_t c = 0; c < cols.n; ++c) cols.i[c] = a + c;
         cols.build(P, b);
+        if (want & WANT_BIAS) {  // d bias cells of the columns (its broadcast axes: stride 0)
+          cols.zoff.assign(cols.ld, 0);
+          for (int64_t cc = 0; cc < cols.n; ++cc)
+            cols.zoff[cc] = b * zs[0] + cols.head[cc] * zs[1] + cols.i[cc] * zs[2];
+        }
       }
     }
   }
@@ -215,6 +230,7 @@ struct Backward {
     w.tk.build(P, b, h, 1, a / P.bq, c / P.bk);
     if (!w.tk.any_read) return;
     T* st = scratch(w.st, size_t(bkb * ld));
+    if (want & WANT_SLOPES) w.slc.assign(ld, T(0));
     T* dpt = scratch(w.dpt, size_t(bkb * ld));
     T* th = cap2 != T(0) ? scratch(w.th, size_t(bkb * ld)) : nullptr;
     const T* kr = w.pk.kr;
@@ -255,11 +271,19 @@ struct Backward {
     const T* Drow = D + (b * P.Hq + h) * Tqp + a;
     const bool* kp = P.key_padding ? P.key_padding + b * P.Tk : nullptr;
     for (int64_t p = 0; p < np; ++p) {
+      const int64_t j_lo = std::max(c, cols.plo[p]), j_hi = std::min(ce, cols.phi[p]);
+      T* bt = nullptr;
+      if (P.bias && j_lo < j_hi)
+        bias_block(P, cols, p, j_lo, j_hi, bt = scratch(w.bt, size_t((j_hi - j_lo) * nr)));
+      if (want & WANT_BIAS) {  // this panel's dZ, [j - c][NR], written out after the keys
+        w.gzt.assign(size_t((ce - c) * nr), T(0));
+      }
       const PanelMods<T> mods(P, cols, w.tk, b, p,
-                              !(cols.maxlo[p] <= c && cols.minhi[p] >= ce), cap2);
+                              !(cols.maxlo[p] <= c && cols.minhi[p] >= ce), cap2, bt, j_lo);
       const V L[2] = {vload(Lrow + p * nr), vload(Lrow + p * nr + N)};
       const V Dv[2] = {vload(Drow + p * nr), vload(Drow + p * nr + N)};
       const uint32_t* rk = cols.rk.data() + p * nr;
+      alignas(64) T gz[nr];  // the key row's dZ, for the learned tensors' gradients
       mods.dispatch([&]<bool CAP, bool ALIBI, bool INTERVALS>() {
         for (int64_t j = c; j < ce; ++j) {
           T* x = st + (j - c) * ld + p * nr;
@@ -281,6 +305,7 @@ struct Backward {
             pr = blocked ? V{} : pr;
             V ds = pr * (vload(y + hh * N) - Dv[hh]);
             ds = blocked ? V{} : ds;
+            if (want) vstore(gz + hh * N, ds);
             if (CAP) {
               const V tv = vload(t + hh * N);
               ds *= T(1) - tv * tv;
@@ -289,9 +314,19 @@ struct Backward {
             vstore(y + hh * N, ds);
           }
           if (P.dropout) drop_cols(x, rk, colkeys[j], P.drop_thr);
+          if (want) grad_cells(hkv, p, j - c, j, gz, cols, w);
         }
       });
+      if (want & WANT_BIAS) {  // each column's dZ row, contiguous
+        const int64_t c0 = p * nr;
+        for (int64_t lane = 0; lane < std::min<int64_t>(nr, n - c0); ++lane) {
+          T* dst = w.dz + cols.zoff[c0 + lane];
+          for (int64_t j = c; j < ce; ++j) dst[j * zs[3]] += w.gzt[(j - c) * nr + lane];
+        }
+      }
     }
+    if (want & WANT_SLOPES)  // the columns' slope sums into the task's (in column order)
+      for (int64_t cc = 0; cc < n; ++cc) w.sacc[cols.head[cc] - hkv * P.g] -= w.slc[cc];
     // dV += P dO, dK += dS Q (keys as rows; zeroed operands, non-finite rows added below);
     // by output panel first, so that the panel of dO (of Q) stays in L1 over the key rows
     for (int64_t xp = 0; xp < dvp; xp += nr)
@@ -325,6 +360,37 @@ struct Backward {
       }
     }
     fixups(b, hkv, h, a, cols, c, ce, st, dpt, w, dKacc, dVacc, dQacc);
+  }
+
+  // key row j's dZ (NR columns of panel p; jc = j - c) into the panel's dZ block, the task's
+  // d rel_bias (reversed rows: one vector where the panel is uniform) and Σ dZ·|pos − j|
+  __attribute__((noinline)) void grad_cells(int64_t hkv, int64_t p, int64_t jc, int64_t j,
+                                            const T* gz, const Cols<T>& cols,
+                                            BWork<T>& w) const {
+    const int64_t c0 = p * nr, n = std::min<int64_t>(cols.n - c0, nr);
+    if (want & WANT_BIAS) {
+      vstore(w.gzt.data() + jc * nr, vload(gz));
+      vstore(w.gzt.data() + jc * nr + N, vload(gz + N));
+    }
+    if (want & WANT_REL) {
+      T* ra = w.racc - hkv * P.g * P.rel_ld;  // roff holds the absolute head's row
+      if (cols.runi[p]) {
+        T* r = ra + cols.roff[c0] - j;
+        vstore(r, vload(r) + vload(gz));
+        vstore(r + N, vload(r + N) + vload(gz + N));
+      } else {
+        for (int64_t c = 0; c < n; ++c) ra[cols.roff[c0 + c] - j] += gz[c];
+      }
+    }
+    if (want & WANT_SLOPES) {
+      const T kpos = T(P.k_start + j);
+      for (int hh = 0; hh < 2; ++hh) {
+        V d = vload(cols.pos.data() + c0 + hh * N) - kpos;
+        d = d < T(0) ? -d : d;
+        T* acc = w.slc.data() + c0 + hh * N;
+        vstore(acc, vload(acc) + vload(gz + hh * N) * d);
+      }
+    }
   }
 
   // the non-finite values the zeroed operands left out, added where their factor is not 0
@@ -397,6 +463,12 @@ struct Backward {
     else
       pack(b, hkv, w);
     chunks(b, hkv, w);
+    const int64_t task_id = (b * P.Hkv + hkv) * lanes + lane;
+    if (want & WANT_REL) w.racc = racc_all + task_id * P.g * P.rel_ld;
+    if (want & WANT_SLOPES) w.sacc = sacc_all + task_id * P.g;
+    if (want & WANT_BIAS)
+      w.dz = dz_out + ((zsplit_h ? hkv : 0) * (zsplit_l ? lanes : 1) + (zsplit_l ? lane : 0)) *
+                          zpart;
     T* dQacc = lanes > 1 ? dq_lanes + ((b * P.Hkv + hkv) * lanes + lane) * Rq * dkp
                          : scratch(w.dq, size_t(Rq * dkp));
     std::fill(dQacc, dQacc + Rq * dkp, T(0));
@@ -445,8 +517,9 @@ BWork<T>& thread_work() {
 
 template <typename I, typename T>
 void run(const Problem& P, const Options& o, const at::Tensor& out, const at::Tensor& dout,
-         const at::Tensor& lse, const std::optional<at::Tensor>& dlse, at::Tensor& dq,
-         at::Tensor& dk, at::Tensor& dv) {
+         const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+         std::vector<at::Tensor>& g) {
+  at::Tensor &dq = g[0], &dk = g[1], &dv = g[2];
   const int64_t Tqp = round_up<T>(P.Tq), rows = P.B * P.Hq * Tqp;
   const auto opts = at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value);
   at::Tensor aux = at::empty({2 * rows}, opts);
@@ -485,6 +558,35 @@ void run(const Problem& P, const Options& o, const at::Tensor& out, const at::Te
   }
   Backward<I, T> bw(P, o.bk, o.bq, o.lanes, dout, D, lse2, static_cast<I*>(dq.data_ptr()),
                     static_cast<I*>(dk.data_ptr()), static_cast<I*>(dv.data_ptr()));
+  bw.want = o.want;
+  const int64_t ntasks = P.B * P.Hkv * o.lanes;
+  at::Tensor racc, sacc;
+  at::Tensor dz_parts;
+  int64_t nparts = 1;
+  if (o.want & WANT_BIAS) {  // parts where tasks running at once would add to one cell
+    const at::Tensor& db = g[4];
+    bw.zpart = db.numel();
+    for (int d = 0; d < 4; ++d) bw.zs[d] = db.size(d) > 1 ? db.stride(d) : 0;
+    bw.zsplit_h = db.size(1) == 1 && P.Hkv > 1;
+    bw.zsplit_l = db.size(3) == 1 && o.lanes > 1;
+    nparts = (bw.zsplit_h ? P.Hkv : 1) * (bw.zsplit_l ? o.lanes : 1);
+    if (nparts > 1) {
+      dz_parts = at::zeros({nparts, bw.zpart}, opts);
+      bw.dz_out = dz_parts.data_ptr<T>();
+    } else {
+      bw.dz_out = db.data_ptr<T>();
+    }
+  }
+  // tasks of every batch row run as one, in b order, when d bias is shared over the batch
+  const bool bgroup = (o.want & WANT_BIAS) && g[4].size(0) == 1 && P.B > 1;
+  if (o.want & WANT_REL) {
+    racc = at::zeros({ntasks, P.g, P.rel_ld}, opts);
+    bw.racc_all = racc.data_ptr<T>();
+  }
+  if (o.want & WANT_SLOPES) {
+    sacc = at::zeros({ntasks, P.g}, opts);
+    bw.sacc_all = sacc.data_ptr<T>();
+  }
   at::Tensor lane_buf;
   if (o.lanes > 1) {
     lane_buf = at::empty({P.B * P.Hkv * o.lanes * bw.Rq * bw.dkp}, opts);
@@ -513,14 +615,29 @@ void run(const Problem& P, const Options& o, const at::Tensor& out, const at::Te
   std::vector<std::vector<int64_t>> lanes_of(P.B);
   for (int64_t b = 0; b < P.B; ++b)
     lanes_of[b] = (P.lo_b == 0 && b > 0) ? lanes_of[0] : bw.lane_of(b);
-  const int64_t n = P.B * P.Hkv * o.lanes;
+  const int64_t n = (bgroup ? 1 : P.B) * P.Hkv * o.lanes;
   std::vector<int64_t> order(n);
   std::iota(order.begin(), order.end(), 0);
   const int64_t work = P.B * P.Hq * P.Tq * P.Tk * (P.dk + P.dv);
   run_tasks(order, work, [&](int64_t t, int64_t) {
     const int64_t b = t / (P.Hkv * o.lanes), hkv = (t / o.lanes) % P.Hkv, lane = t % o.lanes;
-    bw.task(b, hkv, lane, lanes_of[b], thread_work<T>());
+    if (bgroup)
+      for (int64_t bb = 0; bb < P.B; ++bb) bw.task(bb, hkv, lane, lanes_of[bb], thread_work<T>());
+    else
+      bw.task(b, hkv, lane, lanes_of[b], thread_work<T>());
   });
+  if (nparts > 1) {  // d bias = Σ parts, in part order
+    T* db = g[4].data_ptr<T>();
+    const T* parts = dz_parts.data_ptr<T>();
+    const int64_t m = bw.zpart;
+    at::parallel_for(0, m, 4096, [&](int64_t e0, int64_t e1) {
+      for (int64_t e = e0; e < e1; ++e) {
+        T s = 0;
+        for (int64_t q = 0; q < nparts; ++q) s += parts[q * m + e];
+        db[e] = s;
+      }
+    });
+  }
   if (o.lanes > 1) {  // dQ = Σ over lanes, in lane order
     const int64_t heads = P.B * P.Hkv, R = bw.Rq, dkp = bw.dkp;
     at::parallel_for(0, heads * R, 64, [&](int64_t t0, int64_t t1) {
@@ -537,27 +654,52 @@ void run(const Problem& P, const Options& o, const at::Tensor& out, const at::Te
       }
     });
   }
+  // the learned tensors' gradients: the tasks' partial sums in task order (fixed by the shape)
+  if (o.want & WANT_REL) {
+    const int64_t R = P.rel_ld - 2 * REL_PAD;
+    T* dr = g[5].data_ptr<T>();
+    const T* ra = bw.racc_all;
+    for (int64_t t = 0; t < ntasks; ++t) {
+      const int64_t hkv = (t / o.lanes) % P.Hkv;
+      for (int64_t q = 0; q < P.g; ++q) {
+        const T* src = ra + (t * P.g + q) * P.rel_ld + REL_PAD + R - 1;  // reversed
+        T* dst = dr + (hkv * P.g + q) * R;
+        for (int64_t r = 0; r < R; ++r) dst[r] += src[-r];
+      }
+    }
+  }
+  if (o.want & WANT_SLOPES) {
+    T* ds = g[3].data_ptr<T>();
+    for (int64_t t = 0; t < ntasks; ++t) {
+      const int64_t b = t / (P.Hkv * o.lanes), hkv = (t / o.lanes) % P.Hkv;
+      for (int64_t q = 0; q < P.g; ++q)
+        ds[(P.slopes_b ? b : 0) * P.Hq + hkv * P.g + q] += bw.sacc_all[t * P.g + q];
+    }
+  }
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const Problem& P, const Options& o,
-                                                         const at::Tensor& out,
-                                                         const at::Tensor& dout,
-                                                         const at::Tensor& lse,
-                                                         const std::optional<at::Tensor>& dlse) {
-  at::Tensor dq = at::zeros({P.B, P.Hq, P.Tq, P.dk}, P.q.options());
-  at::Tensor dk = at::zeros({P.B, P.Hkv, P.Tk, P.dk}, P.q.options());
-  at::Tensor dv = at::zeros({P.B, P.Hkv, P.Tk, P.dv}, P.q.options());
-  if (P.B == 0 || P.Tq == 0 || P.Tk == 0) return {dq, dk, dv};
+std::vector<at::Tensor> backward(const Problem& P, const Options& o, const at::Tensor& out,
+                                 const at::Tensor& dout, const at::Tensor& lse,
+                                 const std::optional<at::Tensor>& dlse) {
+  const auto ct = P.q.options().dtype(P.dtype == at::kDouble ? at::kDouble : at::kFloat);
+  std::vector<at::Tensor> g = {
+      at::zeros({P.B, P.Hq, P.Tq, P.dk}, P.q.options()),
+      at::zeros({P.B, P.Hkv, P.Tk, P.dk}, P.q.options()),
+      at::zeros({P.B, P.Hkv, P.Tk, P.dv}, P.q.options()),
+      at::zeros({(o.want & WANT_SLOPES) ? (P.slopes_b ? P.B : 1) : 0, P.Hq}, ct),
+      at::zeros((o.want & WANT_BIAS) ? P.bias_sizes : std::vector<int64_t>{0}, ct),
+      at::zeros({P.Hq, (o.want & WANT_REL) ? P.rel_ld - 2 * REL_PAD : 0}, ct)};
+  if (P.B == 0 || P.Tq == 0 || P.Tk == 0) return g;
   switch (P.dtype) {
-    case at::kFloat: run<float, float>(P, o, out, dout, lse, dlse, dq, dk, dv); break;
-    case at::kDouble: run<double, double>(P, o, out, dout, lse, dlse, dq, dk, dv); break;
-    case at::kBFloat16: run<c10::BFloat16, float>(P, o, out, dout, lse, dlse, dq, dk, dv); break;
-    case at::kHalf: run<c10::Half, float>(P, o, out, dout, lse, dlse, dq, dk, dv); break;
+    case at::kFloat: run<float, float>(P, o, out, dout, lse, dlse, g); break;
+    case at::kDouble: run<double, double>(P, o, out, dout, lse, dlse, g); break;
+    case at::kBFloat16: run<c10::BFloat16, float>(P, o, out, dout, lse, dlse, g); break;
+    case at::kHalf: run<c10::Half, float>(P, o, out, dout, lse, dlse, g); break;
     default: TORCH_CHECK(false, "causalattn cpp: unsupported dtype ", P.dtype);
   }
-  return {dq, dk, dv};
+  return g;
 }
 
 }  // namespace causalattn

@@ -17,7 +17,7 @@ constexpr T NEG_INF = -std::numeric_limits<T>::infinity();
 
 template <typename T>
 struct Work {  // a thread's buffers, reused across tasks and calls
-  std::vector<T> qp, st, acc, m, l, alpha, qs;
+  std::vector<T> qp, st, acc, m, l, alpha, qs, bt;
   Cols<T> cols;
   TileKinds tk;
   std::vector<int64_t> rlo, rhi;
@@ -282,8 +282,11 @@ struct Forward {
     const Cols<T>& cols = w.cols;
     const int64_t ld = cols.ld, x0 = p * nr;
     const int64_t j_lo = std::max(c, cols.plo[p]), j_hi = std::min(ce, cols.phi[p]);
+    T* bt = nullptr;
+    if (P.bias && j_lo < j_hi)
+      bias_block(P, cols, p, j_lo, j_hi, bt = scratch(w.bt, size_t((j_hi - j_lo) * nr)));
     const PanelMods<T> mods(P, cols, w.tk, b, p, !(cols.maxlo[p] <= c && cols.minhi[p] >= ce),
-                            cap2);
+                            cap2, bt, j_lo);
     const bool* kp = P.key_padding ? P.key_padding + b * P.Tk : nullptr;
     V mt0 = vset<T>(NEG_INF<T>), mt1 = mt0;
     mods.dispatch([&]<bool CAP, bool ALIBI, bool INTERVALS>() {
@@ -387,6 +390,9 @@ struct Forward {
       T x = S[t];
       if (cap2 != T(0)) x = T(std::tanh(double(x))) * cap2;
       if (P.slopes) x -= cols.slope[r] * std::abs(cols.pos[r] - T(P.k_start + s + t));
+      if (P.rel) x += static_cast<const T*>(P.rel)[cols.roff[r] - (s + t)];
+      if (P.bias)
+        x += static_cast<const T*>(P.bias)[cols.boff[r] + (s + t) * P.bias_s[3]] * T(LOG2E);
       if (P.has_extra() && !P.allowed(b, h, i, s + t, P.kind(b, h, i / P.bq, (s + t) / P.bk)))
         x = NEG_INF<T>;
       S[t] = x;

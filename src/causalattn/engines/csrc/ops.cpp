@@ -11,11 +11,11 @@
 namespace causalattn {
 
 std::tuple<at::Tensor, at::Tensor> forward(const Problem& P, const Options& o);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const Problem& P, const Options& o,
-                                                         const at::Tensor& out,
-                                                         const at::Tensor& dout,
-                                                         const at::Tensor& lse,
-                                                         const std::optional<at::Tensor>& dlse);
+// (dq, dk, dv, d slopes (1|B, H_q), d bias (bias's 4-D shape), d rel_bias (H_q, R)); the last
+// three empty unless asked for by o.want
+std::vector<at::Tensor> backward(const Problem& P, const Options& o, const at::Tensor& out,
+                                 const at::Tensor& dout, const at::Tensor& lse,
+                                 const std::optional<at::Tensor>& dlse);
 
 namespace {
 
@@ -33,7 +33,9 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const std::optional<at::Tensor>& mask,
                      const std::optional<at::Tensor>& tile_masks,
                      const std::optional<at::Tensor>& slopes,
-                     const std::optional<at::Tensor>& sinks, double scale, double softcap,
+                     const std::optional<at::Tensor>& sinks,
+                     const std::optional<at::Tensor>& bias,
+                     const std::optional<at::Tensor>& rel, double scale, double softcap,
                      int64_t q_start, int64_t k_start, int64_t drop_thr, double drop_scale,
                      int64_t seed, int64_t offset, int64_t bq, int64_t bk) {
   check(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
@@ -120,6 +122,28 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
           "sinks must be contiguous float64 (H_q,)");
     P.sinks = t.data_ptr<double>();
   }
+  const at::ScalarType ct = P.dtype == at::kDouble ? at::kDouble : at::kFloat;
+  if (bias) {
+    const at::Tensor& t = *bias;
+    check(t.scalar_type() == ct && t.dim() == 4 && (t.size(0) == 1 || t.size(0) == P.B) &&
+              (t.size(1) == 1 || t.size(1) == P.Hq) && (t.size(2) == 1 || t.size(2) == P.Tq) &&
+              (t.size(3) == 1 || t.size(3) == P.Tk),
+          "bias must be 4-D in the compute type, (1|B, 1|H_q, 1|T_q, 1|T_k)");
+    P.bias = t.data_ptr();
+    for (int d = 0; d < 4; ++d) P.bias_s[d] = bstride(t, d);
+    P.bias_sizes = t.sizes().vec();
+  }
+  if (rel) {
+    const at::Tensor& t = *rel;
+    check(t.scalar_type() == ct && t.is_contiguous() && t.dim() == 2 && t.size(0) == P.Hq &&
+              t.size(1) > 2 * REL_PAD,
+          "rel_bias must be contiguous (H_q, R + 2·pad) in the compute type");
+    const int64_t R = t.size(1) - 2 * REL_PAD, c = (R - 1) / 2;
+    check(c + k_start - (q_start + P.Tq - 1) >= 0 && c + k_start + P.Tk - 1 - q_start < R,
+          "rel_bias is too narrow for these positions");
+    P.rel = t.data_ptr();
+    P.rel_ld = t.size(1);
+  }
   P.scale = scale;
   P.softcap = softcap;
   P.q_start = q_start;
@@ -137,11 +161,12 @@ std::tuple<at::Tensor, at::Tensor> fwd(
     const at::Tensor& hi, const std::optional<at::Tensor>& key_padding,
     const std::optional<at::Tensor>& kinds, const std::optional<at::Tensor>& mask,
     const std::optional<at::Tensor>& tile_masks, const std::optional<at::Tensor>& slopes,
-    const std::optional<at::Tensor>& sinks, double scale, double softcap, int64_t q_start,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& rel, double scale, double softcap, int64_t q_start,
     int64_t k_start, int64_t drop_thr, double drop_scale, int64_t seed, int64_t offset,
     int64_t bq, int64_t bk, int64_t splits, bool decode) {
   Problem P = make_problem(q, k, v, lo, hi, key_padding, kinds, mask, tile_masks, slopes, sinks,
-                           scale, softcap, q_start, k_start, drop_thr, drop_scale, seed, offset,
+                           bias, rel, scale, softcap, q_start, k_start, drop_thr, drop_scale, seed, offset,
                            bq, bk);
   check(!decode || P.Tq <= bq, "decoding needs T_q <= bq");
   check(splits >= 1, "splits");
@@ -149,17 +174,18 @@ std::tuple<at::Tensor, at::Tensor> fwd(
   return forward(P, o);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
+std::vector<at::Tensor> bwd(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& dout, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
     const at::Tensor& lo, const at::Tensor& hi, const std::optional<at::Tensor>& key_padding,
     const std::optional<at::Tensor>& kinds, const std::optional<at::Tensor>& mask,
     const std::optional<at::Tensor>& tile_masks, const std::optional<at::Tensor>& slopes,
-    const std::optional<at::Tensor>& sinks, double scale, double softcap, int64_t q_start,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& bias,
+    const std::optional<at::Tensor>& rel, double scale, double softcap, int64_t q_start,
     int64_t k_start, int64_t drop_thr, double drop_scale, int64_t seed, int64_t offset,
-    int64_t bq, int64_t bk, int64_t bwd_q, int64_t bwd_k, int64_t lanes) {
+    int64_t bq, int64_t bk, int64_t bwd_q, int64_t bwd_k, int64_t lanes, int64_t want) {
   Problem P = make_problem(q, k, v, lo, hi, key_padding, kinds, mask, tile_masks, slopes, sinks,
-                           scale, softcap, q_start, k_start, drop_thr, drop_scale, seed, offset,
+                           bias, rel, scale, softcap, q_start, k_start, drop_thr, drop_scale, seed, offset,
                            bq, bk);
   check(out.sizes() == dout.sizes() && out.dim() == 4 && out.size(0) == P.B &&
             out.size(1) == P.Hq && out.size(2) == P.Tq && out.size(3) == P.dv,
@@ -169,7 +195,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   check(!dlse || dlse->numel() == P.B * P.Hq * P.Tq, "dlse must be (B, H_q, T_q)");
   check(bwd_k > 0 && bwd_k % NR<float> == 0 && bk % bwd_k == 0, "backward key block");
   check(bwd_q > 0 && lanes >= 1, "backward query block, lanes");
-  Options o{bwd_q, bwd_k, 1, lanes, false};
+  check(!(want & WANT_SLOPES) || P.slopes, "slope gradients need slopes");
+  check(!(want & WANT_REL) || P.rel, "rel_bias gradients need rel_bias");
+  Options o{bwd_q, bwd_k, 1, lanes, false, want};
   return backward(P, o, out, dout, lse.reshape({P.B, P.Hq, P.Tq}), dlse);
 }
 
@@ -177,11 +205,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &causalattn::fwd,
-        "fwd(q, k, v, lo, hi, key_padding, kinds, mask, tile_masks, slopes, sinks, scale, "
+        "fwd(q, k, v, lo, hi, key_padding, kinds, mask, tile_masks, slopes, sinks, bias, rel, scale, "
         "softcap, q_start, k_start, drop_thr, drop_scale, seed, offset, bq, bk, splits, decode) "
         "-> (out, lse)");
   m.def("bwd", &causalattn::bwd,
         "bwd(q, k, v, out, dout, lse, dlse, lo, hi, key_padding, kinds, mask, tile_masks, "
-        "slopes, sinks, scale, softcap, q_start, k_start, drop_thr, drop_scale, seed, offset, "
-        "bq, bk, bwd_q, bwd_k, lanes) -> (dq, dk, dv)");
+        "slopes, sinks, bias, rel, scale, softcap, q_start, k_start, drop_thr, drop_scale, seed, "
+        "offset, bq, bk, bwd_q, bwd_k, lanes, want) -> [dq, dk, dv, dslopes, dz, drel]");
 }

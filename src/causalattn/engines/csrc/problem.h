@@ -25,6 +25,13 @@ constexpr double LN2 = 0.6931471805599453;
 // dense mask, and from PARTIAL_TILE on: partly readable through tile mask (kind - 3).
 enum : int32_t { SKIP = 0, FULL = 1, PARTIAL_DENSE = 2, PARTIAL_TILE = 3 };
 
+// rel_bias rows' padding on each side (>= any NR): a vector load at a panel's last real
+// column stays inside the row
+constexpr int64_t REL_PAD = 64;
+
+// What the backward also returns (Options::want bits): d slopes, dZ (for d bias), d rel_bias
+enum : int64_t { WANT_SLOPES = 1, WANT_BIAS = 2, WANT_REL = 4 };
+
 template <typename T>
 inline int64_t round_up(int64_t n) {
   return (n + NR<T> - 1) / NR<T> * NR<T>;
@@ -85,6 +92,16 @@ struct Problem {
   const double* slopes = nullptr;  // ALiBi (B|1, Hq); null: none
   int64_t slopes_b = 0;
   const double* sinks = nullptr;  // (Hq); null: none
+  // additive bias in the compute type, read bias[b·s0 + h·s1 + i·s2 + j·s3] (strides 0 on
+  // broadcast axes), natural units; null: none
+  const void* bias = nullptr;
+  int64_t bias_s[4] = {0, 0, 0, 0};
+  std::vector<int64_t> bias_sizes;  // its 4-D shape (1 on broadcast axes)
+  // rel_bias (Hq, R) in the compute type, ·log2 e, each row reversed between REL_PAD
+  // padding values on both sides: the NR query columns of one head at consecutive positions
+  // read one contiguous vector (see Cols::roff); null: none
+  const void* rel = nullptr;
+  int64_t rel_ld = 0;
   int64_t q_start = 0, k_start = 0;  // global positions of query 0 and key 0
   uint32_t drop_thr = 0;  // dropout: cells whose 24-bit hash is below this are dropped
   double drop_scale = 1;  // 1 / (1 - p), 0 for p = 1
@@ -114,6 +131,7 @@ struct Options {
   int64_t splits;   // forward: key splits per (b, kv head) when decoding, else 1
   int64_t lanes;    // backward: dQ partial sums per (b, kv head)
   bool decode;      // forward: few query rows, K and V read in place, split over keys
+  int64_t want = 0;  // backward: WANT_* bits
 };
 
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -123,7 +141,9 @@ Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      const std::optional<at::Tensor>& mask,
                      const std::optional<at::Tensor>& tile_masks,
                      const std::optional<at::Tensor>& slopes,
-                     const std::optional<at::Tensor>& sinks, double scale, double softcap,
+                     const std::optional<at::Tensor>& sinks,
+                     const std::optional<at::Tensor>& bias,
+                     const std::optional<at::Tensor>& rel, double scale, double softcap,
                      int64_t q_start, int64_t k_start, int64_t drop_thr, double drop_scale,
                      int64_t seed, int64_t offset, int64_t bq, int64_t bk);
 

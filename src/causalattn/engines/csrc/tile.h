@@ -19,6 +19,11 @@ struct Cols {
   std::vector<uint32_t> rk;  // dropout row keys
   std::vector<int64_t> head, i;
   std::vector<int64_t> plo, phi, maxlo, minhi;  // per panel, over its real columns
+  // offsets to add j to: bias (boff), the reversed rel_bias rows (roff: minus j), d bias
+  // (zoff, set by the backward);
+  // per panel whether its real columns are one head at consecutive positions (one vector)
+  std::vector<int64_t> boff, roff, zoff;
+  std::vector<uint8_t> runi;
   int64_t klo = 0, khi = 0;  // the hull of every column's interval
 
   // columns c = 0..n-1 are (head[c], i[c]) of batch row b
@@ -56,6 +61,21 @@ struct Cols {
     for (int64_t c = n; c < ld; ++c) {  // padding columns: an empty interval
       lo[c] = T(P.Tk);
       hi[c] = T(0);
+    }
+    if (P.bias || P.rel) offsets(P, b);
+  }
+
+  void offsets(const Problem& P, int64_t b) {
+    boff.assign(ld, 0);
+    roff.assign(ld, 0);
+    runi.assign(ld / NR<T>, 1);
+    const int64_t R = P.rel_ld - 2 * REL_PAD, ctr = (R - 1) / 2;
+    for (int64_t c = 0; c < n; ++c) {
+      const int64_t h = head[c], pos_c = P.q_start + i[c];
+      boff[c] = b * P.bias_s[0] + h * P.bias_s[1] + i[c] * P.bias_s[2];
+      // reversed index of rel column ctr + (k_start + j) - pos: (R - 1) - that + REL_PAD
+      roff[c] = h * P.rel_ld + REL_PAD + (R - 1) - ctr - P.k_start + pos_c;
+      if (c % NR<T> && (head[c] != head[c - 1] || i[c] != i[c - 1] + 1)) runi[c / NR<T>] = 0;
     }
   }
   int64_t panels() const { return ld / NR<T>; }
@@ -96,13 +116,16 @@ struct PanelMods {
   const TileKinds& tk;
   int64_t b, c0;
   T cap2;
-  bool intervals, alibi;
+  bool intervals, alibi, adds;
   V lo[2], hi[2], pos[2], slope[2];
+  const T* bt;  // the bias of keys [bc, ...) for these columns, [j - bc][NR] (bias_block)
+  int64_t bc;
 
   PanelMods(const Problem& P_, const Cols<T>& cols_, const TileKinds& tk_, int64_t b_,
-            int64_t p, bool need_intervals, T cap2_)
+            int64_t p, bool need_intervals, T cap2_, const T* bt_ = nullptr, int64_t bc_ = 0)
       : P(P_), cols(cols_), tk(tk_), b(b_), c0(p * NR<T>), cap2(cap2_),
-        intervals(need_intervals), alibi(P_.slopes != nullptr) {
+        intervals(need_intervals), alibi(P_.slopes != nullptr),
+        adds(P_.bias != nullptr || P_.rel != nullptr), bt(bt_), bc(bc_) {
     for (int h = 0; h < 2; ++h) {
       lo[h] = vload(cols.lo.data() + c0 + h * N);
       hi[h] = vload(cols.hi.data() + c0 + h * N);
@@ -137,6 +160,7 @@ struct PanelMods {
   template <bool CAP, bool ALIBI, bool INTERVALS>
   __attribute__((always_inline)) inline void apply(int64_t j, T* x, T* th) const {
     if constexpr (!CAP && !ALIBI && !INTERVALS) {  // a full tile without modifiers
+      if (adds) add_cells(j, x);
       if (tk.partial) mask_cells(j, x);
       return;
     }
@@ -156,6 +180,13 @@ struct PanelMods {
         s[h] -= slope[h] * d;
       }
     }
+    if (adds) {  // rel_bias, bias: through memory (a rare path, not inlined)
+      vstore(x, s[0]);
+      vstore(x + N, s[1]);
+      add_cells(j, x);
+      s[0] = vload(x);
+      s[1] = vload(x + N);
+    }
     if (INTERVALS) {
       const T jf = T(j);
       const V ninf = vset<T>(-std::numeric_limits<T>::infinity());
@@ -166,6 +197,26 @@ struct PanelMods {
     if (tk.partial) mask_cells(j, x);
   }
 
+  // + rel_bias (one vector where the panel is uniform) + bias·log2 e, for key row j
+  __attribute__((noinline)) void add_cells(int64_t j, T* x) const {
+    const int64_t n = std::min<int64_t>(cols.n - c0, NR<T>);
+    if (P.rel) {
+      const T* rel = static_cast<const T*>(P.rel);
+      if (cols.runi[c0 / NR<T>]) {
+        const T* r = rel + cols.roff[c0] - j;
+        vstore(x, vload(x) + vload(r));
+        vstore(x + N, vload(x + N) + vload(r + N));
+      } else {
+        for (int64_t c = 0; c < n; ++c) x[c] += rel[cols.roff[c0 + c] - j];
+      }
+    }
+    if (P.bias) {
+      const T* r = bt + (j - bc) * NR<T>;
+      vstore(x, vload(x) + vload(r));
+      vstore(x + N, vload(x + N) + vload(r + N));
+    }
+  }
+
   __attribute__((noinline)) void mask_cells(int64_t j, T* x) const {
     for (int64_t c = c0; c < std::min(cols.n, c0 + NR<T>); ++c) {
       const int32_t kind = tk.of_head[cols.head[c] - tk.h0];
@@ -174,6 +225,24 @@ struct PanelMods {
     }
   }
 };
+
+// The bias of panel p's columns for keys [c, ce), ·log2 e, transposed to [j - c][NR] (zero
+// in padding columns): each column's row is read contiguously (reading a key row across
+// the columns would step T_k values at a time, one cache set for every column).
+template <typename T>
+void bias_block(const Problem& P, const Cols<T>& cols, int64_t p, int64_t c, int64_t ce,
+                T* bt) {
+  const int64_t c0 = p * NR<T>, s3 = P.bias_s[3];
+  const T* bias = static_cast<const T*>(P.bias);
+  for (int64_t lane = 0; lane < NR<T>; ++lane) {
+    if (c0 + lane >= cols.n) {
+      for (int64_t j = c; j < ce; ++j) bt[(j - c) * NR<T> + lane] = T(0);
+      continue;
+    }
+    const T* row = bias + cols.boff[c0 + lane];
+    for (int64_t j = c; j < ce; ++j) bt[(j - c) * NR<T> + lane] = row[j * s3] * T(LOG2E);
+  }
+}
 
 // P[c] = 0 where the dropout hash of (row key rk[c], column key ck) says dropped, NR columns.
 template <typename T>
