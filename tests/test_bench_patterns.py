@@ -41,3 +41,13 @@ def test_mask_mod_rows_pair_each_engine_with_its_keywords_and_report_memory():
     assert all("tiled (keywords)" in r["vs"] for r in mods)
     names = [b[0] for b in bench.targets(rows)]
     assert any(n.startswith("mask_mod window+documents T=8192 tiled fwd+bwd") for n in names)
+
+
+def test_bias_rows_time_learned_biases_against_the_plain_native_engine():
+    gr = bench.Group("bias", (1, 2, 128, 8), "fwd+bwd", ("cpp",), budget_s=0.01)
+    rows = bench._rows(gr)
+    assert {r["engine"] for r in rows} == {"cpp", "cpp (bias)", "cpp (rel_bias)"}
+    assert all(r["ms"] > 0 and "cpp" in r["vs"] for r in rows if r["engine"] != "cpp")
+    names = [b[0] for b in bench.targets(rows)]
+    assert "bias fwd+bwd: cpp <= 1.5x without" in names
+    assert "rel_bias fwd+bwd: cpp <= 1.2x without" in names

@@ -242,7 +242,10 @@ def _learned_grads(engine, case, seed=1):
     B, H, H_kv, T_q, T_k, d, bshape, rel, sshape, kw = case
     g = torch.Generator().manual_seed(seed)
     f64 = torch.float64
-    ts = [torch.randn(B, h, T, d, generator=g, dtype=f64) for h, T in ((H, T_q), (H_kv, T_k), (H_kv, T_k))]
+    ts = [
+        torch.randn(B, h, T, d, generator=g, dtype=f64)
+        for h, T in ((H, T_q), (H_kv, T_k), (H_kv, T_k))
+    ]
     extra = {"bias": torch.randn(*bshape, generator=g, dtype=f64)}
     if rel:
         extra["rel_bias"] = torch.randn(H, 2 * max(T_q, T_k) - 1, generator=g, dtype=f64)

@@ -16,6 +16,8 @@ and reports each engine's median time and the median paired ratio to each named 
 - mask_mod (issue 24): a window w = 512 plus 16 packed documents at T = 8192 (1, 8, T, 64)
   written as a ``mask_mod`` vs the same written as keywords, on tiled and cpp, fwd and
   fwd+bwd, with each call's peak extra memory (the mask_mod's tiles evaluated every call).
+- bias (issue 24): GPT-2 small on cpp with a (1, H, T, T) ``bias`` and with a (H, 2T-1)
+  ``rel_bias`` (learned in fwd+bwd) vs the same engine without.
 - flex (issue 24): the same mask_mod at T = 4096 forward, FlexAttention compiled on the CPU
   (its BlockMask made once, outside the timing) vs causalattn; fwd+bwd a row Flex cannot run.
 """
@@ -56,6 +58,11 @@ def groups(quick: bool = False) -> list[Group]:
         Group("modifiers", gpt2, p, tuple(ENGINES), budget_s=budget)
         for p in (("fwd",) if quick else ("fwd", "fwd+bwd"))
     ]
+    if _native():  # issue 24's biases on the native engine, learned in fwd+bwd
+        out += [
+            Group("bias", gpt2, p, ("cpp",), budget_s=budget)
+            for p in (("fwd",) if quick else ("fwd", "fwd+bwd"))
+        ]
     peers = (*(f"{e} p=0" for e in ENGINES), "sdpa p=0.1")
     out.append(Group("dropout", gpt2, "fwd+bwd", peers, budget_s=budget))
     for p in ("fwd",) if quick else ("fwd", "fwd+bwd"):
@@ -122,6 +129,7 @@ def _calls(gr: Group) -> tuple[dict[str, Callable], dict]:
     dout = torch.randn(B, H, T, d, generator=gen)
     scale = default_scale(d)
     info: dict = {"note": gr.note}
+    learned: tuple = ()  # pattern tensors that take a gradient too
 
     from ..engines import cpp
 
@@ -164,6 +172,16 @@ def _calls(gr: Group) -> tuple[dict[str, Callable], dict]:
             calls[f"{e} (softcap 30)"] = on(e, softcap=30.0)
             calls[f"{e} (sinks)"] = on(e, sinks=sinks)
             calls[f"{e} (ALiBi)"] = on(e, alibi_slopes=slopes)
+    elif gr.case == "bias":  # (1, H, T, T) and (H, 2T - 1), learned when timed with a backward
+        bias = torch.randn(1, H, T, T, generator=gen).requires_grad_(grad)
+        rel = torch.randn(H, 2 * T - 1, generator=gen).requires_grad_(grad)
+        learned = (bias, rel)
+        calls = {
+            "cpp": on("cpp"),
+            "cpp (bias)": on("cpp", bias=bias),
+            "cpp (rel_bias)": on("cpp", rel_bias=rel),
+        }
+        info["note"] = "bias (1, H, T, T), rel_bias (H, 2T-1); learned in fwd+bwd"
     elif gr.case == "mask_mod":
         kw, fn = _window_docs(T)
         calls = {}
@@ -203,7 +221,7 @@ def _calls(gr: Group) -> tuple[dict[str, Callable], dict]:
 
     def fwd_bwd(f):
         def run():
-            for t in (q, k, v):
+            for t in (q, k, v, *learned):
                 t.grad = None
             f().backward(dout)
 
@@ -293,7 +311,7 @@ def _find(rows, case, engine, pass_, T=None):
 # Where the targets come from: the project's issue 22 (the native engine), issues 11
 # (patterns, modifiers) and 12 (dropout) for the tiled engine, measured on their 2-core
 # machine.
-TARGETS_FROM = "issues 22 (cpp), 11 and 12 (tiled), 24 (mask_mod, Flex)"
+TARGETS_FROM = "issues 22 (cpp), 11 and 12 (tiled), 24 (mask_mod, Flex, biases)"
 LIMITS = {  # engine -> (window speed-up vs SDPA at T=16384, documents' share of the work
     # ratio, modifier cost, dropout cost): issue 22's for cpp, 11's and 12's for tiled
     "cpp": (20.0, 0.9, 1.1, 1.2),
@@ -359,6 +377,12 @@ def targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
                         f"{cost:.2f}x{mem}",
                     )
                 )
+    for p in ("fwd", "fwd+bwd"):
+        for kind, bar in (("bias", 1.5), ("rel_bias", 1.2)):
+            r = _find(rows, "bias", f"cpp ({kind})", p)
+            if r and "cpp" in r["vs"]:
+                cost = 1 / r["vs"]["cpp"]
+                out.append((f"{kind} {p}: cpp <= {bar:g}x without", cost <= bar, f"{cost:.2f}x"))
     for e in ("tiled", "cpp"):
         r = _find(rows, "flex", f"{e} (mask_mod)", "fwd")
         if r:
