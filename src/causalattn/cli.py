@@ -1456,7 +1456,8 @@ def bench(
         False,
         "--tune",
         help="measure tiled vs SDPA per problem kind and write the table engine='auto' "
-        "reads ($XDG_CACHE_HOME/causalattn or ~/.cache/causalattn)",
+        "reads (the user cache directory: $XDG_CACHE_HOME/causalattn or ~/.cache/causalattn "
+        "on Linux)",
     ),
     out: Path | None = typer.Option(
         None, "--out", help="with --tune: write the table here instead"
