@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
-from typer import _click as click  # the click typer vendors: its exceptions are these
 from typer.core import TyperGroup
 from typer.exceptions import Abort
+
+from ._internals.typer import click  # the click typer raises from (no public name)
 
 
 class _OneLineErrors(TyperGroup):
