@@ -77,6 +77,23 @@ def test_auto_on_cpu_runs_the_native_engine_wherever_it_is_built(packaged):
             assert pick_engine(_problem(e), return_lse=True) == "cpp", e
 
 
+def test_a_tiny_backward_runs_on_sdpa_and_a_larger_one_on_cpp(packaged):
+    """Up to SDPA_GRAD_T keys a call with a backward costs less on SDPA (cpp's autograd
+    wiring is the larger fixed cost); without a backward, or past it, the native engine."""
+    assert not cpp.unavailable()
+    T = auto.SDPA_GRAD_T
+    for T_k, grad, lse, want in (
+        (8, True, False, "sdpa"),
+        (T, True, False, "sdpa"),
+        (T + 1, True, False, "cpp"),
+        (8, False, False, "cpp"),
+        (8, True, True, "cpp"),  # SDPA returns no lse
+    ):
+        q = torch.zeros(1, 2, T_k, 16).requires_grad_(grad)
+        with torch.enable_grad():
+            assert pick_engine(make_problem(q, q, q), return_lse=lse) == want, (T_k, grad, lse)
+
+
 def test_without_the_native_engine_auto_agrees_with_the_stored_table(packaged, without_cpp):
     for e in packaged["entries"]:
         with torch.enable_grad():

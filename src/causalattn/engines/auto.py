@@ -1,6 +1,7 @@
 """``engine="auto"``: the engine expected fastest for a call, from its :class:`Features`.
 
-CPU: the native engine (``cpp``) wherever it is built and runs the call — it is measured
+CPU: the native engine (``cpp``) wherever it is built and runs the call (with a backward and
+T_k <= ``SDPA_GRAD_T``, SDPA where it runs the call) — it is measured
 the fastest on every shape of ``causalattn bench`` (the closing table of issue 22 and
 docs/design.md), so no timing table measured on another machine decides. Where it is
 unavailable (no compiler) the choice between ``tiled`` and ``sdpa`` comes from a table of
@@ -35,6 +36,10 @@ from .registry import Features, refusal
 
 ENV = "CAUSALATTN_ENGINE"
 PACKAGED = Path(__file__).with_name("auto_table.json")
+# up to this T_k a call with a backward runs faster on SDPA than on cpp: cpp's autograd
+# wiring costs about 0.2 ms more per call (measured fwd+bwd on 2 cores: T = 8..64 SDPA
+# 0.56-0.81x cpp's time, T = 128 even, (4, 12, 128, 64) 1.28x)
+SDPA_GRAD_T = 64
 FALLBACK = {"cpu": ("cpp", "tiled", "sdpa", "reference"), "cuda": ("triton", "sdpa", "reference")}
 
 _TABLE: dict | None = None
@@ -128,6 +133,8 @@ def _ladder_for(f: Features) -> tuple[tuple[int, str], ...]:
     if f.device != "cpu":  # meta and other devices: any engine computes shapes
         return ((2**62, "tiled"),)
     if not refusal("cpp", f) and not _measured_cpp():
+        if f.grad and not refusal("sdpa", f):  # tiny backward: SDPA's fixed cost is lower
+            return ((SDPA_GRAD_T, "sdpa"), (2**62, "cpp"))
         return ((2**62, "cpp"),)
     ladder = table_ladder(f) or [(2**62, "tiled")]
     fallback = next((n for n in FALLBACK["cpu"] if not refusal(n, f)), "reference")
