@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Annotated, NoReturn
 
 import typer
-from typer import _click as click  # the click typer vendors: its exceptions are these
 from typer.core import TyperGroup
 from typer.exceptions import Abort
+
+from ._internals.typer import click  # the click typer raises from (no public name)
 
 
 class _OneLineErrors(TyperGroup):
@@ -1482,7 +1483,8 @@ def bench(
         False,
         "--tune",
         help="measure tiled vs SDPA per problem kind and write the table engine='auto' "
-        "reads ($XDG_CACHE_HOME/causalattn or ~/.cache/causalattn)",
+        "reads (the user cache directory: $XDG_CACHE_HOME/causalattn or ~/.cache/causalattn "
+        "on Linux)",
     ),
     out: Path | None = typer.Option(
         None, "--out", help="with --tune: write the table here instead"

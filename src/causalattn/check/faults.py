@@ -1,5 +1,6 @@
 """The one catalogue of faults: what the audit hints at, what diagnose names, what the CLI
-prints and what the README's table lists (tests/test_check_faults.py keeps that table true).
+prints and what the README's table lists (tests/test_check_measure.py's
+``test_readme_fault_table_is_the_catalogue`` keeps that table true).
 
 Each fault has an ``id``, the ``stage`` of the seed's dependency order where it shows
 (S, M, A, H, O; ``heads`` for a fault that only some heads carry: its stage is theirs),

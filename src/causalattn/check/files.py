@@ -385,6 +385,15 @@ def _zip_headers(p: Path, af: ArrayFile) -> None:
 
 
 def _safetensors_headers(p: Path, af: ArrayFile, size: int) -> None:
+    """Check a .safetensors header and declare its arrays, reading no array byte.
+
+    Hand-written on purpose, not the ``safetensors`` package: that package is only in the
+    ``hf`` extra (``audit`` must read these files without it); its ``safe_open`` memory-maps
+    the file and raises errors of its own, where this reader must first weigh every declared
+    size against the one budget of :class:`ArrayFile` with the other formats' rules, refuse
+    a hostile header (impossible length, deep nesting, a non-numeric dtype, offsets outside
+    the data or not matching the shape) with a message that never echoes its bytes, and
+    read bf16 (which numpy lacks) into float32."""
     with open(p, "rb") as fh:
         n = int.from_bytes(fh.read(8), "little")
         if n < 2 or n > min(MAX_SAFETENSORS_HEADER, size - 8):

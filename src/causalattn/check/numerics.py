@@ -1,12 +1,11 @@
-"""Tolerances, comparisons, evidence and head reshapes shared by the stage checks."""
+"""Tolerances, comparisons and evidence shared by the stage checks (the head reshapes are
+:func:`causalattn.reference.split_heads` / ``merge_heads``)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from .. import masks as _masks
-from ..reference import merge_heads as _merge_heads  # noqa: F401  (the stage checks' names)
-from ..reference import split_heads as _split_heads  # noqa: F401
 
 BLOCKED_BELOW = -1e4  # an additive M entry at or below this (or -inf) blocks the key
 _MAX_LIST = 8  # rows/cols shown as evidence

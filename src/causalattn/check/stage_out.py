@@ -4,14 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..reference import weighted_values
-from .numerics import (
-    _close,
-    _locate,
-    _merge_heads,
-    _rtol,
-    _split_heads,
-)
+from ..reference import merge_heads, split_heads, weighted_values
+from .numerics import _close, _locate, _rtol
 from .state import AuditState
 
 
@@ -21,7 +15,7 @@ def values(st: AuditState) -> None:
     allowed = st.allowed
     A, V = a.get("A"), a.get("V")
     if "H" in a and A is not None and V is not None and a["H"].ndim == A.ndim - 1 and st.n_heads:
-        a["H"] = _split_heads(a["H"], A.shape[-3])  # concatenated heads (..., T, h·d_v)
+        a["H"] = split_heads(a["H"], A.shape[-3])  # concatenated heads (..., T, h·d_v)
     if A is None or V is None:
         return
     if allowed is None or allowed.shape != A.shape:
@@ -106,7 +100,7 @@ def output(st: AuditState) -> None:
         return
     H, O = a["H"], a["O"]
     Hc = (
-        _merge_heads(H)
+        merge_heads(H)
         if (st.n_heads and H.ndim >= 3 and H.shape[-3] == st.n_heads and H.ndim == O.ndim + 1)
         else H
     )

@@ -6,14 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import masks as _masks
-from .numerics import (
-    BLOCKED_BELOW,
-    _close,
-    _locate,
-    _looks_masked,
-    _rtol,
-    _split_heads,
-)
+from ..reference import split_heads
+from .numerics import BLOCKED_BELOW, _close, _locate, _looks_masked, _rtol
 from .state import AuditState
 
 
@@ -47,7 +41,7 @@ def projections(st: AuditState) -> None:
                 f"{w} has {W.shape[1]} columns, not divisible by {st.n_heads} heads",
             )
             continue
-        ref = _split_heads(X @ W, st.n_heads)
+        ref = split_heads(X @ W, st.n_heads)
         if s not in a:
             st.recompute(s, ref, "X", w)
             continue
@@ -58,7 +52,7 @@ def projections(st: AuditState) -> None:
             and ref.shape[-1] > a[s].shape[-1]
         ):
             # one head of a multi-head projection (Trace.select(b, h)): find which
-            heads = _split_heads(ref, ref.shape[-1] // a[s].shape[-1])
+            heads = split_heads(ref, ref.shape[-1] // a[s].shape[-1])
             tol = _rtol(st.eps[s], st.eps["X"], st.eps[w])
             hit = [j for j in range(heads.shape[-3]) if _close(a[s], heads[..., j, :, :], tol)[0]]
             st.add(

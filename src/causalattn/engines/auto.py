@@ -8,7 +8,8 @@ unavailable (no compiler) the choice between ``tiled`` and ``sdpa`` comes from a
 paired timings measured by ``causalattn bench --tune``: the entry of the same dtype, kind
 and pass whose (d, T) is nearest on a log scale names the winner. The table shipped in the
 package (``auto_table.json``, with its provenance) is replaced by the user's own,
-``$XDG_CACHE_HOME/causalattn/auto_table.json`` (default ``~/.cache/causalattn``), once
+``auto_table.json`` in platformdirs' user cache directory (on Linux
+``$XDG_CACHE_HOME/causalattn``, default ``~/.cache/causalattn``), once
 ``causalattn bench --tune`` has written it; a user's table that measured ``cpp`` decides for
 it too. CUDA: the Triton engine's measured ratios (:func:`causalattn.engines.triton.prefers`).
 
@@ -28,6 +29,8 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+import platformdirs
+
 from .problem import constant_result
 from .registry import Features, refusal
 
@@ -43,9 +46,10 @@ _TABLE: dict | None = None
 
 
 def user_table_path() -> Path:
-    """Where ``causalattn bench --tune`` writes this machine's table (platformdirs' rule)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "causalattn" / "auto_table.json"
+    """Where ``causalattn bench --tune`` writes this machine's table: platformdirs' user cache
+    directory for "causalattn" (on Linux ``$XDG_CACHE_HOME/causalattn``, else
+    ``~/.cache/causalattn``; on macOS ``~/Library/Caches/causalattn``)."""
+    return platformdirs.user_cache_path("causalattn", appauthor=False) / "auto_table.json"
 
 
 def _read(path: Path) -> dict | None:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .._internals.transformers import attn_implementation
 from .hf_attention import attention_forward, mask_function
 
 __all__ = ["TAP_NAME", "Tap", "Call", "attention_sites", "n_heads", "check_heads"]
@@ -218,9 +219,9 @@ class Tap:
         model = self.model
         sites = attention_sites(model, self.what)
         _register()
-        old = model.config._attn_implementation
+        old = attn_implementation(model)
         model.set_attn_implementation(TAP_NAME)
-        if model.config._attn_implementation != TAP_NAME:  # HF declined (own attention code)
+        if attn_implementation(model) != TAP_NAME:  # HF declined (own attention code)
             model.set_attn_implementation(old)
             raise ValueError(
                 f"{self.what}: {_family(model)} does not let its attention implementation be "

@@ -13,7 +13,7 @@ dense form) are built on each read.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from functools import partial
+from functools import cache, partial
 
 import numpy as np
 
@@ -210,20 +210,13 @@ class CapturedTrace(Trace):
 # ---- readable tokens -------------------------------------------------------------------
 
 
-def _byte_alphabet() -> dict[str, int]:
-    """Byte-level BPE's printable stand-ins (GPT-2's 'Ġ' for a space) -> the byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    out, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            out[chr(b)] = b
-        else:
-            out[chr(256 + extra)] = b
-            extra += 1
-    return out
+@cache
+def _byte_level():
+    """tokenizers' own ByteLevel decoder (what a byte-level tokenizer's decoder is) and its
+    256 printable stand-ins for the bytes (GPT-2's 'Ġ' for a space)."""
+    from tokenizers import decoders, pre_tokenizers
 
-
-_BYTES = _byte_alphabet()
+    return decoders.ByteLevel(), frozenset(pre_tokenizers.ByteLevel.alphabet())
 
 
 def _is_byte_level(tokenizer) -> bool:
@@ -242,13 +235,13 @@ def token_strings(tokenizer, ids) -> list[str]:
     if tokenizer is None:
         return [str(i) for i in ids]
     pieces = tokenizer.convert_ids_to_tokens(ids)
-    byte_level = _is_byte_level(tokenizer)
+    decoder, alphabet = _byte_level() if _is_byte_level(tokenizer) else (None, frozenset())
     out = []
     for p, i in zip(pieces, ids):
         if p is None:
             out.append(f"<{i}>")
-        elif byte_level and all(ch in _BYTES for ch in p):
-            out.append(bytes(_BYTES[ch] for ch in p).decode("utf-8", errors="replace"))
+        elif decoder is not None and all(ch in alphabet for ch in p):
+            out.append(decoder.decode([p]))  # its bytes as UTF-8, U+FFFD where cut
         else:
             out.append(p.replace("▁", " "))
     return out
