@@ -210,3 +210,13 @@ def test_a_narrower_window_is_named_as_off_by_minus_k():
     assert not r.ok and r.window_offset == -3
     (d,) = r.differences
     assert d.kind == "readable key blocked" and "window off by -3" in d.detail
+
+
+def test_a_mask_with_no_window_is_not_named_a_window_off_by_k():
+    """Plain causal against a window of 64: rows read back by differing amounts, so no one
+    offset holds; the cells are named as read before the window's start."""
+    theirs = torch.ones(256, 256).tril().bool()
+    r = compare_masks(theirs, expected=Pattern(window=64))
+    assert not r.ok and r.window_offset is None
+    assert "window: 18528 cells read before the window's start" in r.message
+    assert "off by" not in r.message

@@ -353,8 +353,9 @@ def _add(kind, sel, b, q0, k0, counts, cells, limit) -> None:
 
 def _window_offset(pat, first, lo, T_k) -> int | None:
     """How many keys further back than the window's start their rows read (negative:
-    fewer), the most common offset over rows the window bites; None without a window or
-    when it agrees."""
+    fewer), the most common offset over rows the window bites; None without a window, when
+    it agrees, or when no offset holds on three quarters of those rows (their mask has no
+    window of its own: the rows read back by differing amounts)."""
     if pat.window is None:
         return None
     import torch
@@ -367,6 +368,8 @@ def _window_offset(pat, first, lo, T_k) -> int | None:
     off = (lo_t - first)[bites]
     values, n = torch.unique(off, return_counts=True)
     best = int(values[n.argmax()])
+    if int(n.max()) * 4 < 3 * off.numel():  # no one offset: not a window off by k (no window)
+        return None
     return best or None
 
 
