@@ -193,3 +193,32 @@ def test_a_generator_that_is_not_a_cpu_torch_generator_is_refused_naming_it(call
     q, k, v = _inputs(1, 1, 4, 2)
     with pytest.raises(ValueError, match=r"^attention: generator must be a CPU torch.Generator"):
         call(q, k, v, dropout_p=0.1, generator=generator)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_apply_zeroes_dropped_weights_scales_kept_ones_and_p1_gives_zeros(dtype):
+    """dropout.apply, the one place the 1/(1-p) scale is written: kept A_ij/(1-p), dropped
+    exactly 0, in A's dtype; p = 1 keeps nothing (all zeros, no division by 1 - p = 0)."""
+    from causalattn import dropout
+
+    A = torch.rand(2, 3, 5, 7, generator=_gen(3)).to(dtype)
+    keep = torch.rand(2, 3, 5, 7, generator=_gen(4)) > 0.5
+    for p in (0.0, 0.25, 0.5, 0.9):
+        got = dropout.apply(A, keep, p)
+        assert got.dtype == dtype and got.shape == A.shape
+        assert torch.equal(got[~keep], torch.zeros_like(got[~keep]))
+        assert torch.equal(got[keep], A[keep] * (1.0 / (1.0 - p)))
+    for p in (1.0, 1):
+        one = dropout.apply(A, torch.ones_like(keep), p)  # even cells marked kept
+        assert one.dtype == dtype and torch.equal(one, torch.zeros_like(A))
+
+
+def test_the_yardstick_with_p1_and_a_keep_pattern_is_all_zeros():
+    """contract.plain (the accuracy rule's yardstick) drops through dropout.apply: at p = 1
+    it gives zeros whatever the keep pattern says."""
+    from causalattn.engines import contract
+
+    q, k, v = _inputs(1, 2, 6, 3)
+    p = make_problem(q, k, v, dropout_p=1.0, generator=_gen(1))
+    keep = torch.ones(1, 2, 6, 6, dtype=torch.bool)
+    assert torch.equal(contract.plain(p, F64, keep), torch.zeros(1, 2, 6, 3, dtype=F64))

@@ -103,3 +103,18 @@ def test_row_and_exports():
     with pytest.raises(AttributeError):
         r.flops = 0
     assert ca.shape_table is shape_table
+
+
+def test_attention_flops_causal_halves_only_a_square():
+    """keys= T_k: a rectangle (decoding, a ring's block pair) counts every T_q·T_k entry,
+    causal or not; causal halves only T_k = T (keys=T is the default)."""
+    for T, T_k, d, H, B in ((1, 1000, 64, 12, 4), (7, 3, 5, 2, 1), (16, 48, 8, 1, 2)):
+        full = 4 * B * H * T * T_k * d
+        for causal in (True, False):
+            assert attention_flops(T, d, H, B, causal, keys=T_k) == full
+            assert attention_flops(T, d, H, B, causal, keys=T_k, backward=True) == int(full * 2.5)
+        square = 4 * B * H * T * T * d
+        assert attention_flops(T, d, H, B, keys=T) == attention_flops(T, d, H, B) == square // 2
+        assert attention_flops(T, d, H, B, False, keys=T) == square
+    with pytest.raises(ValueError, match="keys must be a positive integer"):
+        attention_flops(4, 8, keys=0)
