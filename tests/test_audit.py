@@ -300,3 +300,73 @@ def test_heads_per_head_selection_decode_and_rendering(parts):
     console.print(bad)
     text = console.export_text()
     assert "FAILED" in text and "hint" in text
+
+
+def _padded_trace(X, W):
+    """Two sequences of T, the second padded from 4 on: rows 4, 5 of it read no key."""
+    Xb = np.stack([X, X])
+    lengths = [T, 4]
+    al = masks.Pattern(lengths=lengths).allowed(2, 1, T, T)[:, 0]
+    return causalattn.trace(Xb, *W.values(), mask=al), al, lengths
+
+
+@pytest.mark.parametrize("value", [0.5, -1e-3, 1e-12, np.nan, np.inf])
+@pytest.mark.parametrize("declared", ["allowed", "lengths"])
+def test_a_padding_row_that_is_not_zero_fails_at_H(parts, value, declared):
+    """Rows with no readable key are zero rows: any other value there, finite or not, is a
+    failure at H (not only NaN), where H = A V holds on every readable row."""
+    tr, al, lengths = _padded_trace(*parts)
+    given = {"allowed": al} if declared == "allowed" else {"lengths": np.array(lengths)}
+    base = {"X": tr.X, **{n: tr[n] for n in ("W_q", "W_k", "W_v")}, "A": tr.A, "H": tr.H}
+    assert audit({**base, **given}).ok
+    H = tr.H.copy()
+    H[1, 4, 0] = value
+    rep = audit({**base, "H": H, **given})
+    ff = rep.first_failure
+    assert ff is not None and ff.stage == "H", str(rep)
+    assert ff.name == "rows with no readable key are zero", str(rep)
+    assert ff.message == "1 rows with no readable key are not zero"
+    assert ff.evidence["index"] == (1,) and "never NaN" in ff.hint, ff.evidence
+    H[1, 5] = value  # both padding rows: two rows counted
+    ff = audit({**base, "H": H, **given}).first_failure
+    assert ff.stage == "H" and ff.message.startswith("2 rows"), ff.message
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_padding_query_rows_may_read_a_subset_of_the_real_keys(parts, declared):
+    """A padding query row reads nothing, or (key-padding-only style, as HF's masks do) any
+    subset of the real keys before it: reading token 0 alone passes stage M. Reading a
+    padding key, a real row reading less than causal allows, or a padding row reading
+    nothing but a padding key fail there."""
+    X, W = parts
+    Xb = np.stack([X, X])
+    lengths = np.array([T, 4])
+    base = masks.Pattern(lengths=lengths).allowed(2, 1, T, T)[:, 0]
+    kw = {"lengths": lengths} if declared else {}
+
+    def structure(al):
+        tr = causalattn.trace(Xb, *W.values(), mask=al)
+        rep = audit({"A": tr.A, "V": tr.V, "H": tr.H, "allowed": al, **kw})
+        (c,) = [c for c in rep.checks if c.name == "mask is causal (+ padding)"]
+        return rep, c
+
+    for rows in ([4], [5], [4, 5]):
+        al = base.copy()
+        al[1, rows, 0] = True  # the padding rows read token 0 only
+        rep, c = structure(al)
+        assert c.ok and rep.ok, str(rep)
+    al = base.copy()
+    al[1, 4:, :3] = True  # a subset of the real keys 0..3
+    assert structure(al)[1].ok
+    al = base.copy()
+    al[1, 5, :4] = True  # all the real keys: the causal-and-padding row
+    assert structure(al)[1].ok
+    al = base.copy()
+    al[1, 2, 0] = False  # a real row that leaves out a key it may read
+    rep, c = structure(al)
+    assert not c.ok and rep.first_failure.stage == "M"
+    if declared:
+        al = base.copy()
+        al[1, 5, [0, 4]] = True  # a padding row that reads a padding key (declared)
+        rep, c = structure(al)
+        assert not c.ok and "padding keys are readable" in c.hint, str(rep)
