@@ -291,3 +291,67 @@ def test_refuses_what_it_cannot_do():
         attention_forward(module, q, k, v, None, s_aux=torch.zeros(3))
     with pytest.raises(ValueError, match="sliding_window must be >= 1"):
         attention_forward(module, q, k, v, None, sliding_window=0)
+
+
+@pytest.fixture
+def received(monkeypatch):
+    """Every call of the registered function: (attention_mask, T_q, T_k, pattern, n)."""
+    from causalattn.integrations import transformers as integration
+
+    calls = []
+    real = integration.pattern_from_hf
+
+    def spy(module, query, key, attention_mask, **kwargs):
+        pat, n = real(module, query, key, attention_mask, **kwargs)
+        calls.append((attention_mask, query.shape[2], key.shape[2], pat, n))
+        return pat, n
+
+    monkeypatch.setattr(integration, "pattern_from_hf", spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "name,want",
+    [("llama", "causal + documents"), ("mistral", "causal + window 4 + documents")],
+)
+def test_packed_documents_are_read_as_documents_not_a_dense_mask(models, received, name, want):
+    """position_ids restarting at 0 become cu_seqlens (the engines skip the blocks between
+    documents), not the dense fallback, which gives the same logits."""
+    _skip_unless_engine_takes(name)
+    model, _ = models(name)
+    model.set_attn_implementation("causalattn")
+    ids = torch.randint(3, tiny.VOCAB, (1, T), generator=torch.Generator().manual_seed(4))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1, 2, 3, 4]])
+    with torch.no_grad():
+        model(ids, position_ids=pos, use_cache=False)
+    assert received and all(mask is not None for mask, *_ in received)
+    for _, _, _, pat, n in received:
+        assert pat.describe() == want and pat.mask is None and n == T
+        assert pat.cu_seqlens.tolist() == [0, 6, 9, T]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_static_cache_generation_without_a_mask_equals_eager(models, received, name):
+    """An unpadded prompt and no attention_mask: HF hands the StaticCache prefill no mask
+    (queries at positions 0..T_q-1 before empty slots), then masks the decoding steps.
+    Same tokens as eager."""
+    _skip_unless_engine_takes(name)
+    model, _ = models(name)
+    ids, _, _ = padded_batch("none")
+    out = {}
+    for impl in ("eager", "causalattn"):
+        model.set_attn_implementation(impl)
+        out[impl] = model.generate(
+            ids,
+            max_new_tokens=5,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            cache_implementation="static",
+        )
+    assert out["causalattn"].shape == (3, T + 5)
+    assert torch.equal(out["causalattn"], out["eager"])
+    prefill = [c for c in received if c[0] is None and 1 < c[1] < c[2]]
+    assert prefill, [(m is None, tq, tk) for m, tq, tk, *_ in received]
+    for _, T_q, _, pat, n in prefill:
+        assert T_q == T and n == T and pat.causal  # the filled slots only
