@@ -4,7 +4,9 @@ Mutation testing (``make mutate``, mutmut 3): mutmut maps each source function t
 selected test that calls it, so a mutant in masks.py would also run every engine test (all
 engines take their mask from masks.py) and a surviving mutant would cost the whole
 selection. Each mutated module is instead judged by its own tests, listed here; mutmut names
-the mutant in ``MUTANT_UNDER_TEST`` inside its worker. Outside a mutant run this is a no-op.
+the mutant in ``MUTANT_UNDER_TEST`` inside its worker. In mutmut's stats run (which maps
+functions to tests) a diagnosis runs in this process instead of a forked worker, so that what
+it reaches is seen. Outside mutmut this is a no-op.
 
 How the suite shares a machine: `make test` runs it on pytest-xdist workers (`-n 2`). This
 part changes nothing a test checks; it decides where and in which order tests run and how
@@ -42,12 +44,20 @@ LONGEST = (
     "test_triton_meets_the_contract_in_the_interpreter",
 )
 
-# mutated module (prefix of mutmut's mutant name) -> the test files that judge it
+# mutated module (prefix of mutmut's mutant name) -> the test files that judge it; the first
+# prefix that matches wins, so a module's own entry comes before its package's
 MUTATION_TESTS = {
     "causalattn.masks.": ("test_masks.py", "test_patterns.py"),
+    "causalattn.dropout.": ("test_dropout.py",),
+    "causalattn.shapes.": ("test_shapes.py",),
+    "causalattn.text.": ("test_text.py",),
+    "causalattn.reference.": ("test_reference.py",),
+    "causalattn.check.measure.": ("test_check_measure.py", "test_diagnose.py"),
     "causalattn.check.": ("test_audit.py", "test_check_audit.py"),
     "causalattn.distributed.layout.": ("test_layout.py", "test_ring.py"),
-    "causalattn.reference.": ("test_reference.py",),
+    "causalattn.distributed.ring.": ("test_ring_local.py", "test_ring.py"),
+    "causalattn.integrations.hf_pattern.": ("test_hf.py",),
+    "causalattn.engines.cache.": ("test_cache.py",),
     "causalattn.engines.": (
         "test_engine_contract.py",
         "test_engines.py",
@@ -83,6 +93,30 @@ def _torch_threads(request):
         import torch
 
         torch.set_num_threads(CORES if request.path.name in THREADED else SHARE)
+
+
+@pytest.fixture(autouse=True)
+def _diagnose_here_in_mutmut_stats(monkeypatch):
+    """mutmut's stats run maps each mutated function to the tests that reach it, counting
+    calls in the test's own process only. diagnose runs a callable in a forked worker, so
+    check/measure (and what else the worker reaches) would map to no test and its mutants
+    be "not covered". In that run only, the forked worker's job runs here (the same job,
+    the same result file, without the worker's memory cap); mutant runs fork as usual."""
+    if os.environ.get("MUTANT_UNDER_TEST") != "stats":
+        return
+    import json
+    from pathlib import Path
+
+    from causalattn.check import runner
+
+    def here(job, what, timeout, tmp):
+        with monkeypatch.context() as m:
+            m.setattr(runner, "_limit", lambda max_memory: None)  # not this process
+            out = runner._diagnose_in_worker(job)
+        Path(job["result"]).write_text(json.dumps(out, default=str))
+        return runner._finish(what, 0, False, timeout, Path(job["result"]), tmp / "log.txt")
+
+    monkeypatch.setattr(runner, "_fork", here)
 
 
 @pytest.fixture
