@@ -222,3 +222,114 @@ def test_the_yardstick_with_p1_and_a_keep_pattern_is_all_zeros():
     p = make_problem(q, k, v, dropout_p=1.0, generator=_gen(1))
     keep = torch.ones(1, 2, 6, 6, dtype=torch.bool)
     assert torch.equal(contract.plain(p, F64, keep), torch.zeros(1, 2, 6, 3, dtype=F64))
+
+
+M = 0xFFFFFFFF
+
+
+def _fmix32(x: int) -> int:
+    """MurmurHash3's 32-bit finalizer on a Python int (the published constants)."""
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & M
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & M
+    return x ^ (x >> 16)
+
+
+def _kept(seed, offset, b, h, i, j, p) -> bool:
+    """The module docstring's three levels, in plain integers, with the constants the Triton
+    kernels use: a key for (seed, offset, b, h), one per row, one mix per cell."""
+    head = _fmix32((b * 0x9E3779B9 + h + offset * 0x27D4EB2F) & M)
+    head = _fmix32(head ^ (seed & M))
+    row = _fmix32(head ^ ((i * 0x9E3779B9 + 0x632BE5AB) & M))
+    col = _fmix32((j * 0x9E3779B9 + 0x1B873593) & M)
+    return (_fmix32(row ^ col) >> 8) >= round(p * 2**24)
+
+
+def test_fmix32_is_murmurhash3s_finalizer():
+    from causalattn import dropout
+
+    assert _fmix32(0) == 0 and _fmix32(1) == 0x514E28B7  # MurmurHash3's own test value
+    xs = [0, 1, 2, 0x7FFFFFFF, 0x80000000, M, 0xDEADBEEF, 12345678]
+    got = dropout._fmix(torch.tensor(xs, dtype=torch.int64))
+    assert got.tolist() == [_fmix32(x) for x in xs]
+
+
+@pytest.mark.parametrize("device_path", ["numpy", "torch"])
+def test_keep_mask_is_the_documented_hash_cell_by_cell(device_path, monkeypatch):
+    """Every cell of keep_mask, on both per-cell paths (NumPy on the CPU, torch elsewhere), is
+    the documented hash of (seed, offset, b, h, i, j) against round(p·2²⁴): the bits the
+    Triton kernels draw, for small and 31-bit seeds, offsets and positions."""
+    from causalattn import dropout
+
+    if device_path == "torch":  # the GPU's path, run on CPU tensors
+        monkeypatch.setattr(dropout, "_cells_numpy", dropout._cells_torch)
+    g = _gen(2)
+    for seed, off in ((0, 0), (1, 2), (2**31 - 2, 2**31 - 5), (7, 123456789)):
+        b, h = torch.arange(2)[:, None], torch.tensor([0, 3])[None, :]
+        i = torch.cat([torch.arange(3), torch.randint(0, 2**31 - 1, (2,), generator=g)])
+        j = torch.cat([torch.arange(4), torch.randint(0, 2**31 - 1, (2,), generator=g)])
+        for p in (0.0, 0.3, 0.5, 1 - 2**-24, 1.0):
+            got = dropout.keep_mask(seed, off, b, h, i, j, p)
+            assert got.shape == (2, 2, 5, 6) and got.dtype == torch.bool
+            want = [
+                [
+                    [
+                        [_kept(seed, off, bb, hh, ii, jj, p) for jj in j.tolist()]
+                        for ii in i.tolist()
+                    ]
+                    for hh in (0, 3)
+                ]
+                for bb in (0, 1)
+            ]
+            assert got.tolist() == want, (seed, off, p)
+    assert dropout.threshold(0.5) == 2**23 and dropout.threshold(1.0) == 2**24
+    assert dropout.threshold(0.0) == 0 and dropout.threshold(0.3) == round(0.3 * 2**24)
+
+
+@pytest.mark.parametrize("value", [0, 0.0, 0.5, 1, 1.0, 1e-9])
+def test_check_p_takes_a_probability_as_a_float(value):
+    from causalattn import dropout
+
+    got = dropout.check_p(value)
+    assert type(got) is float and got == float(value)
+
+
+@pytest.mark.parametrize(
+    "value,words",
+    [
+        (-0.1, "must lie in [0, 1], got -0.1"),
+        (1.5, "must lie in [0, 1], got 1.5"),
+        (float("nan"), "must lie in [0, 1], got nan"),
+        (float("inf"), "must lie in [0, 1], got inf"),
+        ("0.1", "must be a float in [0, 1], got '0.1'"),
+        (True, "must be a float in [0, 1], got True"),
+        (None, "must be a float in [0, 1], got None"),
+        (torch.tensor(0.1), "must be a float in [0, 1], got tensor(0.1000)"),
+    ],
+)
+def test_check_p_refuses_what_is_not_a_probability_naming_the_caller(value, words):
+    from causalattn import dropout
+
+    with pytest.raises(ValueError) as e:
+        dropout.check_p(value)
+    assert str(e.value) == f"attention: dropout_p {words}"
+    with pytest.raises(ValueError, match=r"^layer: dropout_p "):
+        dropout.check_p(value, "layer")
+
+
+def test_seeds_are_two_31_bit_draws_from_the_generator_or_torchs_rng():
+    from causalattn import dropout
+
+    s = dropout.seed_tensor(_gen(3))
+    assert s.dtype == torch.int64 and s.shape == (2,) and s.device.type == "cpu"
+    assert torch.equal(s, torch.randint(0, 2**31 - 1, (2,), generator=_gen(3)))
+    a = dropout.seed_from(_gen(3))
+    assert a == tuple(s.tolist()) and all(type(x) is int for x in a)
+    assert dropout.seed_from(_gen(4)) != a
+    torch.manual_seed(8)
+    b = dropout.seed_from()
+    torch.manual_seed(8)
+    assert dropout.seed_from() == b and dropout.seed_tensor().tolist() != list(b)
+    draws = torch.stack([dropout.seed_tensor(_gen(n)) for n in range(200)])
+    assert draws.min() >= 0 and draws.max() < 2**31 - 1 and draws.max() > 2**30
