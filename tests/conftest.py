@@ -5,8 +5,8 @@ selected test that calls it, so a mutant in masks.py would also run every engine
 engines take their mask from masks.py) and a surviving mutant would cost the whole
 selection. Each mutated module is instead judged by its own tests, listed here; mutmut names
 the mutant in ``MUTANT_UNDER_TEST`` inside its worker. In mutmut's stats run (which maps
-functions to tests) a diagnosis runs in this process instead of a forked worker, so that what
-it reaches is seen. Outside mutmut this is a no-op.
+functions to tests) what a diagnosis's forked worker reaches is counted for the test too.
+Outside mutmut this is a no-op.
 
 How the suite shares a machine: `make test` runs it on pytest-xdist workers (`-n 2`). This
 part changes nothing a test checks; it decides where and in which order tests run and how
@@ -96,27 +96,37 @@ def _torch_threads(request):
 
 
 @pytest.fixture(autouse=True)
-def _diagnose_here_in_mutmut_stats(monkeypatch):
+def _worker_reach_in_mutmut_stats(monkeypatch):
     """mutmut's stats run maps each mutated function to the tests that reach it, counting
-    calls in the test's own process only. diagnose runs a callable in a forked worker, so
-    check/measure (and what else the worker reaches) would map to no test and its mutants
-    be "not covered". In that run only, the forked worker's job runs here (the same job,
-    the same result file, without the worker's memory cap); mutant runs fork as usual."""
+    calls in the test's process only. diagnose runs a callable in a forked worker, so
+    check/measure (and what else the worker reaches) would map to no test, its mutants "not
+    covered". In that run only, the forked worker writes the functions it reached next to
+    its result and the parent adds them to the test's; everything else runs as always."""
     if os.environ.get("MUTANT_UNDER_TEST") != "stats":
         return
-    import json
     from pathlib import Path
+
+    from mutmut.state import state
 
     from causalattn.check import runner
 
-    def here(job, what, timeout, tmp):
-        with monkeypatch.context() as m:
-            m.setattr(runner, "_limit", lambda max_memory: None)  # not this process
-            out = runner._diagnose_in_worker(job)
-        Path(job["result"]).write_text(json.dumps(out, default=str))
-        return runner._finish(what, 0, False, timeout, Path(job["result"]), tmp / "log.txt")
+    reached = state()._stats  # mutmut 3's set of functions reached by the running test
+    work, finish = runner._diagnose_in_worker, runner._finish
 
-    monkeypatch.setattr(runner, "_fork", here)
+    def worker(job):  # in the forked worker
+        try:
+            return work(job)
+        finally:
+            Path(f"{job['result']}.reached").write_text("\n".join(sorted(reached)))
+
+    def parent(what, rc, timed_out, timeout, result, log):
+        names = Path(f"{result}.reached")
+        if names.exists():
+            reached.update(names.read_text().split())
+        return finish(what, rc, timed_out, timeout, result, log)
+
+    monkeypatch.setattr(runner, "_diagnose_in_worker", worker)
+    monkeypatch.setattr(runner, "_finish", parent)
 
 
 @pytest.fixture
