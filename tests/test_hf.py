@@ -9,6 +9,7 @@ longer than every window and chunk (4 tokens).
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from causalattn.integrations.transformers import (  # noqa: E402
     register,
 )
 from causalattn.layer import CausalSelfAttention  # noqa: E402
+from causalattn.masks import Pattern  # noqa: E402
 
 FLOOR = 1e-5
 T = 14
@@ -355,3 +357,246 @@ def test_static_cache_generation_without_a_mask_equals_eager(models, received, n
     assert prefill, [(m is None, tq, tk) for m, tq, tk, *_ in received]
     for _, T_q, _, pat, n in prefill:
         assert T_q == T and n == T and pat.causal  # the filled slots only
+
+
+# ---- pattern_from_hf on its own: what each mask HF can hand over becomes -------------------
+def _qk(B=2, H=4, T_q=8, T_k=8, H_kv=2):
+    return torch.zeros(B, H, T_q, 3), torch.zeros(B, H_kv, T_k, 3)
+
+
+def _hf_mask(pattern, B, T_q, T_k, H=1):
+    """HF's boolean (B, 1, T_q, T_k) mask for a pattern (True = may read)."""
+    m = pattern.allowed(B, H, T_q, T_k, like=torch.zeros(()))
+    return m.expand(B, H, T_q, T_k).contiguous()
+
+
+KPM = [[True] * 8, [False] * 3 + [True] * 5]  # HF's padding: keys only (left padding here)
+
+
+class _Module:
+    def __init__(self, is_causal=True, chunk=None, layer_types=None, layer_idx=None):
+        self.is_causal = is_causal
+        self.layer_idx = layer_idx
+        self.config = types.SimpleNamespace(attention_chunk_size=chunk, layer_types=layer_types)
+
+
+@pytest.mark.parametrize(
+    "kw,T_q,T_k,want,n",
+    [
+        ({}, 8, 8, "causal", 8),
+        ({}, 1, 8, "causal", 8),  # a decoding step reads every key
+        ({}, 3, 8, "causal", 3),  # a StaticCache prefill: the first T_q slots only
+        ({"is_causal": False}, 3, 8, "bidirectional", 8),
+        ({"sliding_window": 4}, 8, 8, "causal + window 4", 8),
+        ({"sliding_window": 4, "is_causal": False}, 8, 8, "bidirectional", 8),
+        ({"softcap": 5.0}, 8, 8, "causal + softcap 5", 8),
+        ({"softcap": 0.0}, 8, 8, "causal", 8),  # HF passes 0 for "none"
+        ({"s_aux": torch.zeros(4)}, 8, 8, "causal + sinks", 8),
+    ],
+)
+def test_no_mask_is_the_plain_pattern_with_keywords(kw, T_q, T_k, want, n):
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    pat, got_n = pattern_from_hf(None, *_qk(T_q=T_q, T_k=T_k), None, **kw)
+    assert pat.describe() == want and got_n == n
+    assert pat.mask is None and pat.lengths is None and pat.key_padding_mask is None
+
+
+def test_the_modules_is_causal_is_read_unless_the_call_says():
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    q, k = _qk()
+    assert not pattern_from_hf(_Module(is_causal=False), q, k, None)[0].causal
+    assert pattern_from_hf(_Module(is_causal=False), q, k, None, is_causal=True)[0].causal
+    assert not pattern_from_hf(_Module(), q, k, None, is_causal=False)[0].causal
+    assert pattern_from_hf(object(), q, k, None)[0].causal  # no is_causal attribute: causal
+
+
+@pytest.mark.parametrize(
+    "truth,B,T_q,T_k,kw,want",
+    [
+        (Pattern(), 2, 8, 8, {}, {"causal": True}),
+        (Pattern(key_padding_mask=KPM), 2, 8, 8, {}, "key_padding_mask"),
+        (Pattern(window=3), 1, 8, 8, {"sliding_window": 3}, {"window": 3}),
+        (
+            Pattern(window=3, key_padding_mask=KPM),
+            2,
+            8,
+            8,
+            {"sliding_window": 3},
+            "key_padding_mask",
+        ),
+        (Pattern(cu_seqlens=[0, 3, 5, 8]), 1, 8, 8, {}, {"cu_seqlens": [0, 3, 5, 8]}),
+        (
+            Pattern(window=2, cu_seqlens=[0, 5, 8]),
+            1,
+            8,
+            8,
+            {"sliding_window": 2},
+            {"window": 2, "cu_seqlens": [0, 5, 8]},
+        ),
+        (Pattern(causal=False), 1, 8, 8, {"is_causal": False}, {"causal": False}),
+        (Pattern(), 2, 1, 8, {}, {"causal": True}),  # decoding: one query, every key
+    ],
+)
+def test_a_structured_mask_becomes_its_rules_not_a_dense_mask(truth, B, T_q, T_k, kw, want):
+    """HF's dense mask is searched for the structured pattern that gives it bit for bit."""
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    mask = _hf_mask(truth, B, T_q, T_k)
+    pat, n = pattern_from_hf(None, *_qk(B=B, T_q=T_q, T_k=T_k), mask, **kw)
+    assert pat.mask is None and n == T_k, pat.describe()
+    assert torch.equal(pat.allowed(B, 4, T_q, T_k, like=mask).expand_as(mask), mask)
+    if want == "key_padding_mask":
+        assert pat.key_padding_mask is not None and "padding" in pat.describe()
+    else:
+        for name, value in want.items():
+            got = getattr(pat, name)
+            assert (got.tolist() if hasattr(got, "tolist") else got) == value, name
+    assert pat.window == kw.get("sliding_window")
+
+
+def test_a_static_caches_empty_slots_are_dropped():
+    """Keys no query reads at the end (a StaticCache's unfilled slots): n is the filled part."""
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    mask = torch.zeros(2, 1, 3, 16, dtype=torch.bool)
+    mask[..., :7] = _hf_mask(Pattern(), 2, 3, 7)  # 7 filled slots, the last 3 queries
+    mask[1, :, :, :2] = False  # left padding of the second sequence
+    pat, n = pattern_from_hf(None, *_qk(T_q=3, T_k=16), mask)
+    assert n == 7 and pat.mask is None and pat.key_padding_mask.shape == (2, 7)
+    assert torch.equal(pat.allowed(2, 1, 3, 7, like=mask), mask[..., :7])
+    mask[0, 0, 2, 12] = True  # one query reads a late slot: all 16 keys count
+    pat, n = pattern_from_hf(None, *_qk(T_q=3, T_k=16), mask)
+    assert n == 16 and torch.equal(pat.allowed(2, 1, 3, 16, like=mask).expand_as(mask), mask)
+
+
+@pytest.mark.parametrize("B,H", [(2, 1), (1, 1), (2, 4)])
+def test_a_mask_no_rule_gives_is_the_dense_mask_itself(B, H):
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    g = torch.Generator().manual_seed(B * 10 + H)
+    mask = torch.rand(B, H, 6, 6, generator=g) > 0.5
+    mask[..., torch.arange(6), torch.arange(6)] = True
+    pat, n = pattern_from_hf(None, *_qk(B=B, T_q=6, T_k=6), mask)
+    assert (
+        n == 6 and not pat.causal and pat.mask is mask and pat.describe() == "bidirectional + mask"
+    )
+    docs = _hf_mask(Pattern(cu_seqlens=[0, 2, 6]), 1, 6, 6)
+    docs[0, 0, 5, 0] = True  # almost documents: one cell across
+    pat, _ = pattern_from_hf(None, *_qk(B=1, T_q=6, T_k=6), docs)
+    assert pat.mask is not None and pat.cu_seqlens is None
+
+
+def test_additive_float_masks_are_read_as_blocked_and_allowed():
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    allowed = _hf_mask(Pattern(key_padding_mask=KPM), 2, 8, 8)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for fill in (torch.finfo(dtype).min, float("-inf")):
+            additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, fill)
+            pat, n = pattern_from_hf(None, *_qk(T_q=8, T_k=8), additive)
+            assert pat.mask is None and "padding" in pat.describe()
+            assert torch.equal(pat.allowed(2, 1, 8, 8, like=allowed), allowed)
+
+
+@pytest.mark.parametrize(
+    "mask,match",
+    [
+        (
+            torch.zeros(2, 1, 8, 8).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), -1e4),
+            "additive bias",
+        ),
+        (torch.zeros(2, 1, 8, 8) + 0.5, "additive bias"),
+        (torch.zeros(2, 1, 8, 8, dtype=torch.int64), r"dtype torch.int64; expected bool or float"),
+        (
+            torch.ones(2, 8, 8, dtype=torch.bool),
+            r"must be \(B, 1, T_q, T_k\) = \(2, 1, 8, 8\), got \(2, 8, 8\)",
+        ),
+        (torch.ones(3, 1, 8, 8, dtype=torch.bool), r"got \(3, 1, 8, 8\)"),
+        (torch.ones(2, 3, 8, 8, dtype=torch.bool), r"got \(2, 3, 8, 8\)"),
+        (torch.ones(2, 1, 7, 8, dtype=torch.bool), r"got \(2, 1, 7, 8\)"),
+        (torch.ones(2, 1, 8, 9, dtype=torch.bool), r"got \(2, 1, 8, 9\)"),
+    ],
+)
+def test_masks_that_are_not_who_may_read_whom_are_refused(mask, match):
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    with pytest.raises(ValueError, match=f"^causalattn attention: .*{match}"):
+        pattern_from_hf(None, *_qk(T_q=8, T_k=8), mask)
+
+
+@pytest.mark.parametrize("name", ["position_bias", "alibi", "attn_bias"])
+def test_score_biases_and_bad_keywords_are_refused_by_name(name):
+    from causalattn.integrations.hf_pattern import REFUSED_KWARGS, SUPPORTED_KWARGS, pattern_from_hf
+
+    assert name in REFUSED_KWARGS and "sliding_window" in SUPPORTED_KWARGS
+    q, k = _qk()
+    with pytest.raises(
+        ValueError, match=f"^causalattn attention: '{name}' \\(an additive score bias\\)"
+    ):
+        pattern_from_hf(None, q, k, None, **{name: torch.zeros(1)})
+    assert pattern_from_hf(None, q, k, None, **{name: None})[0].is_plain_causal  # None: absent
+    for w in (0, -3):
+        with pytest.raises(ValueError, match=f"sliding_window must be >= 1, got {w}$"):
+            pattern_from_hf(None, q, k, None, sliding_window=w)
+    with pytest.raises(ValueError, match=r"one logit per head, \(H,\) = \(4,\); got \(2, 2\)"):
+        pattern_from_hf(None, q, k, None, s_aux=torch.zeros(2, 2))
+
+
+def test_llama4_chunks_come_from_the_config_on_chunked_layers_only():
+    from causalattn.integrations.hf_pattern import _chunk_of, pattern_from_hf
+
+    types_ = ["chunked_attention", "full_attention"]
+    assert _chunk_of(_Module(chunk=4, layer_types=types_, layer_idx=0)) == 4
+    assert _chunk_of(_Module(chunk=4, layer_types=types_, layer_idx=1)) is None
+    assert _chunk_of(_Module(chunk=4, layer_types=types_, layer_idx=5)) == 4  # beyond the list
+    assert _chunk_of(_Module(chunk=4)) == 4  # no layer types: every layer
+    for c in (None, 0, -2, 4.0, "4"):
+        assert _chunk_of(_Module(chunk=c)) is None
+    assert _chunk_of(None) is None and _chunk_of(object()) is None
+    mask = _hf_mask(Pattern(chunk=4, key_padding_mask=KPM), 2, 8, 8)
+    pat, _ = pattern_from_hf(_Module(chunk=4, layer_types=types_, layer_idx=0), *_qk(), mask)
+    assert pat.chunk == 4 and pat.mask is None and "padding" in pat.describe()
+    plain = _hf_mask(Pattern(key_padding_mask=KPM), 2, 8, 8)  # a layer HF did not chunk
+    pat, _ = pattern_from_hf(_Module(chunk=4, layer_types=types_, layer_idx=0), *_qk(), plain)
+    assert pat.chunk is None and pat.mask is None
+
+
+def test_the_structure_of_a_mask_is_found_once_per_tensor():
+    """Every layer gets the same mask tensor: its structure is remembered, for that very
+    tensor, unchanged (an in-place change is read anew)."""
+    from causalattn.integrations import hf_pattern
+
+    q, k = _qk()
+    mask = _hf_mask(Pattern(key_padding_mask=KPM), 2, 8, 8)
+    calls = []
+    real = hf_pattern._structure
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(hf_pattern, "_structure", counting)
+        m.setattr(hf_pattern, "_MEMO", hf_pattern._Memo())
+        first, _ = hf_pattern.pattern_from_hf(None, q, k, mask)
+        n = len(calls)
+        assert n >= 1 and first.mask is None
+        again, _ = hf_pattern.pattern_from_hf(None, q, k, mask)
+        assert len(calls) == n and again.describe() == first.describe()
+        hf_pattern.pattern_from_hf(None, q, k, mask.clone())  # an equal but other tensor
+        assert len(calls) == 2 * n
+        hf_pattern.pattern_from_hf(None, q, k, mask, sliding_window=3)  # other keywords
+        assert len(calls) > 2 * n
+        before = len(calls)
+        mask[0, 0, 2, 5] = True  # changed in place: a future key
+        changed, _ = hf_pattern.pattern_from_hf(None, q, k, mask)
+        assert len(calls) > before and changed.mask is not None
+    memo = hf_pattern._Memo(size=2)
+    ts = [torch.zeros(1) for _ in range(3)]
+    for i, t in enumerate(ts):
+        memo.put(t, ("k", i), i)
+    assert memo.get(ts[2], ("k", 2)) == 2 and memo.get(ts[1], ("k", 1)) == 1
+    assert memo.get(ts[0], ("k", 0)) is None  # the oldest was let go
+    assert memo.get(ts[1], ("k", 2)) is None  # same tensor, other key
