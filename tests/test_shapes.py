@@ -232,3 +232,29 @@ def test_row_to_dict_has_every_field():
         "explanation": "Q = X W_Q: sequence length × d_k in each of the 2 heads",
     }
     assert type(r.to_dict()["shape"]) is list
+
+
+EXPLAINED = {  # what `causalattn shapes` prints beside each row ({each}: per head, {h}: heads)
+    "Q": "Q = X W_Q: sequence length × d_k{each}",
+    "K": "K = X W_K: sequence length × d_k",
+    "Kᵀ": "transposed from K so the inner d_k axes contract (a view, no copy)",
+    "QKᵀ": "(T×d_k)(d_k×T) -> T×T{each}: one raw score per query-key pair",
+    "M": "causal mask, 0 on and below the diagonal, -∞ above; T×T, shared by every head",
+    "QKᵀ/√d_k + M": "scale by 1/√d_k and add M element-wise: the shape is preserved",
+    "A": "A = softmax_last(…), row-wise over the key axis: the shape is preserved",
+    "V": "V = X W_V: sequence length × d_v",
+    "H": "H = A V: (T×T)(T×d_v) -> T×d_v{each}",
+    "W_Q": "d_model×{h}d_k: projects the input embedding to Query space",
+    "W_K": "d_model×{h}d_k: projects the input embedding to Key space",
+    "W_V": "d_model×{h}d_v: projects the input embedding to Value space",
+    "W_O": "{h}d_v×d_model: projects the attention output back to the model dimension; "
+    "FLOPs are those of O = H W_O",
+}
+
+
+@pytest.mark.parametrize("h", [1, 2, 3])
+def test_every_rows_explanation(h):
+    each = "" if h == 1 else f" in each of the {h} heads"
+    heads = "" if h == 1 else f"{h}·"
+    got = {r.symbol: r.explanation for r in shape_table(4, 6, n_heads=h)}
+    assert got == {s: e.format(each=each, h=heads) for s, e in EXPLAINED.items()}
