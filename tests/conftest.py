@@ -6,7 +6,10 @@ engines take their mask from masks.py) and a surviving mutant would cost the who
 selection. Each mutated module is instead judged by its own tests, listed here; mutmut names
 the mutant in ``MUTANT_UNDER_TEST`` inside its worker. In mutmut's stats run (which maps
 functions to tests) what a diagnosis's forked worker reaches is counted for the test too.
-Outside mutmut this is a no-op.
+Outside mutmut this is a no-op. mutmut forks each mutant's worker from a process that has
+collected every selected test module: a module that runs a torch op at import (a tensor
+built in a parametrize list) starts OpenMP's threads there, and the forked workers then
+hang in them (every mutant "timeout"); build such tensors inside the test.
 
 How the suite shares a machine: `make test` runs it on pytest-xdist workers (`-n 2`). This
 part changes nothing a test checks; it decides where and in which order tests run and how

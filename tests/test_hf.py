@@ -391,12 +391,14 @@ class _Module:
         ({"sliding_window": 4, "is_causal": False}, 8, 8, "bidirectional", 8),
         ({"softcap": 5.0}, 8, 8, "causal + softcap 5", 8),
         ({"softcap": 0.0}, 8, 8, "causal", 8),  # HF passes 0 for "none"
-        ({"s_aux": torch.zeros(4)}, 8, 8, "causal + sinks", 8),
+        ({"s_aux": [0.0] * 4}, 8, 8, "causal + sinks", 8),
     ],
 )
 def test_no_mask_is_the_plain_pattern_with_keywords(kw, T_q, T_k, want, n):
     from causalattn.integrations.hf_pattern import pattern_from_hf
 
+    if "s_aux" in kw:
+        kw = {**kw, "s_aux": torch.tensor(kw["s_aux"])}
     pat, got_n = pattern_from_hf(None, *_qk(T_q=T_q, T_k=T_k), None, **kw)
     assert pat.describe() == want and got_n == n
     assert pat.mask is None and pat.lengths is None and pat.key_padding_mask is None
@@ -500,30 +502,37 @@ def test_additive_float_masks_are_read_as_blocked_and_allowed():
             assert torch.equal(pat.allowed(2, 1, 8, 8, like=allowed), allowed)
 
 
-@pytest.mark.parametrize(
-    "mask,match",
-    [
-        (
-            torch.zeros(2, 1, 8, 8).masked_fill(torch.ones(8, 8, dtype=torch.bool).triu(1), -1e4),
-            "additive bias",
-        ),
-        (torch.zeros(2, 1, 8, 8) + 0.5, "additive bias"),
-        (torch.zeros(2, 1, 8, 8, dtype=torch.int64), r"dtype torch.int64; expected bool or float"),
-        (
-            torch.ones(2, 8, 8, dtype=torch.bool),
-            r"must be \(B, 1, T_q, T_k\) = \(2, 1, 8, 8\), got \(2, 8, 8\)",
-        ),
-        (torch.ones(3, 1, 8, 8, dtype=torch.bool), r"got \(3, 1, 8, 8\)"),
-        (torch.ones(2, 3, 8, 8, dtype=torch.bool), r"got \(2, 3, 8, 8\)"),
-        (torch.ones(2, 1, 7, 8, dtype=torch.bool), r"got \(2, 1, 7, 8\)"),
-        (torch.ones(2, 1, 8, 9, dtype=torch.bool), r"got \(2, 1, 8, 9\)"),
-    ],
-)
-def test_masks_that_are_not_who_may_read_whom_are_refused(mask, match):
+# masks are built in the test, not at collection: a torch op at import starts OpenMP's
+# threads, and processes forked from one that did (mutmut's workers) can hang in them
+BAD_MASKS = [
+    (lambda: _additive((2, 1, 8, 8), -1e4), "additive bias"),
+    (lambda: torch.full((2, 1, 8, 8), 0.5), "additive bias"),
+    (
+        lambda: torch.zeros(2, 1, 8, 8, dtype=torch.int64),
+        r"dtype torch.int64; expected bool or float",
+    ),
+    (
+        lambda: torch.ones(2, 8, 8, dtype=torch.bool),
+        r"must be \(B, 1, T_q, T_k\) = \(2, 1, 8, 8\), got \(2, 8, 8\)",
+    ),
+    (lambda: torch.ones(3, 1, 8, 8, dtype=torch.bool), r"got \(3, 1, 8, 8\)"),
+    (lambda: torch.ones(2, 3, 8, 8, dtype=torch.bool), r"got \(2, 3, 8, 8\)"),
+    (lambda: torch.ones(2, 1, 7, 8, dtype=torch.bool), r"got \(2, 1, 7, 8\)"),
+    (lambda: torch.ones(2, 1, 8, 9, dtype=torch.bool), r"got \(2, 1, 8, 9\)"),
+]
+
+
+def _additive(shape, fill):
+    """A causal additive mask with ``fill`` above the diagonal."""
+    return torch.zeros(shape).masked_fill(torch.ones(shape[-2:], dtype=torch.bool).triu(1), fill)
+
+
+@pytest.mark.parametrize("make,match", BAD_MASKS)
+def test_masks_that_are_not_who_may_read_whom_are_refused(make, match):
     from causalattn.integrations.hf_pattern import pattern_from_hf
 
     with pytest.raises(ValueError, match=f"^causalattn attention: .*{match}"):
-        pattern_from_hf(None, *_qk(T_q=8, T_k=8), mask)
+        pattern_from_hf(None, *_qk(T_q=8, T_k=8), make())
 
 
 @pytest.mark.parametrize("name", ["position_bias", "alibi", "attn_bias"])
