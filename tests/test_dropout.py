@@ -333,3 +333,45 @@ def test_seeds_are_two_31_bit_draws_from_the_generator_or_torchs_rng():
     assert dropout.seed_from() == b and dropout.seed_tensor().tolist() != list(b)
     draws = torch.stack([dropout.seed_tensor(_gen(n)) for n in range(200)])
     assert draws.min() >= 0 and draws.max() < 2**31 - 1 and draws.max() > 2**30
+
+
+def test_keep_mask_stays_on_the_positions_device_and_reads_any_integer_dtype():
+    """The result is on ``device`` (default: the row positions' device), via the torch
+    path there (meta here: the GPU's path without a GPU); int32 positions give the bits of
+    int64 ones (the hash runs in int64 whatever comes in)."""
+    from causalattn import dropout
+
+    meta = [torch.arange(n, device="meta") for n in (2, 3, 4)]
+    m = dropout.keep_mask(1, 2, meta[0][:, None], 0, meta[1], meta[2], 0.5)
+    assert (m.device.type, m.shape, m.dtype) == ("meta", (2, 1, 3, 4), torch.bool)
+    m = dropout.keep_mask(1, 2, 0, 0, torch.arange(3), torch.arange(4), 0.5, device="meta")
+    assert (m.device.type, m.shape) == ("meta", (3, 4))
+    cpu = dropout.keep_mask(1, 2, 0, 0, torch.arange(3), torch.arange(4), 0.5)
+    assert cpu.device.type == "cpu" and cpu.shape == (3, 4)
+    b, h = torch.arange(3)[:, None] * 100_000, torch.tensor([5])
+    i, j = torch.arange(5) * 10**8, torch.arange(4) * 10**8
+    want = dropout.keep_mask(2**30, 7, b, h, i, j, 0.5)
+    got = dropout.keep_mask(2**30, 7, *(t.to(torch.int32) for t in (b, h, i, j)), 0.5)
+    assert torch.equal(got, want)
+    assert torch.equal(
+        dropout.keep_mask(2**30, 7, 200_000, 5, i.tolist(), j.tolist(), 0.5), want[2, 0]
+    )
+
+
+def test_a_cell_whose_hash_equals_the_threshold_is_kept():
+    """Dropped when the 24-bit hash is *below* round(p·2²⁴): at p = 0 nothing is dropped,
+    not even a cell whose hash is 0 (fmix32(0) = 0), on both per-cell paths."""
+    from causalattn import dropout
+
+    zero = torch.tensor([0])
+    for cells in (dropout._cells_torch, dropout._cells_numpy):
+        assert cells(zero, zero, 0).tolist() == [[True]]
+        assert cells(zero, zero, 1).tolist() == [[False]]
+
+
+def test_the_seed_is_drawn_on_the_cpu_whatever_the_default_device():
+    from causalattn import dropout
+
+    with torch.device("meta"):
+        s = dropout.seed_tensor(_gen(3))
+    assert s.device.type == "cpu" and s.tolist() == dropout.seed_tensor(_gen(3)).tolist()
