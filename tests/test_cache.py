@@ -156,3 +156,41 @@ def test_claim_keeps_one_owner():
     with pytest.raises(ValueError, match="another model; give every model its own KVCache"):
         c.claim(9, what="model")
     assert c.owner == 7
+
+
+def test_the_default_capacity_is_256_positions():
+    c = KVCache()
+    c.append(*_kv(B=1, H=1, t=3))
+    assert c._k.shape[2] == c._v.shape[2] == 256 and len(c) == 3
+
+
+def test_messages_in_full():
+    k, v = _kv(B=1, H=2, t=1, d_k=1, d_v=1)
+    with pytest.raises(ValueError) as e:  # 2 · 2²⁷ positions · 2 · 4 bytes = 2 GiB
+        KVCache(capacity=2**27, max_bytes=2**30).append(k, v)
+    assert str(e.value) == (
+        "KVCache: 134217728 positions of k (B, H_kv, T, d_k) = (1, 2, 134217728, 1) and v "
+        "(d_v = 1) in torch.float32 would take 2.0 GiB (max_bytes 1.0 GiB); give a smaller "
+        "capacity or a larger max_bytes"
+    )
+    with pytest.raises(ValueError) as e:
+        KVCache().append(k, v.double())
+    assert str(e.value) == (
+        "KVCache.append: k is torch.float32 on cpu but v is torch.float64 on cpu; they must match"
+    )
+    with pytest.raises(ValueError) as e:
+        KVCache().append(k, v[..., None])  # v 5-D with k's (B, H_kv, t)
+    assert str(e.value) == (
+        "KVCache.append: k and v must be (B, H_kv, t, d) with the same (B, H_kv, t); "
+        "got k (1, 2, 1, 1), v (1, 2, 1, 1, 1)"
+    )
+    with pytest.raises(ValueError, match=r"got k \(1, 2, 1\), v \(1, 2, 1, 1\)$"):
+        KVCache().append(k[..., 0], v)  # k 3-D
+    c = KVCache()
+    c.append(k, v)
+    with pytest.raises(ValueError) as e:
+        c.append(*_kv(B=2, H=2, t=1, d_k=1, d_v=1))
+    assert str(e.value) == (
+        "KVCache.append: cache holds (B, H_kv, T, d_k) = (1, 2, 1, 1) and d_v = 1; got k "
+        "(2, 2, 1, 1), v (2, 2, 1, 1) (another layer or batch?)"
+    )
