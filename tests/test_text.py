@@ -377,3 +377,34 @@ def test_sentences_as_any_sequence_and_messages_name_the_sentence():
     ):
         b = encode(["a b", "c", "d e f"], max_len=1)
     assert b.truncated == (0, 2) and b.tokens[2] == ["d"]
+
+
+def test_the_rest_of_the_messages_and_edges():
+    from causalattn.text import check_bytes
+
+    with pytest.raises(ValueError) as e:
+        check_bytes("x", 2, 1)  # no hint: nothing after the limit
+    assert str(e.value) == "x would take 2 B (limit 1 B, max_bytes)"
+    with pytest.raises(ValueError) as e:
+        encode([])
+    assert str(e.value) == "text: the corpus is empty; give at least one sentence"
+    with pytest.raises(ValueError) as e:
+        encode(["a"], vocab={"a": 2})
+    assert str(e.value) == "text: vocab must be a Vocabulary, got dict"
+    assert repr(Vocabulary("abcdef")) == "Vocabulary(8 tokens: <PAD>, <UNK>, a, b, c, d, e, f)"
+    b = encode(SEED_SENTENCES, max_bytes=320)
+    assert b.mask_block(0, 3, 2, 2).shape == (4, 3, 0) and b.mask_block(5, 5, 0, 0).shape == (
+        4,
+        0,
+        0,
+    )
+    with pytest.raises(ValueError, match=r"^text: the dense mask block \(4, 9, 9\) would take"):
+        b.mask_block(1, 10, 1, 10)
+    assert b.mask_block(2, 10, 0, 10).shape == (4, 8, 10)  # 320 cells: at the limit
+    assert b.mask_block(0, 10, 2, 10).shape == (4, 10, 8)
+
+
+def test_the_truncation_warning_points_at_the_caller():
+    with pytest.warns(UserWarning, match="truncated") as w:
+        encode(["a b c"], max_len=2)
+    assert w[0].filename == __file__
