@@ -370,3 +370,104 @@ def test_padding_query_rows_may_read_a_subset_of_the_real_keys(parts, declared):
         al[1, 5, [0, 4]] = True  # a padding row that reads a padding key (declared)
         rep, c = structure(al)
         assert not c.ok and "padding keys are readable" in c.hint, str(rep)
+
+
+# ---- stages H, C and O, check by check ----------------------------------------------------
+def _check(rep, name):
+    (c,) = [c for c in rep.checks if c.name == name]
+    return c
+
+
+def _heads(tr):
+    """X, W_Q and the per-head Q: what tells the audit there are heads."""
+    return {"X": tr.X, "W_q": tr["W_q"], "Q": tr.Q}
+
+
+@pytest.fixture(scope="module")
+def two_heads():
+    """A two-head trace (B = 2): per-head H (2, 2, T, 3), W_O (6, D)."""
+    rng = np.random.default_rng(5)
+    X = rng.normal(size=(2, T, D))
+    W = [rng.normal(size=(D, 2 * DK)) for _ in range(3)] + [rng.normal(size=(2 * DK, D))]
+    return causalattn.trace(X, *W, n_heads=2)
+
+
+def test_stage_H_checks_A_V_and_says_how_far_off(two_heads):
+    tr = two_heads
+    A, V, H = tr.A, tr.V, tr.H
+    rep = audit({"A": A, "V": V, "H": H})
+    c = _check(rep, "H = A V")
+    assert rep.ok and c.ok and c.message.startswith("max |H - A V| = ")
+    Hc = H.transpose(0, 2, 1, 3).reshape(2, T, 2 * DK)  # heads concatenated: split back
+    assert _check(audit({**_heads(tr), "A": A, "V": V, "H": Hc}), "H = A V").ok
+    bad = H.copy()
+    bad[1, 0, 3, 2] += 0.5
+    rep = audit({"A": A, "V": V, "H": bad})
+    c = rep.first_failure
+    assert (c.stage, c.name, c.ok) == ("H", "H = A V", False)
+    assert c.message == f"max |H - A V| = {0.5:.3g}"
+    assert c.evidence == {"index": (1, 0), "rows": [3], "max_err": pytest.approx(0.5)}
+    assert c.hint == "H is not A V for these weights and values"
+    rep = audit({"A": A, "V": V, "H": H[..., :2]})
+    c = rep.first_failure
+    assert c.name == "H = A V" and c.message == (
+        f"H has shape {H[..., :2].shape} but A V is {H.shape}"
+    )
+    rep = audit({"A": A, "V": V[:, :, :4]})
+    c = rep.first_failure
+    assert (c.stage, c.name) == ("H", "H = A V shapes")
+    assert (
+        c.message == f"A is {A.shape} but V is {V[:, :, :4].shape}; A's key axis must match V's T"
+    )
+    rep = audit({"A": A, "V": V})  # no H: recomputed, nothing to fail
+    assert rep.ok and "H" in rep.recomputed
+
+
+def test_stage_C_adds_the_contributions_up_to_H(two_heads):
+    tr = two_heads
+    base = {"A": tr.A, "V": tr.V, "H": tr.H}
+    C = tr.C
+    assert C.shape == tr.A.shape + (DK,)
+    c = _check(audit({**base, "C": C}), "Σ_j C[i, j] = H_i")
+    assert c.ok and c.message.startswith("max |Σ_j C[i, j] - H_i| = ")
+    bad = C.copy()
+    bad[0, 1, 4, 0, 1] += 0.25
+    c = audit({**base, "C": bad}).first_failure
+    assert (c.stage, c.name) == ("C", "Σ_j C[i, j] = H_i")
+    assert c.message == f"max |Σ_j C[i, j] - H_i| = {0.25:.3g}"
+    assert c.evidence == {"index": (0, 1), "rows": [4], "max_err": pytest.approx(0.25)}
+    assert c.hint == "the contributions do not add up to the output"
+    for wrong in (C[..., :2], C[:, :, :4]):
+        c = audit({**base, "C": wrong}).first_failure
+        assert c.stage == "C" and c.message == (
+            f"C is {wrong.shape} but H is {tr.H.shape} (C must be T×T×d_v)"
+        )
+
+
+def test_stage_O_checks_the_output_projection(two_heads):
+    tr = two_heads
+    W_o, H = tr["W_o"], tr.H
+    O = tr.O
+    base = {**_heads(tr), "A": tr.A, "V": tr.V, "H": H, "W_o": W_o}
+    c = _check(audit({**base, "O": O}), "O = H W_O")
+    assert c.ok and c.message.startswith("max |O - H W_O| = ")
+    bad = O.copy()
+    bad[1, 2, 0] -= 1.0
+    c = audit({**base, "O": bad}).first_failure
+    assert (c.stage, c.message, c.hint) == ("O", f"max |O - H W_O| = {1.0:.3g}", None)
+    assert c.evidence == {"index": (1,), "rows": [2], "max_err": pytest.approx(1.0)}
+    c = audit({**base, "O": O, "W_o": W_o[:4]}).first_failure
+    assert c.message == "H is T×(h·d_v) = 6×6 but W_O is 4×4"
+    c = audit({**base, "O": O[..., :3]}).first_failure
+    assert c.message == f"O has shape {O[..., :3].shape} but H W_O is {O.shape}"
+    assert c.hint is None and c.evidence == {"shape": O[..., :3].shape}
+    Hm = H.transpose(0, 2, 1, 3).reshape(2, T, 2 * DK)  # the merged heads
+    W6 = np.random.default_rng(2).normal(size=(6, 6))  # square: transposed or missing show
+    rep = audit({**base, "W_o": W6, "O": Hm @ W6.T})
+    assert rep.first_failure.hint.endswith("O = H W_Oᵀ: the output projection is transposed")
+    rep = audit({**base, "W_o": W6, "O": Hm})
+    assert rep.first_failure.hint.endswith("O = H: the output projection is missing")
+    c = audit({**base, "W_o": W_o, "O": Hm}).first_failure  # not square: O has H's shape
+    assert c.message == f"O has shape {Hm.shape} but H W_O is {O.shape}"
+    assert c.hint.endswith("O has H's shape: the output projection is missing")
+    assert audit({"A": tr.A, "V": tr.V, "H": H, "O": O}).ok  # no W_O: nothing to check O by
