@@ -373,11 +373,6 @@ def test_padding_query_rows_may_read_a_subset_of_the_real_keys(parts, declared):
 
 
 # ---- stages H, C and O, check by check ----------------------------------------------------
-def _check(rep, name):
-    (c,) = [c for c in rep.checks if c.name == name]
-    return c
-
-
 def _heads(tr):
     """X, W_Q and the per-head Q: what tells the audit there are heads."""
     return {"X": tr.X, "W_q": tr["W_q"], "Q": tr.Q}
