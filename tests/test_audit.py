@@ -466,3 +466,124 @@ def test_stage_O_checks_the_output_projection(two_heads):
     assert c.message == f"O has shape {Hm.shape} but H W_O is {O.shape}"
     assert c.hint.endswith("O has H's shape: the output projection is missing")
     assert audit({"A": tr.A, "V": tr.V, "H": H, "O": O}).ok  # no W_O: nothing to check O by
+
+
+# ---- stage A, check by check --------------------------------------------------------------
+def test_stage_A_rows_sum_to_one_with_the_row_sums_as_evidence(parts):
+    X, W = parts
+    st = _pipeline(X, W)
+    A = st["A"].copy()
+    A[2] *= 1.5
+    A[4] *= 0.5
+    rep = audit({"A": A, "V": st["V"]})
+    c = rep.first_failure
+    assert (c.stage, c.name) == ("A", "rows sum to 1")
+    assert c.message == "2 readable rows do not sum to 1 over their readable columns (e.g. 1.5)"
+    assert c.evidence == {"rows": [2, 4], "row_sums": [1.5, 0.5]}
+    assert c.hint == "rows are not normalized over the key axis"
+    ok = _check(audit({"A": st["A"], "V": st["V"]}), "rows sum to 1")
+    assert ok.ok and ok.message == "every readable row sums to 1 over its readable columns"
+    rep = audit({"A": st["A"] * 0.9, "V": st["V"]}, sinks=[0.3])
+    assert _check(rep, "rows sum to 1").ok  # with sinks a row may sum to less than 1
+    rep = audit({"A": st["A"] * 1.1, "V": st["V"]}, sinks=[0.3])
+    assert not _check(rep, "rows sum to 1").ok  # ... never to more
+
+
+def test_stage_A_hints_name_how_the_softmax_went_wrong(parts):
+    X, W = parts
+    st = _pipeline(X, W)
+    S = st["S"]
+    al = masks.causal(T)
+    under = np.where(al, st["A"], 0) * 0.8  # rows below 1, zeros in the right place
+    rep = audit({"A": under, "V": st["V"]})
+    assert rep.first_failure.hint.endswith(
+        "rows sum to less than 1 with zeros in the right place: the mask was likely applied "
+        "after the softmax without renormalizing"
+    )
+    full = ca_softmax(S)
+    rep = audit({"S": S, "A": np.where(al, full, 0), "V": st["V"]})
+    assert rep.first_failure.hint.endswith(
+        "mask applied after softmax without renormalizing: rows sum to less than 1 (the "
+        "forbidden weight was dropped, not redistributed)"
+    )
+    cols = np.where(al, np.exp(S), 0)
+    cols = cols / cols.sum(0, keepdims=True)  # softmax down each key column
+    assert audit({"A": cols, "V": st["V"]}).first_failure.hint.endswith(
+        "columns sum to 1, rows do not: softmax ran over the query axis"
+    )
+    whole = np.where(al, np.exp(S), 0)
+    whole = whole / whole.sum()
+    assert audit({"A": whole, "V": st["V"]}).first_failure.hint.endswith(
+        "the whole matrix sums to 1: softmax ran over all entries at once"
+    )
+
+
+def ca_softmax(S):
+    E = np.exp(S - S.max(-1, keepdims=True))
+    return E / E.sum(-1, keepdims=True)
+
+
+def test_stage_A_blocked_entries_nonfinite_rows_empty_rows_and_the_softmax(parts):
+    X, W = parts
+    st = _pipeline(X, W)
+    A = st["A"].copy()
+    A[1, 3] = 0.25  # a future key with weight
+    A[1, 0] -= 0.25
+    c = _check(audit({"A": A, "V": st["V"]}), "forbidden entries exactly 0")
+    assert not c.ok and c.message == "1 blocked entries have nonzero weight (max 0.25)"
+    assert c.evidence == {"rows": [1], "cols": [3]}
+    assert c.hint.endswith(
+        "the mask must be applied before the softmax, with -inf (or a fill whose weight comes "
+        "out exactly 0)"
+    )
+    c = _check(audit({"A": st["A"], "V": st["V"]}), "forbidden entries exactly 0")
+    assert c.ok and c.message == "blocked entries have exactly zero weight"
+    A = st["A"].copy()
+    A[3, 1] = np.inf
+    c = _check(audit({"A": A, "V": st["V"]}), "readable rows finite")
+    assert not c.ok and c.message == "1 readable rows hold NaN or inf"
+    assert c.evidence == {"rows": [3]} and c.hint == "NaN/inf weights in rows that can read a key"
+    big = {**st, "S": st["S"] * 100, "A": A}
+    c = _check(audit(big), "readable rows finite")
+    assert c.hint.endswith(
+        "scores this large overflow exp(): subtract the row maximum before exponentiating "
+        "(stable softmax)"
+    )
+    assert _check(audit({"A": st["A"], "V": st["V"]}), "readable rows finite").message == (
+        "every readable row is finite"
+    )
+    al = masks.Pattern(lengths=[4]).allowed(1, 1, T, T)[0, 0]
+    A = np.where(al, st["A"], 0.0)
+    A[:4] /= A[:4].sum(-1, keepdims=True)
+    c = _check(audit({"A": A, "V": st["V"], "allowed": al}), "rows with no readable key are zero")
+    assert c.ok and c.message == "rows with no readable key have zero weight"
+    A[5] = np.nan
+    A[4, 0] = 0.1
+    c = _check(audit({"A": A, "V": st["V"], "allowed": al}), "rows with no readable key are zero")
+    assert not c.ok and c.message == "2 rows with no readable key are not zero (NaN)"
+    assert c.evidence == {"rows": [4, 5]} and "0/0" in c.hint
+    A[5] = 0.0
+    c = _check(audit({"A": A, "V": st["V"], "allowed": al}), "rows with no readable key are zero")
+    assert c.message == "1 rows with no readable key are not zero"
+    c = _check(audit({"S": st["S"], "A": st["A"], "V": st["V"]}), "A = softmax_last(S + M)")
+    assert c.ok and c.message.startswith("max |A - softmax(S + M)| = ")
+    hot = ca_softmax(np.where(masks.causal(T), st["S"] * 1.3, -np.inf))  # a distribution, wrong S
+    c = _check(audit({"S": st["S"], "A": hot, "V": st["V"]}), "A = softmax_last(S + M)")
+    assert not c.ok and c.hint.endswith(
+        "A is a distribution per row but not the softmax of these scores: check the scale and "
+        "which scores were used"
+    )
+    assert c.evidence["max_err"] > 0 and "rows" in c.evidence
+
+
+def test_stage_A_shapes(parts):
+    X, W = parts
+    st = _pipeline(X, W)
+    c = audit({"S": st["S"], "A": st["A"][:, :5], "V": st["V"][:5]}).first_failure
+    assert (c.stage, c.name) == ("A", "A has S's shape")
+    assert c.message == "A is 6×5 but S (Q Kᵀ) is 6×6 (T_q×T_k)"
+    assert c.hint == "A must be T_q×T_k like the scores: was it transposed or sliced?"
+    c = audit({"A": st["A"][:, :5], "V": st["V"][:5]}).first_failure
+    assert (c.name, c.message) == ("A is T×T", "A is 6×5: more query rows than keys")
+    with pytest.raises(AuditInputError, match=r"shape \(5, 6\) does not broadcast to \(6, 6\)"):
+        audit({"A": st["A"], "V": st["V"], "allowed": masks.causal(T)[:5]})
