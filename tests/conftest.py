@@ -149,7 +149,8 @@ def loopback_ports(tmp_path_factory):
 
 def pytest_collection_modifyitems(config, items):
     """Under xdist, long tests first (a stable sort: the slow-marked ones and LONGEST);
-    inside a mutmut worker, only the mutated module's own test files (MUTATION_TESTS)."""
+    inside a mutmut worker, only the mutated module's own test files (MUTATION_TESTS),
+    quickest first."""
     if WORKER is not None:
         items.sort(key=lambda it: not (it.name in LONGEST or it.get_closest_marker("slow")))
     mutant = os.environ.get("MUTANT_UNDER_TEST", "")
@@ -159,4 +160,24 @@ def pytest_collection_modifyitems(config, items):
     keep = [item for item in items if item.path.name in files]
     if len(keep) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
-        items[:] = keep
+    # quickest first (mutmut's stats timed each test; it runs with -x): a killed mutant
+    # usually fails a short test, and need not wait for the long ones
+    took = _stats_durations(config.rootpath)
+    items[:] = sorted(keep, key=lambda it: took.get(it.nodeid, float("inf")))
+
+
+_DURATIONS: dict = {}
+
+
+def _stats_durations(root) -> dict:
+    """mutmut's per-test durations (mutants/mutmut-stats.json), read once per process."""
+    if not _DURATIONS:
+        import json
+        from pathlib import Path
+
+        try:
+            stats = json.loads((Path(root) / "mutmut-stats.json").read_text())
+            _DURATIONS.update(stats.get("duration_by_test", {}))
+        except (OSError, ValueError):
+            _DURATIONS["-"] = 0.0  # no stats: keep the order
+    return _DURATIONS
