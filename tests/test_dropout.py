@@ -344,6 +344,8 @@ def test_keep_mask_stays_on_the_positions_device_and_reads_any_integer_dtype():
     meta = [torch.arange(n, device="meta") for n in (2, 3, 4)]
     m = dropout.keep_mask(1, 2, meta[0][:, None], 0, meta[1], meta[2], 0.5)
     assert (m.device.type, m.shape, m.dtype) == ("meta", (2, 1, 3, 4), torch.bool)
+    m = dropout.keep_mask(1, 2, torch.arange(2)[:, None], 0, meta[1], meta[2], 0.5)  # b on the CPU
+    assert (m.device.type, m.shape) == ("meta", (2, 1, 3, 4))
     m = dropout.keep_mask(1, 2, 0, 0, torch.arange(3), torch.arange(4), 0.5, device="meta")
     assert (m.device.type, m.shape) == ("meta", (3, 4))
     cpu = dropout.keep_mask(1, 2, 0, 0, torch.arange(3), torch.arange(4), 0.5)
