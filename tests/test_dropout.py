@@ -377,3 +377,33 @@ def test_the_seed_is_drawn_on_the_cpu_whatever_the_default_device():
     with torch.device("meta"):
         s = dropout.seed_tensor(_gen(3))
     assert s.device.type == "cpu" and s.tolist() == dropout.seed_tensor(_gen(3)).tolist()
+
+
+def test_apply_makes_its_zeros_on_the_weights_device_whatever_the_default_device():
+    """The dropped cells' zero is built on A's device (a zero on the default device would
+    not mix with A: here the default is meta, A is on the CPU)."""
+    from causalattn import dropout
+
+    A = torch.tensor([[0.25, 0.5], [0.75, 1.0]], dtype=torch.float64)
+    keep = torch.tensor([[True, False], [False, True]])
+    with torch.device("meta"):
+        out = dropout.apply(A, keep, 0.5)
+    assert out.device.type == "cpu" and out.tolist() == [[0.5, 0.0], [0.0, 2.0]]
+
+
+def test_cpu_positions_are_hashed_in_numpy_and_others_in_torch(monkeypatch):
+    """The per-cell step runs in NumPy for CPU tensors (it releases the GIL: the tiled engine
+    hashes tiles on many threads), in torch on any other device."""
+    from causalattn import dropout
+
+    want = dropout.keep_mask(3, 1, 0, 0, torch.arange(4), torch.arange(5), 0.5)
+
+    def refuse(*args):
+        raise AssertionError("wrong per-cell path")
+
+    monkeypatch.setattr(dropout, "_cells_torch", refuse)
+    assert torch.equal(dropout.keep_mask(3, 1, 0, 0, torch.arange(4), torch.arange(5), 0.5), want)
+    monkeypatch.undo()
+    monkeypatch.setattr(dropout, "_cells_numpy", refuse)
+    meta = dropout.keep_mask(3, 1, 0, 0, torch.arange(4, device="meta"), torch.arange(5), 0.5)
+    assert meta.device.type == "meta" and meta.shape == (4, 5)

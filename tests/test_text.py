@@ -51,7 +51,7 @@ def test_seed_corpus_vocabulary_ids_lengths():
     assert (b.B, b.N) == (4, 10)
     assert b.vocab.tokens == SEED_VOCAB
     assert len(b.vocab) == 23
-    assert b.lengths.tolist() == [10, 8, 8, 6]
+    assert b.lengths.tolist() == [10, 8, 8, 6] and b.lengths.dtype == np.int64
     assert b.ids.dtype == np.int64 and b.ids.shape == (4, 10)
     assert b.ids[0].tolist() == list(range(2, 12))
     assert b.ids[3].tolist() == [18, 19, 12, 20, 21, 22, 0, 0, 0, 0]
@@ -404,8 +404,12 @@ def test_the_rest_of_the_messages_and_edges():
     assert b.mask_block(0, 10, 2, 10).shape == (4, 10, 8)
 
 
-def test_the_truncation_warning_points_past_the_text_module():
-    """At encode's caller (under mutmut, its trampoline: one more frame), not at text.py."""
+def test_the_truncation_warning_points_at_encodes_caller():
+    """At the file that called encode (stacklevel 2). Under mutmut encode is wrapped by its
+    trampoline, which is then the caller (in mutmut's own file, one frame or two deep: this
+    test cannot tell stacklevel 2 from 3 there; docs/design.md)."""
     with pytest.warns(UserWarning, match="truncated") as w:
         encode(["a b c"], max_len=2)
-    assert w[0].filename != ca.text.__file__
+    wrapper = ca.text.encode.__code__.co_filename
+    want = __file__ if wrapper == ca.text.__file__ else wrapper
+    assert w[0].filename == want
