@@ -609,3 +609,121 @@ def test_the_structure_of_a_mask_is_found_once_per_tensor():
     assert memo.get(ts[2], ("k", 2)) == 2 and memo.get(ts[1], ("k", 1)) == 1
     assert memo.get(ts[0], ("k", 0)) is None  # the oldest was let go
     assert memo.get(ts[1], ("k", 2)) is None  # same tensor, other key
+
+
+def test_two_one_token_documents_and_a_mask_shared_by_the_batch():
+    """The smallest packing (two documents of one token, T = 2) is read as documents; one
+    token is no packing. A (1, 1, T, T) mask HF shares over a batch of 2 with a key no query
+    reads becomes a key padding mask for both rows."""
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    two = _hf_mask(Pattern(cu_seqlens=[0, 1, 2]), 1, 2, 2)
+    pat, n = pattern_from_hf(None, *_qk(B=1, T_q=2, T_k=2), two)
+    assert n == 2 and pat.mask is None and pat.cu_seqlens.tolist() == [0, 1, 2]
+    one = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    pat, n = pattern_from_hf(None, *_qk(B=1, T_q=1, T_k=1), one)
+    assert n == 1 and pat.is_plain_causal
+    hole = [[True] * 3 + [False] + [True] * 4]
+    shared = _hf_mask(Pattern(key_padding_mask=hole), 1, 8, 8)  # (1, 1, 8, 8)
+    pat, n = pattern_from_hf(None, *_qk(B=2, T_q=8, T_k=8), shared)
+    assert n == 8 and pat.mask is None and pat.key_padding_mask.shape == (2, 8)
+    assert pat.key_padding_mask.tolist() == hole * 2
+    assert torch.equal(pat.allowed(2, 1, 8, 8, like=shared), shared.expand(2, 1, 8, 8))
+
+
+def test_documents_are_read_off_a_mask_whatever_the_default_device():
+    """The positions that index the mask are made on the mask's device."""
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    docs = _hf_mask(Pattern(cu_seqlens=[0, 3, 8]), 1, 8, 8)
+    q, k = _qk(B=1)
+    with torch.device("meta"):
+        pat, n = pattern_from_hf(None, q, k, docs)
+    assert n == 8 and pat.mask is None and pat.cu_seqlens.tolist() == [0, 3, 8]
+
+
+def test_the_memo_holds_the_last_four_masks():
+    from causalattn.integrations import hf_pattern
+
+    memo = hf_pattern._Memo()
+    ts = [torch.zeros(1) for _ in range(5)]
+    for i, t in enumerate(ts):
+        memo.put(t, ("k", i), i)
+    assert [memo.get(t, ("k", i)) for i, t in enumerate(ts)] == [None, 1, 2, 3, 4]
+
+
+def test_a_mask_no_query_may_read_pads_every_key():
+    """No readable cell at all (every row empty): every key is padding, all T_k kept."""
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    none = torch.zeros(1, 1, 4, 4, dtype=torch.bool)
+    pat, n = pattern_from_hf(None, *_qk(B=1, T_q=4, T_k=4), none)
+    assert n == 4 and pat.mask is None and pat.key_padding_mask.tolist() == [[False] * 4]
+    assert not pat.allowed(1, 1, 4, 4, like=none).any()
+
+
+def test_documents_are_looked_for_in_one_square_mask_only():
+    """A dense mask of fewer queries than keys, every key read by some query, is the mask
+    itself (documents need T_q = T_k and one sequence)."""
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    g = torch.Generator().manual_seed(4)
+    for B in (1, 2):
+        mask = torch.rand(B, 1, 3, 8, generator=g) > 0.5
+        mask[:, :, 0, :] = True  # every key read
+        mask[:, :, 1, 2] = False
+        pat, n = pattern_from_hf(None, *_qk(B=B, T_q=3, T_k=8), mask)
+        assert n == 8 and pat.mask is mask and not pat.causal
+
+
+def test_an_additive_mask_is_blocked_at_half_finfo_min_and_below_and_refused_above():
+    """Blocked: at or below finfo.min / 2 (HF adds finfo.min to masks that may already hold
+    one); 0 may read; any other value is a bias, refused with the whole reason."""
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    half = torch.finfo(torch.float32).min / 2
+    edge = _additive((1, 1, 8, 8), half)
+    pat, _ = pattern_from_hf(None, *_qk(B=1), edge)
+    assert pat.is_plain_causal
+    with pytest.raises(
+        ValueError,
+        match=r"^causalattn attention: attention_mask carries an additive bias \(values other "
+        r"than 0 and -inf/finfo.min\); causalattn takes who-may-read-whom masks, and ALiBi as "
+        r"slopes$",
+    ):
+        pattern_from_hf(None, *_qk(B=1), _additive((1, 1, 8, 8), half * 0.8))
+
+
+def test_llama4_chunk_of_one_and_a_layer_just_past_the_types():
+    from causalattn.integrations.hf_pattern import _chunk_of
+
+    types_ = ["full_attention", "chunked_attention"]
+    assert _chunk_of(_Module(chunk=1)) == 1
+    assert _chunk_of(_Module(chunk=4, layer_types=types_, layer_idx=2)) == 4
+    assert _chunk_of(_Module(chunk=4, layer_types=types_, layer_idx=1)) == 4
+    assert _chunk_of(_Module(chunk=4, layer_types=types_, layer_idx=0)) is None
+
+
+@pytest.mark.parametrize("name", ["position_bias", "alibi", "attn_bias"])
+def test_a_score_bias_is_refused_with_the_eager_way_out(name):
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    with pytest.raises(
+        ValueError,
+        match=f"^causalattn attention: '{name}' \\(an additive score bias\\) is not supported; "
+        "use attn_implementation='eager'$",
+    ):
+        pattern_from_hf(None, *_qk(), None, **{name: torch.zeros(1)})
+
+
+def test_a_window_of_one_and_a_two_token_prefill_into_a_static_cache():
+    """sliding_window = 1 is a window (each query reads itself); without a mask, 2 queries
+    before 8 keys are a prefill into an empty StaticCache: the first 2 keys only."""
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    pat, n = pattern_from_hf(None, *_qk(), None, sliding_window=1)
+    assert pat.window == 1 and n == 8
+    pat, n = pattern_from_hf(None, *_qk(T_q=2, T_k=8), None)
+    assert pat.is_plain_causal and n == 2
+    pat, n = pattern_from_hf(None, *_qk(T_q=1, T_k=8), None)  # decoding: every key
+    assert pat.is_plain_causal and n == 8
