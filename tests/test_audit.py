@@ -587,3 +587,22 @@ def test_stage_A_shapes(parts):
     assert (c.name, c.message) == ("A is T×T", "A is 6×5: more query rows than keys")
     with pytest.raises(AuditInputError, match=r"shape \(5, 6\) does not broadcast to \(6, 6\)"):
         audit({"A": st["A"], "V": st["V"], "allowed": masks.causal(T)[:5]})
+
+
+def test_stage_A_shapes_with_a_leading_axis_and_a_mask_of_another_shape():
+    """The shape checks in full on 3-D arrays (T_q ≠ T_k read from the last two axes), and
+    an A whose shape is not the mask's."""
+    g = np.random.default_rng(3)
+    S = g.standard_normal((2, 3, 5))
+    c = audit({"S": S, "A": np.ones((2, 5, 3)) / 3}).first_failure
+    assert (c.stage, c.name, c.ok) == ("A", "A has S's shape", False)
+    assert c.message == "A is 5×3 but S (Q Kᵀ) is 3×5 (T_q×T_k)"
+    assert c.evidence == {"shape": (2, 5, 3)}
+    c = audit({"A": np.ones((2, 6, 5)) / 5}).first_failure
+    assert (c.stage, c.name, c.ok) == ("A", "A is T×T", False)
+    assert c.message == "A is 6×5: more query rows than keys"
+    A = np.tile(np.tril(np.ones((4, 4))) / np.arange(1, 5)[:, None], (2, 1, 1))
+    M = np.where(masks.causal(4), 0.0, -np.inf)
+    c = _check(audit({"M": M, "A": A}), "A matches the mask's shape")
+    assert (c.stage, c.ok) == ("A", False)
+    assert c.message == "A is (2, 4, 4) but the mask/scores are (4, 4)"
