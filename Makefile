@@ -4,6 +4,9 @@ PY      := .venv/bin/python
 PIP     := $(PY) -m pip
 STAMP   := .venv/.installed
 EXTRAS  := dev,viz,browser,hf,gpu
+# The native engine (engine="cpp") is compiled on first use into torch's extension folder:
+# here one inside .venv, so a fresh clone builds it from nothing, as a new user's machine.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.venv/torch-extensions
 
 .PHONY: demo test lint bench browser clean mutate
 

@@ -170,15 +170,16 @@ def test_packed_neighbours_never_leak_and_read_nan_propagates():
 
 
 def test_errors_and_choice():
+    from causalattn.engines import auto, registry
+
     q, k, v = _inputs(1, 1, 1, 4, 4, 16)
     with pytest.raises(ValueError, match="fp16, bf16 or fp32"):
         attention(q.double(), k.double(), v.double(), engine="triton")
     p = make_problem(q, k, v)
-    assert not tri.prefers(make_problem(q.cpu(), k.cpu(), v.cpu()))
-    from causalattn.engines import auto
-
-    on_cpu = make_problem(q.cpu(), k.cpu(), v.cpu())  # CPU: the measured table decides
-    assert pick_engine(on_cpu) == auto.choose_cpu("float32", "causal", 16, 4, False)
+    on_cpu = make_problem(q.cpu(), k.cpu(), v.cpu())
+    assert not tri.prefers(registry.of_problem(on_cpu))
+    # CPU: the native engine where it is built, else the measured table (tests/test_auto.py)
+    assert pick_engine(on_cpu) == auto.pick(registry.of_problem(on_cpu))
     if not ON_GPU:
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(tri, "_interpreting", lambda: False)
@@ -186,27 +187,19 @@ def test_errors_and_choice():
                 tri.forward(p)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(tri, "triton", None)
+        registry._refusal.cache_clear()
+        auto._ladder_for.cache_clear()
         with pytest.raises(ValueError, match="not installed"):
             tri.forward(p)
-        assert not tri.prefers(p)
+        f = registry.Features("cuda", "float16", 16, 16, 1, 1, 4, 4)
+        assert not tri.prefers(f)
         # "auto" on CUDA without triton: SDPA (the reference for lse), never an error
-        ask = dict(
-            dtype="float16",
-            d_k=16,
-            d_v=16,
-            H_q=1,
-            H_kv=1,
-            present=(),
-            causal=True,
-            window=None,
-            chunk=None,
-            softcap=None,
-            dropout_p=0.0,
-            lse=False,
+        assert auto.pick(f) == "sdpa"
+        assert auto.pick(registry.Features("cuda", "float16", 16, 16, 1, 1, 4, 4, lse=True)) == (
+            "reference"
         )
-        assert auto.choose("cuda", 16, "causal", False, ("sdpa",), **ask) == [(2**62, "sdpa")]
-        ask["lse"] = True
-        assert auto.choose("cuda", 16, "causal", False, ("sdpa",), **ask) == [(2**62, "reference")]
+    registry._refusal.cache_clear()
+    auto._ladder_for.cache_clear()
 
 
 def test_raw_passes_match_the_tiled_engine_with_a_given_global_lse():

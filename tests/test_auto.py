@@ -1,5 +1,6 @@
-"""engine="auto": the stored table decides on the CPU; the user's own table and
-CAUSALATTN_ENGINE override it; `causalattn bench --tune` writes what auto then reads."""
+"""engine="auto": the native engine on the CPU wherever it is built; without it the stored
+table decides between tiled and sdpa; the user's own table and CAUSALATTN_ENGINE override
+it; `causalattn bench --tune` writes what auto then reads."""
 
 from __future__ import annotations
 
@@ -9,7 +10,25 @@ import pytest
 import torch
 
 import causalattn as ca
-from causalattn.engines import auto, make_problem, pick_engine
+from causalattn import engines
+from causalattn.engines import auto, cpp, make_problem, pick_engine, registry
+
+
+def _forget():
+    """The choices remembered per call shape and per features."""
+    registry._refusal.cache_clear()
+    auto._ladder_for.cache_clear()
+    engines._PLAIN.clear()
+
+
+@pytest.fixture()
+def without_cpp(monkeypatch):
+    """As on a machine without a C++ compiler: the native engine unavailable, named."""
+    monkeypatch.setitem(cpp._STATE, "why", "engine 'cpp': no C++ compiler found (test)")
+    _forget()
+    yield
+    monkeypatch.undo()
+    _forget()
 
 
 @pytest.fixture()
@@ -20,6 +39,7 @@ def packaged(tmp_path, monkeypatch):
     auto.table(reload=True)
     yield auto.table()
     auto.table(reload=True)
+    _forget()
 
 
 def _problem(entry):
@@ -49,7 +69,32 @@ def test_the_package_ships_a_measured_table_with_provenance(packaged):
         assert set(e["ms"]) == {"tiled", "sdpa"} and e["reps"] >= 3
 
 
-def test_auto_on_cpu_agrees_with_the_stored_table(packaged):
+def test_auto_on_cpu_runs_the_native_engine_wherever_it_is_built(packaged):
+    assert not cpp.unavailable()
+    for e in packaged["entries"]:
+        with torch.enable_grad():
+            assert pick_engine(_problem(e)) == "cpp", e
+            assert pick_engine(_problem(e), return_lse=True) == "cpp", e
+
+
+def test_a_tiny_backward_runs_on_sdpa_and_a_larger_one_on_cpp(packaged):
+    """Up to SDPA_GRAD_T keys a call with a backward costs less on SDPA (cpp's autograd
+    wiring is the larger fixed cost); without a backward, or past it, the native engine."""
+    assert not cpp.unavailable()
+    T = auto.SDPA_GRAD_T
+    for T_k, grad, lse, want in (
+        (8, True, False, "sdpa"),
+        (T, True, False, "sdpa"),
+        (T + 1, True, False, "cpp"),
+        (8, False, False, "cpp"),
+        (8, True, True, "cpp"),  # SDPA returns no lse
+    ):
+        q = torch.zeros(1, 2, T_k, 16).requires_grad_(grad)
+        with torch.enable_grad():
+            assert pick_engine(make_problem(q, q, q), return_lse=lse) == want, (T_k, grad, lse)
+
+
+def test_without_the_native_engine_auto_agrees_with_the_stored_table(packaged, without_cpp):
     for e in packaged["entries"]:
         with torch.enable_grad():
             assert pick_engine(_problem(e)) == e["best"], e
@@ -60,7 +105,7 @@ def test_return_lse_never_picks_an_engine_without_it(packaged):
         assert pick_engine(_problem(e), return_lse=True) != "sdpa"
 
 
-def test_the_user_table_and_the_variable_override(tmp_path, monkeypatch):
+def test_the_user_table_and_the_variable_override(tmp_path, monkeypatch, without_cpp):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv(auto.ENV, raising=False)
     path = auto.user_table_path()
@@ -100,8 +145,8 @@ def test_tune_writes_the_table_auto_then_reads(tmp_path, monkeypatch):
         assert path == auto.user_table_path() and path.exists()
         assert auto.table()["source"] == str(path)
         (e,) = [x for x in table["entries"] if x["pass"] == "fwd"]
-        assert e["best"] in ("tiled", "sdpa") and set(e["ms"]) == {"tiled", "sdpa"}
+        assert e["best"] in e["ms"] and ("cpp" in e["ms"]) == (not cpp.unavailable())
         q = torch.randn(1, 2, 32, 8)
-        assert pick_engine(make_problem(q, q, q)) == e["best"]
+        assert pick_engine(make_problem(q, q, q)) == e["best"]  # a table that timed cpp
     finally:
         auto.table(reload=True)

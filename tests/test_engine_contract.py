@@ -37,6 +37,7 @@ ROWS = {
     "reference": Row(guarded_grads=False),  # autograd: inf·0 in its backward
     "sdpa": Row(lse=False, future=False, guarded_grads=False),  # a peer: see engines/sdpa.py
     "tiled": Row(kernels=True),
+    "cpp": Row(kernels=True),
     "triton": Row(f64=False, kernels=True, gpu=True),
 }
 
@@ -87,11 +88,10 @@ def _grads(name, q, k, v, dout, **kw):
 
 # ---- the protocols ---------------------------------------------------------------------------
 def test_every_engine_has_a_row_and_meets_the_protocols():
-    import importlib
 
     assert set(ROWS) == set(engines.ENGINES), "add the new engine to ROWS (one line)"
     for name in NAMES:
-        mod = importlib.import_module(engines.ENGINES[name])
+        mod = engines.ENGINES[name].load()
         assert isinstance(mod, contract.Engine), name
         want = list(inspect.signature(contract.Engine.forward).parameters)[1:]
         assert list(inspect.signature(mod.forward).parameters) == want, name
@@ -255,9 +255,8 @@ def test_gradcheck_float64(name):
 def test_block_results_merge_by_lse_and_bwd_takes_the_global_softmax(name):
     """Two key halves: fwd's (out, lse) merge into the whole problem's, and bwd given the
     merged out, lse (and dlse) returns each half's share of the gradients."""
-    import importlib
 
-    kern = importlib.import_module(engines.ENGINES[name])
+    kern = engines.ENGINES[name].load()
     q, k, v = _inputs(name, 1, 2, 1, 24, 48, 8, d_v=4, seed=23)
     halves = [
         make_problem(q, k[:, :, s], v[:, :, s], causal=False)

@@ -1,5 +1,7 @@
 """`causalattn explore --model DIR "text"` in headless Chromium: a tiny sliding-window model
-saved with save_pretrained, its page offline and clean; makes docs/model_view.png."""
+saved with save_pretrained, its page offline and clean; the trained induction model
+(examples/induction) with its heads' roles and generated tokens, which makes
+docs/model_view.png."""
 
 from __future__ import annotations
 
@@ -15,10 +17,16 @@ from test_explorer_browser import browser, page  # noqa: E402,F401  (the shared 
 from typer.testing import CliRunner  # noqa: E402
 
 from causalattn.cli import app  # noqa: E402
-from causalattn.integrations.transformers import _accepted  # noqa: E402
+from causalattn.inspect import head_roles  # noqa: E402
+from causalattn.integrations import hf_model  # noqa: E402
+from causalattn.integrations.transformers import _accepted, capture  # noqa: E402
+from causalattn.learn.induction import WORDS  # noqa: E402
 
 pytestmark = pytest.mark.browser
-DOCS_PNG = Path(__file__).resolve().parents[1] / "docs" / "model_view.png"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS_PNG = ROOT / "docs" / "model_view.png"
+INDUCTION = ROOT / "examples" / "induction"
+WORDS_TEXT = " ".join(WORDS[:12] + WORDS[:4])  # 12 words, then their first 4 again
 TEXT = "The cat sat on the mat and looked at the dog."
 
 
@@ -41,6 +49,38 @@ def test_model_view_of_a_saved_model(page, tmp_path):  # noqa: F811
     page.hover_row("A", 10, 2)  # query 11 reads keys 8..11 only: key 3 is outside the window
     assert "outside the window" in page.page.inner_text("[data-role=cell]")
     page.clean()
-    page.page.locator("button.ca-thumb[data-layer='0'][data-head='0']").scroll_into_view_if_needed()
+
+
+def test_model_view_of_the_trained_induction_model(page, tmp_path):  # noqa: F811
+    """The roles read off the trained model's heads, the induction head opened, the tokens
+    it generated marked: the README's picture."""
+    html = tmp_path / "induction.html"
+    args = ["explore", "--model", str(INDUCTION), WORDS_TEXT, "--generate", "8", "-o", str(html)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, (res.output, res.exception)
+    model, tok = hf_model.load(INDUCTION)
+    ids = tok(WORDS_TEXT, return_tensors="pt")["input_ids"]
+    roles = head_roles(capture(model, ids, generate=8))
+    best = max(roles, key=lambda r: r.induction)
+    page.open(html)
+    thumbs = page.page.locator("button.ca-thumb")
+    assert thumbs.count() == len(roles) == 8
+    shown = [b.get_attribute("data-role-name") for b in thumbs.all()]
+    assert shown == [r.role for r in roles]  # the page's roles are head_roles'
+    assert "previous-token" in shown[:4] and shown[4 * best.layer + best.head] == "induction"
+    gen = page.page.locator("[data-role=tokens] .ca-tok-gen")
+    assert gen.count() == 8 and page.texts("[data-role=tokens] .ca-tok-gen")[:4] == list(
+        WORDS[4:8]
+    )  # the model goes on copying
+    sel = f"button.ca-thumb[data-layer='{best.layer}'][data-head='{best.head}']"
+    page.page.locator(sel).click()
+    row = page.page.locator("[data-role=head-summary] tr.ca-cur")
+    assert row.locator("td[data-col=role]").inner_text() == "induction"
+    assert row.locator("td[data-col=induction]").inner_text() == f"{best.induction:.3f}"
+    assert "the last 8 generated" in page.page.inner_text("[data-role=summary]")
+    i = len(WORDS_TEXT.split()) + 1  # 0-based row of the first generated token (after <s>)
+    page.hover_row("A", i, i - 11)  # it reads the token after the earlier copy of its input
+    page.clean()
+    page.page.locator("[data-role=model]").scroll_into_view_if_needed()
     page.page.screenshot(path=str(DOCS_PNG), full_page=True)
     assert DOCS_PNG.stat().st_size > 10_000

@@ -200,11 +200,12 @@ def _fault_worker(rank, P, port, out_q, mode, release):
     """Rank 1 raises inside its second-step kernel; rank 0 must get a RingError."""
     try:
         _init(rank, P, port, 3 if mode == "alive" else 30)
-        import causalattn.engines.tiled as tiled
         from causalattn.distributed import ring_attention, shard
+        from causalattn.distributed.ring import _kernels
 
         if rank == 1:
-            real, calls = tiled.fwd, [0]
+            kernels = _kernels(torch.device("cpu"))  # the block kernels the ring calls
+            real, calls = kernels.fwd, [0]
 
             def failing(p):
                 calls[0] += 1
@@ -212,7 +213,7 @@ def _fault_worker(rank, P, port, out_q, mode, release):
                     raise RuntimeError("injected failure on rank 1")
                 return real(p)
 
-            tiled.fwd = failing
+            kernels.fwd = failing
         q = torch.randn(1, 2, 16, 8)
         ql, kl, vl = (shard(q).requires_grad_() for _ in range(3))
         t0 = time.monotonic()

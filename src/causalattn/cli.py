@@ -290,17 +290,15 @@ _FORMS = ("both", "additive", "check")
 
 
 def _read_corpus(path: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> list[str]:
-    """The non-blank lines of a UTF-8 corpus file; a file past --max-bytes is refused."""
+    """The non-blank lines of a UTF-8 corpus file (the one reader: a regular file within
+    --max-bytes, checked before it is read)."""
+    from .check import AuditInputError
+    from .check.files import read_text
+
     try:
-        size = path.stat().st_size
-        if size > max_bytes:
-            _fail(
-                f"text: corpus file {path} is {_human_bytes(size)} (limit "
-                f"{_human_bytes(max_bytes)}, --max-bytes)"
-            )
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        _fail(f"text: cannot read corpus file {path}: {exc}")
+        lines = read_text(path, max_bytes).splitlines()
+    except AuditInputError as exc:
+        _fail(f"text: cannot read corpus file {exc}")
     corpus = [ln for ln in lines if ln.strip()]
     if not corpus:
         _fail(f"text: the corpus file {path} has no sentences")
@@ -571,50 +569,19 @@ _TRACE_OPTIONAL = ("W_o", "mask", "tokens")
 
 
 def _load_trace_inputs(path: Path, max_bytes: int) -> dict:
-    """X, W_q, W_k, W_v (optional W_o, mask, tokens) from a .npz or .json file.
-
-    The format is read off the content (a JSON object starts with ``{``, a .npz is a
-    zip), so a .txt holding JSON works; every problem is one ``error:`` line.
+    """X, W_q, W_k, W_v (optional W_o, mask, tokens) from a .npz or .json file, read by the
+    one reader (:mod:`causalattn.check.files`: headers first, one budget); the format is
+    read off the content, so a .txt holding JSON works; every problem is one ``error:`` line.
     """
-    import zipfile
-
     import numpy as np
 
+    from .check import AuditInputError
+    from .check.files import read_arrays
+
     try:
-        size = path.stat().st_size
-        if path.is_dir():
-            _fail(f"trace input {path}: is a folder; give a .npz or .json file")
-        if size > max_bytes:
-            _fail(
-                f"trace input {path}: the file is {_human_bytes(size)} (limit "
-                f"{_human_bytes(max_bytes)}, --max-bytes)"
-            )
-        with open(path, "rb") as fh:
-            head = fh.read(64).lstrip()
-        if not head:
-            _fail(
-                f"trace input {path}: the file is empty; expected .npz or JSON with keys "
-                "X, W_q, W_k, W_v"
-            )
-        if head[:1] in (b"{", b"["):
-            data = json.loads(path.read_text(encoding="utf-8"))
-            if not isinstance(data, dict):
-                _fail(f"trace input {path}: expected a JSON object with keys X, W_q, W_k, W_v")
-        elif head[:2] == b"PK":
-            with np.load(path, allow_pickle=False) as f:
-                data = {k: f[k] for k in f.files}
-            if not data:
-                _fail(f"trace input {path}: the .npz holds no arrays; expected X, W_q, W_k, W_v")
-        else:
-            _fail(
-                f"trace input {path}: cannot be read as .npz or JSON (it starts with {head[:12]!r})"
-            )
-    except RecursionError:
-        _fail(f"trace input {path}: JSON nested too deeply")
-    except json.JSONDecodeError as exc:
-        _fail(f"trace input {path}: not valid JSON ({exc})")
-    except (OSError, ValueError, EOFError, UnicodeDecodeError, zipfile.BadZipFile) as exc:
-        _fail(f"trace input {path}: cannot be read as .npz or JSON ({exc})")
+        data = read_arrays(path, max_bytes, formats=("npz", "json"), text=("tokens",))
+    except AuditInputError as exc:
+        _fail(f"trace input {exc}")
     missing = [k for k in _TRACE_KEYS if k not in data]
     if missing:
         _fail(
@@ -624,28 +591,16 @@ def _load_trace_inputs(path: Path, max_bytes: int) -> dict:
     unknown = sorted(set(data) - set(_TRACE_KEYS) - set(_TRACE_OPTIONAL))
     if unknown:
         _fail(f"trace input {path}: unknown keys {', '.join(unknown)}")
-    for k in (*_TRACE_KEYS, "W_o", "mask"):
-        if k in data:
-            try:
-                arr = np.asarray(data[k])
-            except (ValueError, TypeError, RecursionError) as exc:
-                _fail(f"trace input {path}: {k} is not a rectangular array ({exc})")
-            if arr.dtype == object or arr.dtype.kind not in "biuf":
-                _fail(
-                    f"trace input {path}: {k} must hold numbers"
-                    + (" or booleans" if k == "mask" else "")
-                    + f", got dtype {arr.dtype}"
-                )
-            if k != "mask" and arr.size and not np.isfinite(arr).all():
-                n = int((~np.isfinite(arr)).sum())
-                typer.echo(f"warning: {k} holds {n} non-finite values (NaN or inf)", err=True)
-            data[k] = arr
+    for k in (*_TRACE_KEYS, "W_o"):  # numbers only, as the reader checked
+        arr = data.get(k)
+        if arr is not None and arr.size and not np.isfinite(arr).all():
+            n = int((~np.isfinite(arr)).sum())
+            typer.echo(f"warning: {k} holds {n} non-finite values (NaN or inf)", err=True)
     if "tokens" in data:
         toks = data["tokens"]
-        ok = isinstance(toks, (list, np.ndarray)) and np.ndim(toks) == 1
+        ok = np.ndim(toks) == 1 and toks.dtype.kind != "b"
         if ok:
-            toks = np.asarray(toks).tolist() if isinstance(toks, np.ndarray) else toks
-            ok = all(isinstance(t, (str, int, float)) and not isinstance(t, bool) for t in toks)
+            toks = toks.tolist()
         X = data["X"]
         if not ok or X.ndim < 1 or len(toks) != X.shape[-2 if X.ndim > 1 else 0]:
             T = X.shape[-2] if X.ndim > 1 else "T"
@@ -1018,6 +973,31 @@ _Softcap = Annotated[float, typer.Option("--softcap", help="Scores capped as c·
 _Sinks = Annotated[str, typer.Option("--sinks", help="One sink logit per head, e.g. 0.5,0.1.")]
 _AlibiSlopes = Annotated[str, typer.Option("--alibi-slopes", help="One ALiBi slope per head.")]
 _Bidirectional = Annotated[bool, typer.Option("--bidirectional", help="No causal rule.")]
+# code causalattn runs (diagnose FILE, learn --check) runs in the isolation runner
+_MaxMemory = Annotated[
+    str,
+    typer.Option(
+        "--max-memory",
+        help="Memory the code may take beyond its start: bytes, or 512M, 2G (default: 4G, "
+        "or a quarter of a smaller machine's memory).",
+    ),
+]
+
+
+def _memory_bytes(text: str | None) -> int:
+    """--max-memory: a number of bytes, or one with a K/M/G suffix (powers of 1024)."""
+    from .check import runner
+
+    if text is None:
+        return runner.DEFAULT_MAX_MEMORY
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(t[-1:], 1)
+    digits = t[:-1] if mult > 1 else t
+    if not digits.isdigit() or int(digits) <= 0:
+        _fail(f"--max-memory must be a number of bytes > 0 (or 512M, 2G), got {text!r}")
+    return int(digits) * mult
+
+
 _Scale = Annotated[float, typer.Option("--scale", help="The scale on Q Kᵀ (default 1/√d_k).")]
 
 
@@ -1071,8 +1051,9 @@ def audit_cmd(
         raise typer.Exit(1)
 
 
-def _captured(model_dir: Path, text: str | None, layers: str | None):
-    """(model, tokens, traces) of a Hugging Face model folder run on one text."""
+def _captured(model_dir: Path, text: str | None, layers: str | None, generate: int | None = None):
+    """(model, traces) of a Hugging Face model folder run on one text (and ``generate``
+    greedy tokens after it)."""
     from .integrations import hf_model
 
     if text is None:
@@ -1082,7 +1063,13 @@ def _captured(model_dir: Path, text: str | None, layers: str | None):
         ids = hf_model.encode(tokenizer, text, model)
         from .integrations.hf_capture import capture
 
-        traces = capture(model, ids, layers=hf_model.parse_layers(layers), tokenizer=tokenizer)
+        traces = capture(
+            model,
+            ids,
+            layers=hf_model.parse_layers(layers),
+            tokenizer=tokenizer,
+            generate=generate,
+        )
     return model, traces
 
 
@@ -1150,6 +1137,7 @@ def diagnose_cmd(
     alibi_slopes: _AlibiSlopes = None,
     bidirectional: _Bidirectional = False,
     scale: _Scale = None,
+    max_memory: _MaxMemory = None,
     as_json: _Json = False,
 ):
     """Measure an attention function or module; name the first stage that differs.
@@ -1165,15 +1153,37 @@ def diagnose_cmd(
         window, chunk, lengths, prefix_lengths, softcap, sinks, alibi_slopes, bidirectional
     )
     with _library_errors():
-        d = diagnose(target, signature=signature, timeout=timeout, scale=scale, **declared)
+        d = diagnose(
+            target,
+            signature=signature,
+            timeout=timeout,
+            scale=scale,
+            max_memory=_memory_bytes(max_memory),
+            **declared,
+        )
     if as_json:
-        _print_json(d.to_dict())
+        _print_json({"positions": "1-based", **_one_based_findings(d.to_dict())})
     else:
-        _console().print(str(d), markup=False)
+        # every finding, one line each (never wrapped), the first in full
+        _console().print(str(d), markup=False, soft_wrap=True)
     if d.not_run:
         raise typer.Exit(2)
     if not d.ok:
         raise typer.Exit(1)
+
+
+def _one_based_findings(d: dict) -> dict:
+    """Diagnosis JSON with each finding's rows, slice, heads, patched and value rows 1-based."""
+
+    def shift(f: dict) -> dict:
+        m = dict(f.get("measurement") or {})
+        for k in ("heads", "patched_rows", "value_rows"):
+            if isinstance(m.get(k), list):
+                m[k] = [i + 1 for i in m[k]]
+        rows, sl = [i + 1 for i in f.get("rows", [])], [i + 1 for i in f.get("slice", [])]
+        return {**f, "rows": rows, "slice": sl, "measurement": m}
+
+    return {**d, "findings": [shift(f) for f in d.get("findings", [])]}
 
 
 # -- causalattn learn -------------------------------------------------------------------
@@ -1191,7 +1201,10 @@ def learn(
     framework: str = typer.Option("numpy", "--framework", help="numpy | torch (the scaffold's)."),
     force: bool = typer.Option(False, "--force", help="Write the scaffold over an existing file."),
     check: Path = typer.Option(None, "--check", help="Grade a filled-in exercise (EXECUTES it)."),
-    timeout: float = typer.Option(60.0, "--timeout", help="Seconds before --check stops the file."),
+    timeout: float = typer.Option(
+        None, "--timeout", help="Seconds before --check stops the file (default 60)."
+    ),
+    max_memory: _MaxMemory = None,
     as_json: bool = typer.Option(False, "--json", help="The question bank (or the grade) as JSON."),
 ) -> None:
     """Check questions (answers from stdin or the keyboard), scaffolds, graded exercises.
@@ -1202,9 +1215,12 @@ def learn(
 
     if (output is not None or force or framework != "numpy") and (exercise is None or check):
         _fail("--output, --framework and --force go with --exercise NAME (writing a scaffold)")
+    if check is None and (timeout is not None or max_memory is not None):
+        _fail("--timeout and --max-memory go with --check FILE (grading a file)")
     if check is not None:
+        limit = 60.0 if timeout is None else timeout
         with _library_errors():
-            g = grade.check(check, exercise, timeout=timeout)
+            g = grade.check(check, exercise, timeout=limit, max_memory=_memory_bytes(max_memory))
         if as_json:
             _print_json(g.to_dict())
         else:
@@ -1239,6 +1255,38 @@ def learn(
 _PAGE_BYTES = 4 * 2**20
 
 
+@app.command("heads")
+def heads_cmd(
+    model: Path = typer.Option(
+        ..., "--model", help="A Hugging Face causal LM folder (save_pretrained) or cached hub id."
+    ),
+    ablate: bool = typer.Option(
+        False,
+        "--ablate",
+        help="Add each head's effect on the loss: the second-repeat loss "
+        "with that head ablated, and its ratio to the model's own.",
+    ),
+    how: str = typer.Option("zero", "--how", help="With --ablate: 'zero' or 'mean' ablation."),
+    length: int = typer.Option(24, "--length", help="Random tokens in the sequence repeated."),
+    sequences: int = typer.Option(16, "--sequences", help="How many such sequences."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the random tokens."),
+    as_json: _Json = False,
+) -> None:
+    """Each head's role (previous-token, induction, first-token), measured on random tokens
+    repeated twice; layers and heads are 1-based."""
+    from .integrations import hf_heads, hf_model
+
+    with _library_errors():
+        lm, tokenizer = hf_model.load(model)
+        table = hf_heads.measure(
+            lm, tokenizer, length=length, sequences=sequences, seed=seed, ablate=ablate, how=how
+        )
+    if as_json:
+        _print_json(table.rows())
+    else:
+        typer.echo(table.format())
+
+
 def _page_sentences(batch, page_bytes: int) -> int:
     """How many sentences (from the first) fit a page of ``page_bytes``; at least one."""
     per = 32 * batch.N + 600
@@ -1260,6 +1308,9 @@ def explore(
     ),
     layers: str = typer.Option(
         None, "--layers", help="With --model: which layers, e.g. '0,3,5-7'."
+    ),
+    generate: int = typer.Option(
+        None, "--generate", help="With --model: N greedy tokens after the text (marked as such)."
     ),
     output: Path = typer.Option(
         Path("explorer.html"), "--output", "-o", help="HTML file to write."
@@ -1297,12 +1348,14 @@ def explore(
         with _library_errors():
             qs = learn.questions(seed, questions)
 
+    if generate is not None and model is None:
+        _fail("--generate needs --model (a model generates the tokens)")
     if model is not None:
         if file is not None or trace_file is not None:
             _fail("--model takes the text as its argument; leave out --file and --trace")
         if sentences and len(sentences) > 1:
             _fail(f"--model takes one text (quote it); got {len(sentences)} arguments")
-        lm, traces = _captured(model, sentences[0] if sentences else None, layers)
+        lm, traces = _captured(model, sentences[0] if sentences else None, layers, generate)
         with _library_errors():
             title = (
                 f"causalattn explorer: {type(lm).__name__} from {model.name}, "
@@ -1327,12 +1380,7 @@ def explore(
     _check_out_file("--output", output)
     with _library_errors():
         if trace_file is not None:
-            if trace_file.is_file() and trace_file.stat().st_size > max_bytes:
-                _fail(
-                    f"--trace: {trace_file} is {_human_bytes(trace_file.stat().st_size)} "
-                    f"(limit {_human_bytes(max_bytes)}, --max-bytes)"
-                )
-            tr = Trace.load(trace_file)
+            tr = Trace.load(trace_file, max_bytes=max_bytes)  # the one reader, headers first
             title = f"causalattn explorer: {trace_file.name}"
             viz.write_explorer(tr, output, title=title, questions=qs)
             n = len(viz.kinds.sequences(tr))

@@ -553,6 +553,33 @@ class Pattern:
         hi = np.maximum(hi, lo)  # an empty row: lo = hi, still in order with its neighbours
         return np.where(padding, T_k, lo), np.where(padding, T_k, hi)
 
+    def mask_tile_kinds(self, block_q: int, block_k: int, like=None):
+        """The dense ``mask``'s kind per (block_q × block_k) tile, int8 torch
+        (B', H', ceil(T_q/block_q), ceil(T_k/block_k)) on ``like``'s device: 0 nothing allowed
+        (skipped), 1 everything allowed (the mask need not be read), 2 partial; None without a
+        mask. The kernels AND it with the intervals of :meth:`row_ranges` and the key padding,
+        which they apply themselves. Cells past T_q, T_k neither allow nor block "full"."""
+        import torch
+
+        m = self.mask
+        if m is None:
+            return None
+        m = m if _is_torch(m) else torch.as_tensor(np.asarray(m))
+        if like is not None:
+            m = m.to(like.device)
+        m = m.reshape((1,) * (4 - m.ndim) + tuple(m.shape))
+        T_q, T_k = m.shape[2:]
+        n_q, n_k = -(-T_q // block_q), -(-T_k // block_k)
+        pad = (0, n_k * block_k - T_k, 0, n_q * block_q - T_q)
+        tiles = (*m.shape[:2], n_q, block_q, n_k, block_k)
+
+        def padded(value):
+            return torch.nn.functional.pad(m, pad, value=value) if any(pad) else m
+
+        some = padded(False).reshape(tiles).any(5).any(3)
+        every = padded(True).reshape(tiles).all(5).all(3)
+        return torch.where(every, 1, torch.where(some, 2, 0)).to(torch.int8).contiguous()
+
     def block_kind(self, b, q0, q1, k0, k1, T_q, T_k, H=1) -> Literal["skip", "full", "partial"]:
         """Whether the tile (queries q0:q1, keys k0:k1) of batch row b is skipped, fully
         readable, or partly readable (and must be masked with :meth:`tile`)."""

@@ -18,7 +18,7 @@ import numpy as np
 from . import masks as _masks
 from .trace import Trace
 
-__all__ = ["trace", "softmax_last", "weighted_values"]
+__all__ = ["trace", "stages", "softmax_last", "weighted_values"]
 
 # C is T×T×d_v; past this many bytes it is left out of the Trace (explain() needs only A, V).
 C_LIMIT_BYTES = 256 * 2**20
@@ -186,15 +186,6 @@ def trace(
 
     if scale is None:
         scale = _masks.default_scale(d_k)
-    if (
-        isinstance(scale, bool)
-        or not isinstance(scale, (int, float, np.number))
-        or not (np.isfinite(scale))
-    ):
-        raise ValueError(f"scores: scale must be a finite number, got {scale!r}")
-    with np.errstate(invalid="ignore", over="ignore"):
-        S = (Q @ np.swapaxes(K, -1, -2)) * scale
-
     if causal is None:  # a mask given with no other rule is the whole M
         rules = (window, chunk, lengths, key_padding_mask, cu_seqlens, prefix_lengths)
         causal = mask is None or any(r is not None for r in rules)
@@ -211,76 +202,15 @@ def trace(
         softcap=softcap,
         sinks=sinks,
     )
-    reasons, lay = _pattern_cells(pattern, X.shape[:-2], n_heads, T)
-    while reasons.ndim > 2 and reasons.shape[0] == 1:  # T×T when the same for every sequence/head
-        reasons = reasons[0]
-
-    if mask is not None and pattern.mask is None:  # a general broadcastable mask, ANDed
-        allowed = np.asarray(mask)
-        if allowed.dtype != np.bool_:
-            raise ValueError(f"mask: must be boolean (True = may read), got dtype {allowed.dtype}")
-        if allowed.ndim < 2 or allowed.shape[-2:] != (T, T):
-            raise ValueError(f"mask: must end in T×T = {T}×{T}, got shape {allowed.shape}")
-        if n_heads is not None and allowed.ndim == X.ndim:
-            allowed = np.expand_dims(allowed, -3)  # (..., T, T) -> (..., 1, T, T) over heads
-        elif n_heads is not None and allowed.ndim not in (2, X.ndim + 1):
-            # a (B, T, T) mask with a single T×d_model X would silently be read per head
-            raise ValueError(
-                f"mask: with n_heads={n_heads} and X of shape {X.shape}, give T×T, X's leading "
-                f"axes + T×T, or X's leading axes + (h, T, T); got shape {allowed.shape}"
-            )
-        try:
-            shape = np.broadcast_shapes(allowed.shape, reasons.shape, S.shape)
-        except ValueError as exc:
-            raise ValueError(
-                f"mask: shape {allowed.shape} does not broadcast to S {S.shape}"
-            ) from exc
-        reasons = np.where(
-            np.broadcast_to(allowed, shape),
-            np.broadcast_to(reasons, shape),
-            np.where(
-                np.broadcast_to(reasons, shape) == 0, _masks.MASK, np.broadcast_to(reasons, shape)
-            ),
-        ).astype(np.uint8)
-    allowed = reasons == 0
-
-    stages: dict[str, np.ndarray] = {}
-    Sm = S
-    if pattern.softcap is not None:
-        with np.errstate(invalid="ignore", over="ignore"):
-            Sm = stages["S_cap"] = replace(pattern, alibi_slopes=None).modify_scores(S)
-    if pattern.alibi_slopes is not None:
-        bias = replace(pattern, softcap=None).modify_scores(np.zeros(lay + (T, T)))
-        stages["E"] = bias = bias.reshape(_lead_shape(bias.shape, X.shape[:-2], n_heads))
-        with np.errstate(invalid="ignore", over="ignore"):
-            Sm = Sm + bias
-    M = np.broadcast_to(
-        _masks.additive(allowed, fill=fill), np.broadcast_shapes(allowed.shape, S.shape)
+    general = None if mask is None or pattern.mask is not None else mask
+    arrays, allowed, reasons = _stages(
+        Q, K, V, pattern, scale, X.shape[:-2], n_heads, general, fill, dropout_p, dropout_seed
     )
-    with np.errstate(invalid="ignore"):
-        Z = Sm + M
-    sink_logits = None
-    if pattern.sinks is not None:
-        sk = _masks._numpy(pattern.sinks).astype(np.float64)
-        sink_logits = sk[:, None, None] if n_heads is not None else sk.reshape(())
-    A = softmax_last(Z, allowed, sinks=sink_logits)
-    A_read = A
-    if dropout_p:
-        from . import dropout as _dropout
-
-        p = _dropout.check_p(dropout_p, "dropout")
-        keep = _keep_cells(dropout_seed, A.shape, X.shape[:-2], n_heads, p)
-        A_read = stages["A_drop"] = np.where(keep, A / (1.0 - p) if p < 1 else 0.0, 0.0)
-    H = weighted_values(A_read, V, allowed)
-
-    arrays = {"X": X, **W, "Q": Q, "K": K, "V": V, "S": S, **stages, "M": M, "Z": Z, "A": A, "H": H}
-    if A.size * V.shape[-1] * 8 <= C_LIMIT_BYTES:
-        al = np.broadcast_to(allowed, A.shape)[..., None]
-        with np.errstate(invalid="ignore"):
-            arrays["C"] = np.where(al, A_read[..., None] * V[..., None, :, :], 0.0)
+    arrays = {"X": X, **W, "Q": Q, "K": K, "V": V, **arrays}
+    H = arrays["H"]
     if W_o is not None:
         Wo = _as_float("W_o", "output projection", W_o, 2, exact_ndim=2)
-        H_cat = H if n_heads is None else np.moveaxis(H, -3, -2).reshape(*H.shape[:-3], T, -1)
+        H_cat = H if n_heads is None else merge_heads(H)
         if Wo.shape[0] != H_cat.shape[-1]:
             raise ValueError(
                 f"output projection: H is T×(h·d_v) = {T}×{H_cat.shape[-1]} but W_o is "
@@ -297,6 +227,114 @@ def trace(
         pattern=pattern,
         reasons=reasons,
     )
+
+
+def stages(
+    Q, K, V, pattern: _masks.Pattern, *, scale: float | None = None, with_C: bool = True
+) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """The stages after the projections, from given Q, K, V: what :func:`trace` computes.
+
+    Q ``(B, H, T, d_k)``, K ``(B, H, T, d_k)``, V ``(B, H, T, d_v)`` (grouped-query K, V
+    expanded to every head), one :class:`causalattn.masks.Pattern`; float64. Returns
+    (``{"S", ["S_cap", "E",] "M", "Z", "A", "H", ["C"]}``, allowed, reasons), the last
+    two ``(B|1, H|1, T, T)``. ``with_C=False`` leaves C out (T×T×d_v; callers that
+    keep the trace small compute it when asked).
+    """
+    Q, K, V = (_as_float(n, "scores", a, 4) for n, a in (("Q", Q), ("K", K), ("V", V)))
+    if Q.ndim != 4 or Q.shape != K.shape or Q.shape[:3] != V.shape[:3]:
+        raise ValueError(
+            f"scores: Q, K must be (B, H, T, d_k) alike and V (B, H, T, d_v); got Q "
+            f"{Q.shape}, K {K.shape}, V {V.shape}"
+        )
+    if scale is None:
+        scale = _masks.default_scale(Q.shape[-1])
+    arrays, allowed, reasons = _stages(
+        Q, K, V, pattern, scale, Q.shape[:1], Q.shape[1], None, "-inf", 0.0, None, with_C
+    )
+    return arrays, allowed, reasons
+
+
+def _stages(
+    Q, K, V, pattern, scale, lead, n_heads, general, fill, dropout_p, dropout_seed, with_C=True
+):
+    """S through H (and C) of :func:`trace`, for Q, K, V laid out ``(*lead, [h,] T, d)``;
+    ``general`` is a boolean mask broadcast against S and ANDed (not the Pattern's)."""
+    T = Q.shape[-2]
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float, np.number))
+        or not (np.isfinite(scale))
+    ):
+        raise ValueError(f"scores: scale must be a finite number, got {scale!r}")
+    with np.errstate(invalid="ignore", over="ignore"):
+        S = (Q @ np.swapaxes(K, -1, -2)) * scale
+    reasons, lay = _pattern_cells(pattern, lead, n_heads, T)
+    while reasons.ndim > 2 and reasons.shape[0] == 1:  # T×T when the same for every sequence/head
+        reasons = reasons[0]
+
+    if general is not None:  # a general broadcastable mask, ANDed
+        allowed = np.asarray(general)
+        if allowed.dtype != np.bool_:
+            raise ValueError(f"mask: must be boolean (True = may read), got dtype {allowed.dtype}")
+        if allowed.ndim < 2 or allowed.shape[-2:] != (T, T):
+            raise ValueError(f"mask: must end in T×T = {T}×{T}, got shape {allowed.shape}")
+        if n_heads is not None and allowed.ndim == len(lead) + 2:
+            allowed = np.expand_dims(allowed, -3)  # (..., T, T) -> (..., 1, T, T) over heads
+        elif n_heads is not None and allowed.ndim not in (2, len(lead) + 3):
+            # a (B, T, T) mask with a single T×d_model X would silently be read per head
+            raise ValueError(
+                f"mask: with n_heads={n_heads} and X of leading axes {tuple(lead)}, give T×T, "
+                f"X's leading axes + T×T, or X's leading axes + (h, T, T); got shape "
+                f"{allowed.shape}"
+            )
+        try:
+            shape = np.broadcast_shapes(allowed.shape, reasons.shape, S.shape)
+        except ValueError as exc:
+            raise ValueError(
+                f"mask: shape {allowed.shape} does not broadcast to S {S.shape}"
+            ) from exc
+        reasons = np.where(
+            np.broadcast_to(allowed, shape),
+            np.broadcast_to(reasons, shape),
+            np.where(
+                np.broadcast_to(reasons, shape) == 0, _masks.MASK, np.broadcast_to(reasons, shape)
+            ),
+        ).astype(np.uint8)
+    allowed = reasons == 0
+
+    stages: dict[str, np.ndarray] = {"S": S}
+    Sm = S
+    if pattern.softcap is not None:
+        with np.errstate(invalid="ignore", over="ignore"):
+            Sm = stages["S_cap"] = replace(pattern, alibi_slopes=None).modify_scores(S)
+    if pattern.alibi_slopes is not None:
+        bias = replace(pattern, softcap=None).modify_scores(np.zeros(lay + (T, T)))
+        stages["E"] = bias = bias.reshape(_lead_shape(bias.shape, lead, n_heads))
+        with np.errstate(invalid="ignore", over="ignore"):
+            Sm = Sm + bias
+    M = stages["M"] = np.broadcast_to(
+        _masks.additive(allowed, fill=fill), np.broadcast_shapes(allowed.shape, S.shape)
+    )
+    with np.errstate(invalid="ignore"):
+        Z = stages["Z"] = Sm + M
+    sink_logits = None
+    if pattern.sinks is not None:
+        sk = _masks._numpy(pattern.sinks).astype(np.float64)
+        sink_logits = sk[:, None, None] if n_heads is not None else sk.reshape(())
+    A = stages["A"] = softmax_last(Z, allowed, sinks=sink_logits)
+    A_read = A
+    if dropout_p:
+        from . import dropout as _dropout
+
+        p = _dropout.check_p(dropout_p, "dropout")
+        keep = _keep_cells(dropout_seed, A.shape, lead, n_heads, p)
+        A_read = stages["A_drop"] = np.where(keep, A / (1.0 - p) if p < 1 else 0.0, 0.0)
+    stages["H"] = weighted_values(A_read, V, allowed)
+    if with_C and A.size * V.shape[-1] * 8 <= C_LIMIT_BYTES:
+        al = np.broadcast_to(allowed, A.shape)[..., None]
+        with np.errstate(invalid="ignore"):
+            stages["C"] = np.where(al, A_read[..., None] * V[..., None, :, :], 0.0)
+    return stages, allowed, reasons
 
 
 def _is_pattern_mask(mask, x_ndim: int, n_heads) -> bool:

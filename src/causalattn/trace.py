@@ -129,6 +129,15 @@ class Explanation:
         return "\n".join(lines)
 
 
+def _kept(a, dtype):
+    """An array as kept by a Trace: None, a function computing it on each read, or an array."""
+    return a if a is None or callable(a) else np.asarray(a, dtype=dtype)
+
+
+def _read(a, dtype):
+    return np.asarray(a(), dtype=dtype) if callable(a) else a
+
+
 def _rank(x: np.ndarray, readable: np.ndarray) -> np.ndarray:
     """1 = largest among readable entries; 0 where unreadable."""
     r = np.zeros(x.shape, dtype=np.int64)
@@ -147,6 +156,10 @@ class Trace:
     a head axis; ``tokens`` optionally labels the T positions. ``pattern`` is the declared
     :class:`causalattn.masks.Pattern` and ``reasons`` (uint8, shaped like ``allowed``) says
     why each blocked cell is blocked (:data:`causalattn.masks.REASONS`).
+
+    A stage, ``allowed`` or ``reasons`` may also be given as a function of no arguments:
+    it is then computed on each read and never kept (a captured model layer's T×T stages,
+    which would not fit in memory for every layer at once).
     """
 
     def __init__(
@@ -163,13 +176,23 @@ class Trace:
         unknown = set(arrays) - set(STAGES)
         if unknown:
             raise ValueError(f"trace: unknown stage names {sorted(unknown)}; known: {list(STAGES)}")
-        self._arrays = {k: np.asarray(arrays[k]) for k in STAGES if k in arrays}
-        self.allowed = None if allowed is None else np.asarray(allowed, dtype=bool)
+        self._arrays = {k: _kept(arrays[k], None) for k in STAGES if k in arrays}
+        self._allowed = _kept(allowed, bool)
         self.scale = scale
         self.n_heads = n_heads
         self.tokens = None if tokens is None else [str(t) for t in tokens]
         self.pattern = pattern
-        self.reasons = None if reasons is None else np.asarray(reasons, dtype=np.uint8)
+        self._reasons = _kept(reasons, np.uint8)
+
+    @property
+    def allowed(self) -> np.ndarray | None:
+        """The boolean mask the stages were built with (True = may read), or None."""
+        return _read(self._allowed, bool)
+
+    @property
+    def reasons(self) -> np.ndarray | None:
+        """Why each blocked cell is blocked (uint8 codes of ``masks.REASONS``), or None."""
+        return _read(self._reasons, np.uint8)
 
     # -- access -----------------------------------------------------------------
     def __contains__(self, name: str) -> bool:
@@ -178,14 +201,14 @@ class Trace:
     def __getitem__(self, name: str) -> np.ndarray:
         if name not in self._arrays:
             raise KeyError(f"trace has no stage {name!r}; it has {list(self._arrays)}")
-        return self._arrays[name]
+        return _read(self._arrays[name], None)
 
     def __getattr__(self, name: str) -> np.ndarray:
         if name.startswith("_"):
             raise AttributeError(name)
         arrays = self.__dict__.get("_arrays", {})
         if name in arrays:
-            return arrays[name]
+            return self[name]
         raise AttributeError(f"trace has no stage {name!r}; it has {list(arrays)}")
 
     def stage(self, name: str) -> Stage:
@@ -200,7 +223,7 @@ class Trace:
         return list(self._arrays)
 
     def __repr__(self) -> str:
-        parts = ", ".join(f"{n}{tuple(a.shape)}" for n, a in self._arrays.items())
+        parts = ", ".join(f"{n}{tuple(self[n].shape)}" for n in self._arrays)
         return f"Trace({parts})"
 
     def select(self, *index: int) -> Trace:
@@ -213,7 +236,8 @@ class Trace:
         n = len(index)
         lead = self["A"].ndim - 2 if "A" in self else None
         head_pick = self.n_heads is not None and lead is not None and n == lead
-        for name, a in self._arrays.items():
+        for name in self._arrays:
+            a = self[name]
             if name.startswith("W_"):
                 arrays[name] = a
                 continue
@@ -317,24 +341,39 @@ class Trace:
             extra["n_heads"] = np.asarray(self.n_heads, dtype=np.int64)
         if self.tokens is not None:
             extra["tokens"] = np.asarray(self.tokens, dtype=str)
-        np.savez(Path(path), **self._arrays, **extra)
+        np.savez(Path(path), **{n: self[n] for n in self._arrays}, **extra)
 
     @classmethod
-    def load(cls, path: str | Path) -> Trace:
-        """Read a .npz written by :meth:`save` (``allow_pickle=False``: data, never code)."""
+    def load(cls, path: str | Path, max_bytes: int = 2**30) -> Trace:
+        """Read a .npz written by :meth:`save` with the one reader of user files
+        (:mod:`causalattn.check.files`: headers first, ``max_bytes`` for all arrays,
+        numbers only, ``tokens`` as text; nothing executed), then :meth:`from_arrays`."""
+        from .check.files import read_arrays  # the one reader: see .importlinter
+
         try:
-            with np.load(Path(path), allow_pickle=False) as f:
-                data = {k: f[k] for k in f.files}
-        except (OSError, ValueError, EOFError) as exc:
-            raise ValueError(
-                f"trace file {path}: cannot be read as .npz of arrays ({exc})"
-            ) from exc
+            data = read_arrays(path, max_bytes, formats=("npz",), text=("tokens",))
+        except ValueError as exc:
+            raise ValueError(f"trace file cannot be read: {exc}") from None
+        return cls.from_arrays(data)
+
+    @classmethod
+    def from_arrays(cls, data: dict) -> Trace:
+        """A Trace from the named arrays :meth:`save` writes (stages, ``allowed``,
+        ``reasons``, ``scale``, ``n_heads``, ``tokens``); other names are ignored."""
         arrays = {k: v for k, v in data.items() if k in STAGES}
-        return cls(
-            arrays,
-            allowed=data.get("allowed"),
-            reasons=data.get("reasons"),
-            scale=float(data["scale"]) if "scale" in data else None,
-            n_heads=int(data["n_heads"]) if "n_heads" in data else None,
-            tokens=data["tokens"].tolist() if "tokens" in data else None,
-        )
+        tokens = data.get("tokens")
+        if tokens is not None and np.ndim(tokens) != 1:
+            raise ValueError(f"trace file: tokens must be 1-D, got shape {np.shape(tokens)}")
+        try:
+            return cls(
+                arrays,
+                allowed=data.get("allowed"),
+                reasons=data.get("reasons"),
+                scale=float(data["scale"]) if "scale" in data else None,
+                n_heads=int(data["n_heads"]) if "n_heads" in data else None,
+                tokens=np.asarray(tokens).tolist() if tokens is not None else None,
+            )
+        except TypeError as exc:  # a scale or n_heads that is not one number
+            raise ValueError(
+                f"trace file: scale and n_heads must be single numbers ({exc})"
+            ) from None

@@ -1,12 +1,13 @@
 """``causalattn bench --tune``: measure which CPU engine "auto" should run, and store it.
 
-For each tune case (dtype, mask kind, head size d, T, pass) the tiled engine and the sdpa
-engine run through :func:`causalattn.attention` — exactly what "auto" would call — timed in
-alternation; the faster by the median of the paired ratios wins. The table (with its
-provenance: machine, threads, torch, date, command) goes to the user's cache directory
-(:func:`causalattn.engines.auto.user_table_path`), where "auto" reads it from then on; the
-package ships one made the same way (``engines/auto_table.json``). The cases include the
-shapes of ``causalattn bench``, so its "auto" rows run what was measured for them.
+For each tune case (dtype, mask kind, head size d, T, pass) the native engine (where it is
+built), the tiled engine and the sdpa engine run through :func:`causalattn.attention` —
+exactly what "auto" would call — timed in alternation; the fastest by median time wins.
+The table (with its provenance: machine, threads, torch, date, command) goes to the user's
+cache directory (:func:`causalattn.engines.auto.user_table_path`), where "auto" reads it
+from then on (a table that timed the native engine decides for it too); the package ships
+one made the same way without it (``engines/auto_table.json``: tiled against sdpa). The
+cases include the shapes of ``causalattn bench``, so its "auto" rows run what was measured.
 """
 
 from __future__ import annotations
@@ -92,7 +93,10 @@ def _calls(c: TuneCase, pass_: str) -> dict:
 
         return run
 
-    return {"tiled": make("tiled"), "sdpa": make("sdpa")}
+    from ..engines import cpp
+
+    names = ("tiled", "sdpa") if cpp.unavailable() else ("cpp", "tiled", "sdpa")
+    return {n: make(n) for n in names}
 
 
 def measure(budget_s: float = 2.0, progress=None) -> list[dict]:
@@ -107,6 +111,7 @@ def measure(budget_s: float = 2.0, progress=None) -> list[dict]:
             reps = reps_for(time.perf_counter() - t0, budget_s, lo=3, hi=9)
             times = paired_times(fns, reps=reps, warmup=0)
             ratio = median_ratio(times["sdpa"], times["tiled"])  # > 1: tiled faster
+            ms = {n: median_ms(ts) for n, ts in times.items()}
             entries.append(
                 {
                     "device": "cpu",
@@ -115,7 +120,7 @@ def measure(budget_s: float = 2.0, progress=None) -> list[dict]:
                     "d": c.d,
                     "T": c.T,
                     "pass": pass_,
-                    "best": "tiled" if ratio >= 1.0 else "sdpa",
+                    "best": min(ms, key=ms.get),
                     "tiled_over_sdpa_speed": round(ratio, 3),
                     "ms": {n: round(median_ms(ts), 3) for n, ts in times.items()},
                     "shape": [c.B, c.H, c.T, c.d],
@@ -164,6 +169,7 @@ def render(table: dict, path: Path, console=None) -> None:
             "kind",
             "shape",
             "pass",
+            "cpp ms",
             "tiled ms",
             "sdpa ms",
             "tiled/sdpa speed",
@@ -177,6 +183,7 @@ def render(table: dict, path: Path, console=None) -> None:
             e["kind"],
             "x".join(map(str, e["shape"])),
             e["pass"],
+            f"{e['ms']['cpp']:.2f}" if "cpp" in e["ms"] else "-",
             f"{e['ms']['tiled']:.2f}",
             f"{e['ms']['sdpa']:.2f}",
             f"{e['tiled_over_sdpa_speed']:.2f}",

@@ -1,12 +1,14 @@
 """Checking attention: ``audit`` (arrays, stage by stage) and ``diagnose`` (someone's code).
 
-files     headers first, one budget              inputs    mappings, aliases -> arrays
+files     the one reader of user files          inputs    mappings, aliases -> arrays
 stages    the audit's stages in order: stage_qkv (Q, K, V, S), stage_mask (M),
           stage_weights (A), stage_out (H, C, O), each a function of the state (state)
-report    Check, Report, Diagnosis                faults    the one catalogue
-probes    inputs that separate faults             measure   what a function does
-callers   the user's code, its layout             record    white-box op recording
-diagnose  measure, then name                      runner    worker process, deadline
+faults    the one catalogue (hints, lessons)     runner    the one isolation runner
+diagnose  probe -> measure -> judge -> report:
+          probing    probes (Probe, Plan), observe (Runs), callers (Subject), record
+          measuring  measure (SliceMeasure, ProbeMeasure)
+          judging    judge (Findings), locate (file:line)
+          reporting  report (Finding, Diagnosis, Check, Report), words
 """
 
 from .audit import audit

@@ -1,18 +1,91 @@
-"""Calling the user's code: its signature, framework, layout; nn.Module projections."""
+"""Calling the user's code: loading a ``file.py:name`` target, its signature, framework,
+layout; nn.Module projections."""
 
 from __future__ import annotations
 
 import copy
 import inspect
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
+from .files import read_source
 from .probes import Probe, merge_heads
 
 SIGNATURES = ("qkv", "x-weights", "module")
 
 
-def _framework(fn) -> str:
+@dataclass(frozen=True)
+class Target:
+    """A ``path/file.py:name`` target, its source read (in the caller's process) by the one
+    reader of user files; :func:`load_target` executes it, in the worker."""
+
+    path: str
+    name: str
+    source: bytes
+
+
+def read_target(spec: str) -> Target:
+    """Split ``path/file.py:name`` and read the file (a regular file of Python source)."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise ValueError(f"diagnose: expected path/to/file.py:function_or_class, got {spec!r}")
+    if not Path(path).is_file():
+        raise ValueError(f"diagnose: {path}: no such file")
+    return Target(path, name, read_source(path))
+
+
+def exec_source(path: str, source: bytes, module_name: str, *, keep: bool = True) -> dict:
+    """Execute ``source`` (read from ``path``) as a module named ``module_name``; its globals.
+    Line numbers and tracebacks point at ``path``. ``keep``: leave the module in sys.modules
+    and its folder on sys.path (a worker, as ``python file.py`` would); otherwise both only
+    while it runs (as runpy does)."""
+    mod = types.ModuleType(module_name)
+    mod.__file__ = str(Path(path).resolve())
+    folder = str(Path(mod.__file__).parent)
+    sys.modules[module_name] = mod  # dataclasses, pickling and typing look modules up
+    sys.path.insert(0, folder)  # its own imports, next to it
+    try:
+        exec(compile(source, mod.__file__, "exec"), mod.__dict__)
+    finally:
+        if not keep:
+            sys.modules.pop(module_name, None)
+            if folder in sys.path:
+                sys.path.remove(folder)
+    return mod.__dict__
+
+
+def load_target(t: Target):
+    """The object named by a target: a function, a module instance, an nn.Module class
+    constructible without arguments, or a function without arguments returning one."""
+    ns = exec_source(t.path, t.source, f"_diagnosed_{Path(t.path).stem}")
+    if t.name not in ns:
+        raise ValueError(f"diagnose: {t.path} has no {t.name!r}")
+    obj = ns[t.name]
+    if inspect.isfunction(obj) and not any(
+        q.default is q.empty and q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)
+        for q in inspect.signature(obj).parameters.values()
+    ):
+        obj = obj()  # a factory: returns the configured function or module
+    if inspect.isclass(obj):
+        try:
+            obj = obj()
+        except TypeError as exc:
+            raise ValueError(
+                f"diagnose: cannot construct {t.name}() without arguments ({exc}); "
+                "name a function without arguments that returns a configured module"
+            ) from None
+    return obj
+
+
+def framework(fn) -> str:
+    """ "torch" when ``fn`` is an nn.Module or its code names torch (or anything from it:
+    its globals, its closure, nested functions included), else "numpy". A guess: the
+    Subject tries the other framework when the first call fails."""
     try:
         import torch
 
@@ -22,12 +95,27 @@ def _framework(fn) -> str:
         return "numpy"
     target = fn if hasattr(fn, "__code__") else type(fn).__call__  # a callable object
     code = getattr(target, "__code__", None)
-    if code is not None:
-        g = getattr(target, "__globals__", {})
-        for n in code.co_names:
-            mod = getattr(g.get(n), "__name__", "") or ""
-            if n in ("torch", "F") or mod.startswith("torch"):
-                return "torch"
+    if code is None:
+        return "numpy"
+    scope = dict(getattr(target, "__globals__", {}))
+    for n, cell in zip(code.co_freevars, getattr(target, "__closure__", None) or ()):
+        try:
+            scope[n] = cell.cell_contents
+        except ValueError:  # an empty cell
+            pass
+
+    def names(c):
+        yield from c.co_names
+        yield from c.co_freevars
+        for k in c.co_consts:
+            if hasattr(k, "co_names"):
+                yield from names(k)
+
+    for n in names(code):
+        v = scope.get(n)
+        mod = v.__name__ if isinstance(v, types.ModuleType) else getattr(v, "__module__", "")
+        if n in ("torch", "F") or (isinstance(mod, str) and mod.split(".")[0] == "torch"):
+            return "torch"
     return "numpy"
 
 
@@ -43,6 +131,26 @@ def _pad_kind(fn) -> str | None:
     return None
 
 
+def _required(fn) -> list:
+    """The parameters ``fn`` must be given positionally; ValueError when it has no signature."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        raise ValueError(
+            "diagnose: cannot read the function's signature; pass signature="
+        ) from None
+    return [
+        p
+        for p in params
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
+    ]
+
+
+def takes_wo(fn) -> bool:
+    """fn(x, w_q, w_k, w_v, w_o): five required positional arguments, W_O the fifth."""
+    return len(_required(fn)) >= 5
+
+
 def _discover_signature(fn) -> str:
     try:
         import torch
@@ -51,16 +159,7 @@ def _discover_signature(fn) -> str:
             return "module"
     except ImportError:
         pass
-    try:
-        params = [
-            p
-            for p in inspect.signature(fn).parameters.values()
-            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty
-        ]
-    except (TypeError, ValueError):
-        raise ValueError(
-            "diagnose: cannot read the function's signature; pass signature="
-        ) from None
+    params = _required(fn)
     if len(params) == 3:
         return "qkv"
     if len(params) in (4, 5):
@@ -191,51 +290,54 @@ def _lead_layouts(B: int, H: int) -> list[tuple[int, ...]]:
     return [(B, H)]
 
 
-class Subject:
-    """The user's code, called on a probe with chosen values V: ``values(probe, V)``
-    returns H per head, (B, H, T_q, n), for V (1|B, H, T_k, n). The input layout
-    (unit axes) and the framework (NumPy or torch) are found on the first call that runs."""
+class Output(NamedTuple):
+    """What one call returned: ``H`` (B, H, T_q, n) float64, the weights ``A`` when it
+    returned ``(out, weights)`` (else None), and the output's ``dtype`` (its precision)."""
 
-    def __init__(self, fn, sig, framework, adapter=None):
+    H: np.ndarray
+    weights: np.ndarray | None
+    dtype: np.dtype | None
+
+
+class Subject:
+    """The user's code, called on a probe with chosen values V: ``values(probe, V)`` returns
+    an :class:`Output` whose ``H`` is per head, (B, H, T_q, n), for V (1|B, H, T_k, n).
+    The input layout (unit axes) and the framework (NumPy or torch) are found on the first
+    call that runs and kept; ``has_wo``: the function takes W_O (x-weights, 5 arguments)."""
+
+    def __init__(self, fn, sig, framework, adapter=None, has_wo=False):
         self.fn, self.sig, self.framework, self.adapter = fn, sig, framework, adapter
+        self.has_wo = has_wo if sig != "module" else "o" in adapter.found
         self.layouts: dict = {}  # (B == 1, H == 1) -> leading axes that worked
-        self.out_dtype = None  # the dtype of the function's output (its working precision)
-        self.weights = None  # A, when the function returns (out, weights)
-        self.wrap = None  # NumPy op recording: a view of each input array
-        self.last = None  # (probe, V) of the last call, for the white-box pass
 
     # -- conversion
-    def _conv(self, a, framework=None):
+    def _conv(self, a, framework=None, wrap=None):
         if (framework or self.framework) == "torch":
             import torch
 
             return torch.from_numpy(np.ascontiguousarray(a))
-        return a if self.wrap is None else self.wrap(a)
+        return a if wrap is None else wrap(a)
 
-    def _raw(self, out):
+    @staticmethod
+    def _raw(out) -> tuple[np.ndarray, np.dtype]:
         out = _first(out)
         if type(out).__module__.startswith("torch"):
-            self.out_dtype = np.dtype(
-                str(out.dtype).replace("torch.", "").replace("bfloat16", "float32")
-            )
+            dtype = np.dtype(str(out.dtype).replace("torch.", "").replace("bfloat16", "float32"))
         else:
-            self.out_dtype = np.asarray(out).dtype
-        return _as_array(out).astype(np.float64)
+            dtype = np.asarray(out).dtype
+        return _as_array(out).astype(np.float64), dtype
 
     # -- calls
-    def values(self, p: Probe, V: np.ndarray) -> np.ndarray:
-        self.last = (p, V)
+    def values(self, p: Probe, V: np.ndarray, wrap=None) -> Output:
+        """Call the function on probe ``p`` with values ``V``; ``wrap``: a view for each
+        NumPy input (the white-box recorder's)."""
         if self.sig == "qkv":
-            return self._qkv(p, V)
+            return self._qkv(p, V, wrap)
         if self.sig == "x-weights":
-            return self._xw(p, V)
+            return self._xw(p, V, wrap)
         return self._module(p, V)
 
-    def __call__(self, p: Probe):  # white-box recording replays the last call
-        lp, V = self.last if self.last is not None else (p, None)
-        return self.values(lp, V)
-
-    def _qkv(self, p: Probe, V):
+    def _qkv(self, p: Probe, V, wrap):
         B, H = p.B, p.H
         V = np.broadcast_to(V, (B, H) + V.shape[2:]).astype(p.dtype)
         n = V.shape[-1]
@@ -249,19 +351,20 @@ class Subject:
             for lead in layouts:
                 try:
                     args = [
-                        self._conv(a.reshape(lead + a.shape[2:]).copy(), fw)
+                        self._conv(a.reshape(lead + a.shape[2:]).copy(), fw, wrap)
                         for a in (p.inputs["q"], p.inputs["k"], V)
                     ]
-                    kwargs = {k: self._conv(np.asarray(v).copy(), fw) for k, v in p.kwargs.items()}
+                    kwargs = {
+                        k: self._conv(np.asarray(v).copy(), fw, wrap) for k, v in p.kwargs.items()
+                    }
                     out = self.fn(*args, **kwargs)
-                    self.weights = _returned_weights(out)
-                    res = self._raw(out)
+                    res, dtype = self._raw(out)
                     if res.size != B * H * p.T_q * n:
                         raise ValueError(
                             f"output has shape {res.shape}, expected {lead + (p.T_q, n)}"
                         )
                     self.layouts[key], self.framework = lead, fw
-                    return res.reshape(B, H, p.T_q, n)
+                    return Output(res.reshape(B, H, p.T_q, n), _returned_weights(out), dtype)
                 except MemoryError:  # not a layout problem: the worker reports it
                     raise
                 except Exception as exc:  # the next layout, or the caller reports it
@@ -271,26 +374,20 @@ class Subject:
                         raise
         raise err
 
-    def _xw(self, p: Probe, V):
+    def _xw(self, p: Probe, V, wrap):
         x = p.inputs["x"]
         B = p.B
         pinv = np.linalg.pinv(x[0].astype(np.float64))  # (d_model, T): x pinv(x) = I_T
         w_v = (pinv @ np.asarray(V, np.float64)[0, 0]).astype(p.dtype)
         n = V.shape[-1]
         args = [x if B > 1 else x[0], p.inputs["w_q"], p.inputs["w_k"], w_v]
-        if self.adapter_wo():
+        if self.has_wo:
             args.append(np.eye(n, dtype=p.dtype))
-        out = self.fn(*[self._conv(np.ascontiguousarray(a).copy()) for a in args])
-        self.weights = _returned_weights(out)
-        res = self._raw(out)
+        out = self.fn(*[self._conv(np.ascontiguousarray(a).copy(), wrap=wrap) for a in args])
+        res, dtype = self._raw(out)
         if res.size != B * p.T_q * n:
             raise ValueError(f"output has shape {res.shape}, expected {(B, p.T_q, n)}")
-        return res.reshape(B, 1, p.T_q, n)
-
-    def adapter_wo(self) -> bool:
-        if self.sig == "module":
-            return "o" in self.adapter.found
-        return bool(getattr(self, "has_wo", False))
+        return Output(res.reshape(B, 1, p.T_q, n), _returned_weights(out), dtype)
 
     def output(self, p: Probe, w_v: np.ndarray, w_o: np.ndarray) -> np.ndarray:
         """The function's output with chosen W_V and W_O (x-weights, module): (B, T, d_out)."""
@@ -300,8 +397,7 @@ class Subject:
             out = self.fn(*[self._conv(np.ascontiguousarray(a).copy()) for a in args])
         else:
             out = self._run_module(p, w_v, w_o)
-        res = self._raw(out)
-        return res.reshape(p.B, p.T_q, -1)
+        return self._raw(out)[0].reshape(p.B, p.T_q, -1)
 
     def _run_module(self, p: Probe, w_v, w_o):
         import torch
@@ -321,16 +417,16 @@ class Subject:
         pinv = np.linalg.pinv(x0)
         V = np.asarray(V, np.float64)[0]  # (H, T_k, n)
         n = V.shape[-1]
-        cols = []
+        cols, dtype = [], None
         for c0 in range(0, n, dv):
             chunk = np.zeros((h, V.shape[1], dv))
             chunk[..., : min(dv, n - c0)] = V[..., c0 : c0 + dv]
             w_v = merge_heads(pinv @ chunk)  # (d_model, h·d_v)
             w_o = np.eye(h * dv, d_out) if d["w_o"] else None
-            out = self._raw(self._run_module(p, w_v, w_o))
+            out, dtype = self._raw(self._run_module(p, w_v, w_o))
             Hc = out.reshape(p.T_q, -1)[:, : h * dv]
             cols.append(np.moveaxis(Hc.reshape(p.T_q, h, dv), 1, 0)[..., : min(dv, n - c0)])
-        return np.concatenate(cols, -1)[None]
+        return Output(np.concatenate(cols, -1)[None], None, dtype)
 
 
 def _returned_weights(out):

@@ -1,59 +1,365 @@
-"""Measure what an attention function does, stage by stage, and compare with the reference.
+"""Measuring: what the function did on each probe, as records — pure functions of a probe
+and the raw outputs (:class:`~.observe.Run`), no verdicts.
 
 A function that computes H = A V returns A itself for V = I (one-hot value rows). From
-that measured A (B, H, T_q, T_k):
+that measured A (B, H, T_q, T_k), per (b, h) slice (:class:`SliceMeasure`): the read
+pattern (nonzero weight), the row sums, the normalization (rows, columns, all, none), the
+scale (log A_ij - log A_ik against the raw Q Kᵀ differences, a least-squares fit; also
+against Q K where T = d_k), the weights against the reference (error, relative error), the
+softmax over all keys masked after (mask after softmax), and the value map R with A = A_ref R
+(which value rows each key's weight multiplies). Per probe (:class:`ProbeMeasure`): the
+tolerance of the accuracy rule in the function's own dtype, the read-back noise, and on
+the main probe linearity (H for random V against the measured A V), the weights with d_v
+doubled, the output projection; the largest score on the stability probes; the long fp16
+rows' sums. :mod:`.judge` turns the records into findings.
 
-- the read pattern: which keys each query reads (nonzero weight);
-- the normalization: row sums, column sums, the total;
-- the scale: log A_ij - log A_ik against the raw Q Kᵀ differences (a least-squares fit);
-- linearity: H for random V must be A V (else the function does not compute A V);
-- stability: large scores in fp32, fp16, long rows in fp16.
-
-Each comparison gives :class:`Finding` s (stage, fault id or None, message with the
-measurement); the first in dependency order is the diagnosis. Tolerances follow the
-accuracy rule: an error counts when it exceeds twice what plain math in the function's
-own dtype makes on the same probe, plus a floor.
+Tolerances follow the accuracy rule: twice what plain math in the function's own dtype
+makes on the same probe, plus a floor.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from .. import masks
-from ..reference import softmax_last
+from ..reference import merge_heads, softmax_last, split_heads
+from .observe import Run
 from .probes import Probe
 
 __all__ = [
-    "Finding",
-    "STAGES",
+    "SliceMeasure",
+    "ProbeMeasure",
+    "Linearity",
+    "Width",
+    "RowSums",
+    "Projection",
+    "measure",
     "expected_weights",
-    "fit_scale",
-    "pattern_findings",
-    "normalization",
     "plain_weights",
     "tolerance",
     "read_pattern",
-    "rows_text",
+    "fit_scale",
+    "normalization",
 ]
 
-STAGES = ("S", "M", "A", "H", "O")
+
+# -- the records ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SliceMeasure:
+    """One (b, h) slice of a probe's weights. Arrays are T_q×T_k (``value_map``: T_k×T_k).
+
+    ``A``: measured (V = I); ``ref``: the reference's; ``allowed``: the reference's read
+    pattern; ``read``: keys read (above the read-back noise; NaN counts as read); ``mode``:
+    the normalization at the tolerance ('rows', 'cols', 'all', 'none'); ``fit``: (c, misfit)
+    of log A against c·Q Kᵀ on the keys read, None when too few; ``fit_kt``: the same
+    against Q K (T_q = T_k = d_k only); ``full_err``: max |A - softmax over all keys (at the
+    fitted c) zeroed where not read|; ``value_map``: R with A = ref R (a square ``ref``
+    that can be inverted only), ``value_misfit``: max |R - round(R)|."""
+
+    index: tuple
+    A: np.ndarray
+    ref: np.ndarray
+    allowed: np.ndarray
+    read: np.ndarray
+    mode: str = "rows"
+    fit: tuple | None = None
+    fit_kt: tuple | None = None
+    full_err: float | None = None
+    value_map: np.ndarray | None = None
+    value_misfit: float | None = None
+
+    @property
+    def has_key(self) -> np.ndarray:
+        return self.allowed.any(-1)
+
+    @property
+    def nonfinite_rows(self) -> np.ndarray:
+        """Rows that can read a key but hold NaN or inf."""
+        return np.flatnonzero(self.has_key & ~np.isfinite(self.A).all(-1))
+
+    @property
+    def empty_nan_rows(self) -> np.ndarray:
+        """Rows with no readable key that come out NaN."""
+        return np.flatnonzero(~self.has_key & np.isnan(self.A).any(-1))
+
+    @property
+    def sums(self) -> np.ndarray:
+        return np.where(np.isfinite(self.A), self.A, 0).sum(-1)
+
+    @property
+    def ref_sums(self) -> np.ndarray:
+        return self.ref.sum(-1)
+
+    @property
+    def err(self) -> float:
+        """max |A - ref| over the rows that read a key."""
+        d = np.where(self.has_key[:, None], self.A - self.ref, 0)
+        return float(np.abs(d).max()) if d.size else 0.0
+
+    @property
+    def rel_err(self) -> float:
+        """max |A/ref - 1| over the entries the reference weights at least 1e-3 of a row."""
+        big = self.ref > 1e-3
+        return float(np.abs(self.A[big] / self.ref[big] - 1).max()) if big.any() else 0.0
 
 
-@dataclass
-class Finding:
-    stage: str
-    fault: str | None
-    message: str
-    slice: tuple = ()  # (b, h) of the probe slice where it was measured
-    probe: str = ""
+@dataclass(frozen=True)
+class Linearity:
+    """H for random V (``err``: max |H - A V| with the measured A), its ``tol``, and the
+    largest output for V = 0 (``zero``): a function of V that is not A V shows here."""
 
-    def key(self):
-        return STAGES.index(self.stage) if self.stage in STAGES else len(STAGES)
+    err: float
+    tol: float
+    zero: float
 
 
-# -- the reference on a probe ------------------------------------------------------------
+@dataclass(frozen=True)
+class Width:
+    """The weights read back with d_v doubled (V = [I, 0]): ``diff`` max |A' - A| against
+    ``tol``; ``fit`` (c, misfit) of A'; ``d_v`` the main probe's."""
+
+    diff: float
+    tol: float
+    fit: tuple | None
+    d_v: int
+
+
+@dataclass(frozen=True)
+class RowSums:
+    """The long fp16 rows: the sums of the last rows (V = ones), the keys they read, and
+    what plain fp16 math with fp32 accumulation is off by."""
+
+    sums: np.ndarray
+    keys: int
+    plain_err: float
+    tol: float
+
+
+@dataclass(frozen=True)
+class Projection:
+    """O with the probe's W_V, W_O against H W_O (H from the measured weights): ``err``,
+    ``err_missing`` (O = H), ``err_transposed`` (O = H W_Oᵀ; None unless W_O is square),
+    ``tol``; the shapes; ``error``: what the function raised."""
+
+    err: float | None = None
+    err_missing: float | None = None
+    err_transposed: float | None = None
+    tol: float = 0.0
+    shape: tuple = ()
+    expected_shape: tuple = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ProbeMeasure:
+    """What one probe showed. ``probe``/``kind`` name it (kinds: :data:`~.probes.KINDS`);
+    ``dtype``: the function's working precision on it; ``scale0``: the declared scale;
+    ``tol``: the accuracy rule's bound on the weights; ``noise``: the read-back error of
+    weights measured through W_V = pinv(x)·V (0 for fn(q, k, v)); ``pattern``: the
+    reference's; ``S_max``: the largest |scaled score|; the rest as the records say."""
+
+    probe: str
+    kind: str
+    T_q: int
+    T_k: int
+    d_k: int
+    B: int
+    H: int
+    dtype: str
+    scale0: float
+    pattern: masks.Pattern = field(default_factory=masks.Pattern)
+    tol: float = 0.0
+    noise: float = 0.0
+    S_max: float = 0.0
+    slices: tuple = ()
+    linearity: Linearity | None = None
+    width: Width | None = None
+    sums: RowSums | None = None
+    projection: Projection | None = None
+    recorded: tuple | None = None  # SliceMeasures of the weights the function computed
+
+    def fitted_scale(self, s: SliceMeasure) -> float | None:
+        """A slice's fitted scale when log A fits c·Q Kᵀ tightly (2e-3 in log space, plus
+        what the dtype rounds), else None."""
+        tight = 2e-3 + 1e3 * float(np.finfo(np.dtype(self.dtype)).eps)
+        return s.fit[0] if s.fit is not None and s.fit[1] <= tight else None
+
+    @property
+    def read(self) -> np.ndarray:
+        """(B, H, T_q, T_k): every slice's read pattern."""
+        out = np.zeros((self.B, self.H, self.T_q, self.T_k), bool)
+        for s in self.slices:
+            out[s.index] = s.read
+        return out
+
+
+# -- measuring -------------------------------------------------------------------------------
+def measure(run: Run, *, scale: float | None, sig: str) -> ProbeMeasure:
+    """The records of one run. ``scale``: the declared one (None: 1/√d_k); ``sig``: the
+    calling convention (weights come back through pinv(x) for all but fn(q, k, v))."""
+    p = run.probe
+    c0 = scale if scale is not None else masks.default_scale(p.d_k)
+    t = _work_dtype(p, run.dtype)
+    base = dict(
+        probe=p.name,
+        kind=p.kind,
+        T_q=p.T_q,
+        T_k=p.T_k,
+        d_k=p.d_k,
+        B=p.B,
+        H=p.H,
+        dtype=t.name,
+        scale0=c0,
+        pattern=p.pattern,
+        S_max=float(np.abs(p.G() * c0).max()) if p.G().size else 0.0,
+    )
+    if "ones" in run.outputs:
+        return ProbeMeasure(**base, sums=_row_sums(p, run.outputs["ones"], c0))
+    A = run.outputs["eye"]
+    ref = expected_weights(p, c0)
+    noise = _noise(A, t, sig)
+    tol = tolerance(ref, plain_weights(p, c0, t), t) + noise
+    slices = _slices(p, A, ref, tol, noise, c0)
+    extra = {}
+    if "random" in run.outputs:
+        extra["linearity"] = _linearity(p, A, run.outputs, t, noise)
+    if "wide" in run.outputs:
+        extra["width"] = _width(p, A, run.outputs["wide"], t, noise)
+    if p.projection is not None:
+        extra["projection"] = _projection(p, A, run, t, noise)
+    w = run.weights
+    if w is not None and np.asarray(w).size == p.B * p.H * p.T_q * p.T_k:
+        W = np.asarray(w, np.float64).reshape(p.B, p.H, p.T_q, p.T_k)
+        extra["recorded"] = tuple(_slices(p, W, ref, tol, _noise(W, t, sig), c0))
+    return ProbeMeasure(**base, tol=tol, noise=noise, slices=tuple(slices), **extra)
+
+
+def _work_dtype(p: Probe, out) -> np.dtype:
+    """The function's working precision: the lower of its inputs' and its output's."""
+    if out is None or out.kind != "f" or np.finfo(out).eps < np.finfo(p.dtype).eps:
+        return np.dtype(p.dtype)
+    return np.dtype(out)
+
+
+def _noise(A: np.ndarray, t: np.dtype, sig: str) -> float:
+    """Read-back error of weights measured through W_V = pinv(x)·V (0 for fn(q, k, v))."""
+    if sig == "qkv":
+        return 0.0
+    fin = np.abs(A[np.isfinite(A)])
+    return 1e3 * float(np.finfo(t).eps) * max(1.0, float(fin.max()) if fin.size else 1.0)
+
+
+def _slices(p: Probe, A, ref, tol, noise, c0) -> list[SliceMeasure]:
+    out = []
+    E = p.allowed()
+    with np.errstate(all="ignore"):
+        for b, h in np.ndindex(p.B, p.H):
+            a, e, r = A[b, h], E[b, h], ref[b, h]
+            mode = normalization(a, r, e, tol)
+            read = read_pattern(a, noise)
+            fin = np.abs(a[np.isfinite(a)])
+            top = float(fin.max()) if fin.size else 0.0
+            use = read & e & (np.abs(a) > 1e-3 * max(1e-300, top))
+            sub = p.slice(b, h)
+            fit_mode = "rows" if mode == "none" else mode
+            fit = fit_scale(sub, a[None, None], use[None, None], fit_mode)
+            fit_kt = None
+            if p.T_q == p.T_k == p.d_k:  # Q K instead of Q Kᵀ?
+                fit_kt = fit_scale(sub, a[None, None], use[None, None], fit_mode, G=sub.Q @ sub.K)
+            full_err = None
+            if fit is not None:  # the softmax over all keys, zeroed where not read
+                full = expected_weights(sub, fit[0], np.ones((1, 1, p.T_q, p.T_k), bool))[0, 0]
+                full_err = float(np.nan_to_num(np.abs(a - full * read), nan=np.inf).max())
+            R, misfit = _value_map(r, a, e)
+            out.append(SliceMeasure((b, h), a, r, e, read, mode, fit, fit_kt, full_err, R, misfit))
+    return out
+
+
+def _value_map(ref: np.ndarray, a: np.ndarray, e: np.ndarray):
+    """R with a = ref R, for a square ref with a key on every row that is well conditioned
+    (the causal reference is triangular with a positive diagonal); (None, None) otherwise."""
+    T_q, T_k = ref.shape
+    if T_q != T_k or not e.any(-1).all() or not np.isfinite(a).all():
+        return None, None
+    if np.linalg.cond(ref) > 1e8:
+        return None, None
+    R = np.linalg.solve(ref, a)
+    return R, float(np.abs(R - np.rint(R)).max())
+
+
+def _linearity(p: Probe, A, outputs: dict, t, noise) -> Linearity:
+    V = p.values["random"]
+    ref = A @ V
+    plain = (A.astype(t) @ V.astype(t)).astype(np.float64)
+    tol = tolerance(ref, plain, t) + noise * p.T_k * float(np.abs(V).max())
+    with np.errstate(invalid="ignore"):
+        err = np.abs(outputs["random"] - ref)
+    e = float(np.nanmax(err)) if np.isfinite(err).any() else np.inf
+    if np.isnan(err).any():
+        e = np.inf
+    zero = outputs["zero"]
+    z = float(np.nanmax(np.abs(zero))) if zero.size else 0.0
+    return Linearity(e, tol, z)
+
+
+def _width(p: Probe, A, wide, t, noise) -> Width:
+    A2 = wide[..., : p.T_k]
+    with np.errstate(invalid="ignore"):
+        diff = float(np.nan_to_num(np.abs(A2 - A), nan=np.inf).max())
+    fit = None
+    if np.isfinite(A2).all():
+        use = read_pattern(A2) & p.allowed() & (A2 > 1e-3 * A2.max())
+        fit = fit_scale(p, A2, use, "rows")
+    return Width(diff, 1e3 * float(np.finfo(t).eps) + noise, fit, p.T_k)
+
+
+def _projection(p: Probe, A, run: Run, t, noise) -> Projection:
+    if run.O_error is not None:
+        return Projection(error=run.O_error)
+    w_v, w_o = p.projection
+    Vh = split_heads(p.inputs["x"].astype(np.float64) @ w_v.astype(np.float64), p.H)
+    Hm = merge_heads(A @ Vh)
+    ref = Hm @ w_o.astype(np.float64)
+    plain = (merge_heads(A.astype(t) @ Vh.astype(t)) @ w_o.astype(t)).astype(np.float64)
+    tol = tolerance(ref, plain, t) + noise * float(np.abs(ref).max())
+    got = run.O
+
+    def err(x, y):
+        return float(np.abs(x - y).max()) if x.shape == y.shape else None
+
+    transposed = None
+    if w_o.shape[0] == w_o.shape[1]:
+        transposed = err(got, Hm @ w_o.T.astype(np.float64))
+    return Projection(err(got, ref), err(got, Hm), transposed, tol, got.shape[1:], ref.shape[1:])
+
+
+def _row_sums(p: Probe, ones: np.ndarray, c0: float) -> RowSums:
+    rows = np.arange(p.T_q - min(4, p.T_q), p.T_q)  # the longest rows
+    E = p.allowed()[0, 0, rows]
+    S = (p.Q[0, 0, rows] @ p.K[0, 0].T) * c0
+    plain = plain_fp16_row_sums(np.where(E, S, -np.inf))
+    eps = float(np.finfo(np.float16).eps)
+    plain_err = float(np.abs(plain - 1).max())
+    return RowSums(ones[0, 0, rows, 0], int(E[-1].sum()), plain_err, 2 * plain_err + 8 * eps)
+
+
+def plain_fp16_row_sums(Z: np.ndarray) -> np.ndarray:
+    """Row sums of softmax(Z) computed in fp16 with fp32 accumulation (torch's way)."""
+    try:
+        import torch
+
+        A = torch.softmax(torch.from_numpy(Z).half(), -1)
+        return A.float().sum(-1).double().numpy()
+    except ImportError:
+        Z32 = Z.astype(np.float16).astype(np.float32)
+        E = np.exp(Z32 - Z32.max(-1, keepdims=True))
+        A = (E / E.sum(-1, keepdims=True)).astype(np.float16)
+        return A.astype(np.float32).sum(-1).astype(np.float64)
+
+
+# -- the reference on a probe ---------------------------------------------------------
 def expected_weights(p: Probe, scale: float, allowed: np.ndarray | None = None) -> np.ndarray:
     """softmax_last(modify(Q Kᵀ·scale) + M), sinks in the denominator; float64 (B,H,T_q,T_k)."""
     pat = p.pattern
@@ -106,169 +412,10 @@ def tolerance(ref: np.ndarray, plain: np.ndarray, dtype) -> float:
     return 2.0 * float(np.abs(plain - ref).max()) + 8 * eps * mag
 
 
-# -- reading the measured weights --------------------------------------------------------
 def read_pattern(A: np.ndarray, noise: float = 0.0) -> np.ndarray:
     """Keys read: nonzero weight, above ``noise`` (the read-back error of weights measured
     through W_V = pinv(x)·V; 0 when V is given directly). NaN counts as read."""
     return (np.abs(A) > noise) | np.isnan(A)
-
-
-def spans(numbers, dash: str = "..") -> list[str]:
-    """Runs of consecutive integers folded, in the order given: [2, 3, 4, 7] -> ['2..4', '7']
-    (the one folding: rows_text here, the question texts of :mod:`causalattn.learn`)."""
-    numbers = [int(n) for n in numbers]
-    if not numbers:
-        return []
-    parts, start, prev = [], numbers[0], numbers[0]
-    for n in numbers[1:] + [None]:
-        if n is not None and n == prev + 1:
-            prev = n
-            continue
-        parts.append(f"{start}" if start == prev else f"{start}{dash}{prev}")
-        if n is not None:
-            start = prev = n
-    return parts
-
-
-def rows_text(rows) -> str:
-    """1-based query numbers, ranges folded: 'rows 2..8', 'row 1', 'rows 1, 3, 5'."""
-    rows = [int(r) + 1 for r in rows]
-    if not rows:
-        return "no rows"
-    parts = spans(rows)
-    return (
-        ("row " if len(rows) == 1 else "rows ")
-        + ", ".join(parts[:6])
-        + (" ..." if len(parts) > 6 else "")
-    )
-
-
-def _keys_text(cols) -> str:
-    cols = [int(c) + 1 for c in cols]
-    return (
-        ("key " if len(cols) == 1 else "keys ")
-        + ", ".join(map(str, cols[:6]))
-        + (" ..." if len(cols) > 6 else "")
-    )
-
-
-def _verb(rows, one: str, many: str) -> str:
-    return one if len(rows) == 1 else many
-
-
-def _own_key(T_q: int, T_k: int) -> np.ndarray:
-    """T_q×T_k bool: True at each query's own key, position i + T_k - T_q (bottom-right)."""
-    diag = np.zeros((T_q, T_k), bool)
-    diag[np.arange(T_q), np.arange(T_q) + T_k - T_q] = True
-    return diag
-
-
-def describe_difference(P: np.ndarray, E: np.ndarray, T_q: int, T_k: int) -> str:
-    """What differs between a measured read pattern P and the expected E (T_q×T_k)."""
-    diag = _own_key(T_q, T_k)
-    parts = []
-    own_missing = np.flatnonzero((diag & E & ~P).any(-1))
-    if own_missing.size:
-        own_ok = np.flatnonzero((diag & E & P).any(-1))
-        verb = _verb(own_missing, "does not read its", "do not read their")
-        s = f"{rows_text(own_missing)} {verb} own key"
-        if own_ok.size:
-            s += f" ({rows_text(own_ok)} {'does' if own_ok.size == 1 else 'do'})"
-        parts.append(s)
-    extra = P & ~E
-    rows = np.flatnonzero(extra.any(-1))
-    if rows.size:
-        i = rows[0]
-        fut = extra & ~masks.causal(T_q, T_k)
-        kind = "future keys" if fut.any() else "keys they may not"
-        parts.append(
-            f"{rows_text(rows)} {_verb(rows, 'reads', 'read')} {kind} (row {i + 1} reads "
-            f"{_keys_text(np.flatnonzero(extra[i]))})"
-        )
-    miss = E & ~P & ~diag
-    rows = np.flatnonzero(miss.any(-1))
-    if rows.size:
-        i = rows[0]
-        parts.append(
-            f"{rows_text(rows)} {_verb(rows, 'does not read keys it', 'do not read keys they')} "
-            f"may (row {i + 1} skips "
-            f"{_keys_text(np.flatnonzero(miss[i]))})"
-        )
-    return "; ".join(parts)
-
-
-# -- M: the read pattern ---------------------------------------------------------------
-def _top_left(p: Probe) -> np.ndarray:
-    """Causal aligned top-left (query i reads j <= i) for T_q < T_k: SDPA's is_causal."""
-    sq = masks.Pattern().allowed(1, 1, p.T_q, p.T_q)[0, 0]
-    return np.pad(sq, ((0, 0), (0, p.T_k - p.T_q)))
-
-
-def pattern_findings(
-    p: Probe, A: np.ndarray, E_full: np.ndarray, noise: float = 0.0, ref: np.ndarray | None = None
-) -> list[Finding]:
-    """Stage M per slice: the measured read pattern against the reference's. Rows holding
-    NaN or inf are left to stage A; with read-back ``noise``, keys whose reference weight is
-    below it are not counted as skipped."""
-    out = []
-    P_full = read_pattern(A, noise)
-    for b, h in np.ndindex(p.B, p.H):
-        P, E = P_full[b, h].copy(), E_full[b, h]
-        bad_rows = ~np.isfinite(A[b, h]).all(-1)
-        P[bad_rows] = E[bad_rows]
-        if noise and ref is not None:
-            tiny = E & ~P & (ref[b, h] <= 10 * noise)
-            P[tiny] = True
-        if (P == E).all():
-            continue
-        out.append(
-            Finding("M", _name_pattern(p, P, E, b, h), _pattern_message(p, P, E), (b, h), p.name)
-        )
-    return out
-
-
-def _pattern_message(p: Probe, P, E) -> str:
-    return (
-        f"M: {describe_difference(P, E, p.T_q, p.T_k)}; expected {p.pattern.describe()}"
-        f" (on {p.name}, T_q×T_k = {p.T_q}×{p.T_k})"
-    )
-
-
-def _name_pattern(p: Probe, P, E, b, h) -> str | None:
-    pat = p.pattern
-    T_q, T_k = p.T_q, p.T_k
-    empty = ~E.any(-1)
-    if not pat.causal:
-        return None
-    nopad = masks.Pattern(causal=True, window=pat.window, chunk=pat.chunk).allowed(1, 1, T_q, T_k)[
-        0, 0
-    ]
-    if P.all():
-        return "no-mask"
-    if pat.lengths is not None or pat.key_padding_mask is not None:
-        if (P == nopad).all():
-            return "padding-ignored"
-        if (P[~empty] == E[~empty]).all() and P[empty].any():
-            return "finite-min-added-twice"
-        keys = (
-            masks.Pattern(causal=False, lengths=pat.lengths, key_padding_mask=pat.key_padding_mask)
-            .allowed(p.B, 1, T_q, T_k)[b, 0]
-            .any(0)
-        )  # the keys that are not padding
-        if T_q == T_k and (P == (nopad & keys[:, None])).all():
-            return "padding-queries-only"
-    if T_q == T_k and (P == nopad.T).all():
-        return "anti-causal-mask"
-    diag = _own_key(T_q, T_k)
-    if (P == (E & ~diag)).all():
-        return "diagonal-blocked"
-    if T_q < T_k and pat.window is None and (P == (_top_left(p) & (E | ~nopad))).all():
-        return "causal-top-left"
-    if pat.window is not None:
-        for w in (pat.window - 1, pat.window + 1):
-            if w >= 1 and (P == p.with_pattern(window=w).allowed()[b, h]).all():
-                return "window-off-by-one"
-    return None
 
 
 # -- S: the scale ------------------------------------------------------------------------

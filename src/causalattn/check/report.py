@@ -1,4 +1,5 @@
-"""The audit's report model: Check, Report (and the errors for unusable input)."""
+"""Reporting: the audit's Check and Report, diagnose's Finding and Diagnosis (built from the
+judge's findings by :func:`verdict`), the errors for unusable input, the one JSON converter."""
 
 from __future__ import annotations
 
@@ -7,11 +8,17 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from .faults import BY_ID
+
+if TYPE_CHECKING:
+    from .measure import ProbeMeasure
+
 STAGE_ORDER = ("X", "Q", "K", "V", "S", "M", "A", "H", "C", "O")
+STAGES = ("S", "M", "A", "H", "O")  # diagnose's, in dependency order
 
 
 class AuditInputError(ValueError):
@@ -178,16 +185,67 @@ StatusName = Literal["clean", "fault", "unknown", "error", "timeout", "crashed"]
 
 
 @dataclass
+class Finding:
+    """One fault diagnose measured: its ``stage`` (S, M, A, H, O), the catalogue id
+    ``fault`` or None, a one-line ``message`` with the measurement (positions 1-based), the
+    ``probe`` it was measured on, the ``measurement`` itself (numbers, by name), the query
+    ``rows`` affected (0-based) and the (b, h) ``slice`` of the probe."""
+
+    stage: str
+    fault: str | None
+    message: str
+    probe: str = ""
+    measurement: dict = field(default_factory=dict)
+    rows: tuple = ()
+    slice: tuple = ()
+
+    def key(self) -> int:
+        return STAGES.index(self.stage) if self.stage in STAGES else len(STAGES)
+
+    @property
+    def text(self) -> str:
+        """The message led by the catalogue id, when there is one."""
+        return f"{self.fault}: {self.message}" if self.fault in BY_ID else self.message
+
+    def to_dict(self) -> dict:
+        return {
+            "stage": self.stage,
+            "fault": self.fault,
+            "message": self.message,
+            "probe": self.probe,
+            "measurement": jsonable(self.measurement),
+            "rows": list(self.rows),
+            "slice": list(self.slice),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Finding:
+        return cls(
+            d["stage"],
+            d.get("fault"),
+            d["message"],
+            d.get("probe", ""),
+            dict(d.get("measurement") or {}),
+            tuple(d.get("rows") or ()),
+            tuple(d.get("slice") or ()),
+        )
+
+
+@dataclass
 class Diagnosis:
     """What diagnose found.
 
     ``status``: a :class:`Status`; ``fault``: a catalogue id (``causalattn.check.CATALOGUE``)
     or None; ``stage``: the first stage in dependency order that differs from the reference;
     ``message``: that stage's measurement; ``location``: ``file:line`` in the user's code
-    when the white-box pass found it. Measurements of the main probe: ``pattern`` — the
-    boolean read pattern (T_q, T_k), True where a query reads the key (None when it could
-    not be measured); ``expected`` — the reference's pattern on the same probe; ``scale`` —
-    the factor the function applies to Q Kᵀ (None when not measured); ``d_k`` — the probe's.
+    when the white-box pass found it. ``fault``, ``stage`` and ``message`` are the first of
+    ``findings``: every distinct fault measured (:class:`Finding`), the main probe's first
+    in dependency order, then those further probes show that the main probe does not
+    explain; ``also``: their catalogue ids after the first. Measurements of the main probe:
+    ``pattern`` — the boolean read pattern (T_q, T_k), True where a query reads the key
+    (None when it could not be measured); ``expected`` — the reference's pattern on the same
+    probe; ``scale`` — the factor the function applies to Q Kᵀ (None when not measured);
+    ``d_k`` — the probe's.
     """
 
     fault: str | None
@@ -195,7 +253,7 @@ class Diagnosis:
     message: str
     location: str | None = None
     status: Status = Status.FAULT
-    also: list[str] = field(default_factory=list)  # later faults, or faults that look the same
+    findings: list[Finding] = field(default_factory=list)
     untested: list[str] = field(default_factory=list)  # faults these probes cannot show
     details: dict = field(default_factory=dict)
     pattern: np.ndarray | None = None
@@ -205,10 +263,31 @@ class Diagnosis:
 
     def __post_init__(self):
         self.status = Status(self.status)
+        self.findings = [Finding.from_dict(f) if isinstance(f, dict) else f for f in self.findings]
         for name in ("pattern", "expected"):
             v = getattr(self, name)
             if v is not None:
                 setattr(self, name, np.asarray(v, dtype=bool))
+
+    @classmethod
+    def from_failure(cls, kind: str, message: str) -> Diagnosis:
+        """The function could not be measured: a runner failure (timeout, memory, crashed,
+        error) as a status."""
+        status = {"timeout": Status.TIMEOUT, "error": Status.ERROR}.get(kind, Status.CRASHED)
+        return cls(None, None, message, status=status)
+
+    @property
+    def also(self) -> list[str]:
+        """Catalogue ids of the findings after the first (and, when the first is
+        some-heads-only, the fault those heads carry), each once."""
+        out = []
+        if self.findings and self.findings[0].fault == "some-heads-only":
+            inner = self.findings[0].measurement.get("fault")
+            out += [inner] if inner else []
+        for f in self.findings[1:]:
+            if f.fault and f.fault != self.fault and f.fault not in out:
+                out.append(f.fault)
+        return out
 
     @property
     def ok(self) -> bool:
@@ -226,6 +305,7 @@ class Diagnosis:
             "message": self.message,
             "location": self.location,
             "status": self.status.value,
+            "findings": [f.to_dict() for f in self.findings],
             "also": self.also,
             "untested": self.untested,
             "details": jsonable(self.details),
@@ -253,7 +333,7 @@ class Diagnosis:
                     "message",
                     "location",
                     "status",
-                    "also",
+                    "findings",
                     "untested",
                     "details",
                     "pattern",
@@ -289,8 +369,8 @@ class Diagnosis:
             lines.append(f"  at {self.location}")
             if self.details.get("code"):
                 lines.append(f"     {self.details['code']}")
-        if self.also:
-            lines.append(f"  also: {', '.join(self.also)}")
+        for f in self.findings[1:]:  # one line each
+            lines.append(f"  also, {f.stage}: {f.text}")
         if self.untested:
             lines.append(f"  not testable with this signature: {', '.join(self.untested)}")
         if self.scale is not None:
@@ -306,3 +386,48 @@ class Diagnosis:
         for k, v in self.details.get("whitebox", {}).items():
             lines.append(f"  white-box: {k} = {v}")
         return "\n".join(lines)
+
+
+def verdict(
+    findings: list[Finding],
+    measures: Sequence[ProbeMeasure],
+    *,
+    details: dict,
+    untested: list[str],
+    reads_back: bool = True,
+    located: tuple = (None, "", {}),
+) -> Diagnosis:
+    """The Diagnosis of the judge's ``findings``: the first names fault, stage, message and
+    location (``located``: file:line, code, facts of the white-box pass); the read pattern,
+    the expected one and the scale of the main probe (``measures[0]``), on the slice of the
+    first finding (none when V = I does not read the weights back); which probes ran."""
+    main = measures[0]
+    top = findings[0] if findings else None
+    index = top.slice if top is not None and top.probe == main.probe and top.slice else (0, 0)
+    s = next((x for x in main.slices if tuple(x.index) == tuple(index)), None)
+    base = dict(
+        untested=untested,
+        details=details,
+        pattern=None if s is None or not reads_back else s.read,
+        expected=None if s is None else s.allowed,
+        scale=None if s is None else main.fitted_scale(s),
+        d_k=main.d_k,
+    )
+    ran = details.get("probes", [])
+    if top is None:
+        message = "matches the reference on every probe (" + ", ".join(ran) + ")"
+        return Diagnosis(None, None, message, status=Status.CLEAN, **base)
+    shown = next((m for m in measures if m.probe == top.probe), None)
+    if shown is not main and shown is not None and top.slice:
+        t = next((x for x in shown.slices if tuple(x.index) == tuple(top.slice)), None)
+        if t is not None:
+            details["pattern_of"] = {
+                "probe": top.probe,
+                "slice": list(top.slice),
+                "pattern": t.read.tolist(),
+                "expected": t.allowed.tolist(),
+            }
+    location, code, facts = located
+    details.update({"whitebox": facts, "code": code})
+    status = Status.FAULT if top.fault else Status.UNKNOWN
+    return Diagnosis(top.fault, top.stage, top.text, location, status, list(findings), **base)

@@ -15,6 +15,7 @@ from .numerics import (
 )
 from .report import AuditInputError
 from .state import AuditState
+from .words import describe_difference
 
 
 def mask(st: AuditState) -> None:
@@ -192,14 +193,12 @@ def _pattern_from_weights(st, A, shape):
         return
     flat = int(np.flatnonzero(bad.reshape(-1, T_q * T_k).any(-1))[0])
     first = tuple(int(i) for i in np.unravel_index(flat, lead)) if lead else ()
-    from .measure import describe_difference
-
     what = describe_difference(Pc[first], E[first], T_q, T_k)
     never = np.flatnonzero(~P[first].any(-2) & E[first].any(-2))
     msg = f"the keys A reads differ from the declared pattern ({declared}): {what}" + (
         f" (at index {list(first)})" if first else ""
     )
-    hint = _pattern_hint(st, Pc[first], E[first], T_q, T_k, reads[first])
+    fault, hint = _pattern_hint(st, Pc[first], E[first], T_q, T_k, reads[first])
     if never.size:
         hint += (
             f"; key{'s' if never.size > 1 else ''} "
@@ -207,11 +206,12 @@ def _pattern_from_weights(st, A, shape):
             " read by no query: if that is padding, declare key_padding_mask= or "
             "lengths="
         )
-    st.add("M", "A reads what the pattern allows", False, msg, _locate(bad, len(lead)), hint)
+    st.add("M", "A reads what the pattern allows", False, msg, _locate(bad, len(lead)), hint, fault)
 
 
-def _pattern_hint(st, P, E, T_q, T_k, reads) -> str:
-    """The catalogue's hint when the read pattern is a catalogued fault."""
+def _pattern_hint(st, P, E, T_q, T_k, reads) -> tuple[str | None, str]:
+    """(catalogue id, its hint) when the read pattern is a catalogued fault; else (None,
+    what differs)."""
     base = _masks.Pattern().allowed(1, 1, T_q, T_k)[0, 0]
     r = reads[:, 0]
 
@@ -227,10 +227,10 @@ def _pattern_hint(st, P, E, T_q, T_k, reads) -> str:
         fid = "diagonal-blocked"
     if fid is not None:
         f = faults.BY_ID[fid]
-        return f"{fid}: {f.description}; {f.hint}"
+        return fid, f"{fid}: {f.description}; {f.hint}"
     if (P & ~E).any():
-        return "A gives weight to keys the pattern blocks: the mask is too weak or wrong"
-    return (
+        return None, "A gives weight to keys the pattern blocks: the mask is too weak or wrong"
+    return None, (
         "A leaves out keys the pattern allows: the mask is stricter than declared (a "
         "window or a padding rule nobody declared?)"
     )
@@ -316,6 +316,12 @@ def _structure(st, allowed, source):
                 kinds.add("over")
     ok = not bad.any()
     described = _masks.Pattern(**pattern_kw(st, False)).describe()
+    ids = {  # the catalogue id each kind is
+        "none": "no-mask",
+        "anti": "anti-causal-mask",
+        "diag": "diagonal-blocked",
+        "padding": "padding-ignored",
+    }
     hints = {
         "none": "no causal mask: every query reads future keys (add M before the softmax)",
         "anti": "the mask is transposed (anti-causal): queries read j >= i instead of j <= i",
@@ -349,4 +355,5 @@ def _structure(st, allowed, source):
         ),
         None if ok else _locate(bad, len(lead)),
         None if ok else hints[kind],
+        None if ok else ids.get(kind),
     )

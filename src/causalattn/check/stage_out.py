@@ -124,23 +124,25 @@ def output(st: AuditState) -> None:
         return
     ref = Hc @ W
     if O.shape != ref.shape:
-        hint = "O has H's shape: the output projection is missing" if O.shape == Hc.shape else None
+        missing = O.shape == Hc.shape
         st.add(
             "O",
             "O = H W_O",
             False,
             f"O has shape {O.shape} but H W_O is {ref.shape}",
             {"shape": O.shape},
-            hint,
+            "O has H's shape: the output projection is missing" if missing else None,
+            "output-projection-missing" if missing else None,
         )
         return
     ok, e, bad = _close(O, ref, tol)
-    hint = None
+    hint = fault = None
     if not ok:
         if W.shape[0] == W.shape[1] and _close(O, Hc @ W.T, tol)[0]:
             hint = "O = H W_Oᵀ: the output projection is transposed"
+            fault = "output-projection-transposed"
         elif O.shape == Hc.shape and _close(O, Hc, tol)[0]:
-            hint = "O = H: the output projection is missing"
+            hint, fault = "O = H: the output projection is missing", "output-projection-missing"
     st.add(
         "O",
         "O = H W_O",
@@ -148,4 +150,5 @@ def output(st: AuditState) -> None:
         f"max |O - H W_O| = {e:.3g}",
         None if ok else {**_locate(bad.any(-1), O.ndim - 2, False), "max_err": e},
         hint,
+        fault,
     )

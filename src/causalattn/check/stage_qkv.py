@@ -142,9 +142,10 @@ def scores(st: AuditState) -> None:
         return
     S = a["S"]
     if S.shape[-2:] != G.shape[-2:]:
-        hint = None
+        hint = fault = None
         if S.shape[-2:] == (Q.shape[-2], K.shape[-1]) and K.shape[-2] == d_k:
             hint = "S is T×d_k: K was not transposed (Q K instead of Q Kᵀ)"
+            fault = "k-not-transposed"
         st.add(
             "S",
             "S is T×T",
@@ -152,6 +153,7 @@ def scores(st: AuditState) -> None:
             f"S is {S.shape[-2]}×{S.shape[-1]} but Q Kᵀ is {G.shape[-2]}×{G.shape[-1]} (T_q×T_k)",
             {"shape": S.shape},
             hint,
+            fault,
         )
         return
     try:
@@ -173,18 +175,19 @@ def scores(st: AuditState) -> None:
         st.add("S", "scale 1/√d_k", True, f"S = Q Kᵀ · {c0:.4g} (d_k = {d_k}); max error {e:.3g}")
         return
     cands = [
-        (1.0, "the 1/√d_k scale is missing (S = Q Kᵀ)"),
-        (1.0 / d_k, f"S was divided by d_k = {d_k} instead of √d_k"),
+        (1.0, "missing-scale", "the 1/√d_k scale is missing (S = Q Kᵀ)"),
+        (1.0 / d_k, "scale-by-dk", f"S was divided by d_k = {d_k} instead of √d_k"),
     ]
-    hint = None
-    for c, text in cands:
+    hint = fault = None
+    for c, fid, text in cands:
         if abs(c - c0) > 1e-12 * c0 and _close(S, G * c, tol, finite)[0]:
-            hint = text
+            hint, fault = text, fid
             break
     if hint is None and K.shape[-2] == d_k:
         try:
             if _close(S, (Q @ K) * c0, tol, finite)[0] or _close(S, Q @ K, tol, finite)[0]:
                 hint = "S = Q K, not Q Kᵀ: K was not transposed (shapes hid it: T = d_k)"
+                fault = "k-not-transposed"
         except ValueError:
             pass
     if hint is None:
@@ -199,6 +202,7 @@ def scores(st: AuditState) -> None:
         f"S differs from Q Kᵀ/√d_k by up to {e:.3g}",
         {**_locate(bad, S.ndim - 2), "max_err": e},
         hint,
+        fault,
     )
 
 
@@ -241,12 +245,12 @@ def scale_from_weights(st, G, c0, d_k):
         return  # A is not a softmax of any multiple of Q Kᵀ; the A checks will say why
     rel = abs(c / c0 - 1)
     ok = rel < 1e-3
-    hint = None
+    hint = fault = None
     if not ok:
         if abs(c - 1) < 1e-3:
-            hint = "the 1/√d_k scale is missing (softmax of Q Kᵀ)"
+            hint, fault = "the 1/√d_k scale is missing (softmax of Q Kᵀ)", "missing-scale"
         elif abs(c * d_k - 1) < 1e-3:
-            hint = f"S was divided by d_k = {d_k} instead of √d_k"
+            hint, fault = f"S was divided by d_k = {d_k} instead of √d_k", "scale-by-dk"
         else:
             hint = f"A is the softmax of Q Kᵀ · {c:.4g}, expected · {c0:.4g}"
     st.add(
@@ -256,4 +260,5 @@ def scale_from_weights(st, G, c0, d_k):
         f"log A matches Q Kᵀ · {c:.4g}; expected · {c0:.4g}",
         None if ok else {"factor": c, "expected": c0},
         hint,
+        fault,
     )

@@ -66,7 +66,7 @@ def weights(st: AuditState) -> None:
     sinks = "sinks" in st.inp.pattern  # rows sum to less than 1: the sink takes the rest
     row_bad = has_key & finite_row & ((sums > 1 + tol) if sinks else (np.abs(sums - 1) > tol))
     if row_bad.any():
-        hint = _softmax_hint(st, A, allowed, has_key, tol)
+        fault, hint = _softmax_hint(st, A, allowed, has_key, tol)
         st.add(
             "A",
             "rows sum to 1",
@@ -78,6 +78,7 @@ def weights(st: AuditState) -> None:
                 "row_sums": np.round(sums[np.nonzero(row_bad)][:_MAX_LIST], 4).tolist(),
             },
             hint,
+            fault,
         )
     else:
         st.add("A", "rows sum to 1", True, "every readable row sums to 1 over its readable columns")
@@ -97,7 +98,7 @@ def weights(st: AuditState) -> None:
         "-inf (or a fill whose weight comes out exactly 0)",
     )
     nonfinite = has_key & ~finite_row
-    hint = None
+    hint = fault = None
     if nonfinite.any():
         S = a.get("S")
         if S is not None and np.abs(np.where(allowed & np.isfinite(S), S, 0)).max() > 80:
@@ -105,6 +106,7 @@ def weights(st: AuditState) -> None:
                 "scores this large overflow exp(): subtract the row maximum before "
                 "exponentiating (stable softmax)"
             )
+            fault = "unstable-softmax"
         else:
             hint = "NaN/inf weights in rows that can read a key"
     st.add(
@@ -116,6 +118,7 @@ def weights(st: AuditState) -> None:
         else f"{int(nonfinite.sum())} readable rows hold NaN or inf",
         _locate(nonfinite, lead, False),
         hint,
+        fault,
     )
     if (~has_key).any():
         empty_bad = ~has_key & (~np.isfinite(A).all(-1) | (A != 0).any(-1))
@@ -133,6 +136,7 @@ def weights(st: AuditState) -> None:
             else "a row whose keys are all blocked must give zero weights; -inf on every "
             "entry makes softmax NaN (0/0), a finite fill spreads weight over "
             "forbidden keys",
+            "nan-on-empty-rows",
         )
     if "S" in a and not st.failures_in("A"):
         with np.errstate(invalid="ignore"):
@@ -153,15 +157,20 @@ def weights(st: AuditState) -> None:
         )
 
 
-def _softmax_hint(st, A, allowed, has_key, tol):
+def _softmax_hint(st, A, allowed, has_key, tol) -> tuple[str | None, str]:
+    """(catalogue id or None, hint) for rows that do not sum to 1."""
     Af = np.where(np.isfinite(A), A, 0.0)
     col = Af.sum(-2)
     any_read = allowed.any(-2)
     if any_read.any() and np.all(np.abs(col[any_read] - 1) <= tol * 4):
-        return "columns sum to 1, rows do not: softmax ran over the query axis"
+        return "softmax-query-axis", (
+            "columns sum to 1, rows do not: softmax ran over the query axis"
+        )
     tot = Af.sum(axis=(-1, -2))
     if np.all(np.abs(tot - 1) <= tol * 4):
-        return "the whole matrix sums to 1: softmax ran over all entries at once"
+        return "softmax-all-entries", (
+            "the whole matrix sums to 1: softmax ran over all entries at once"
+        )
     sums = np.where(allowed, Af, 0).sum(-1)
     if np.all(sums[has_key] <= 1 + tol) and not (~allowed & (Af != 0)).any():
         S = st.arrays.get("S")
@@ -169,12 +178,12 @@ def _softmax_hint(st, A, allowed, has_key, tol):
             with np.errstate(invalid="ignore", over="ignore"):
                 full = softmax_last(np.broadcast_to(S, A.shape), np.ones(A.shape, bool))
             if _close(A, np.where(allowed, full, 0), _rtol(st.eps["A"]) * 4, allowed)[0]:
-                return (
+                return "mask-after-softmax", (
                     "mask applied after softmax without renormalizing: rows sum to "
                     "less than 1 (the forbidden weight was dropped, not redistributed)"
                 )
-        return (
+        return "mask-after-softmax", (
             "rows sum to less than 1 with zeros in the right place: the mask was "
             "likely applied after the softmax without renormalizing"
         )
-    return "rows are not normalized over the key axis"
+    return None, "rows are not normalized over the key axis"

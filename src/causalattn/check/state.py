@@ -8,25 +8,6 @@ import numpy as np
 from .inputs import _Inputs
 from .report import Check
 
-# The catalogued fault each of the audit's hints describes (stage, words of the hint).
-_HINT_FAULTS = (
-    ("k-not-transposed", "S", "not transposed"),
-    ("missing-scale", "S", "scale is missing"),
-    ("scale-by-dk", "S", "divided by d_k"),
-    ("no-mask", "M", "no causal mask"),
-    ("anti-causal-mask", "M", "anti-causal"),
-    ("diagonal-blocked", "M", "diagonal is blocked"),
-    ("padding-ignored", "M", "padding mask was not applied"),
-    ("softmax-query-axis", "A", "query axis"),
-    ("softmax-all-entries", "A", "all entries"),
-    ("mask-after-softmax", "A", "after softmax"),
-    ("mask-after-softmax", "A", "after the softmax"),
-    ("unstable-softmax", "A", "overflow exp"),
-    ("nan-on-empty-rows", "A", "makes softmax NaN"),
-    ("output-projection-missing", "O", "projection is missing"),
-    ("output-projection-transposed", "O", "projection is transposed"),
-)
-
 
 class AuditState:
     """What the stages share; ``add`` records a check, ``recompute`` a derived stage."""
@@ -64,14 +45,12 @@ class AuditState:
         self.allowed: np.ndarray | None = None  # the dense bool (..., T_q, T_k); True = may read
         self.pending = None  # (Q Kᵀ, expected scale, d_k) when S must be read back from A
 
-    def add(self, stage, name, ok, message, evidence=None, hint=None):
-        fault = None
-        if hint and not ok:
-            fault = next(
-                (fid for fid, st, key in _HINT_FAULTS if st == stage and key in hint), None
-            )
-            if fault and not hint.startswith(fault):
-                hint = f"{fault}: {hint}"
+    def add(self, stage, name, ok, message, evidence=None, hint=None, fault=None):
+        """Record a check; ``fault``: the catalogue id a failing check's hint describes
+        (given by the stage that measured it, never read back from the hint's words)."""
+        fault = None if ok else fault
+        if fault and hint and not hint.startswith(fault):
+            hint = f"{fault}: {hint}"
         self.checks.append(Check(stage, name, bool(ok), message, evidence or {}, hint, fault))
         return ok
 

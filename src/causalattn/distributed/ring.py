@@ -191,10 +191,14 @@ class _Config:
 
 def _kernels(device: torch.device):
     """The block kernels, with the contract ``fwd(p) -> (out, lse)`` and
-    ``bwd(p, out, lse, dout) -> (dq, dk, dv)``: the tiled engine on CPU, the triton engine
-    on CUDA (the tiled engine allocates on the CPU)."""
+    ``bwd(p, out, lse, dout) -> (dq, dk, dv)``: on CPU the native engine where it is built
+    (else the tiled one), on CUDA the triton engine."""
+    from ..engines import registry
+
     if device.type == "cpu":
-        return importlib.import_module("causalattn.engines.tiled")
+        f = registry.Features("cpu", "float32", 1, 1, 1, 1, 1, 1)
+        name = "cpp" if not registry.refusal("cpp", f) else "tiled"
+        return registry.engine(name).load()
     if device.type == "cuda":
         try:
             mod = importlib.import_module("causalattn.engines.triton")
@@ -207,8 +211,9 @@ def _kernels(device: torch.device):
         ):
             return mod
     raise ValueError(
-        f"ring_attention: no block kernels for {device.type} tensors here: the tiled engine runs "
-        "on CPU only, and CUDA tensors need the triton engine (pip install 'causalattn[gpu]')"
+        f"ring_attention: no block kernels for {device.type} tensors here: the cpp and tiled "
+        "engines run on CPU only, and CUDA tensors need the triton engine "
+        "(pip install 'causalattn[gpu]')"
     )
 
 

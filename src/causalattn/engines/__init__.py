@@ -9,92 +9,67 @@ q: ``(B, H_q, T_q, d_k)``, k: ``(B, H_kv, T_k, d_k)``, v: ``(B, H_kv, T_k, d_v)`
 SDPA; H_q a multiple of H_kv (grouped-query). Returns H ``(B, H_q, T_q, d_v)`` in q's
 dtype, and with ``return_lse`` also the fp32 log-sum-exp ``(B, H_q, T_q)``.
 The mask keywords and modifiers are :class:`causalattn.masks.Pattern`'s; dropout is
-:mod:`causalattn.dropout`'s (see :mod:`causalattn.engines.problem`).
+:mod:`causalattn.dropout`'s (see :mod:`causalattn.engines.problem`). The engines are the
+registry's (:mod:`causalattn.engines.registry`); "auto" is :mod:`causalattn.engines.auto`.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.nn.functional as F
 
 from .. import dropout as _dropout
 from ..masks import default_scale
 from . import auto as _auto
+from . import cpp as _cpp
 from . import ops as _ops
 from .cache import KVCache
-from .ops import ENGINES, NO_LSE, engine_problem
 from .problem import Problem, _check_tensors, check_generator, constant_result, make_problem
+from .registry import (
+    ENGINES,
+    TENSORS,
+    Features,
+    engine,
+    feature_values,
+    of_problem,
+    refusal,
+    refusal_of,
+)
 
 _default_scale = constant_result(default_scale)
 
 __all__ = ["attention", "KVCache", "Problem", "make_problem", "ENGINES", "pick_engine", "run"]
 
-_FALLBACK = {"cpu": ("tiled", "sdpa", "reference"), "cuda": ("triton", "sdpa", "reference")}
+
+def _choose(name: str, values: tuple, k_len) -> str:
+    """The engine to run: ``name`` itself (checked), or what "auto" picks, from the call's
+    :func:`~causalattn.engines.registry.feature_values`; plain values only, so it runs at
+    trace time."""
+    if name == "auto":
+        T_k = k_len  # symbolic while tracing: each bound below becomes a guard
+        return next(n for bound, n in _auto.ladder_of(values) if T_k <= bound)
+    e = engine(name)  # unknown names raise here
+    # what the engine does not support: named now while tracing; in eager mode by the
+    # operator, after the data checks (which name the bad argument first)
+    why = refusal_of(name, values) if torch.compiler.is_compiling() else ""
+    if values[LSE] and not e.lse:
+        why = (
+            f"engine {name!r}: return_lse: PyTorch's SDPA does not return the log-sum-exp; "
+            "use 'cpp' or 'tiled'"
+        )
+    if why:
+        raise ValueError(why)
+    return name
 
 
-def _features(q, k, v, causal, window, chunk, softcap, dropout_p, tensors: dict, lse: bool):
-    """What "auto" and the engines' supports() are asked about: plain values only."""
-    present = tuple(n for n in _ops.TENSORS if tensors.get(n) is not None)
-    masked = (
-        bool(set(present) - {"lengths", "key_padding_mask", "cu_seqlens"})
-        or any(x is not None for x in (window, chunk, softcap))
-        or bool(dropout_p)
-    )
-    kind = _auto.kind(
-        causal=causal,
-        T_q=q.shape[2],
-        T_k=k.shape[2],
-        padded="lengths" in present or "key_padding_mask" in present,
-        packed="cu_seqlens" in present,
-        masked=masked,
-    )
-    ask = dict(
-        dtype=str(q.dtype).replace("torch.", ""),
-        d_k=int(q.shape[-1]),
-        d_v=int(v.shape[-1]),
-        H_q=int(q.shape[1]),
-        H_kv=int(k.shape[1]),
-        present=present,
-        causal=causal,
-        window=window,
-        chunk=chunk,
-        softcap=softcap,
-        dropout_p=float(dropout_p),
-        lse=lse,
-    )
-    return kind, ask
-
-
-def _choose(q, k, v, engine: str, kind: str, ask: dict, grad: bool) -> str:
-    """The engine to run: ``engine`` itself (checked), or what "auto" picks among those that
-    support the problem. Shapes only, so it runs at trace time."""
-    if engine != "auto":
-        why = engine_problem(engine)
-        # what the engine does not support: named now while tracing; in eager mode by the
-        # operator, after the data checks (which name the bad argument first)
-        if not why and torch.compiler.is_compiling():
-            why = _auto.refusal(engine, str(q.device), **ask)
-        if why:
-            raise ValueError(why)
-        return engine
-    name = _auto.pick(q, k, v, kind_=kind, grad=grad, ask=ask, no_lse=NO_LSE)
-    dev = str(q.device)
-    if engine_problem(name) == "" and not _auto.refusal(name, dev, **ask):
-        return name
-    for alt in _FALLBACK.get(q.device.type, ("tiled", "reference")):
-        if engine_problem(alt) == "" and not _auto.refusal(alt, dev, **ask):
-            return alt
-    return "reference"
+LSE = list(Features.__dataclass_fields__).index("lse")  # its place in feature_values
 
 
 def pick_engine(p: Problem, return_lse: bool = False) -> str:
     """The engine "auto" runs for this problem (see :mod:`causalattn.engines.auto`)."""
-    pt = p.pattern
-    tensors = {n: getattr(pt, n) for n in _ops.TENSORS}
-    kind, ask = _features(
-        p.q, p.k, p.v, pt.causal, pt.window, pt.chunk, pt.softcap, p.dropout_p, tensors, return_lse
-    )
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (p.q, p.k, p.v))
-    return _choose(p.q, p.k, p.v, "auto", kind, ask, grad)
+    return _auto.pick(of_problem(p, return_lse))
 
 
 def _tensor(name: str, x, device):
@@ -105,6 +80,83 @@ def _tensor(name: str, x, device):
         return torch.as_tensor(x, device=device)
     except (TypeError, ValueError, RuntimeError) as exc:  # a string, ragged lists, ...
         raise ValueError(f"{name}: expected an array or tensor, got {x!r:.60} ({exc})") from exc
+
+
+# ---- the plain call, in microseconds --------------------------------------------------------
+# q, k, v and at most causal, window, chunk, scale, engine: its checks and its choice are
+# made once per (dtypes, devices, shapes, keywords) and remembered, so a repeated call costs
+# a dictionary look-up and the kernel's own call (the bar: twice SDPA's time at (1,1,8,16)).
+_PLAIN: dict = {}
+_PLAIN_MAX = 4096
+_SCALE: dict = {}  # d_k -> 1/√d_k
+
+
+def _plain(q, k, v, causal, window, chunk, scale, name):
+    if not (type(q) is type(k) is type(v) is torch.Tensor):  # Parameters, fakes: the usual way
+        return None
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return None
+    grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    # k, v's devices as indices: the shortcut only ever runs with q on the CPU, where any
+    # other device of k or v has an index >= 0
+    key = (
+        q.shape,
+        k.shape,
+        v.shape,
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        q.device,
+        k.get_device(),
+        v.get_device(),
+        causal,
+        window,
+        chunk,
+        name,
+        grad,
+    )
+    try:
+        run_as = _PLAIN[key]
+    except KeyError:
+        run_as = _plain_engine(q, k, v, causal, window, chunk, name, grad)
+        if len(_PLAIN) >= _PLAIN_MAX:
+            _PLAIN.clear()
+        _PLAIN[key] = run_as
+    except TypeError:  # an unhashable keyword: the usual way names it
+        return None
+    if run_as is None:
+        return None
+    if scale is None:
+        d_k = q.shape[-1]
+        scale = _SCALE.get(d_k) or _SCALE.setdefault(d_k, default_scale(d_k))
+    elif type(scale) not in (float, int) or not math.isfinite(scale):
+        return None  # the usual way refuses it by name
+    if run_as == "sdpa":
+        return F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+    return _cpp.plain(q, k, v, run_as, float(scale))
+
+
+def _plain_engine(q, k, v, causal, window, chunk, name, grad):
+    """How a plain call runs on the shortcut — "sdpa", the native engine's prepared call
+    (:func:`causalattn.engines.cpp.prepare`), or None for the usual way (which also names
+    whatever is wrong): checks everything the usual way checks before the kernels."""
+    _check_tensors(q, k, v)
+    if _auto.scalar_refusal(causal, window, chunk, None) or q.shape[2] > k.shape[2]:
+        return None
+    if q.device.type != "cpu":
+        return None
+    values = feature_values(
+        q, k, v, tensors={}, causal=causal, window=window, chunk=chunk, grad=grad
+    )
+    run_as = _choose(name, values, k.shape[2])
+    if run_as not in ENGINES or refusal(run_as, Features(*values)):
+        return None
+    if run_as == "cpp":
+        return _cpp.prepare(q, k, causal, window, chunk, grad)
+    plain_sdpa = window is None and chunk is None and (not causal or q.shape[2] == k.shape[2])
+    return "sdpa" if run_as == "sdpa" and plain_sdpa and not grad else None
 
 
 def attention(
@@ -135,8 +187,25 @@ def attention(
     One call of the ``causalattn::fwd`` operator (:mod:`causalattn.engines.ops`): it
     compiles with ``torch.compile(fullgraph=True)``, exports, runs on meta tensors and
     under torch.func. Shapes are checked here (at trace time); what needs the data
-    (lengths, cu_seqlens, finiteness) inside the operator.
+    (lengths, cu_seqlens, finiteness) inside the operator. A plain eager call (no pattern
+    tensors, modifiers or dropout) takes a remembered shortcut to the same kernels.
     """
+    if (
+        lengths is None
+        and key_padding_mask is None
+        and cu_seqlens is None
+        and prefix_lengths is None
+        and mask is None
+        and alibi_slopes is None
+        and softcap is None
+        and sinks is None
+        and generator is None
+        and return_lse is False
+        and (dropout_p == 0 and type(dropout_p) in (float, int))
+    ):
+        out = _plain(q, k, v, causal, window, chunk, scale, engine)
+        if out is not None:
+            return out
     _check_tensors(q, k, v)
     if not isinstance(return_lse, bool):
         raise ValueError(f"attention: return_lse must be True or False, got {return_lse!r}")
@@ -159,16 +228,23 @@ def attention(
         sinks=sinks,
     )
     tensors = {n: _tensor(n, x, q.device) for n, x in given.items()}
-    kind, ask = _features(q, k, v, causal, window, chunk, softcap, dropout_p, tensors, return_lse)
     grad = torch.is_grad_enabled() and any(
         isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v, tensors["sinks"])
     )
-    name = _choose(q, k, v, engine, kind, ask, grad)
-    if return_lse and name in NO_LSE:
-        raise ValueError(
-            f"engine {name!r}: return_lse: PyTorch's SDPA does not return the "
-            "log-sum-exp; use 'tiled'"
-        )
+    values = feature_values(
+        q,
+        k,
+        v,
+        tensors=tensors,
+        causal=causal,
+        window=window,
+        chunk=chunk,
+        softcap=softcap,
+        dropout_p=dropout_p,
+        lse=return_lse,
+        grad=grad,
+    )
+    name = _choose(engine, values, k.shape[2])
     if name == "sdpa" and _eager(q):
         # eagerly, SDPA keeps PyTorch's own autograd: through the operator its backward would
         # recompute the forward (fwd+bwd 1.4x slower at GPT-2 small in one bench run)
@@ -188,20 +264,20 @@ def attention(
         return _ops.engine_module(name).forward(p, False)
     # the dropout seed stays a tensor: a compiled graph draws it anew on every call
     seed = _dropout.seed_tensor(generator) if dropout_p else None
-    args = (
+    args = _ops.OpArgs(
         q,
         k,
         v,
-        *(tensors[n] for n in _ops.TENSORS),
-        seed,
-        causal,
-        window,
-        chunk,
-        None if softcap is None else float(softcap),
-        float(scale),
-        float(dropout_p),
-        name,
-        return_lse,
+        *(tensors[n] for n in TENSORS),
+        dropout_seed=seed,
+        causal=causal,
+        window=window,
+        chunk=chunk,
+        softcap=None if softcap is None else float(softcap),
+        scale=float(scale),
+        dropout_p=float(dropout_p),
+        engine=name,
+        return_lse=return_lse,
     )
     if torch._C._are_functorch_transforms_active():  # torch.func.grad, vmap, ...
         out, lse = _ops.FuncAttention.apply(*args)
@@ -229,7 +305,7 @@ def run(p: Problem, engine: str = "auto", return_lse: bool = False):
     if not isinstance(return_lse, bool):
         raise ValueError(f"attention: return_lse must be True or False, got {return_lse!r}")
     name = pick_engine(p, return_lse) if engine == "auto" else engine
-    why = engine_problem(name) or _ops.refusal(name, p, return_lse)
+    why = _ops.refusal(name, p, return_lse)
     if why:
         raise ValueError(why)
     return _ops.engine_module(name).forward(p, return_lse)

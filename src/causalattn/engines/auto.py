@@ -1,20 +1,22 @@
-"""``engine="auto"``: the engine measured fastest for a problem like this one.
+"""``engine="auto"``: the engine expected fastest for a call, from its :class:`Features`.
 
-A problem is described by its features: device, dtype, head size d = max(d_k, d_v), mask
-kind (:func:`kind`), T_k, whether gradients are needed and whether the log-sum-exp is
-asked for. On the CPU the choice comes from a table of paired timings (tiled against
-SDPA) measured by ``causalattn bench --tune``: the entry of the same device, dtype, kind
-and pass whose (d, T) is nearest on a log scale names the winner. The table shipped in
-the package (``auto_table.json``, with its provenance) is replaced by the user's own,
+CPU: the native engine (``cpp``) wherever it is built and runs the call (with a backward and
+T_k <= ``SDPA_GRAD_T``, SDPA where it runs the call) — it is measured
+the fastest on every shape of ``causalattn bench`` (the closing table of issue 22 and
+docs/design.md), so no timing table measured on another machine decides. Where it is
+unavailable (no compiler) the choice between ``tiled`` and ``sdpa`` comes from a table of
+paired timings measured by ``causalattn bench --tune``: the entry of the same dtype, kind
+and pass whose (d, T) is nearest on a log scale names the winner. The table shipped in the
+package (``auto_table.json``, with its provenance) is replaced by the user's own,
 ``$XDG_CACHE_HOME/causalattn/auto_table.json`` (default ``~/.cache/causalattn``), once
-``causalattn bench --tune`` has written it. On CUDA the Triton engine's measured ratios
-decide (:func:`causalattn.engines.triton.prefers`).
+``causalattn bench --tune`` has written it; a user's table that measured ``cpp`` decides for
+it too. CUDA: the Triton engine's measured ratios (:func:`causalattn.engines.triton.prefers`).
 
 ``CAUSALATTN_ENGINE=tiled`` (any engine name) forces what "auto" runs; an explicit
 ``engine=`` argument always wins over both.
 
-Under torch.compile / torch.export the choice is made at trace time from shapes only;
-a symbolic T contributes its example value (no guard), so one traced graph runs one engine.
+Under torch.compile / torch.export the choice is made at trace time from the Features
+(shapes as their example values), a constant: one traced graph runs one engine.
 """
 
 from __future__ import annotations
@@ -23,15 +25,19 @@ import functools
 import json
 import math
 import os
+from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from .problem import constant_result
+from .registry import Features, refusal
 
 ENV = "CAUSALATTN_ENGINE"
 PACKAGED = Path(__file__).with_name("auto_table.json")
-KINDS = ("causal", "full", "padded", "packed", "decode", "masked")
+# up to this T_k a call with a backward runs faster on SDPA than on cpp: cpp's autograd
+# wiring costs about 0.2 ms more per call (measured fwd+bwd on 2 cores: T = 8..64 SDPA
+# 0.56-0.81x cpp's time, T = 128 even, (4, 12, 128, 64) 1.28x)
+SDPA_GRAD_T = 64
+FALLBACK = {"cpu": ("cpp", "tiled", "sdpa", "reference"), "cuda": ("triton", "sdpa", "reference")}
 
 _TABLE: dict | None = None
 
@@ -60,23 +66,11 @@ def table(reload: bool = False) -> dict:
             user.setdefault("source", str(user_table_path()))
         _TABLE = user or _read(PACKAGED) or {"entries": []}
         _TABLE.setdefault("source", str(PACKAGED))
+        _ladder_for.cache_clear()
     return _TABLE
 
 
-def kind(*, causal: bool, T_q: int, T_k: int, padded: bool, packed: bool, masked: bool) -> str:
-    """The mask kind of a problem, one of :data:`KINDS`."""
-    if masked:
-        return "masked"
-    if packed:
-        return "packed"
-    if padded:
-        return "padded"
-    if T_q < T_k:
-        return "decode"
-    return "causal" if causal else "full"
-
-
-def _hint(n) -> int:
+def hint(n) -> int:
     """An int for a possibly symbolic size, without adding a guard."""
     if isinstance(n, int):
         return n
@@ -98,154 +92,83 @@ def _ladder(entries: list[dict], d: int) -> list[tuple[int, str]]:
     return out + [(2**62, sel[-1][1])]
 
 
-def cpu_ladder(dtype: str, kind_: str, d: int, grad: bool) -> list[tuple[int, str]]:
-    """The table's winners for these CPU features by T (["tiled"] when nothing was measured)."""
-    pass_ = "fwd+bwd" if grad else "fwd"
+def table_ladder(f: Features) -> list[tuple[int, str]] | None:
+    """The table's winners for these CPU features by T_k, [(T_max, engine), ...] (None when
+    it measured nothing like them)."""
+    pass_ = "fwd+bwd" if f.grad else "fwd"
     entries = [e for e in table()["entries"] if e.get("device", "cpu") == "cpu"]
-    for want_dtype in (dtype, "float32"):  # an unmeasured dtype: as fp32
-        for want_kind in (kind_, "causal" if kind_ == "full" else None):
+    for want_dtype in (f.dtype, "float32"):  # an unmeasured dtype: as fp32
+        for want_kind in (f.kind, "causal" if f.kind == "full" else None):
             sel = [
                 e
                 for e in entries
                 if e["dtype"] == want_dtype and e["kind"] == want_kind and e["pass"] == pass_
             ]
             if sel:
-                return _ladder(sel, d)
-    return [(2**62, "tiled")]
+                return _ladder(sel, f.d)
+    return None
 
 
-def choose_cpu(dtype: str, kind_: str, d: int, T: int, grad: bool) -> str:
-    """The table's winner for these CPU features at T_k = T."""
-    return next(name for bound, name in cpu_ladder(dtype, kind_, d, grad) if T <= bound)
+def _measured_cpp() -> bool:
+    return any("cpp" in e.get("ms", {}) for e in table()["entries"])
 
 
-def pick(q, k, v, *, kind_: str, grad: bool, ask: dict, no_lse=("sdpa",)) -> str:
-    """The engine "auto" runs for q, k, v with these features (see the module doc);
-    ``ask``: the plain features :func:`refusal` takes.
+@functools.lru_cache(maxsize=1024)
+def _ladder_for(f: Features) -> tuple[tuple[int, str], ...]:
+    """The engines "auto" runs for these features by T_k: ((T_max, engine), ...)."""
+    if f.device == "cuda":
+        from . import triton as tr
 
-    T_k may be symbolic: torch.export (non-strict) reads its example value, which adds no
-    guard; under Dynamo the comparisons with the table's T boundaries become guards, so a
-    compiled function recompiles only when T crosses into another measured range.
-    """
-    d = max(q.shape[-1], v.shape[-1])
-    T = k.shape[2]
-    if not torch.compiler.is_dynamo_compiling():
-        d, T = _hint(d), _hint(T)
-    ladder = choose(str(q.device), int(d), kind_, grad, tuple(no_lse), **ask)
-    for bound, name in ladder[:-1]:
-        if T <= bound:
-            return name
-    return ladder[-1][1]
-
-
-FEATURES = (
-    "dtype",
-    "d_k",
-    "d_v",
-    "H_q",
-    "H_kv",
-    "present",
-    "causal",
-    "window",
-    "chunk",
-    "softcap",
-    "dropout_p",
-    "lse",
-)
+        if refusal("triton", f):
+            return ((2**62, "reference" if f.lse else "sdpa"),)
+        if f.lse:
+            return ((2**62, "triton"),)
+        Ts = [2**i for i in range(21)]  # prefers() by T, as a ladder
+        names = ["triton" if tr.prefers(replace(f, T_k=T)) else "sdpa" for T in Ts]
+        return tuple(zip(Ts[:-1], names[:-1])) + ((2**62, names[-1]),)
+    if f.device != "cpu":  # meta and other devices: any engine computes shapes
+        return ((2**62, "tiled"),)
+    if not refusal("cpp", f) and not _measured_cpp():
+        if f.grad and not refusal("sdpa", f):  # tiny backward: SDPA's fixed cost is lower
+            return ((SDPA_GRAD_T, "sdpa"), (2**62, "cpp"))
+        return ((2**62, "cpp"),)
+    ladder = table_ladder(f) or [(2**62, "tiled")]
+    fallback = next((n for n in FALLBACK["cpu"] if not refusal(n, f)), "reference")
+    return tuple((t, fallback if refusal(name, f) else name) for t, name in ladder)
 
 
-@constant_result
-def choose(device: str, d: int, kind_: str, grad: bool, no_lse: tuple, **ask) -> list:
-    """[(T_max, engine), ...] for plain features: a constant while tracing (it reads the
-    environment and files, which Dynamo need not see)."""
+def ladder(f: Features) -> tuple[tuple[int, str], ...]:
+    """:func:`_ladder_for`, unless ``CAUSALATTN_ENGINE`` forces an engine."""
     forced = os.environ.get(ENV)
     if forced and forced != "auto":
-        return [(2**62, forced)]
-    return _choose(device, d, kind_, grad, no_lse, tuple(ask[n] for n in FEATURES), id(table()))
+        return ((2**62, forced),)
+    return _ladder_for(f)
 
 
-@functools.lru_cache(maxsize=256)
-def _choose(device, d, kind_, grad, no_lse, feats, _table_id) -> list:
-    ask = dict(zip(FEATURES, feats))
-    lse = ask["lse"]
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        try:
-            from . import triton as tr
-        except ImportError:  # pragma: no cover
-            tr = None
-        if tr is None or not tr.available() or _refusal(device, "triton", feats):
-            return [(2**62, "reference" if lse else "sdpa")]
-        if lse:
-            return [(2**62, "triton")]
-        Ts = [2**i for i in range(0, 21)]  # prefers() by T, as a ladder
-        names = ["triton" if tr.prefers(_dummy(device, feats, T)) else "sdpa" for T in Ts]
-        return [(T, n) for T, n in zip(Ts[:-1], names[:-1])] + [(2**62, names[-1])]
-    if dev.type != "cpu":  # meta and other devices: any engine computes shapes
-        return [(2**62, "tiled")]
-    ladder = cpu_ladder(ask["dtype"], kind_, d, grad)
-    return [(t, "tiled" if lse and name in no_lse else name) for t, name in ladder]
-
-
-_DUMMY = {  # one readable cell (B = T = 1) for each pattern tensor: presence is what counts
-    "lengths": lambda H: [1],
-    "key_padding_mask": lambda H: [[True]],
-    "cu_seqlens": lambda H: [0, 1],
-    "prefix_lengths": lambda H: [1],
-    "mask": lambda H: [[True]],
-    "alibi_slopes": lambda H: [0.0] * H,
-    "sinks": lambda H: [0.0] * H,
-}
-
-
-def _dummy(device: str, feats: tuple, T: int = 1):
-    """A Problem with these features: q, v on ``device`` (one row), k (T_k = T) on meta;
-    the pattern with the same fields present. None when the keywords contradict."""
-    import numpy as np
-
-    from ..masks import Pattern
-    from .problem import Problem
-
-    a = dict(zip(FEATURES, feats))
-    dt = getattr(torch, a["dtype"])
-    q = torch.empty(1, a["H_q"], 1, a["d_k"], dtype=dt, device=device)
-    k = torch.empty(1, a["H_kv"], T, a["d_k"], dtype=dt, device="meta")
-    v = torch.empty(1, a["H_kv"], 1, a["d_v"], dtype=dt, device=device)
-    try:
-        pat = Pattern(
-            causal=a["causal"],
-            window=a["window"],
-            chunk=a["chunk"],
-            softcap=a["softcap"],
-            **{n: np.asarray(_DUMMY[n](a["H_q"])) for n in a["present"]},
-        )
-    except ValueError:
-        return None
-    seed = (0, 0) if a["dropout_p"] else None
-    return Problem(q, k, v, 1.0, pat, a["dropout_p"], seed)
-
-
-@functools.lru_cache(maxsize=256)
-def _refusal(device: str, name: str, feats: tuple) -> str:
-    from .ops import refusal as _engine_refusal
-
-    p = _dummy(device, feats)
-    if p is None:
-        return ""  # contradictory keywords: the operator names them
-    return _engine_refusal(name, p, dict(zip(FEATURES, feats))["lse"])
+def pick(f: Features) -> str:
+    """The engine "auto" runs for a call with features ``f`` (see the module doc)."""
+    return next(name for bound, name in ladder(f) if f.T_k is None or f.T_k <= bound)
 
 
 @constant_result
-def refusal(name: str, device: str, **ask) -> str:
-    """Why engine ``name`` does not run a problem with these features ("" when it does):
-    its ``supports()`` asked about a one-row problem with the same pattern fields present
-    (a constant while tracing; the real problem is checked again inside the operator)."""
-    return _refusal(device, name, tuple(ask[n] for n in FEATURES))
+def ladder_of(values: tuple) -> tuple:
+    """:func:`pick` for :func:`~causalattn.engines.registry.feature_values` as T_k ranges,
+    ((T_max, engine), ...): a constant while tracing (it reads the environment and files,
+    which Dynamo need not see); traced code compares the symbolic T_k with the bounds, so
+    a compiled function recompiles only when T_k crosses into another range."""
+    return ladder(Features(*values))
 
 
 @constant_result
 def scalar_refusal(causal, window, chunk, softcap) -> str:
     """Pattern's own message for bad scalar keywords ("" when fine): a constant while tracing."""
+    try:
+        return _cached_scalar_refusal(causal, window, chunk, softcap)
+    except TypeError:  # an unhashable argument (a list, ...): Pattern names it
+        return _scalar_refusal(causal, window, chunk, softcap)
+
+
+def _scalar_refusal(causal, window, chunk, softcap) -> str:
     from ..masks import Pattern
 
     try:
@@ -253,3 +176,6 @@ def scalar_refusal(causal, window, chunk, softcap) -> str:
     except ValueError as exc:
         return str(exc)
     return ""
+
+
+_cached_scalar_refusal = functools.lru_cache(maxsize=256, typed=True)(_scalar_refusal)

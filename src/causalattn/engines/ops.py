@@ -1,8 +1,9 @@
 """The engines as two PyTorch operators, so compile, export, meta tensors and torch.func work.
 
-    causalattn::fwd(q, k, v, <pattern tensors>, <scalars>, engine) -> (out, lse)
-    causalattn::bwd(dout, dlse, q, k, v, out, lse, <pattern tensors>, <scalars>, engine)
-        -> (dq, dk, dv, dsinks)
+    causalattn::fwd(q, k, v, <pattern tensors>, dropout_seed, <scalars>, engine, return_lse)
+        -> (out, lse)
+    causalattn::bwd(dout, dlse, q, k, v, out, lse, <pattern tensors>, dropout_seed, <scalars>,
+                    engine, want_dsinks) -> (dq, dk, dv, dsinks)
 
 q ``(B, H_q, T_q, d_k)``, k ``(B, H_kv, T_k, d_k)``, v ``(B, H_kv, T_k, d_v)``; out
 ``(B, H_q, T_q, d_v)`` in q's dtype; lse ``(B, H_q, T_q)`` in the compute dtype (fp64 for
@@ -12,64 +13,91 @@ Dynamo and torch.export see one opaque operator whose output shapes come from th
 implementations and whose backward is registered on it: no graph break, no guard on data.
 Everything that reads data — the range of ``lengths``, the order of ``cu_seqlens``,
 finiteness — runs inside the operator, where the :class:`Problem` is rebuilt from the
-arguments and checked by :func:`make_problem`. Tensors of the pattern are operator
-arguments; its scalars (causal, scale, engine) are plain arguments.
+arguments and checked by :func:`make_problem`. The forward's 19 arguments are one
+:class:`OpArgs`: built by name, unpacked by name.
 
-Engines with raw passes (tiled, triton) run them; the others (reference, sdpa) are run
+Engines with raw passes (tiled, cpp, triton) run them; the others (reference, sdpa) are run
 under autograd inside the operator and differentiated there (recomputation).
 """
 
 from __future__ import annotations
 
-import importlib
+import contextlib
+from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from ..masks import PATTERN_KEYWORDS
+from .. import dropout as _dropout
 from .problem import compute_dtype as lse_dtype
-from .problem import constant_result, make_problem
+from .problem import make_problem
+from .registry import ENGINES, TENSORS, engine, of_problem
 
-ENGINES = {
-    "reference": "causalattn.engines.exact",  # the engine named "reference"
-    "sdpa": "causalattn.engines.sdpa",
-    "tiled": "causalattn.engines.tiled",
-    "triton": "causalattn.engines.triton",
-}
-RAW = ("tiled", "triton")  # engines with raw fwd/bwd passes (the rest: autograd recompute)
-NO_LSE = ("sdpa",)  # engines that do not compute the log-sum-exp
+__all__ = ["OpArgs", "ENGINES", "TENSORS", "fwd", "bwd", "refusal", "engine_module"]
+
+
+class OpArgs(NamedTuple):
+    """The forward operator's arguments, in its order: the one place that knows it."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    lengths: Tensor | None
+    key_padding_mask: Tensor | None
+    cu_seqlens: Tensor | None
+    prefix_lengths: Tensor | None
+    mask: Tensor | None
+    alibi_slopes: Tensor | None
+    sinks: Tensor | None
+    dropout_seed: Tensor | None
+    causal: bool
+    window: int | None
+    chunk: int | None
+    softcap: float | None
+    scale: float
+    dropout_p: float
+    engine: str
+    return_lse: bool
+
+    def tensors(self) -> tuple:
+        """The pattern tensors, in TENSORS order."""
+        return tuple(getattr(self, n) for n in TENSORS)
+
+    def scalars(self) -> tuple:
+        """causal .. engine: what the backward operator takes after the tensors."""
+        return (
+            self.causal,
+            self.window,
+            self.chunk,
+            self.softcap,
+            self.scale,
+            self.dropout_p,
+            self.engine,
+        )
+
+    @classmethod
+    def grads(cls, dq, dk, dv, dsinks) -> tuple:
+        """The backward's return: a gradient per argument (None where there is none)."""
+        none = cls(*[None] * len(cls._fields))
+        return tuple(none._replace(q=dq, k=dk, v=dv, sinks=dsinks))
+
+
+assert TENSORS == OpArgs._fields[3:10]
 
 
 def engine_module(name: str):
     """The engine's module; ValueError naming it when unknown or not importable here."""
-    if name not in ENGINES:
-        raise ValueError(f"attention: unknown engine {name!r}; choose from {['auto', *ENGINES]}")
-    try:
-        return importlib.import_module(ENGINES[name])
-    except ImportError as exc:  # pragma: no cover - depends on the environment
-        raise ValueError(f"attention: engine {name!r} is not available here ({exc})") from exc
+    return engine(name).load()
 
 
-@constant_result
-def engine_problem(name: str) -> str:
-    """Why engine ``name`` cannot run here ("" when it can): a constant while tracing."""
-    try:
-        engine_module(name)
-    except ValueError as exc:
-        return str(exc)
-    return ""
+def refusal(name: str, p, return_lse: bool) -> str:
+    """Why engine ``name`` does not run ``p`` ("" when it does)."""
+    return engine(name).refusal(of_problem(p, return_lse))
 
 
-# the pattern's tensors, in the operators' argument order (after q, k, v): Pattern's order
-TENSORS = tuple(n for n in PATTERN_KEYWORDS if n not in ("causal", "window", "chunk", "softcap"))
-
-
-def _problem(q, k, v, tensors, dropout_seed, causal, window, chunk, softcap, scale, dropout_p):
+def _problem(tensors, dropout_seed, q, k, v, causal, window, chunk, softcap, scale, dropout_p):
     """The checked :class:`Problem` of the operators' arguments (this is where data is read)."""
-    from dataclasses import replace
-
-    from .. import dropout as _dropout
-
     given = {n: t for n, t in zip(TENSORS, tensors) if t is not None}
     p = make_problem(
         q, k, v, causal=causal, window=window, chunk=chunk, softcap=softcap, scale=scale, **given
@@ -83,35 +111,9 @@ def _problem(q, k, v, tensors, dropout_seed, causal, window, chunk, softcap, sca
     return p
 
 
-def _supports(mod, p, return_lse: bool) -> bool:
-    """An engine module's own ``supports(p, return_lse)``; without one, the legacy patterns."""
-    fn = getattr(mod, "supports", None)
-    if fn is None:  # the reference runs every pattern; an engine without supports(): legacy
-        return mod.__name__ == ENGINES["reference"] or p.is_legacy
-    return fn(p, return_lse)
-
-
-def refusal(name: str, p, return_lse: bool) -> str:
-    """Why engine ``name`` does not run ``p`` ("" when it does)."""
-    mod = engine_module(name)
-    if _supports(mod, p, return_lse):
-        return ""
-    dtypes = getattr(mod, "DTYPES", None)
-    if dtypes is not None and p.q.dtype not in dtypes:
-        return f"engine {name!r}: dtype {p.q.dtype} not supported; use {mod.DTYPE_NAMES}"
-    drop = f" with dropout_p={p.dropout_p}" if p.dropout_p else ""
-    lse = " with return_lse" if return_lse and name in NO_LSE else ""
-    return (
-        f"engine {name!r}: {p.pattern.describe()}{drop}{lse} is not supported; "
-        "use engine='reference' (or 'auto')"
-    )
-
-
 def _sdpa_rng(p):
     """SDPA draws its own dropout from torch's RNG: seeded from the problem's seed, so the
     backward's recomputation draws the same pattern."""
-    import contextlib
-
     if not p.dropout_p:
         return contextlib.nullcontext()
     devices = [p.q.device] if p.q.device.type == "cuda" else []
@@ -127,16 +129,17 @@ def _sdpa_rng(p):
 
 
 def _run_fwd(name: str, p, want_lse: bool) -> tuple[Tensor, Tensor]:
-    mod = engine_module(name)
+    e = engine(name)
+    mod = e.load()
     cd = lse_dtype(p.q.dtype)
-    if name in RAW:  # the raw passes do not check; the other engines' forward refuses itself
-        why = refusal(name, p, want_lse)
-        if why:
-            raise ValueError(why)
+    why = e.refusal(of_problem(p, want_lse and e.lse, grad=False))
+    if why:
+        raise ValueError(why)
+    if e.raw:
         out, lse = mod.fwd(p)
         return out, lse.to(cd)
     with torch.no_grad(), _sdpa_rng(p):
-        if name in NO_LSE:
+        if not e.lse:
             return mod.forward(p, False), p.q.new_empty((0,), dtype=cd)
         out, lse = mod.forward(p, True)
     return out, lse.to(cd)
@@ -144,15 +147,14 @@ def _run_fwd(name: str, p, want_lse: bool) -> tuple[Tensor, Tensor]:
 
 def _run_bwd(name: str, p, out, lse, dout, dlse, want_dsinks: bool):
     """(dq, dk, dv, dsinks or None)."""
-    mod = engine_module(name)
+    e = engine(name)
+    mod = e.load()
     sinks = p.pattern.sinks
-    if name in RAW:
+    if e.raw:
         dq, dk, dv = mod.bwd(p, out, lse, dout, dlse)
         ds = mod.sinks_grad(p, out, lse, dout, dlse) if want_dsinks and sinks is not None else None
         return dq, dk, dv, ds
     # recompute under autograd (the materializing engines are differentiable themselves)
-    from dataclasses import replace
-
     with _autograd_inside(), torch.enable_grad(), _sdpa_rng(p):
         q, k, v = (t.detach().requires_grad_(True) for t in (p.q, p.k, p.v))
         leaves = [q, k, v]
@@ -161,7 +163,7 @@ def _run_bwd(name: str, p, out, lse, dout, dlse, want_dsinks: bool):
             s = sinks.detach().requires_grad_(True)
             pt = replace(pt, sinks=s)
             leaves.append(s)
-        want_lse = dlse is not None and name not in NO_LSE
+        want_lse = dlse is not None and e.lse
         res = mod.forward(replace(p, q=q, k=k, v=v, pattern=pt), want_lse)
         outs, grads = ([res[0], res[1]], [dout, dlse.float()]) if want_lse else ([res], [dout])
         g = torch.autograd.grad(outs, leaves, grads, allow_unused=True)
@@ -210,8 +212,28 @@ def fwd(
     ``dropout_seed``: int64 (2,) = (seed, offset) when dropout_p > 0 (a tensor, so that a
     compiled graph draws it on every call); ``return_lse``: whether the caller asked for
     the log-sum-exp (an engine may refuse it)."""
-    tensors = (lengths, key_padding_mask, cu_seqlens, prefix_lengths, mask, alibi_slopes, sinks)
-    p = _problem(q, k, v, tensors, dropout_seed, causal, window, chunk, softcap, scale, dropout_p)
+    a = OpArgs(
+        q,
+        k,
+        v,
+        lengths,
+        key_padding_mask,
+        cu_seqlens,
+        prefix_lengths,
+        mask,
+        alibi_slopes,
+        sinks,
+        dropout_seed,
+        causal,
+        window,
+        chunk,
+        softcap,
+        scale,
+        dropout_p,
+        engine,
+        return_lse,
+    )
+    p = _problem(a.tensors(), a.dropout_seed, q, k, v, *a.scalars()[:-1])
     out, lse = _run_fwd(engine, p, return_lse)
     # outputs are contiguous (as the fake ones) and never alias an input
     out = out.contiguous()
@@ -219,12 +241,12 @@ def fwd(
 
 
 @fwd.register_fake
-def _fwd_fake(q, k, v, *rest):
-    engine = rest[-2]
-    B, H_q, T_q, _ = q.shape
-    out = q.new_empty((B, H_q, T_q, v.shape[-1]))
-    shape = (0,) if engine in NO_LSE else (B, H_q, T_q)
-    return out, q.new_empty(shape, dtype=lse_dtype(q.dtype))
+def _fwd_fake(*args):
+    a = OpArgs(*args)
+    B, H_q, T_q, _ = a.q.shape
+    out = a.q.new_empty((B, H_q, T_q, a.v.shape[-1]))
+    shape = (B, H_q, T_q) if engine(a.engine).lse else (0,)
+    return out, a.q.new_empty(shape, dtype=lse_dtype(a.q.dtype))
 
 
 @torch.library.custom_op("causalattn::bwd", mutates_args=())
@@ -256,7 +278,8 @@ def bwd(
     """One engine's backward from the saved ``out`` and ``lse``: ``(dq, dk, dv, dsinks)``;
     dsinks is shaped as sinks, or (0,) without them (or when not wanted)."""
     tensors = (lengths, key_padding_mask, cu_seqlens, prefix_lengths, mask, alibi_slopes, sinks)
-    p = _problem(q, k, v, tensors, dropout_seed, causal, window, chunk, softcap, scale, dropout_p)
+    scalars = (causal, window, chunk, softcap, scale, dropout_p)
+    p = _problem(tensors, dropout_seed, q, k, v, *scalars)
     dq, dk, dv, ds = _run_bwd(engine, p, out, lse, dout, dlse, want_dsinks and sinks is not None)
     ds = q.new_zeros((0,)) if ds is None else ds.to(sinks.dtype).reshape(sinks.shape)
     return (
@@ -275,38 +298,26 @@ def _bwd_fake(dout, dlse, q, k, v, out, lse, *rest):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), ds
 
 
-N_ARGS = 19  # fwd's arguments: q, k, v, 7 pattern tensors, dropout_seed, 8 plain ones
-
-
 def _setup_context(ctx, inputs, output):
-    q, k, v = inputs[:3]
-    tensors = inputs[3:10]
-    seed = inputs[10]
+    a = OpArgs(*inputs)
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *tensors, seed)
-    ctx.scalars = inputs[11:18]  # causal .. engine (return_lse is the forward's own)
+    ctx.save_for_backward(a.q, a.k, a.v, out, lse, *a.tensors(), a.dropout_seed)
+    ctx.args = a._replace(
+        q=None, k=None, v=None, **{n: None for n in TENSORS}, dropout_seed=None
+    )  # the plain arguments
+    ctx.sinks_index = OpArgs._fields.index("sinks")
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, *tensors, seed = ctx.saved_tensors
+    a = ctx.args
     if dlse is not None and dlse.numel() == 0:  # an engine without lse
         dlse = None
-    want_ds = bool(ctx.needs_input_grad[9]) and tensors[6] is not None
+    sinks = tensors[TENSORS.index("sinks")]
+    want_ds = bool(ctx.needs_input_grad[ctx.sinks_index]) and sinks is not None
     with torch.no_grad():  # the backward is not differentiable again (no double backward)
-        dq, dk, dv, ds = bwd(dout, dlse, q, k, v, out, lse, *tensors, seed, *ctx.scalars, want_ds)
-    return (
-        dq,
-        dk,
-        dv,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        ds if want_ds else None,
-        *([None] * (N_ARGS - 10)),
-    )
+        dq, dk, dv, ds = bwd(dout, dlse, q, k, v, out, lse, *tensors, seed, *a.scalars(), want_ds)
+    return OpArgs.grads(dq, dk, dv, ds if want_ds else None)
 
 
 fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -16,24 +16,30 @@ import torch.nn.functional as F
 from .problem import Problem
 
 
-def _refusal(p: Problem, return_lse: bool) -> str | None:
-    if return_lse:
-        return "return_lse: PyTorch's SDPA does not return the log-sum-exp; use 'tiled'"
-    if p.pattern.sinks is not None:
-        return "sinks: PyTorch's SDPA has no sink term in its softmax; use 'tiled'"
-    if p.pattern.softcap is not None:
-        return "softcap: PyTorch's SDPA cannot cap scores (not an additive bias); use 'tiled'"
-    return None
-
-
-def supports(p: Problem, return_lse: bool = False) -> bool:
-    return _refusal(p, return_lse) is None
+def refusal(f) -> str:
+    """What SDPA cannot express ("" when it runs ``f``): sinks, softcap (the registry refuses
+    return_lse: SDPA does not return it)."""
+    if "sinks" in f.present:
+        return "engine 'sdpa': sinks: PyTorch's SDPA has no sink term in its softmax; use 'cpp'"
+    if f.softcap is not None:
+        return (
+            "engine 'sdpa': softcap: PyTorch's SDPA cannot cap scores (not an additive bias); "
+            "use 'cpp'"
+        )
+    return ""
 
 
 def forward(p: Problem, return_lse: bool = False):
-    why = _refusal(p, return_lse)
+    from .registry import of_problem
+
+    if return_lse:
+        raise ValueError(
+            "engine 'sdpa': return_lse: PyTorch's SDPA does not return the log-sum-exp; "
+            "use 'cpp' or 'tiled'"
+        )
+    why = refusal(of_problem(p))
     if why:
-        raise ValueError(f"engine 'sdpa': {why}")
+        raise ValueError(why)
     gqa = p.group > 1
     pt = p.pattern
     drop = p.dropout_p

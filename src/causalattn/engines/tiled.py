@@ -38,11 +38,13 @@ readable row); see :func:`_acc` and :func:`_nonfinite_terms`.
 
 from __future__ import annotations
 
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
 import torch
 
+from . import autograd as _autograd
 from .problem import LOG2E, Problem, compute_dtype
 
 NEG_INF = float("-inf")
@@ -712,45 +714,13 @@ def sinks_grad(p: Problem, out, lse, dout, dlse=None) -> torch.Tensor:
     return -(w * D).sum(dim=(0, 2))
 
 
-class _TiledAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, p):
-        p = replace(p, q=q, k=k, v=v)
-        out, lse = fwd(p)
-        ctx.p = replace(p, q=None, k=None, v=None)
-        ctx.save_for_backward(q, k, v, out, lse)
-        return out, lse.float()
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        p = replace(ctx.p, q=q, k=k, v=v)
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = bwd(p, out, lse, dout, dlse)
-        ds = None
-        if ctx.needs_input_grad[3]:
-            sk = p.pattern.sinks
-            ds = sinks_grad(p, out, lse, dout, dlse).to(dtype=sk.dtype, device=sk.device)
-        return dq, dk, dv, ds, None
-
-
-def supports(p: Problem, return_lse: bool = False) -> bool:
-    return p.q.device.type == "cpu"
+def refusal(f) -> str:
+    """Features it cannot run ("" for every CPU call: the registry checks the device)."""
+    return ""
 
 
 def forward(p: Problem, return_lse: bool = False):
-    """Engine entry: differentiable in q, k, v and learned sinks."""
+    """Engine entry: differentiable in q, k, v and learned sinks (:mod:`.autograd`)."""
     if p.q.device.type != "cpu":
         raise ValueError(f"engine 'tiled': runs on the CPU; q is on {p.q.device}")
-    sk = p.pattern.sinks
-    sinks = sk if isinstance(sk, torch.Tensor) and sk.requires_grad else None
-    needs_grad = torch.is_grad_enabled() and (
-        sinks is not None or any(t.requires_grad for t in (p.q, p.k, p.v))
-    )
-    if needs_grad:
-        out, lse = _TiledAttention.apply(p.q, p.k, p.v, sinks, p)
-    else:
-        out, lse = fwd(p)
-        lse = lse.float()
-    return (out, lse) if return_lse else out
+    return _autograd.forward(sys.modules[__name__], p, return_lse)

@@ -30,11 +30,13 @@ this module's kernels are first imported; that is how the tests run them without
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import torch
 
 from .. import dropout as _dropout
+from . import autograd as _autograd
 from .problem import Problem
 
 try:  # triton is the optional extra `.[gpu]`; without it this module still imports
@@ -176,35 +178,42 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DTYPE_NAMES = "fp16, bf16 or fp32"
 
 
-def supports(p: Problem, return_lse: bool = False) -> bool:
-    """Whether the kernels run this problem: every pattern, modifier and dropout, fp16 /
-    bf16 / fp32, head sizes 1..1024, on CUDA (or the CPU under TRITON_INTERPRET=1)."""
-    on = p.q.device.type == "cuda" or _interpreting()
-    return (
-        triton is not None
-        and on
-        and p.q.dtype in DTYPES
-        and 1 <= p.q.shape[-1] <= 1024
-        and 1 <= p.v.shape[-1] <= 1024
-    )
+DTYPE_NAMES_OF = ("float16", "bfloat16", "float32")
 
 
-def prefers(p: Problem) -> bool:
-    """Whether "auto" should run this problem on the Triton engine rather than SDPA (CUDA).
-    Causal (+ padding, documents): where the measured ratio at the nearest measured T (log
-    scale) of the head-size class is above 1; classes never measured (129..256) stay with
-    SDPA. Any other pattern, modifier or dropout: Triton, which skips the blocks nobody
-    reads and draws the reference's dropout pattern, where SDPA needs a dense T_q×T_k mask
-    (not yet measured on a GPU: benchmarks/bench_window_gpu.py)."""
-    if triton is None or p.q.device.type != "cuda" or p.q.dtype == torch.float64:
+def refusal(f) -> str:
+    """What the kernels do not run ("" when they run ``f``): every pattern, modifier and
+    dropout, fp16 / bf16 / fp32, head sizes 1..1024, on CUDA (or the CPU under
+    TRITON_INTERPRET=1)."""
+    if triton is None:
+        return "engine 'triton': the triton package is not installed (pip install '.[gpu]')"
+    if f.device == "cpu" and not _interpreting():
+        return (
+            "engine 'triton': the kernels need CUDA tensors (or TRITON_INTERPRET=1 to run "
+            "them, slowly, on the CPU)"
+        )
+    if f.dtype not in DTYPE_NAMES_OF:
+        return f"engine 'triton': dtype {f.dtype} not supported; use {DTYPE_NAMES}"
+    if not (1 <= f.d_k <= 1024 and 1 <= f.d_v <= 1024):
+        return f"engine 'triton': head sizes d_k={f.d_k}, d_v={f.d_v} must lie in 1..1024"
+    return ""
+
+
+def prefers(f) -> bool:
+    """Whether "auto" should run a call with features ``f`` on the Triton engine rather than
+    SDPA (CUDA). Causal (+ padding, documents): where the measured ratio at the nearest
+    measured T (log scale) of the head-size class is above 1; classes never measured
+    (129..256) stay with SDPA. Any other pattern, modifier or dropout: Triton, which skips
+    the blocks nobody reads and draws the reference's dropout pattern, where SDPA needs a
+    dense T_q×T_k mask (not yet measured on a GPU: benchmarks/bench_window_gpu.py)."""
+    if triton is None or f.device != "cuda" or f.dtype == "float64":
         return False
-    if not p.is_legacy:
+    if f.kind == "masked":
         return True
-    d = max(p.q.shape[-1], p.v.shape[-1])
-    cls = 128 if d <= 128 else 1024 if d > 256 else None
+    cls = 128 if f.d <= 128 else 1024 if f.d > 256 else None
     if cls is None:
         return False
-    T = max(1, p.k.shape[2])
+    T = max(1, f.T_k)
     ratios = _RATIOS[cls]
     nearest = min(ratios, key=lambda t: abs(math.log2(t) - math.log2(T)))
     return ratios[nearest] > 1.0
@@ -233,7 +242,7 @@ class _Plan:
     size, ALiBi slopes (B, H_q), sinks (H_q,) and the dropout hash's inputs."""
 
     def __init__(self, p: Problem):
-        pat = p.pattern
+        pat = self.pattern = p.pattern
         B, H_q, T_q, d_k = p.q.shape
         T_k = p.k.shape[2]
         dev = p.q.device
@@ -332,24 +341,13 @@ class _Plan:
         return (*sizes, scale, self.softcap or 1.0, *drop)
 
     def tile_kinds(self, block_m: int, block_n: int):
-        """The dense mask's kind per (BLOCK_M × BLOCK_N) tile, int8 (B', H', n_m, n_n):
-        0 nothing allowed (skipped), 1 all allowed (no mask load), 2 partial; and its
-        (batch, head, row-block) strides."""
+        """The dense mask's kind per (BLOCK_M × BLOCK_N) tile, int8 (B', H', n_m, n_n)
+        (:meth:`causalattn.masks.Pattern.mask_tile_kinds`), and its (batch, head, row-block)
+        strides."""
         if not self.has_dense_mask:
             return self.dense_mask, (0, 0, 0)
         if (block_m, block_n) not in self._tile_kinds:
-            m = self.dense_mask_bool
-            _, _, T_q, T_k = m.shape
-            n_m, n_n = triton.cdiv(T_q, block_m), triton.cdiv(T_k, block_n)
-            pad = (0, n_n * block_n - T_k, 0, n_m * block_m - T_q)
-            tiles = (*m.shape[:2], n_m, block_m, n_n, block_n)
-
-            def padded(value):  # cells past T_q, T_k: neither allowed nor blocking "full"
-                return torch.nn.functional.pad(m, pad, value=value) if any(pad) else m
-
-            some = padded(False).view(tiles).any(5).any(3)
-            every = padded(True).view(tiles).all(5).all(3)
-            kinds = torch.where(every, 1, torch.where(some, 2, 0)).to(torch.int8).contiguous()
+            kinds = self.pattern.mask_tile_kinds(block_m, block_n, like=self.dense_mask_bool)
             self._tile_kinds[(block_m, block_n)] = (kinds, _broadcast_strides(kinds))
         return self._tile_kinds[(block_m, block_n)]
 
@@ -480,24 +478,6 @@ def _backward(p: Problem, plan: _Plan, cfg: dict, q, k, v, out, lse, dout, dlse)
     return dq, dk, dv, _sinks_grad(plan, lse, D) if plan.has_sinks else None
 
 
-class _Attention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, sinks, p, plan, cfg):
-        out, lse = _launch_fwd(q, k, v, plan, p.scale, cfg)  # lse: -inf on empty rows
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.p, ctx.plan, ctx.cfg = p, plan, cfg
-        ctx.sinks_like = sinks
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv, ds = _backward(ctx.p, ctx.plan, ctx.cfg, q, k, v, out, lse, dout, dlse)
-        s = ctx.sinks_like
-        ds = ds.to(device=s.device, dtype=s.dtype) if ds is not None and s is not None else None
-        return dq, dk, dv, ds, None, None, None
-
-
 def _prepare(p: Problem):
     """Check what the kernels can run; ``None`` when there is nothing to compute."""
     _require_triton()
@@ -531,16 +511,9 @@ def _contiguous(p: Problem):
 
 def forward(p: Problem, return_lse: bool = False):
     """H ``(B, H_q, T_q, d_v)`` (and the fp32 log-sum-exp ``(B, H_q, T_q)``) on the GPU;
-    differentiable in q, k, v and, where they are a torch tensor, the sinks."""
-    prep = _prepare(p)
-    if prep is None:
-        out, lse = _empty(p)
-    else:
-        cfg, plan = prep
-        s = p.pattern.sinks
-        sinks = s if isinstance(s, torch.Tensor) else None
-        out, lse = _Attention.apply(*_contiguous(p), sinks, p, plan, cfg)
-    return (out, lse) if return_lse else out
+    differentiable in q, k, v and learned sinks (:mod:`causalattn.engines.autograd`)."""
+    _prepare(p)  # refuses what the kernels do not run, by name
+    return _autograd.forward(sys.modules[__name__], p, return_lse)
 
 
 def fwd(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -582,4 +555,4 @@ def sinks_grad(
         return _sinks_grad(plan, lse, D)
 
 
-__all__ = ["forward", "fwd", "bwd", "sinks_grad", "supports", "prefers", "available", "MEASURED"]
+__all__ = ["forward", "fwd", "bwd", "sinks_grad", "refusal", "prefers", "available", "MEASURED"]

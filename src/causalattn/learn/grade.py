@@ -1,6 +1,6 @@
 """Grade a filled-in exercise stage by stage with :func:`causalattn.diagnose`.
 
-    check("attention.py") -> Grade      # runs the file in a subprocess, with a timeout
+    check("attention.py") -> Grade      # runs the file in an isolated worker (check.runner)
     grade_file("attention.py")          # the same in this process
     grade_function(attention)           # a function defined here (a notebook cell)
 
@@ -14,21 +14,28 @@ a hint, and for the mask shows the learner's M against the expected one. Never a
 
 Exit codes (``Grade.exit_code``): 0 every stage right, 1 a stage is wrong, 2 the file could
 not run (it does not load, raises, or does not finish within the timeout).
+
+The file is read by the one reader of user files (:func:`causalattn.check.files.read_source`)
+and, in ``check``, executed in the one isolation runner (:mod:`causalattn.check.runner`): a
+session of its own killed whole at the end, a deadline that the inner ``diagnose`` honours,
+capped memory and output.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import runpy
-import subprocess
-import sys
+import math
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from .. import masks
+from ..check import runner
+from ..check.callers import exec_source, framework
+from ..check.diagnose import diagnose
+from ..check.faults import CATALOGUE
+from ..check.files import read_source
 from ..reference import softmax_last
 from ..shapes import shape_table
 from .exercises import EXERCISES, MARK, Exercise
@@ -43,8 +50,6 @@ __all__ = [
     "HINTS",
 ]
 
-_MARKER = "@@causalattn-learn-grade@@"
-
 STAGE_NAMES = {
     "shape": "the shape of what it returns",
     "S": "scores S = Q Kᵀ / √d_k",
@@ -55,53 +60,8 @@ STAGE_NAMES = {
     "heads": "every head the same way",
 }
 
-# One hint per catalogued fault: where to look, never what to write.
-HINTS = {
-    "k-not-transposed": "S[i, j] must compare query row i with key row j over their d_k "
-    "entries. With T = d_k your product runs but pairs the wrong axes; try T ≠ d_k and "
-    "watch the shapes.",
-    "missing-scale": "Your scores are too large by a constant factor that depends on d_k. In "
-    "the chapter (d_k = 2) the last query's scores are [-0.707, 0.707, 0, 1.414].",
-    "scale-by-dk": "Your scores are too small. With d_k = 4, should the scores be halved or "
-    "quartered?",
-    "diagonal-blocked": "Look at the diagonal of M: may a token read itself?",
-    "no-mask": "Your queries read keys in their future: nothing blocks j > i.",
-    "anti-causal-mask": "Your mask lets query i read the keys after it and blocks the ones "
-    "before. Which side of the diagonal is the past?",
-    "padding-ignored": "Positions at or after `length` are <PAD>: a real query must not read "
-    "them, and a padding query reads nothing.",
-    "padding-queries-only": "Padding must block key columns too, not only query rows.",
-    "finite-min-added-twice": "Two finite minimums added together overflow to -inf, and a row "
-    "with no readable key then spreads its weight over forbidden keys. Build each blocked "
-    "entry once.",
-    "softmax-query-axis": "Your weights sum to 1 down each column. A row is one query: along "
-    "which axis are its keys?",
-    "softmax-all-entries": "Your weights sum to 1 over the whole matrix. Each query needs a "
-    "distribution of its own.",
-    "mask-after-softmax": "Your rows of A sum to less than 1: the future keys took part in the "
-    "softmax before being zeroed. Where must M enter?",
-    "unstable-softmax": "With large scores exp overflows (inf / inf is NaN). A softmax does "
-    "not change when one number is subtracted from a whole row: which number keeps every "
-    "exp at most 1?",
-    "nan-on-empty-rows": "A padding query's row is -∞ everywhere, and 0 / 0 is NaN. Such a "
-    "row reads nothing: its weights must be 0.",
-    "scale-by-sqrt-dv": "Your scores are scaled by the width of the values. The factor "
-    "belongs to the axis that Q Kᵀ contracts.",
-    "scale-by-sqrt-dmodel": "Your scores are scaled by the model's width. Each head compares "
-    "vectors of its own width.",
-    "finite-fill-too-weak": "Your blocked entries are not blocked enough: large scores "
-    "overcome a finite fill such as -1e4.",
-    "causal-top-left": "With fewer queries than keys the queries are the last positions: "
-    "where does query 0 sit?",
-    "window-off-by-one": "Count the window: w positions, the query's own included.",
-    "softmax-fp16-accumulation": "Long rows in half precision lose their sums: in which "
-    "precision is the row accumulated?",
-    "some-heads-only": "Some heads are right and others not: what differs between the heads "
-    "in your code?",
-    "output-projection-missing": "Your O is the heads' output itself: W_O never enters.",
-    "output-projection-transposed": "W_O is (h·d_v)×d_model and is used as X W is: which of "
-    "its axes meets the columns of [H_0 … H_{h-1}]?",
-}
+# One hint per catalogued fault, the catalogue's lesson: where to look, never what to write.
+HINTS = {f.id: f.lesson for f in CATALOGUE}
 _STAGE_HINTS = {
     "shape": "Write the shapes of every intermediate next to the code, in the seed's "
     "notation (T×d_k, T×T, ...), and compare with the docstring.",
@@ -127,7 +87,8 @@ _FINITE_FILL = (
 class Grade:
     """The grade of one file: ``status`` right | wrong | error; ``stages`` one dict per
     stage of the exercise (stage, name, status right | wrong | not graded); ``stage``: the
-    first wrong one; ``pattern``: the learner's M against the expected one (mask stage)."""
+    first wrong one; ``pattern``: the learner's M against the expected one (mask stage);
+    ``also``: every further fault diagnose measured (stage, fault, message, hint)."""
 
     file: str
     exercise: str | None
@@ -141,6 +102,7 @@ class Grade:
     location: str | None = None
     pattern: dict | None = None
     diagnosis: dict | None = None
+    also: list = field(default_factory=list)  # the further faults measured: stage, fault, ...
 
     @property
     def exit_code(self) -> int:
@@ -178,34 +140,12 @@ class Grade:
                 )
         if self.hint:
             lines.append(f"  hint: {self.hint}")
+        for a in self.also:
+            lines.append(f"  also wrong, stage {a['stage']}: {a['message']}")
         return "\n".join(lines)
 
 
 # -- calling the learner's function ------------------------------------------------------------
-def _framework(fn) -> str:
-    """torch when the function's code names torch (or anything from it), else numpy."""
-
-    def names(code):
-        yield from code.co_names
-        for c in code.co_consts:
-            if hasattr(c, "co_names"):
-                yield from names(c)
-
-    code, g = getattr(fn, "__code__", None), dict(getattr(fn, "__globals__", {}))
-    if code is not None and getattr(fn, "__closure__", None):  # names from an enclosing scope
-        for n, cell in zip(code.co_freevars, fn.__closure__):
-            try:
-                g[n] = cell.cell_contents
-            except ValueError:  # an empty cell
-                pass
-    for n in list(names(code)) + list(code.co_freevars) if code is not None else ():
-        v = g.get(n)
-        mod = v.__name__ if type(v).__name__ == "module" else getattr(v, "__module__", "")
-        if isinstance(mod, str) and (mod == "torch" or mod.startswith("torch.")):
-            return "torch"
-    return "numpy"
-
-
 class _Learner:
     """The learner's function, called with float64 arrays of its framework; NumPy back."""
 
@@ -400,17 +340,19 @@ def _read_picture(d) -> dict | None:
 
 
 # -- grading ------------------------------------------------------------------------------------
-def _find_exercise(ns: dict, path: str, exercise: str | None) -> Exercise:
+def _find_exercise(ns: dict, path: str, exercise: str | None, source: bytes | None) -> Exercise:
     if exercise is not None:
         if exercise not in EXERCISES:
             raise ValueError(
                 f"learn: unknown exercise {exercise!r}; choose one of {list(EXERCISES)}"
             )
         return EXERCISES[exercise]
-    try:
-        first = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()[:1]
-    except OSError:
-        first = []
+    if source is None:  # (grade_namespace called on its own: the file, by the one reader)
+        try:
+            source = read_source(path)
+        except ValueError:
+            source = b""
+    first = source.decode("utf-8", "replace").splitlines()[:1]
     if first and first[0].startswith(MARK):
         name = first[0][len(MARK) :].split()[0] if first[0][len(MARK) :].split() else ""
         if name in EXERCISES:
@@ -473,19 +415,26 @@ def _wrong_shape(path, ex, message, framework, diagnosis=None) -> Grade:
     )
 
 
-def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> Grade:
-    """Grade the exercise whose module globals are ``ns`` (loaded from ``path``)."""
-    from ..check import diagnose
-
+def grade_namespace(
+    ns: dict,
+    path: str | Path,
+    exercise: str | None = None,
+    timeout: float = 60.0,
+    *,
+    source: bytes | None = None,
+) -> Grade:
+    """Grade the exercise whose module globals are ``ns`` (loaded from ``path``, whose
+    ``source`` names the exercise on its first line); ``timeout``: seconds for diagnose's
+    worker (inside ``check``, what is left of its own)."""
     path = str(path)
     try:
-        ex = _find_exercise(ns, path, exercise)
+        ex = _find_exercise(ns, path, exercise, source)
     except ValueError as exc:
         return _error(path, None, str(exc))
     fn = ns.get(ex.function)
     if not callable(fn):
         return _error(path, ex, f"{path} defines no function {ex.function}()")
-    fw = _framework(fn)
+    fw = framework(fn)
     user = _Learner(fn, fw, ex)
 
     # one call on a small T ≠ d_k input: its shape (a crash here may still be a known fault)
@@ -494,6 +443,8 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
     try:
         with np.errstate(all="ignore"):
             got = user(*args, ints=ints)
+    except MemoryError:  # not the learner's mistake to grade: the runner reports it
+        raise
     except NotImplementedError:
         return _error(
             path,
@@ -512,7 +463,7 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
         return _wrong_shape(path, ex, msg, fw)
 
     try:
-        d = diagnose(_composite(ex, user), timeout=60.0)
+        d = diagnose(_composite(ex, user), timeout=timeout)
     except ValueError as exc:
         return _error(path, ex, f"diagnose: {exc}", fw)
     dd = d.to_dict()
@@ -530,16 +481,10 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
             stages=_stages(ex, None, True),
             diagnosis=dd,
         )
-    if d.stage in ex.stages:
-        stage = d.stage
-    elif len(ex.stages) == 1:  # the rest of the pipeline is the library's: the learner's stage
-        stage = ex.stages[0]
-    elif d.stage in ("H", "O"):
-        stage = ex.stages[-1]
-    else:  # e.g. "heads": a row of its own
-        stage = d.stage or ex.stages[0]
+    first, *rest = d.findings or [None]
+    stage = _exercise_stage(ex, d.stage)
     known = d.status == "fault"
-    hint = HINTS.get(d.fault) if known else None
+    hint = _hint(first.fault if first is not None else None, stage) if known else None
     msg = (
         f"stage {stage} is wrong: {d.message}"
         if known
@@ -552,6 +497,15 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
     if ex.name == "mask" and "?" in cells and "-∞" not in cells:
         hint = _FINITE_FILL  # measured in their M: only finite fills, whatever diagnose matched
     hint = hint or _STAGE_HINTS.get(stage, _STAGE_HINTS["shape"])
+    also = [  # every further fault diagnose measured, at the exercise's stage, with its lesson
+        {
+            "stage": _exercise_stage(ex, f.stage),
+            "fault": f.fault,
+            "message": f.text,
+            "hint": _hint(f.fault, _exercise_stage(ex, f.stage)),
+        }
+        for f in rest
+    ]
     return Grade(
         path,
         ex.name,
@@ -565,7 +519,24 @@ def grade_namespace(ns: dict, path: str | Path, exercise: str | None = None) -> 
         location,
         pattern,
         dd,
+        also,
     )
+
+
+def _exercise_stage(ex: Exercise, stage: str | None) -> str:
+    """The exercise's stage a diagnosed stage falls in."""
+    if stage in ex.stages:
+        return stage
+    if len(ex.stages) == 1:  # the rest of the pipeline is the library's: the learner's stage
+        return ex.stages[0]
+    if stage in ("H", "O"):
+        return ex.stages[-1]
+    return stage or ex.stages[0]  # e.g. "heads": a row of its own
+
+
+def _hint(fault: str | None, stage: str) -> str:
+    """The catalogue's lesson for a fault, else the stage's own hint."""
+    return HINTS.get(fault) or _STAGE_HINTS.get(stage, _STAGE_HINTS["shape"])
 
 
 def grade_function(fn, exercise: str | None = None) -> Grade:
@@ -582,61 +553,55 @@ def grade_function(fn, exercise: str | None = None) -> Grade:
     return grade_namespace({EXERCISES[name].function: fn}, where, name)
 
 
-def grade_file(path: str | Path, exercise: str | None = None) -> Grade:
+def grade_file(path: str | Path, exercise: str | None = None, timeout: float = 60.0) -> Grade:
     """Load ``path`` (EXECUTES it) and grade it, in this process."""
-    p = Path(path)
-    if not p.is_file():
-        return _error(path, None, f"{path}: no such file")
     try:
-        ns = runpy.run_path(str(p.resolve()), run_name="__learner__")
+        source = read_source(path)
+    except ValueError as exc:
+        return _error(path, None, str(exc))
+    return _grade_source(str(path), source, exercise, timeout)
+
+
+def _grade_source(path: str, source: bytes, exercise: str | None, timeout: float) -> Grade:
+    try:
+        ns = exec_source(path, source, "__learner__", keep=False)
     except BaseException as exc:  # a syntax error, an import, even sys.exit in the file
         if isinstance(exc, KeyboardInterrupt):
             raise
         return _error(path, None, f"{path} does not run: {type(exc).__name__}: {exc}")
-    return grade_namespace(ns, path, exercise)
+    return grade_namespace(ns, path, exercise, timeout, source=source)
 
 
-def _worker() -> None:
-    path, exercise = sys.argv[1], (None if sys.argv[2] == "-" else sys.argv[2])
-    try:
-        g = grade_file(path, exercise)
-    except BaseException as exc:
-        g = _error(path, None, f"the grader stopped: {type(exc).__name__}: {exc}")
-    sys.stdout.flush()
-    print(_MARKER + json.dumps(g.to_dict(), default=str))
+def _grade_job(path: str, source: bytes, exercise: str | None, timeout: float) -> dict:
+    """In the worker: the grade, as a dict."""
+    return _grade_source(path, source, exercise, timeout).to_dict()
 
 
-def check(path: str | Path, exercise: str | None = None, timeout: float = 60.0) -> Grade:
-    """Grade ``path`` in a subprocess stopped after ``timeout`` seconds (the file is
-    EXECUTED there), so a hang or a crash in it becomes a grade (status "error"), not ours."""
-    if not isinstance(timeout, (int, float)) or not timeout > 0:
+def check(
+    path: str | Path,
+    exercise: str | None = None,
+    timeout: float = 60.0,
+    max_memory: int = runner.DEFAULT_MAX_MEMORY,
+) -> Grade:
+    """Grade ``path`` in the isolation runner (the file is EXECUTED there): stopped after
+    ``timeout`` seconds, its memory capped at ``max_memory`` bytes, whatever it starts
+    killed at the end; a hang or a crash becomes a grade (status "error"), not ours."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise ValueError(f"learn: timeout must be a positive number of seconds, got {timeout!r}")
-    if not Path(path).is_file():
-        return _error(path, None, f"{path}: no such file")
-    try:  # compiling runs nothing: a syntax error needs no subprocess
-        compile(Path(path).read_bytes(), str(path), "exec")
+    if not (math.isfinite(timeout) and timeout > 0):
+        raise ValueError(f"learn: timeout must be a positive number of seconds, got {timeout!r}")
+    if isinstance(max_memory, bool) or not isinstance(max_memory, int) or max_memory <= 0:
+        raise ValueError(f"learn: max_memory must be a number of bytes > 0, got {max_memory!r}")
+    try:
+        source = read_source(path)
+    except ValueError as exc:
+        return _error(path, None, str(exc))
+    try:  # compiling runs nothing: a syntax error needs no worker
+        compile(source, str(path), "exec")
     except (SyntaxError, ValueError) as exc:
         return _error(path, None, f"{path} does not run: {type(exc).__name__}: {exc}")
-    cmd = [
-        sys.executable,
-        "-c",
-        "from causalattn.learn.grade import _worker; _worker()",
-        str(path),
-        exercise or "-",
-    ]
-    env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[2])  # so the child imports this causalattn
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    try:
-        res = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL
-        )
-    except subprocess.TimeoutExpired:
-        return _error(
-            path, None, f"{path} did not finish within {timeout:g} s (a hang?); it was stopped"
-        )
-    for line in reversed(res.stdout.splitlines()):
-        if line.startswith(_MARKER):
-            return Grade.from_dict(json.loads(line[len(_MARKER) :]))
-    tail = " | ".join((res.stderr or res.stdout).strip().splitlines()[-3:])
-    return _error(path, None, f"{path} crashed the grader (exit code {res.returncode}): {tail}")
+    job = partial(_grade_job, str(path), source, exercise, float(timeout))
+    out = runner.run(job, timeout=timeout, max_memory=max_memory, what=str(path), fresh=True)
+    if isinstance(out, runner.Failure):
+        return _error(path, None, out.message)
+    return Grade.from_dict(out)

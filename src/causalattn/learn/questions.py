@@ -30,7 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import masks, text
-from ..check.measure import spans
+from ..check.words import spans
 from ..reference import softmax_last
 from ..reference import trace as run_trace
 from ..shapes import shape_table

@@ -186,3 +186,5 @@ def render_grade(g, console) -> None:
         console.print(Columns(pics, padding=(0, 4)))
     if g.hint:
         console.print(Text(f"hint: {g.hint}", style="yellow"))
+    for a in g.also:  # every further fault measured, one line each
+        console.print(Text(f"also wrong, stage {a['stage']}: {a['message']}", style="dim"))

@@ -149,7 +149,8 @@ function causalattnExplorer(root, data) {
     var pad = Uint8Array.from(meta.pad), nPad = 0;
     for (var p = 0; p < T; p++) nPad += pad[p];
     layerCache[key] = { T: T, kinds: kinds, allowed: allowed, present: present, start: start,
-                        count: count, pad: pad, nPad: nPad, tokens: meta.tokens, layer: lay };
+                        count: count, pad: pad, nPad: nPad, tokens: meta.tokens, layer: lay,
+                        gen: T - (meta.gen || 0) }; // positions from gen on were generated
     return layerCache[key];
   }
   var headCache = {};
@@ -602,15 +603,20 @@ function causalattnExplorer(root, data) {
         var btn = el("button", "ca-thumb");
         btn.type = "button";
         btn.setAttribute("data-layer", String(l)); btn.setAttribute("data-head", String(h));
-        var sm = lay.summary;
-        btn.title = lay.name + ", head " + (h + 1) + ": entropy " + fmt(sm.entropy[h], 2) + " nats, first token " +
-                    fmt(sm.first[h], 2) + ", mean distance " + fmt(sm.distance[h], 1);
+        var sm = lay.summary, roleName = sm.role ? sm.role[h] : "";
+        btn.title = lay.name + ", head " + (h + 1) + (roleName ? " (" + roleName + " head)" : "") +
+                    ": previous token " + fmt(sm.previous[h], 2) + ", induction " + fmt(sm.induction[h], 2) +
+                    ", first token " + fmt(sm.first[h], 2) + ", mean distance " + fmt(sm.distance[h], 1) +
+                    ", entropy " + fmt(sm.entropy[h], 2) + " nats";
         btn.setAttribute("aria-label", btn.title);
+        btn.setAttribute("data-role-name", roleName);
         var cv = el("canvas"); cv.width = n; cv.height = n;
         var ctx = cv.getContext("2d"), img = ctx.createImageData(n, n), u = new Uint32Array(img.data.buffer);
         for (var p = 0, o = h * n * n; p < n * n; p++) u[p] = LUT.A[px[o + p]];
         ctx.putImageData(img, 0, 0);
-        btn.appendChild(cv); row.appendChild(btn); thumbs.push(btn);
+        btn.appendChild(cv);
+        btn.appendChild(el("span", "ca-thumb-role", roleName || "·"));
+        row.appendChild(btn); thumbs.push(btn);
       }
       grid.appendChild(row);
     });
@@ -632,16 +638,21 @@ function causalattnExplorer(root, data) {
     if (!box) return;
     while (box.firstChild) box.removeChild(box.firstChild);
     var lay = seqMeta(state.s).layers[state.l], sm = lay.summary;
-    box.appendChild(el("p", "ca-muted", lay.name + ": per head, over the query rows that read a key — entropy of A_i· (nats), share of weight on the first token, mean distance i − j read."));
+    box.appendChild(el("p", "ca-muted", lay.name + ": per head, over the query rows it is defined on — weight on the previous token, " +
+      "induction (weight on the token after the earlier copy of the query's token; – when no token repeats), weight on the first token, " +
+      "mean distance i − j read, entropy of A_i· (nats); the role is the largest of the first three when it is at least 0.5."));
     var table = el("table", "ca-table"), tr = el("tr");
-    ["head", "entropy", "first token", "mean distance"].forEach(function (t) { tr.appendChild(el("th", null, t)); });
+    ["head", "role", "previous token", "induction", "first token", "mean distance", "entropy"].forEach(function (t) { tr.appendChild(el("th", null, t)); });
     table.appendChild(tr);
     for (var h = 0; h < lay.n_heads; h++) {
       var r = el("tr");
       r.setAttribute("data-head", String(h));
       if (h === state.h) r.className = "ca-cur";
-      [String(h + 1), fmt(sm.entropy[h], 3), fmt(sm.first[h], 3), fmt(sm.distance[h], 2)].forEach(function (t, c) {
-        var td = el("td", null, t); td.setAttribute("data-col", ["head", "entropy", "first", "distance"][c]); r.appendChild(td);
+      [String(h + 1), (sm.role && sm.role[h]) || "–", fmt(sm.previous[h], 3), fmt(sm.induction[h], 3), fmt(sm.first[h], 3),
+       fmt(sm.distance[h], 2), fmt(sm.entropy[h], 3)].forEach(function (t, c) {
+        var td = el("td", null, t);
+        td.setAttribute("data-col", ["head", "role", "previous", "induction", "first", "distance", "entropy"][c]);
+        r.appendChild(td);
       });
       table.appendChild(r);
     }
@@ -666,8 +677,8 @@ function causalattnExplorer(root, data) {
       if (tokLo > 0) frag.appendChild(el("span", "ca-muted", "… " + tokLo + " before"));
     }
     for (var i = tokLo; i < tokHi; i++) {
-      var chip = el("span", info.pad[i] ? "ca-tok ca-tok-pad" : "ca-tok", info.tokens[i]);
-      chip.title = "position " + (i + 1) + (info.pad[i] ? " (padding)" : "");
+      var chip = el("span", info.pad[i] ? "ca-tok ca-tok-pad" : i >= info.gen ? "ca-tok ca-tok-gen" : "ca-tok", info.tokens[i]);
+      chip.title = "position " + (i + 1) + (info.pad[i] ? " (padding)" : i >= info.gen ? " (generated)" : "");
       chip.setAttribute("data-i", String(i));
       if (i === state.row) chip.classList.add("ca-tok-cur");
       if (hit[i]) chip.classList.add("ca-tok-match");
@@ -680,6 +691,7 @@ function causalattnExplorer(root, data) {
     var q = data.sequences[state.s], info = layerInfo(state.s, state.l), hi = headInfo(state.s, state.l, state.h);
     var lay = info.layer, scale = block(lay.block).scale;
     summary.textContent = "T = " + info.T + " positions (" + (info.T - info.nPad) + " tokens, " + info.nPad + " padding) · " +
+      (info.gen < info.T ? "the last " + (info.T - info.gen) + " generated · " : "") +
       (q.n_layers > 1 ? lay.name + " of " + q.n_layers + " · " : "") +
       lay.n_heads + " head" + (lay.n_heads === 1 ? "" : "s") + " · d_v = " + hi.dv +
       (scale !== null ? " · scale = " + fmt(scale, 4) : "") + " · positions are 1-based";

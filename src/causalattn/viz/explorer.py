@@ -444,12 +444,20 @@ def _sequence_meta(seq: _Seq, block_of_layer, rle_cache: dict) -> dict:
         if model:
             A = np.asarray(lay.trace["A"])
             A3 = A if A.ndim == 3 else A[None]
-            per = [head_summary(a, lay.kinds) for a in A3]  # one head at a time: bounded
-            d["summary"] = {k2: [round(float(p[k2][0]), 4) for p in per] for k2 in per[0]}
+            ids = getattr(lay.trace, "ids", None)
+            per = [head_summary(a, lay.kinds, tokens if ids is None else ids) for a in A3]
+            d["summary"] = {  # one head at a time: bounded
+                k2: [
+                    p[k2][0] if k2 == "role" else _finite_or_none(round(float(p[k2][0]), 4))
+                    for p in per
+                ]
+                for k2 in per[0]
+            }
             th = np.stack([thumbnail(a, THUMB) for a in A3])
             d["thumb"] = {"n": int(th.shape[-1]), "px": _b64(th, "u1")}
         layers.append(d)
-    return {"tokens": tokens, "pad": pad.astype(int).tolist(), "layers": layers}
+    gen = int(getattr(first.trace, "generated", 0) or 0)  # the last `gen` were generated
+    return {"tokens": tokens, "pad": pad.astype(int).tolist(), "gen": gen, "layers": layers}
 
 
 # -- reading what was given ------------------------------------------------------------------
@@ -511,10 +519,14 @@ def _named_sequences(obj, names, layers) -> list[_Seq]:
                 f"length; got (sequences, T×T) {sorted(shapes)}"
             )
         batch_tokens = getattr(traces[0], "batch_tokens", None)  # a capture's, per sequence
+        ids = getattr(traces[0], "ids", None)
+        ids = None if ids is None else np.asarray(ids).reshape(n, -1)
         for b in range(n):
-            if batch_tokens is not None and len(batch_tokens) == n:
-                for p in per_layer:
+            for p in per_layer:
+                if batch_tokens is not None and len(batch_tokens) == n:
                     p[b].trace.tokens = [str(t) for t in batch_tokens[b]]
+                p[b].trace.ids = None if ids is None else ids[b]
+                p[b].trace.generated = getattr(traces[0], "generated", 0)
         out = [
             _Seq(
                 per_layer[0][b].name if n > 1 else "sequence 1",

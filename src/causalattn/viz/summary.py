@@ -1,47 +1,41 @@
 """Per-head summaries and thumbnails of A, for the explorer's model view (layers × heads).
 
-    head_summary(A, kinds) -> {"entropy": (h,), "first": (h,), "distance": (h,)}
-    thumbnail(A, n)        -> (n', n') uint8, n' = min(n, T)
+    head_summary(A, kinds, ids) -> {"entropy", "first", "distance", "previous", "induction":
+                                    (h,) floats, "role": [h strings]}
+    thumbnail(A, n)             -> (n', n') uint8, n' = min(n, T)
 
-Computed from the trace's own float64/float32 A, exactly, over the query rows that read at
-least one key (padding queries read nothing and are left out):
-
-- entropy: mean over rows of -Σ_j A_ij log A_ij, in nats (0 = one key takes all the weight;
-  log(i) = spread evenly over i keys);
-- first: mean weight on the sequence's first real (non-padding) token, the "attention sink";
-- distance: mean over rows of Σ_j A_ij (i - j), how far back a head reads (0 = itself).
+The scores are :func:`causalattn.inspect.head_scores` (defined there and in docs/design.md),
+computed from the trace's own float64/float32 A over the query rows that read at least one
+key (padding queries read nothing and are left out); the role is the inspect module's.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .kinds import READABLE, pad_of
+from ..inspect import head_scores, role_of
+from .kinds import READABLE
 
 __all__ = ["head_summary", "thumbnail"]
 
+# the page's short names for the scores
+_PAGE = {
+    "entropy": "entropy",
+    "first_token": "first",
+    "mean_distance": "distance",
+    "previous_token": "previous",
+    "induction": "induction",
+}
 
-def head_summary(A: np.ndarray, kinds: np.ndarray) -> dict[str, np.ndarray]:
-    """A ``(h, T, T)`` (or ``(T, T)``) weights with the ``T×T`` kinds of their mask."""
-    A = np.asarray(A, dtype=np.float64)
-    if A.ndim == 2:
-        A = A[None]
-    T = A.shape[-1]
-    readable = kinds == READABLE
-    rows = readable.any(axis=-1)  # queries that read something
-    pad = pad_of(kinds)
-    real = np.flatnonzero(~pad)
-    first = int(real[0]) if real.size else 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        plogp = np.where(readable & (A > 0), A * np.log(np.where(A > 0, A, 1.0)), 0.0)
-    entropy = -plogp.sum(axis=-1)  # (h, T)
-    dist = (A * (np.arange(T)[:, None] - np.arange(T)[None, :])).sum(axis=-1)
-    n = max(int(rows.sum()), 1)
 
-    def mean(x):
-        return np.where(rows, x, 0.0).sum(axis=-1) / n
-
-    return {"entropy": mean(entropy), "first": mean(A[:, :, first]), "distance": mean(dist)}
+def head_summary(A: np.ndarray, kinds: np.ndarray, ids=None) -> dict:
+    """A ``(h, T, T)`` (or ``(T, T)``) weights with the ``T×T`` kinds of their mask and the
+    tokens (ids or strings) that find each token's earlier copy."""
+    sc = head_scores(A, kinds == READABLE, ids)
+    out: dict = {_PAGE[k]: v for k, v in sc.items()}
+    heads = range(len(sc["entropy"]))
+    out["role"] = [role_of({k: float(v[h]) for k, v in sc.items()}) for h in heads]
+    return out
 
 
 def thumbnail(A: np.ndarray, n: int = 48) -> np.ndarray:

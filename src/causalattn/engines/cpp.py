@@ -1,0 +1,383 @@
+"""The native CPU engine (``engine="cpp"``): fused C++ tiles through PyTorch's extension API.
+
+The sources in ``csrc/`` are compiled on first use against the installed torch
+(``torch.utils.cpp_extension``, with ``-O3 -march=native``: built where it runs) and cached
+in torch's extension folder (``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
+Nothing binary is downloaded. Where no C++ compiler (or ninja) is found, or the build fails,
+the engine is unavailable: :func:`unavailable` says why in one line, and "auto" runs the
+others.
+
+Forward: one fused pass per (batch row, kv head, block of bq query rows): the Q Kᵀ tile (a
+register-blocked micro-kernel over K packed once per call), scale, softcap, ALiBi, the
+pattern, the online softmax with sinks, dropout from :mod:`causalattn.dropout`'s hash (bit
+for bit), P V, and the log-sum-exp; tasks in a fixed order on ``at::parallel_for``'s
+threads, each task's result independent of the thread that runs it. Decoding (at most
+``DECODE_ROWS`` query rows) is split over keys, K and V read in place, the splits merged in
+order. Backward by recomputation from the saved lse: per (batch row, kv head, lane) the
+lane's key blocks, dS = P ∘ (dP − D) fused, dQ summed over a fixed number of lanes in order:
+no atomics, the same bits on any thread count.
+
+Who may read whom comes from :class:`causalattn.masks.Pattern` as data: the per-row
+intervals (:meth:`~causalattn.masks.Pattern.row_ranges`), the key padding vector, the dense
+mask's tile kinds (:meth:`~causalattn.masks.Pattern.mask_tile_kinds`) with the mask read
+only in partial tiles. The C++ states no rule of its own. Compute in fp32 (fp64 for fp64
+inputs, so gradcheck runs on the native code); bf16 and fp16 are converted while packing.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import dropout as _dropout
+from . import autograd as _autograd
+from .problem import Problem, compute_dtype
+
+SOURCES = ("ops.cpp", "forward.cpp", "backward.cpp")
+CSRC = Path(__file__).with_name("csrc")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
+DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+DTYPE_NAMES = "fp64, fp32, bf16 or fp16"
+DTYPE_NAMES_OF = tuple(str(t).replace("torch.", "") for t in DTYPES)
+DECODE_ROWS = 16  # query rows at most for the key-split decoding path
+BLOCKS: tuple[int, int] | None = None  # (bq, bk) to force, for tests
+BWD_BLOCKS = (64, 96)  # backward (query rows, keys) per step; must divide the grid's
+
+_STATE: dict = {}
+
+
+def _machine_tag() -> str:
+    """The build's cache key beyond torch's own (sources, flags): this CPU (-march=native),
+    torch's version and Python's, so a shared home folder never runs another machine's code."""
+    cpu = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            info = fh.read()
+        cpu += "".join(ln for ln in info.splitlines() if ln.startswith(("flags", "model name")))
+    except OSError:
+        cpu += platform.processor()
+    key = f"{cpu}|{torch.__version__}|{platform.python_version()}"
+    return hashlib.sha1(key.encode()).hexdigest()[:12]
+
+
+def _first_error(text: str) -> str:
+    """The compiler's first error line of a failed build's log (else its first line)."""
+    lines = text.splitlines()
+    for line in lines:
+        if ": error:" in line or ": fatal error:" in line:
+            return line.strip()[:300]
+    return (lines or ["unknown error"])[0].strip()[:300]
+
+
+def unavailable() -> str:
+    """Why the engine cannot run here ("" when it can); builds the extension on first call."""
+    why = _STATE.get("why")
+    if why is None:
+        why = _STATE["why"] = _build()
+        if why and not os.environ.get("CAUSALATTN_NO_CPP"):  # one line says why, once
+            warnings.warn(f"{why}; 'auto' runs the other engines", RuntimeWarning, stacklevel=2)
+    return why
+
+
+def _build() -> str:
+    if os.environ.get("CAUSALATTN_NO_CPP"):
+        return "engine 'cpp': disabled by CAUSALATTN_NO_CPP"
+    cxx = os.environ.get("CXX", "c++")
+    if shutil.which(cxx) is None:
+        return f"engine 'cpp': no C++ compiler found ({cxx!r} is not on PATH)"
+    from torch.utils import cpp_extension
+
+    if not cpp_extension.is_ninja_available():
+        return "engine 'cpp': the ninja build tool is not installed (pip install ninja)"
+    name = f"causalattn_cpp_{_machine_tag()}"
+    _clear_stale_lock(cpp_extension, name)
+    try:
+        _STATE["ext"] = cpp_extension.load(
+            name=name,
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=list(FLAGS),
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure leaves the engine unavailable
+        return f"engine 'cpp': the C++ extension did not build: {_first_error(str(exc))}"
+    return ""
+
+
+STALE_LOCK_S = 900.0  # a build takes minutes; a lock this old was left by a killed one
+
+
+def _clear_stale_lock(cpp_extension, name: str) -> None:
+    """Remove the build folder's ``lock`` when a killed build left it: torch waits on it
+    forever otherwise (every later first call would hang)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    lock = Path(root) / name / "lock"
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            lock.unlink()
+            warnings.warn(
+                f"engine 'cpp': removed a stale build lock ({lock})", RuntimeWarning, stacklevel=2
+            )
+    except FileNotFoundError:
+        pass
+
+
+def build_from_nothing(timeout_s: float = 900.0) -> tuple[float | None, str]:
+    """(seconds, "") to build the extension in a fresh, empty extension folder and load it,
+    in a subprocess (what a new user's first call pays); (None, why) when it fails."""
+    import subprocess
+    import tempfile
+
+    code = "from causalattn.engines import cpp; print(cpp.unavailable())"
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, TORCH_EXTENSIONS_DIR=tmp)
+        t0 = time.perf_counter()
+        try:
+            res = subprocess.run(
+                [sys.executable, "-c", code],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
+        except subprocess.TimeoutExpired:
+            return None, f"no build within {timeout_s:.0f} s"
+        seconds = time.perf_counter() - t0
+    why = (res.stdout.strip().splitlines() or [""])[-1] if res.returncode == 0 else res.stderr
+    return (seconds, "") if res.returncode == 0 and not why else (None, why.strip()[:300])
+
+
+def _ops():
+    why = unavailable()
+    if why:
+        raise ValueError(why)
+    return _STATE["ext"]
+
+
+# ---- the pattern as the kernels read it ----------------------------------------------------
+def blocks(B: int, H_kv: int, T_q: int) -> tuple[int, int]:
+    """(query rows per block, keys per tile): the forward's blocks and the grid of tile kinds.
+    Tall blocks reuse each K, V tile over more queries (measured best on a 2-core AVX2
+    machine); shorter ones where there would be too few tasks for the threads."""
+    if BLOCKS is not None:
+        return BLOCKS
+    bq = 256
+    while bq > 64 and B * H_kv * -(-T_q // bq) < 8:
+        bq //= 2
+    return bq, 96  # bk: a multiple of the micro-kernel's 6 rows and 16 columns
+
+
+@functools.lru_cache(maxsize=32)
+def _scalar_intervals(causal, window, chunk, q_start, k_start, T_q, T_k):
+    """lo, hi (1, T_q) for a pattern without per-batch or document data (the common case:
+    computed once per shape, not per call)."""
+    from ..masks import Pattern
+
+    pt = Pattern(causal=causal, window=window, chunk=chunk, q_start=q_start, k_start=k_start)
+    lo, hi = pt.row_ranges(1, T_q, T_k)
+    return (torch.from_numpy(np.ascontiguousarray(lo)), torch.from_numpy(np.ascontiguousarray(hi)))
+
+
+def _intervals(p: Problem):
+    pt = p.pattern
+    B, _, T_q, T_k = p.dims
+    if pt.lengths is None and pt.prefix_lengths is None and pt.cu_seqlens is None:
+        return _scalar_intervals(pt.causal, pt.window, pt.chunk, pt.q_start, pt.k_start, T_q, T_k)
+    lo, hi = pt.row_ranges(B, T_q, T_k)
+    return torch.from_numpy(np.ascontiguousarray(lo)), torch.from_numpy(np.ascontiguousarray(hi))
+
+
+def _pattern_args(p: Problem, bq: int, bk: int) -> tuple:
+    """The operators' pattern and modifier arguments, in their order (see csrc/ops.cpp)."""
+    pt = p.pattern
+    B, H, T_q, T_k = p.dims
+    lo, hi = _intervals(p)
+    key_padding = pt.key_padding_mask
+    if key_padding is not None:
+        key_padding = torch.as_tensor(key_padding).to("cpu", torch.bool).contiguous()
+    kinds = mask = None
+    if pt.mask is not None:
+        kinds = pt.mask_tile_kinds(bq, bk).to(torch.int32)
+        m = torch.as_tensor(pt.mask).to("cpu")
+        mask = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape)).contiguous()
+    slopes = sinks = None
+    if pt.alibi_slopes is not None:
+        s = torch.as_tensor(_host(pt.alibi_slopes), dtype=torch.float64)
+        slopes = (s[None] if s.dim() == 1 else s).contiguous()
+    if pt.sinks is not None:
+        sinks = torch.as_tensor(_host(pt.sinks), dtype=torch.float64).contiguous()
+    thr, drop_scale, seed, offset = 0, 1.0, 0, 0
+    if p.dropout_p > 0:
+        thr = _dropout.threshold(p.dropout_p)
+        drop_scale = 0.0 if p.dropout_p >= 1 else 1.0 / (1.0 - p.dropout_p)
+        seed, offset = p.dropout_seed
+    return (
+        lo,
+        hi,
+        key_padding,
+        kinds,
+        mask,
+        None,  # tile masks: partial tiles of a mask_mod (none yet)
+        slopes,
+        sinks,
+        float(p.scale),
+        float(pt.softcap or 0.0),
+        int(pt.query_start(T_q, T_k)),
+        int(pt.k_start),
+        int(thr),
+        float(drop_scale),
+        int(seed),
+        int(offset),
+        bq,
+        bk,
+    )
+
+
+def _host(x):
+    return x.detach().cpu() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def _splits(B: int, H_kv: int, T_k: int) -> int:
+    """Key splits per (b, kv head) when decoding: enough tasks for the cores of a large
+    machine, at least 256 keys each; fixed by the shape (the merge order is the split order)."""
+    return int(max(1, min(-(-32 // max(1, B * H_kv)), T_k // 256)))
+
+
+def _lanes(B: int, H_kv: int, T_q: int, T_k: int, d_k: int, g: int, bk: int) -> int:
+    """dQ partial sums per (b, kv head) in the backward: enough tasks (B·H_kv·lanes >= 16)
+    within 64 MiB of partial sums; fixed by the shape, never by the thread count."""
+    want = -(-16 // max(1, B * H_kv))
+    per_lane = B * H_kv * g * T_q * max(1, d_k) * 4
+    return int(max(1, min(want, -(-T_k // bk), (64 << 20) // max(1, per_lane))))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(B: int, H_kv: int, T_q: int, T_k: int) -> tuple[int, int, int, bool]:
+    """(bq, bk, splits, decode) of a forward: fixed by the shape."""
+    bq, bk = blocks(B, H_kv, T_q)
+    decode = T_q <= min(DECODE_ROWS, bq)
+    return bq, bk, (_splits(B, H_kv, T_k) if decode else 1), decode
+
+
+def fwd(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward without autograd: ``(out (B, H_q, T_q, d_v) in q's dtype, lse (B, H_q, T_q))``,
+    lse fp32 (fp64 for fp64 inputs), -inf with a zero out row where no key is readable."""
+    q, k, v = (t.detach() for t in (p.q, p.k, p.v))  # any strides
+    B, H, T_q, T_k = p.dims
+    bq, bk, splits, decode = _plan(B, k.shape[1], T_q, T_k)
+    return _ops().fwd(q, k, v, *_pattern_args(p, bq, bk), splits, decode)
+
+
+def prepare(q, k, causal: bool, window, chunk, grad: bool):
+    """A plain call's prepared arguments (remembered by :func:`causalattn.attention` per
+    shape): for a call with causal, window and chunk only, bottom-right."""
+    B, _, T_q, _ = q.shape
+    H_kv, T_k = k.shape[1], k.shape[2]
+    if grad:  # a Problem per call, through the autograd wiring
+        return _scalar_pattern(causal, window, chunk)
+    lo, hi = _scalar_intervals(causal, window, chunk, None, 0, T_q, T_k)
+    bq, bk, splits, decode = _plan(B, H_kv, T_q, T_k)
+    return (lo, hi, T_k - T_q, bq, bk, splits, decode)
+
+
+def plain(q, k, v, prep: tuple, scale: float):
+    """H for checked q, k, v from :func:`prepare`'s arguments: the shortest path from
+    :func:`causalattn.attention` to the kernel (no Problem) when nothing needs a gradient."""
+    if type(prep) is not tuple:
+        return forward(Problem(q, k, v, scale, prep))
+    lo, hi, q_start, bq, bk, splits, decode = prep
+    return _STATE["ext"].fwd(
+        q,
+        k,
+        v,
+        lo,
+        hi,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        scale,
+        0.0,
+        q_start,
+        0,
+        0,
+        1.0,
+        0,
+        0,
+        bq,
+        bk,
+        splits,
+        decode,
+    )[0]
+
+
+@functools.lru_cache(maxsize=64)
+def _scalar_pattern(causal, window, chunk):
+    from ..masks import Pattern
+
+    return Pattern(causal=causal, window=window, chunk=chunk)
+
+
+def bwd(p: Problem, out, lse, dout, dlse=None):
+    """FlashAttention-2 backward from the GIVEN ``out`` and ``lse`` (possibly global, merged
+    over key blocks): ``(dq, dk, dv)`` in the inputs' dtypes, dk, dv summed over each
+    query-head group. Rows with lse = -inf get zero gradient; dropout is regenerated."""
+    q, k, v = (t.detach() for t in (p.q, p.k, p.v))  # any strides
+    B, H, T_q, T_k = p.dims
+    bq, bk, _, _ = _plan(B, k.shape[1], T_q, T_k)
+    dt = p.q.dtype
+    out = out.detach().to(dt)
+    dout = dout.detach().to(dt)
+    lse = lse.detach().to(compute_dtype(dt)).contiguous()
+    if dlse is not None:
+        dlse = dlse.detach().to(compute_dtype(dt)).contiguous()
+    lanes = _lanes(B, k.shape[1], T_q, T_k, q.shape[-1], p.group, bk)
+    return _ops().bwd(
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        dlse,
+        *_pattern_args(p, bq, bk),
+        BWD_BLOCKS[0],
+        BWD_BLOCKS[1],
+        lanes,
+    )
+
+
+def sinks_grad(p: Problem, out, lse, dout, dlse=None) -> torch.Tensor:
+    """d sinks (H_q,) from out, lse and dout (O(B·H·T·d), see :func:`tiled.sinks_grad`)."""
+    from .tiled import sinks_grad as _sinks_grad
+
+    return _sinks_grad(p, out, lse, dout, dlse)
+
+
+def refusal(f) -> str:
+    """What it cannot run ("" when it runs ``f``): dtypes beyond its four, or no build here."""
+    if f.dtype not in DTYPE_NAMES_OF:
+        return f"engine 'cpp': dtype {f.dtype} not supported; use {DTYPE_NAMES}"
+    return unavailable() if f.device == "cpu" else ""
+
+
+def forward(p: Problem, return_lse: bool = False):
+    """Engine entry: differentiable in q, k, v and learned sinks (:mod:`.autograd`)."""
+    if p.q.device.type != "cpu":
+        raise ValueError(f"engine 'cpp': runs on the CPU; q is on {p.q.device}")
+    why = unavailable()
+    if why:
+        raise ValueError(why)
+    return _autograd.forward(sys.modules[__name__], p, return_lse)

@@ -1,0 +1,187 @@
+// The native engine's two entry points, fwd and bwd, bound with pybind11 (a call costs
+// well under a microsecond; the dispatcher would cost several). Python
+// (causalattn/engines/cpp.py) has checked every argument and derived the pattern's data
+// from causalattn.masks.Pattern before any of this runs; the checks here only guard the
+// memory the kernels read.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "problem.h"
+
+namespace causalattn {
+
+std::tuple<at::Tensor, at::Tensor> forward(const Problem& P, const Options& o);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> backward(const Problem& P, const Options& o,
+                                                         const at::Tensor& out,
+                                                         const at::Tensor& dout,
+                                                         const at::Tensor& lse,
+                                                         const std::optional<at::Tensor>& dlse);
+
+namespace {
+
+// broadcast stride of axis `d`: 0 when the axis has size 1
+int64_t bstride(const at::Tensor& t, int64_t d) { return t.size(d) > 1 ? t.stride(d) : 0; }
+
+void check(bool ok, const char* what) { TORCH_CHECK(ok, "causalattn cpp: ", what); }
+
+}  // namespace
+
+Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& lo, const at::Tensor& hi,
+                     const std::optional<at::Tensor>& key_padding,
+                     const std::optional<at::Tensor>& kinds,
+                     const std::optional<at::Tensor>& mask,
+                     const std::optional<at::Tensor>& tile_masks,
+                     const std::optional<at::Tensor>& slopes,
+                     const std::optional<at::Tensor>& sinks, double scale, double softcap,
+                     int64_t q_start, int64_t k_start, int64_t drop_thr, double drop_scale,
+                     int64_t seed, int64_t offset, int64_t bq, int64_t bk) {
+  check(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be 4-D");
+  check(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), "CPU tensors only");
+  check(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(), "dtypes");
+  Problem P;
+  P.q = q;
+  P.k = k;
+  P.v = v;
+  P.dtype = q.scalar_type();
+  P.B = q.size(0);
+  P.Hq = q.size(1);
+  P.Tq = q.size(2);
+  P.dk = q.size(3);
+  P.Hkv = k.size(1);
+  P.Tk = k.size(2);
+  P.dv = v.size(3);
+  check(P.Hkv > 0 && P.Hq % P.Hkv == 0, "H_q must be a multiple of H_kv");
+  P.g = P.Hq / P.Hkv;
+  check(k.size(0) == P.B && v.size(0) == P.B && k.size(3) == P.dk, "q, k shapes");
+  check(v.size(1) == P.Hkv && v.size(2) == P.Tk, "k, v shapes");
+  check(lo.scalar_type() == at::kLong && hi.scalar_type() == at::kLong, "lo, hi int64");
+  check(lo.is_contiguous() && hi.is_contiguous() && lo.sizes() == hi.sizes(), "lo, hi layout");
+  check(lo.dim() == 2 && lo.size(1) == P.Tq && (lo.size(0) == 1 || lo.size(0) == P.B),
+        "lo, hi must be (1 or B, T_q)");
+  P.lo = lo.data_ptr<int64_t>();
+  P.hi = hi.data_ptr<int64_t>();
+  P.lo_b = lo.size(0) > 1 ? P.Tq : 0;
+  check(bq > 0 && bk > 0 && bk % NR<float> == 0 && bk % NR<double> == 0 && bk % MR == 0,
+        "block sizes: bk a multiple of the micro-kernel's rows and columns");
+  P.bq = bq;
+  P.bk = bk;
+  if (key_padding) {
+    const at::Tensor& t = *key_padding;
+    check(t.scalar_type() == at::kBool && t.is_contiguous() && t.dim() == 2 &&
+              t.size(0) == P.B && t.size(1) == P.Tk,
+          "key_padding must be contiguous bool (B, T_k)");
+    P.key_padding = t.data_ptr<bool>();
+  }
+  if (kinds) {
+    const at::Tensor& t = *kinds;
+    P.nQB = (P.Tq + bq - 1) / bq;
+    P.nKB = (P.Tk + bk - 1) / bk;
+    check(t.scalar_type() == at::kInt && t.is_contiguous() && t.dim() == 4 &&
+              (t.size(0) == 1 || t.size(0) == P.B) && (t.size(1) == 1 || t.size(1) == P.Hq) &&
+              t.size(2) == P.nQB && t.size(3) == P.nKB,
+          "kinds must be contiguous int32 (1|B, 1|H_q, nQB, nKB)");
+    P.kinds = t.data_ptr<int32_t>();
+    P.kinds_b = bstride(t, 0);
+    P.kinds_h = bstride(t, 1);
+    const int32_t* kd = t.data_ptr<int32_t>();
+    const int32_t top = t.numel() ? *std::max_element(kd, kd + t.numel()) : 0;
+    check(top < PARTIAL_DENSE || top > PARTIAL_DENSE || mask.has_value(), "kinds need a mask");
+    if (top >= PARTIAL_TILE) {
+      check(tile_masks.has_value() && tile_masks->scalar_type() == at::kBool &&
+                tile_masks->is_contiguous() && tile_masks->dim() == 3 &&
+                tile_masks->size(0) > top - PARTIAL_TILE && tile_masks->size(1) == bq &&
+                tile_masks->size(2) == bk,
+            "tile_masks must be contiguous bool (n, bq, bk) covering every kind");
+      P.tile_masks = tile_masks->data_ptr<bool>();
+    }
+  }
+  if (mask) {
+    const at::Tensor& t = *mask;
+    check(t.scalar_type() == at::kBool && t.is_contiguous() && t.dim() == 4 &&
+              (t.size(0) == 1 || t.size(0) == P.B) && (t.size(1) == 1 || t.size(1) == P.Hq) &&
+              t.size(2) == P.Tq && t.size(3) == P.Tk,
+          "mask must be contiguous bool (1|B, 1|H_q, T_q, T_k)");
+    P.mask = t.data_ptr<bool>();
+    P.mask_b = bstride(t, 0);
+    P.mask_h = bstride(t, 1);
+  }
+  if (slopes) {
+    const at::Tensor& t = *slopes;
+    check(t.scalar_type() == at::kDouble && t.is_contiguous() && t.dim() == 2 &&
+              (t.size(0) == 1 || t.size(0) == P.B) && t.size(1) == P.Hq,
+          "slopes must be contiguous float64 (1|B, H_q)");
+    P.slopes = t.data_ptr<double>();
+    P.slopes_b = bstride(t, 0);
+  }
+  if (sinks) {
+    const at::Tensor& t = *sinks;
+    check(t.scalar_type() == at::kDouble && t.is_contiguous() && t.numel() == P.Hq,
+          "sinks must be contiguous float64 (H_q,)");
+    P.sinks = t.data_ptr<double>();
+  }
+  P.scale = scale;
+  P.softcap = softcap;
+  P.q_start = q_start;
+  P.k_start = k_start;
+  P.drop_thr = uint32_t(drop_thr);
+  P.dropout = drop_thr > 0;
+  P.drop_scale = drop_scale;
+  P.seed = uint32_t(seed);
+  P.offset = uint32_t(offset);
+  return P;
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lo,
+    const at::Tensor& hi, const std::optional<at::Tensor>& key_padding,
+    const std::optional<at::Tensor>& kinds, const std::optional<at::Tensor>& mask,
+    const std::optional<at::Tensor>& tile_masks, const std::optional<at::Tensor>& slopes,
+    const std::optional<at::Tensor>& sinks, double scale, double softcap, int64_t q_start,
+    int64_t k_start, int64_t drop_thr, double drop_scale, int64_t seed, int64_t offset,
+    int64_t bq, int64_t bk, int64_t splits, bool decode) {
+  Problem P = make_problem(q, k, v, lo, hi, key_padding, kinds, mask, tile_masks, slopes, sinks,
+                           scale, softcap, q_start, k_start, drop_thr, drop_scale, seed, offset,
+                           bq, bk);
+  check(!decode || P.Tq <= bq, "decoding needs T_q <= bq");
+  check(splits >= 1, "splits");
+  Options o{bq, bk, splits, 1, decode};
+  return forward(P, o);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& dout, const at::Tensor& lse, const std::optional<at::Tensor>& dlse,
+    const at::Tensor& lo, const at::Tensor& hi, const std::optional<at::Tensor>& key_padding,
+    const std::optional<at::Tensor>& kinds, const std::optional<at::Tensor>& mask,
+    const std::optional<at::Tensor>& tile_masks, const std::optional<at::Tensor>& slopes,
+    const std::optional<at::Tensor>& sinks, double scale, double softcap, int64_t q_start,
+    int64_t k_start, int64_t drop_thr, double drop_scale, int64_t seed, int64_t offset,
+    int64_t bq, int64_t bk, int64_t bwd_q, int64_t bwd_k, int64_t lanes) {
+  Problem P = make_problem(q, k, v, lo, hi, key_padding, kinds, mask, tile_masks, slopes, sinks,
+                           scale, softcap, q_start, k_start, drop_thr, drop_scale, seed, offset,
+                           bq, bk);
+  check(out.sizes() == dout.sizes() && out.dim() == 4 && out.size(0) == P.B &&
+            out.size(1) == P.Hq && out.size(2) == P.Tq && out.size(3) == P.dv,
+        "out, dout must be (B, H_q, T_q, d_v)");
+  check(out.scalar_type() == P.dtype && dout.scalar_type() == P.dtype, "out, dout dtype");
+  check(lse.numel() == P.B * P.Hq * P.Tq, "lse must be (B, H_q, T_q)");
+  check(!dlse || dlse->numel() == P.B * P.Hq * P.Tq, "dlse must be (B, H_q, T_q)");
+  check(bwd_k > 0 && bwd_k % NR<float> == 0 && bk % bwd_k == 0, "backward key block");
+  check(bwd_q > 0 && lanes >= 1, "backward query block, lanes");
+  Options o{bwd_q, bwd_k, 1, lanes, false};
+  return backward(P, o, out, dout, lse.reshape({P.B, P.Hq, P.Tq}), dlse);
+}
+
+}  // namespace causalattn
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fwd", &causalattn::fwd,
+        "fwd(q, k, v, lo, hi, key_padding, kinds, mask, tile_masks, slopes, sinks, scale, "
+        "softcap, q_start, k_start, drop_thr, drop_scale, seed, offset, bq, bk, splits, decode) "
+        "-> (out, lse)");
+  m.def("bwd", &causalattn::bwd,
+        "bwd(q, k, v, out, dout, lse, dlse, lo, hi, key_padding, kinds, mask, tile_masks, "
+        "slopes, sinks, scale, softcap, q_start, k_start, drop_thr, drop_scale, seed, offset, "
+        "bq, bk, bwd_q, bwd_k, lanes) -> (dq, dk, dv)");
+}

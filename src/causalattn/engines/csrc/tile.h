@@ -1,0 +1,201 @@
+// The pieces the forward and the backward share on a transposed score tile Sᵀ (keys as rows,
+// queries as columns, NR query columns per panel): per-column data of the queries, and the
+// step that turns one key row of raw base-2 scores into modified, masked scores. Keeping
+// queries along the vector lanes makes the softmax's row statistics elementwise (no
+// horizontal reductions, no ragged tails) and lets K and V be read in place as GEMM rows.
+#pragma once
+
+#include "problem.h"
+
+namespace causalattn {
+
+// The query columns of a tile: for each column its batch row's data, head, position and
+// interval, and per NR-column panel the hull of its intervals. Padding columns (beyond n)
+// read nothing.
+template <typename T>
+struct Cols {
+  int64_t n = 0, ld = 0;  // real columns, columns padded to whole panels
+  std::vector<T> lo, hi, pos, slope;
+  std::vector<uint32_t> rk;  // dropout row keys
+  std::vector<int64_t> head, i;
+  std::vector<int64_t> plo, phi, maxlo, minhi;  // per panel, over its real columns
+  int64_t klo = 0, khi = 0;  // the hull of every column's interval
+
+  // columns c = 0..n-1 are (head[c], i[c]) of batch row b
+  void build(const Problem& P, int64_t b) {
+    ld = round_up<T>(n);
+    lo.assign(ld, T(0));
+    hi.assign(ld, T(0));
+    pos.assign(ld, T(0));
+    slope.assign(ld, T(0));
+    rk.assign(ld, 0u);
+    const int64_t np = ld / NR<T>;
+    plo.assign(np, P.Tk);
+    phi.assign(np, 0);
+    maxlo.assign(np, 0);
+    minhi.assign(np, P.Tk);
+    klo = P.Tk;
+    khi = 0;
+    const int64_t *L = P.lo_row(b), *H = P.hi_row(b);
+    for (int64_t c = 0; c < n; ++c) {
+      const int64_t lo_c = L[i[c]], hi_c = H[i[c]], p = c / NR<T>;
+      lo[c] = T(lo_c);
+      hi[c] = T(hi_c);
+      pos[c] = T(P.q_start + i[c]);
+      if (P.slopes) slope[c] = T(P.slopes[b * P.slopes_b + head[c]] * LOG2E);
+      if (P.dropout) rk[c] = row_key(head_key(P.seed, P.offset, b, head[c]), P.q_start + i[c]);
+      maxlo[p] = std::max(maxlo[p], lo_c);
+      minhi[p] = std::min(minhi[p], hi_c);
+      if (lo_c < hi_c) {
+        plo[p] = std::min(plo[p], lo_c);
+        phi[p] = std::max(phi[p], hi_c);
+        klo = std::min(klo, lo_c);
+        khi = std::max(khi, hi_c);
+      }
+    }
+    for (int64_t c = n; c < ld; ++c) {  // padding columns: an empty interval
+      lo[c] = T(P.Tk);
+      hi[c] = T(0);
+    }
+  }
+  int64_t panels() const { return ld / NR<T>; }
+  // whether panel p reads key j at all
+  bool reads(int64_t p, int64_t j) const { return j >= plo[p] && j < phi[p]; }
+};
+
+// The tile's kinds for the heads of its columns (from the kinds grid), and whether the tile
+// needs per-cell mask reads beyond the intervals.
+struct TileKinds {
+  std::vector<int32_t> of_head;  // indexed by head - h0
+  int64_t h0 = 0;
+  bool any_read = false, partial = false;
+  void build(const Problem& P, int64_t b, int64_t h0_, int64_t nh, int64_t qb, int64_t kb) {
+    h0 = h0_;
+    of_head.resize(nh);
+    any_read = false;
+    partial = false;
+    for (int64_t h = 0; h < nh; ++h) {
+      const int32_t k = P.kind(b, h0 + h, qb, kb);
+      of_head[h] = k;
+      any_read |= k != SKIP;
+      partial |= k != FULL;
+    }
+  }
+};
+
+// The modifiers and M for the NR columns of panel p, hoisted out of the key loop: one key
+// row j at a time, softcap, ALiBi, then the intervals (elementwise compares) and, where
+// the tile is partial, the dense or tile mask (a rare path, not inlined). Columns that may
+// not read j become -inf. With `th`, tanh(S/c) is kept there (the backward's d tanh).
+template <typename T>
+struct PanelMods {
+  using V = typename Vec<T>::v;
+  static constexpr int N = Vec<T>::N;
+  const Problem& P;
+  const Cols<T>& cols;
+  const TileKinds& tk;
+  int64_t b, c0;
+  T cap2;
+  bool intervals, alibi;
+  V lo[2], hi[2], pos[2], slope[2];
+
+  PanelMods(const Problem& P_, const Cols<T>& cols_, const TileKinds& tk_, int64_t b_,
+            int64_t p, bool need_intervals, T cap2_)
+      : P(P_), cols(cols_), tk(tk_), b(b_), c0(p * NR<T>), cap2(cap2_),
+        intervals(need_intervals), alibi(P_.slopes != nullptr) {
+    for (int h = 0; h < 2; ++h) {
+      lo[h] = vload(cols.lo.data() + c0 + h * N);
+      hi[h] = vload(cols.hi.data() + c0 + h * N);
+      pos[h] = vload(cols.pos.data() + c0 + h * N);
+      slope[h] = vload(cols.slope.data() + c0 + h * N);
+    }
+  }
+
+  // fn.template operator()<CAP, ALIBI, INTERVALS>() for this panel's combination
+  template <typename F>
+  void dispatch(F&& fn) const {
+    const bool cap = cap2 != T(0);
+    if (cap) {
+      if (alibi)
+        intervals ? fn.template operator()<true, true, true>()
+                  : fn.template operator()<true, true, false>();
+      else
+        intervals ? fn.template operator()<true, false, true>()
+                  : fn.template operator()<true, false, false>();
+    } else {
+      if (alibi)
+        intervals ? fn.template operator()<false, true, true>()
+                  : fn.template operator()<false, true, false>();
+      else
+        intervals ? fn.template operator()<false, false, true>()
+                  : fn.template operator()<false, false, false>();
+    }
+  }
+
+  // apply<CAP, ALIBI, INTERVALS>: the same with the modifiers known at compile time (the
+  // per-panel loops are instantiated per combination: fewer live registers, no spills)
+  template <bool CAP, bool ALIBI, bool INTERVALS>
+  __attribute__((always_inline)) inline void apply(int64_t j, T* x, T* th) const {
+    if constexpr (!CAP && !ALIBI && !INTERVALS) {  // a full tile without modifiers
+      if (tk.partial) mask_cells(j, x);
+      return;
+    }
+    V s[2] = {vload(x), vload(x + N)};
+    if (CAP) {
+      for (int h = 0; h < 2; ++h) {
+        const V t = tanhv(s[h]);
+        if (th) vstore(th + h * N, t);
+        s[h] = t * cap2;
+      }
+    }
+    if (ALIBI) {
+      const T kpos = T(P.k_start + j);
+      for (int h = 0; h < 2; ++h) {
+        V d = pos[h] - kpos;
+        d = d < T(0) ? -d : d;
+        s[h] -= slope[h] * d;
+      }
+    }
+    if (INTERVALS) {
+      const T jf = T(j);
+      const V ninf = vset<T>(-std::numeric_limits<T>::infinity());
+      for (int h = 0; h < 2; ++h) s[h] = ((jf < lo[h]) | (jf >= hi[h])) ? ninf : s[h];
+    }
+    vstore(x, s[0]);
+    vstore(x + N, s[1]);
+    if (tk.partial) mask_cells(j, x);
+  }
+
+  __attribute__((noinline)) void mask_cells(int64_t j, T* x) const {
+    for (int64_t c = c0; c < std::min(cols.n, c0 + NR<T>); ++c) {
+      const int32_t kind = tk.of_head[cols.head[c] - tk.h0];
+      if (kind != FULL && !P.allowed(b, cols.head[c], cols.i[c], j, kind))
+        x[c - c0] = -std::numeric_limits<T>::infinity();
+    }
+  }
+};
+
+// P[c] = 0 where the dropout hash of (row key rk[c], column key ck) says dropped, NR columns.
+template <typename T>
+inline void drop_cols(T* x, const uint32_t* rk, uint32_t ck, uint32_t thr) {
+  if constexpr (sizeof(T) == 4 && Vec<T>::N * 4 == VBYTES) {
+    for (int h = 0; h < 2; ++h) {
+      vu32 k;
+      std::memcpy(&k, rk + h * Vec<T>::N, sizeof(k));
+      k ^= ck;
+      k ^= k >> 16;
+      k *= 0x85EBCA6Bu;
+      k ^= k >> 13;
+      k *= 0xC2B2AE35u;
+      k ^= k >> 16;
+      typename Vec<T>::v y = vload(x + h * Vec<T>::N);
+      y = (k >> 8) < thr ? typename Vec<T>::v{} : y;
+      vstore(x + h * Vec<T>::N, y);
+    }
+  } else {
+    for (int c = 0; c < NR<T>; ++c)
+      if ((fmix32(rk[c] ^ ck) >> 8) < thr) x[c] = T(0);
+  }
+}
+
+}  // namespace causalattn

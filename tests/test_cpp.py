@@ -1,0 +1,224 @@
+"""The native CPU engine (engine="cpp"): every Pattern combination with modifiers, sinks and
+dropout against the tiled engine (the accuracy rule; the dropout pattern bit for bit), the
+same bits on 1 and 2 threads, its decoding path and its lanes, and the engine unavailable
+(no compiler, a failing build): the fallback is taken and named. The shared guarantees
+(zero rows, NaN causality, gradcheck, lse) are tests/test_engine_contract.py's row."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_engine_patterns import cases
+
+from causalattn.engines import attention, contract, cpp, exact, make_problem, tiled
+
+pytestmark = pytest.mark.skipif(bool(cpp.unavailable()), reason=cpp.unavailable() or "built")
+
+
+def _cast(t, dtype):
+    return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
+def _err(a, b):
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases(max_T=40), st.sampled_from([0.0, 0.25]))
+def test_every_pattern_with_modifiers_and_dropout_meets_the_accuracy_rule(case, p):
+    """fp32 cpp and tiled against the fp64 reference, forward and gradients, within twice
+    plain fp32 math's error (docs/design.md's rule), on the same dropout pattern."""
+    (q64, k64, v64), kw = case
+    kw = {n: _cast(x, torch.float32) for n, x in kw.items()}
+    leaves64 = [t.clone().requires_grad_() for t in (q64, k64, v64)]
+    gen = lambda: torch.Generator().manual_seed(7)  # noqa: E731
+    ref = attention(*leaves64, engine="reference", dropout_p=p, generator=gen(), **kw)
+    dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    rg = torch.autograd.grad(ref, leaves64, dout) if ref.numel() else [torch.zeros(1)] * 3
+    # plain fp32 math on the same dropout pattern: the rule's yardstick
+    leaves = [t.float().requires_grad_() for t in (q64, k64, v64)]
+    prob = make_problem(*leaves, dropout_p=p, generator=gen(), **kw)
+    plain = contract.plain(prob, torch.float32, exact.dropout_mask(prob))
+    pg = torch.autograd.grad(plain, leaves, dout.float()) if plain.numel() else rg
+    for name in ("cpp", "tiled"):
+        xs = [t.float().requires_grad_() for t in (q64, k64, v64)]
+        out = attention(*xs, engine=name, dropout_p=p, generator=gen(), **kw)
+        assert _err(out, ref) <= 2 * _err(plain, ref) + 1e-5, name
+        if out.numel():
+            gs = torch.autograd.grad(out, xs, dout.float())
+            for n, a, b, c in zip("qkv", gs, pg, rg):
+                assert _err(a, c) <= 2 * _err(b, c) + 1e-5, f"{name} d{n}"
+
+
+@settings(max_examples=30, deadline=None)
+@given(cases(max_T=40), st.sampled_from([0.1, 0.5, 1.0]))
+def test_the_dropout_pattern_is_the_hash_bit_for_bit(case, p):
+    """With V = I the output is the dropped weights: cpp's zeros are exactly the cells the
+    counter-based hash drops (or the pattern blocks), as the tiled engine's and the
+    reference's."""
+    (q, k, _), kw = case
+    B, H, T_q, _ = q.shape
+    T_k = k.shape[2]
+    eye = torch.eye(T_k, dtype=torch.float64).expand(B, k.shape[1], T_k, T_k).contiguous()
+    kw = {n: x for n, x in kw.items() if n != "sinks"}
+    outs = {
+        name: attention(
+            q, k, eye, engine=name, dropout_p=p, generator=torch.Generator().manual_seed(3), **kw
+        )
+        for name in ("cpp", "tiled", "reference")
+    }
+    zero = {name: o == 0 for name, o in outs.items()}
+    assert torch.equal(zero["cpp"], zero["tiled"]) and torch.equal(zero["cpp"], zero["reference"])
+    prob = make_problem(q, k, eye, dropout_p=p, generator=torch.Generator().manual_seed(3), **kw)
+    keep = exact.dropout_mask(prob) & prob.allowed().expand(B, H, T_q, T_k)
+    # a kept readable weight is > 0 (exp of a finite score) unless it underflows
+    assert not (zero["cpp"] & keep & (outs["reference"] != 0)).any()
+
+
+def _run_threads(n: int, fn):
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize(
+    "shape,kw",
+    [
+        ((2, 4, 2, 300, 300, 32), {}),  # several query blocks, GQA
+        ((1, 1, 1, 700, 700, 16), {"window": 100}),  # lanes > 1 in the backward
+        ((1, 2, 2, 3, 2000, 24), {"alibi_slopes": [0.5, 0.1]}),  # decoding: key splits
+        ((1, 2, 2, 256, 256, 16), {"dropout_p": 0.2, "softcap": 5.0, "sinks": [0.1, -2.0]}),
+    ],
+)
+def test_the_same_bits_on_one_and_two_threads(shape, kw):
+    B, Hq, Hkv, Tq, Tk, d = shape
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, Hq, Tq, d, generator=g)
+    k, v = torch.randn(B, Hkv, Tk, d, generator=g), torch.randn(B, Hkv, Tk, d, generator=g)
+    dout = torch.randn(B, Hq, Tq, d, generator=g)
+
+    def run():
+        xs = [t.clone().requires_grad_() for t in (q, k, v)]
+        gen = torch.Generator().manual_seed(9)
+        extra = {"generator": gen} if "dropout_p" in kw else {}
+        out, lse = attention(*xs, engine="cpp", return_lse=True, **kw, **extra)
+        return (out, lse, *torch.autograd.grad(out, xs, dout))
+
+    one, two = _run_threads(1, run), _run_threads(2, run)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b)
+    if Tk == 2000:
+        assert cpp._plan(B, Hkv, Tq, Tk)[2] > 1  # really split over keys
+    if Tk == 700:
+        assert cpp._lanes(B, Hkv, Tq, Tk, d, Hq // Hkv, 128) > 1
+
+
+def test_decoding_splits_agree_with_one_pass_and_the_tiled_engine():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 5, 32, generator=g)
+    k, v = torch.randn(2, 2, 3000, 32, generator=g), torch.randn(2, 2, 3000, 32, generator=g)
+    kw = dict(lengths=[3000, 1234], key_padding_mask=torch.rand(2, 3000, generator=g) > 0.1)
+    out = attention(q, k, v, engine="cpp", **kw)
+    torch.testing.assert_close(out, attention(q, k, v, engine="tiled", **kw), rtol=0, atol=2e-6)
+    assert cpp._plan(2, 2, 5, 3000) == (64, 96, 8, True)  # 8 splits of 375 keys
+
+
+def test_strided_and_low_precision_inputs():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 100, 3, 4, 16, generator=g)  # (B, T, qkv, H, d), as a fused projection
+    q, k, v = (x[:, :, i].transpose(1, 2) for i in range(3))  # strided views
+    want = attention(q.contiguous(), k.contiguous(), v.contiguous(), engine="tiled")
+    torch.testing.assert_close(attention(q, k, v, engine="cpp"), want, rtol=0, atol=2e-6)
+    for dt in (torch.bfloat16, torch.float16):
+        got = attention(q.to(dt), k.to(dt), v.to(dt), engine="cpp")
+        assert got.dtype == dt
+        ref = attention(*(t.to(dt).double() for t in (q, k, v)), engine="reference")
+        plain = contract.plain(make_problem(q.to(dt), k.to(dt), v.to(dt)), dt)
+        assert _err(got, ref) <= 2 * _err(plain, ref) + 1e-3
+
+
+def test_raw_passes_match_the_tiled_engine_with_a_given_global_lse():
+    """What ring attention calls per block pair: fwd/bwd of a placed problem, the backward
+    from a global out and lse."""
+    from causalattn.masks import Pattern
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 40, 16, generator=g)
+    k, v = torch.randn(1, 2, 30, 16, generator=g), torch.randn(1, 2, 30, 16, generator=g)
+    pat = Pattern(q_start=50, k_start=20, window=45)
+    p = make_problem(q, k, v, pattern=pat)
+    for a, b in zip(cpp.fwd(p), tiled.fwd(p)):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+    out, lse = tiled.fwd(p)
+    lse = lse + 0.3  # as if merged with another key block
+    dout = torch.randn(out.shape, generator=g)
+    for a, b in zip(cpp.bwd(p, out, lse, dout), tiled.bwd(p, out, lse, dout)):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+
+
+def _child(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+FALLBACK = """
+    import warnings, torch, causalattn as ca
+    from causalattn.engines import cpp, pick_engine, make_problem
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        q = torch.randn(1, 2, 50, 8)
+        out = ca.attention(q, q, q)  # auto: the fallback
+        out2 = ca.attention(q, q, q)
+    torch.testing.assert_close(out, ca.attention(q, q, q, engine="reference"))
+    print("engine:", pick_engine(make_problem(q, q, q)))
+    print("why:", cpp.unavailable())
+    print("warnings:", len([x for x in w if "engine 'cpp'" in str(x.message)]))
+    try:
+        ca.attention(q, q, q, engine="cpp")
+    except ValueError as exc:
+        print("error:", exc)
+"""
+
+
+def test_without_a_compiler_the_fallback_is_taken_and_named(tmp_path):
+    res = _child(
+        FALLBACK,
+        {"CXX": str(tmp_path / "no-such-compiler"), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")},
+    )
+    assert res.returncode == 0, res.stderr
+    lines = dict(line.split(": ", 1) for line in res.stdout.splitlines())
+    assert lines["engine"] in ("tiled", "sdpa")
+    assert "no C++ compiler found" in lines["why"] and "no-such-compiler" in lines["why"]
+    assert lines["warnings"] == "1"  # one line says why, once
+    assert lines["error"] == lines["why"]
+    assert not (tmp_path / "ext").exists() or not any((tmp_path / "ext").rglob("*.so"))
+
+
+def test_a_failing_build_is_one_line_with_the_compilers_first_error(tmp_path):
+    fake = tmp_path / "c++"  # answers for its version, fails every compile
+    fake.write_text(
+        "#!/bin/sh\ncase \"$*\" in *-c*) echo 'x.cpp:1:2: error: the compiler says no' >&2;"
+        " exit 1;; esac\necho 'c++ (GCC) 12.2.0'\n"
+    )
+    fake.chmod(0o755)
+    res = _child(FALLBACK, {"CXX": str(fake), "TORCH_EXTENSIONS_DIR": str(tmp_path / "ext")})
+    assert res.returncode == 0, res.stderr
+    lines = dict(line.split(": ", 1) for line in res.stdout.splitlines())
+    assert lines["why"].startswith("engine 'cpp': the C++ extension did not build: ")
+    assert lines["why"].endswith("error: the compiler says no")
+    assert "Traceback" not in res.stdout and "Traceback" not in res.stderr

@@ -1,0 +1,231 @@
+"""The judge on hand-made measurement records: no function is run, nothing is kept between
+calls. Each record says what a function did on a probe; the judge names the findings."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from causalattn import masks
+from causalattn.check.judge import further_kinds, judge, match_pattern, probe_findings
+from causalattn.check.measure import Linearity, ProbeMeasure, RowSums, SliceMeasure
+
+T = 6
+C0 = 1 / math.sqrt(3)  # the declared scale of a d_k = 3 probe
+CAUSAL = np.tril(np.ones((T, T), bool))
+REF = CAUSAL / CAUSAL.sum(-1, keepdims=True)  # uniform weights over each row's keys
+
+
+def _slice(A, *, ref=REF, allowed=CAUSAL, index=(0, 0), mode="rows", fit=(C0, 0.0), **kw):
+    read = (np.abs(A) > 0) | np.isnan(A)
+    return SliceMeasure(index, A, ref, allowed, read, mode, fit, **kw)
+
+
+def _probe(*slices, kind="main", probe=None, H=1, **kw) -> ProbeMeasure:
+    T_q, T_k = slices[0].A.shape if slices else (T, T)
+    base = dict(T_q=T_q, T_k=T_k, d_k=3, B=1, H=H, dtype="float64", scale0=C0, tol=1e-12)
+    return ProbeMeasure(probe or f"{kind} probe", kind, **{**base, **kw}, slices=slices)
+
+
+def _renorm(A):
+    s = A.sum(-1, keepdims=True)
+    return np.where(s > 0, A / np.where(s > 0, s, 1), 0.0)
+
+
+def test_a_clean_record_has_no_findings():
+    assert judge([_probe(_slice(REF.copy()))]) == []
+
+
+def test_scale_read_pattern_and_normalization():
+    (f,) = judge([_probe(_slice(REF.copy(), fit=(1.0, 0.0)))])
+    assert (f.stage, f.fault) == ("S", "missing-scale") and f.measurement["scale"] == 1.0
+    (f,) = judge([_probe(_slice(REF.copy(), mode="cols"))])
+    assert (f.stage, f.fault) == ("A", "softmax-query-axis")
+    (f,) = judge([_probe(_slice(_renorm(np.ones((T, T)))))])
+    assert (f.stage, f.fault) == ("M", "no-mask") and f.rows == (0, 1, 2, 3, 4)
+
+
+def test_catalogue_forms_hold_on_every_row_but_a_patched_one():
+    no_diag = CAUSAL & ~np.eye(T, dtype=bool)
+    pm = _probe()
+    assert match_pattern(pm, no_diag, CAUSAL) == ("diagonal-blocked", [])
+    patched = no_diag.copy()
+    patched[0, 0] = True  # row 1 reads itself so that it is not NaN
+    assert match_pattern(pm, patched, CAUSAL) == ("diagonal-blocked", [0])
+    uniform = no_diag.copy()
+    uniform[0] = True  # or reads every key
+    assert match_pattern(pm, uniform, CAUSAL) == ("diagonal-blocked", [0])
+    twice = no_diag.copy()
+    twice[0, 0] = twice[3, 3] = True  # a second row differs: not the catalogue's form
+    assert match_pattern(pm, twice, CAUSAL) == (None, [])
+    (f,) = judge([_probe(_slice(_renorm(patched.astype(float))))])
+    assert f.fault == "diagonal-blocked" and f.measurement["patched_rows"] == [0]
+    assert "every row but row 1 has diagonal-blocked's form" in f.message
+
+
+# every catalogued form of M on these probes, with its first row patched three ways: to read
+# every key (uniform), to read what the reference reads, or only its own key
+PATCHED = {
+    "causal": (masks.Pattern(), T, T, ["no-mask", "anti-causal-mask", "diagonal-blocked"]),
+    "lengths": (
+        masks.Pattern(lengths=[4]),
+        T,
+        T,
+        ["no-mask", "padding-ignored", "anti-causal-mask", "diagonal-blocked"],
+    ),
+    "decoding": (masks.Pattern(), 3, 7, ["no-mask", "diagonal-blocked", "causal-top-left"]),
+    "window": (
+        masks.Pattern(window=3),
+        T,
+        T,
+        ["no-mask", "anti-causal-mask", "diagonal-blocked", "window-off-by-one"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PATCHED))
+def test_every_catalogued_form_with_a_patched_first_row(case):
+    from causalattn.check.judge import _forms
+
+    pat, T_q, T_k, want = PATCHED[case]
+    pm = _probe(pattern=pat, T_q=T_q, T_k=T_k)
+    E = pat.allowed(1, 1, T_q, T_k)[0, 0]
+    own = np.zeros(T_k, bool)
+    own[T_k - T_q] = True
+    named = set()
+    for fid, F in _forms(pm, E, E, 0):
+        if F is None:
+            continue
+        for row0 in (np.ones(T_k, bool), E[0], own):
+            P = F.copy()
+            P[0] = row0
+            if (P[0] == F[0]).all() or (P == E).all():
+                continue  # not a patch of this form
+            got = match_pattern(pm, P, E)
+            if fid == "padding-queries-only":  # the same as the reference here: not shown
+                assert got == (None, []), got
+                continue
+            assert got == (fid, [0]), (fid, row0.astype(int), got)
+            named.add(fid)
+    assert sorted(named) == sorted(want)
+
+
+def test_the_main_probe_first_then_what_it_does_not_explain():
+    mask_after = REF * 0 + np.tril(np.ones((T, T))) / T  # softmax over all keys, zeroed
+    main = _probe(_slice(mask_after, mode="none", full_err=0.0))
+    top_left = np.pad(np.tril(np.ones((3, 3), bool)), ((0, 0), (0, 4)))
+    bottom_right = np.tril(np.ones((3, 7), bool), 4)
+    ref7 = bottom_right / bottom_right.sum(-1, keepdims=True)
+    A7 = np.where(top_left, 1 / 7, 0.0)  # reads top-left, rows sum to less than 1
+    decoding = _probe(
+        _slice(A7, ref=ref7, allowed=bottom_right, mode="none", full_err=0.0), kind="decoding"
+    )
+    found = judge([main, decoding])
+    assert [(f.stage, f.fault, f.probe) for f in found] == [
+        ("A", "mask-after-softmax", "main probe"),
+        ("M", "causal-top-left", "decoding probe"),  # the decoding probe's A: explained
+    ]
+    assert judge([main, decoding]) == found  # nothing kept between calls
+    assert judge([main]) == found[:1]
+
+
+def test_some_heads_only():
+    ok, wrong = _slice(REF.copy(), index=(0, 0)), _slice(REF.copy(), index=(0, 1), mode="cols")
+    main = _probe(_slice(REF.copy()))
+    (f,) = judge([main, _probe(ok, wrong, kind="two-head", H=2)])
+    assert (f.stage, f.fault) == ("A", "some-heads-only") and f.measurement["heads"] == [1]
+    assert f.measurement["fault"] == "softmax-query-axis"
+    assert (
+        f.message.startswith("head 2 of 2: A: columns sum to 1") and "head 1 matches" in f.message
+    )
+
+
+def test_values_from_other_rows_and_lost_precision():
+    G = np.roll(np.eye(T), 1, axis=1)  # key j's weight multiplies v_{j+1}
+    A = REF @ G
+    (f,) = judge([_probe(_slice(A, value_map=G, value_misfit=0.0))])
+    assert f.stage == "H" and f.measurement["value_rows"] == [1, 2, 3, 4, 5, 0]
+    rng = np.random.default_rng(0)
+    rounded = REF * (1 + 0.003 * rng.choice([-1, 1], size=REF.shape))  # scattered, 8 bits
+    (f,) = judge([_probe(_slice(rounded, fit=(C0 * 1.0005, 0.004)))])
+    assert f.stage == "A" and f.fault is None and "precision is lost" in f.message
+    assert f.measurement["dtype"] == "float64" and 7 <= f.measurement["bits"] <= 9
+    scaled = REF * 0.99  # one factor per row: a normalization fault, not rounding
+    (f,) = judge([_probe(_slice(scaled, mode="none", fit=(C0, 0.0)))])
+    assert f.stage == "H" and "0.99·A V" in f.message
+
+
+def test_large_scores_overflow_and_leak():
+    main = _probe(_slice(REF.copy()))
+    nan = REF.copy()
+    nan[4] = np.nan
+    (f,) = probe_findings(_probe(_slice(nan), kind="large"), main)
+    assert (f.stage, f.fault, f.rows) == ("A", "unstable-softmax", (4,))
+    leak = REF.copy()
+    leak[2, 5] = 0.2
+    (f,) = probe_findings(_probe(_slice(leak), kind="large", S_max=40.0), main)
+    assert (f.stage, f.fault) == ("M", "finite-fill-too-weak") and f.measurement["weight"] == 0.2
+    reads_it = _probe(_slice(leak))  # the main probe read that key already: nothing new
+    assert probe_findings(_probe(_slice(leak), kind="large"), reads_it) == []
+
+
+def test_long_fp16_rows_only_where_short_rows_sum_right():
+    sums = RowSums(np.array([0.9, 0.91, 0.9, 0.92]), 2500, 1e-3, 3e-3)
+    long_rows = _probe(kind="long fp16", probe="long fp16 rows", sums=sums)
+    main = _probe(_slice(REF.copy()))
+    (f,) = probe_findings(long_rows, main)
+    assert f.fault == "softmax-fp16-accumulation" and "2500 keys" in f.message
+    off = _probe(_slice(REF * 0.5, mode="none"))
+    assert "long fp16" not in further_kinds(off) and probe_findings(long_rows, off) == []
+
+
+def test_a_function_not_linear_in_V_is_judged_on_its_main_probe_only():
+    lin = Linearity(err=0.5, tol=1e-12, zero=0.25)
+    main = _probe(_slice(REF.copy(), mode="cols"), linearity=lin)
+    (f,) = judge([main, _probe(_slice(REF.copy(), mode="all"), kind="two-head")])
+    assert f.stage == "H" and "not A V" in f.message and f.measurement["zero"] == 0.25
+    assert further_kinds(main) == ()
+    recorded = (_slice(REF.copy(), mode="cols"),)  # the softmax it computed, recorded
+    main = _probe(_slice(REF.copy()), linearity=lin, recorded=recorded)
+    (f,) = judge([main])
+    assert f.fault == "softmax-query-axis"
+
+
+@pytest.mark.parametrize("w", [2, 4])
+def test_window_off_by_one(w):
+    pat = masks.Pattern(window=3)
+    E = pat.allowed(1, 1, T, T)[0, 0]
+    P = masks.Pattern(window=w).allowed(1, 1, T, T)[0, 0]
+    assert match_pattern(_probe(pattern=pat), P, E) == ("window-off-by-one", [])
+
+
+def test_measuring_is_pure_on_a_hand_made_run():
+    """measure() reads a Run (what a function returned) without running anything."""
+    from causalattn.check.measure import expected_weights, measure
+    from causalattn.check.observe import Run
+    from causalattn.check.probes import eye, qkv_probe
+
+    p = qkv_probe(
+        "main probe",
+        np.random.default_rng(0),
+        T_q=T,
+        T_k=T,
+        d_k=3,
+        mag=1.2,
+        dtype=np.float64,
+        pattern=masks.Pattern(),
+    )
+    A = expected_weights(p, C0)  # what a right function returns for V = I
+    V = np.random.default_rng(1).normal(size=(1, 1, T, T))
+    p.values.update(eye=eye(T), random=V, zero=np.zeros_like(V))
+    right = Run(p, {"eye": A, "random": A @ V, "zero": 0 * V}, np.dtype("float64"))
+    pm = measure(right, scale=None, sig="qkv")
+    (s,) = pm.slices
+    assert (s.read == CAUSAL).all() and s.mode == "rows" and abs(s.fit[0] / C0 - 1) < 1e-9
+    assert pm.linearity.err <= pm.linearity.tol and judge([pm]) == []
+    G = np.roll(np.eye(T), 1, axis=1)
+    wrong = Run(p, {"eye": A @ G, "random": A @ G @ V, "zero": 0 * V}, np.dtype("float64"))
+    (s,) = measure(wrong, scale=None, sig="qkv").slices
+    assert np.allclose(s.value_map, G) and s.value_misfit < 1e-9
