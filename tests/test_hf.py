@@ -298,7 +298,7 @@ def test_refuses_what_it_cannot_do():
 @pytest.fixture
 def received(monkeypatch):
     """Every call of the registered function: (attention_mask, T_q, T_k, pattern, n)."""
-    from causalattn.integrations import transformers as integration
+    from causalattn.integrations import hf_attention as integration
 
     calls = []
     real = integration.pattern_from_hf
