@@ -394,6 +394,24 @@ def test_dense_mask_skipped_tiles_and_blocked_cells_never_leak():
     assert (out[0, -1, 3] == 0).all()  # the row with no readable key: zero
 
 
+def test_a_3d_mask_is_read_per_head_and_shared_by_the_batch_rows():
+    """A (H, T_q, T_k) mask goes to the kernels with batch stride 0 and its own head stride
+    (one pattern per head, not per batch row) and gives the (1, H, T_q, T_k) mask's outputs
+    and gradients bit for bit."""
+    q, k, v = _inputs(2, 2, 1, 32, 32, 16, seed=4)
+    m = _per_head_mask(1, 2, 32, 32)[0]
+    plan = tri._Plan(make_problem(q, k, v, causal=False, mask=m.to(DEV)))
+    assert plan.dense_mask_strides == (0, 32 * 32, 32)
+    runs = []
+    for mask in (m, m[None]):
+        leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+        out = attention(*leaves, engine="triton", causal=False, mask=mask.to(DEV))
+        out.sum().backward()
+        runs.append((out.detach(), *(t.grad for t in leaves)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def test_row_ranges_are_the_pattern_exactly():
     """The kernels' per-row intervals (with the key padding and dense masks ANDed in) are
     the pattern's dense mask, for every keyword, also placed as a ring block pair."""

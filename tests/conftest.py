@@ -4,7 +4,12 @@ Mutation testing (``make mutate``, mutmut 3): mutmut maps each source function t
 selected test that calls it, so a mutant in masks.py would also run every engine test (all
 engines take their mask from masks.py) and a surviving mutant would cost the whole
 selection. Each mutated module is instead judged by its own tests, listed here; mutmut names
-the mutant in ``MUTANT_UNDER_TEST`` inside its worker. Outside a mutant run this is a no-op.
+the mutant in ``MUTANT_UNDER_TEST`` inside its worker. In mutmut's stats run (which maps
+functions to tests) what a diagnosis's forked worker reaches is counted for the test too.
+Outside mutmut this is a no-op. mutmut forks each mutant's worker from a process that has
+collected every selected test module: a module that runs a torch op at import (a tensor
+built in a parametrize list) starts OpenMP's threads there, and the forked workers then
+hang in them (every mutant "timeout"); build such tensors inside the test.
 
 How the suite shares a machine: `make test` runs it on pytest-xdist workers (`-n 2`). This
 part changes nothing a test checks; it decides where and in which order tests run and how
@@ -42,12 +47,20 @@ LONGEST = (
     "test_triton_meets_the_contract_in_the_interpreter",
 )
 
-# mutated module (prefix of mutmut's mutant name) -> the test files that judge it
+# mutated module (prefix of mutmut's mutant name) -> the test files that judge it; the first
+# prefix that matches wins, so a module's own entry comes before its package's
 MUTATION_TESTS = {
     "causalattn.masks.": ("test_masks.py", "test_patterns.py"),
+    "causalattn.dropout.": ("test_dropout.py",),
+    "causalattn.shapes.": ("test_shapes.py",),
+    "causalattn.text.": ("test_text.py",),
+    "causalattn.reference.": ("test_reference.py",),
+    "causalattn.check.measure.": ("test_check_measure.py", "test_diagnose.py"),
     "causalattn.check.": ("test_audit.py", "test_check_audit.py"),
     "causalattn.distributed.layout.": ("test_layout.py", "test_ring.py"),
-    "causalattn.reference.": ("test_reference.py",),
+    "causalattn.distributed.ring.": ("test_ring_local.py", "test_ring.py"),
+    "causalattn.integrations.hf_pattern.": ("test_hf.py",),
+    "causalattn.engines.cache.": ("test_cache.py",),
     "causalattn.engines.": (
         "test_engine_contract.py",
         "test_engines.py",
@@ -85,6 +98,40 @@ def _torch_threads(request):
         torch.set_num_threads(CORES if request.path.name in THREADED else SHARE)
 
 
+@pytest.fixture(autouse=True)
+def _worker_reach_in_mutmut_stats(monkeypatch):
+    """mutmut's stats run maps each mutated function to the tests that reach it, counting
+    calls in the test's process only. diagnose runs a callable in a forked worker, so
+    check/measure (and what else the worker reaches) would map to no test, its mutants "not
+    covered". In that run only, the forked worker writes the functions it reached next to
+    its result and the parent adds them to the test's; everything else runs as always."""
+    if os.environ.get("MUTANT_UNDER_TEST") != "stats":
+        return
+    from pathlib import Path
+
+    from mutmut.state import state
+
+    from causalattn.check import runner
+
+    reached = state()._stats  # mutmut 3's set of functions reached by the running test
+    work, finish = runner._diagnose_in_worker, runner._finish
+
+    def worker(job):  # in the forked worker
+        try:
+            return work(job)
+        finally:
+            Path(f"{job['result']}.reached").write_text("\n".join(sorted(reached)))
+
+    def parent(what, rc, timed_out, timeout, result, log):
+        names = Path(f"{result}.reached")
+        if names.exists():
+            reached.update(names.read_text().split())
+        return finish(what, rc, timed_out, timeout, result, log)
+
+    monkeypatch.setattr(runner, "_diagnose_in_worker", worker)
+    monkeypatch.setattr(runner, "_finish", parent)
+
+
 @pytest.fixture
 def loopback_ports(tmp_path_factory):
     """Held while a test picks free loopback ports and binds them (free_port, then gloo or
@@ -102,7 +149,8 @@ def loopback_ports(tmp_path_factory):
 
 def pytest_collection_modifyitems(config, items):
     """Under xdist, long tests first (a stable sort: the slow-marked ones and LONGEST);
-    inside a mutmut worker, only the mutated module's own test files (MUTATION_TESTS)."""
+    inside a mutmut worker, only the mutated module's own test files (MUTATION_TESTS),
+    quickest first."""
     if WORKER is not None:
         items.sort(key=lambda it: not (it.name in LONGEST or it.get_closest_marker("slow")))
     mutant = os.environ.get("MUTANT_UNDER_TEST", "")
@@ -112,4 +160,24 @@ def pytest_collection_modifyitems(config, items):
     keep = [item for item in items if item.path.name in files]
     if len(keep) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item not in keep])
-        items[:] = keep
+    # quickest first (mutmut's stats timed each test; it runs with -x): a killed mutant
+    # usually fails a short test, and need not wait for the long ones
+    took = _stats_durations(config.rootpath)
+    items[:] = sorted(keep, key=lambda it: took.get(it.nodeid, float("inf")))
+
+
+_DURATIONS: dict = {}
+
+
+def _stats_durations(root) -> dict:
+    """mutmut's per-test durations (mutants/mutmut-stats.json), read once per process."""
+    if not _DURATIONS:
+        import json
+        from pathlib import Path
+
+        try:
+            stats = json.loads((Path(root) / "mutmut-stats.json").read_text())
+            _DURATIONS.update(stats.get("duration_by_test", {}))
+        except (OSError, ValueError):
+            _DURATIONS["-"] = 0.0  # no stats: keep the order
+    return _DURATIONS

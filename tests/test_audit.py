@@ -300,3 +300,309 @@ def test_heads_per_head_selection_decode_and_rendering(parts):
     console.print(bad)
     text = console.export_text()
     assert "FAILED" in text and "hint" in text
+
+
+def _padded_trace(X, W):
+    """Two sequences of T, the second padded from 4 on: rows 4, 5 of it read no key."""
+    Xb = np.stack([X, X])
+    lengths = [T, 4]
+    al = masks.Pattern(lengths=lengths).allowed(2, 1, T, T)[:, 0]
+    return causalattn.trace(Xb, *W.values(), mask=al), al, lengths
+
+
+@pytest.mark.parametrize("value", [0.5, -1e-3, 1e-12, np.nan, np.inf])
+@pytest.mark.parametrize("declared", ["allowed", "lengths"])
+def test_a_padding_row_that_is_not_zero_fails_at_H(parts, value, declared):
+    """Rows with no readable key are zero rows: any other value there, finite or not, is a
+    failure at H (not only NaN), where H = A V holds on every readable row."""
+    tr, al, lengths = _padded_trace(*parts)
+    given = {"allowed": al} if declared == "allowed" else {"lengths": np.array(lengths)}
+    base = {"X": tr.X, **{n: tr[n] for n in ("W_q", "W_k", "W_v")}, "A": tr.A, "H": tr.H}
+    assert audit({**base, **given}).ok
+    H = tr.H.copy()
+    H[1, 4, 0] = value
+    rep = audit({**base, "H": H, **given})
+    ff = rep.first_failure
+    assert ff is not None and ff.stage == "H", str(rep)
+    assert ff.name == "rows with no readable key are zero", str(rep)
+    assert ff.message == "1 rows with no readable key are not zero"
+    assert ff.evidence["index"] == (1,) and "never NaN" in ff.hint, ff.evidence
+    H[1, 5] = value  # both padding rows: two rows counted
+    ff = audit({**base, "H": H, **given}).first_failure
+    assert ff.stage == "H" and ff.message.startswith("2 rows"), ff.message
+
+
+@pytest.mark.parametrize("declared", [False, True])
+def test_padding_query_rows_may_read_a_subset_of_the_real_keys(parts, declared):
+    """A padding query row reads nothing, or (key-padding-only style, as HF's masks do) any
+    subset of the real keys before it: reading token 0 alone passes stage M. Reading a
+    padding key, a real row reading less than causal allows, or a padding row reading
+    nothing but a padding key fail there."""
+    X, W = parts
+    Xb = np.stack([X, X])
+    lengths = np.array([T, 4])
+    base = masks.Pattern(lengths=lengths).allowed(2, 1, T, T)[:, 0]
+    kw = {"lengths": lengths} if declared else {}
+
+    def structure(al):
+        tr = causalattn.trace(Xb, *W.values(), mask=al)
+        rep = audit({"A": tr.A, "V": tr.V, "H": tr.H, "allowed": al, **kw})
+        (c,) = [c for c in rep.checks if c.name == "mask is causal (+ padding)"]
+        return rep, c
+
+    for rows in ([4], [5], [4, 5]):
+        al = base.copy()
+        al[1, rows, 0] = True  # the padding rows read token 0 only
+        rep, c = structure(al)
+        assert c.ok and rep.ok, str(rep)
+    al = base.copy()
+    al[1, 4:, :3] = True  # a subset of the real keys 0..3
+    assert structure(al)[1].ok
+    al = base.copy()
+    al[1, 5, :4] = True  # all the real keys: the causal-and-padding row
+    assert structure(al)[1].ok
+    al = base.copy()
+    al[1, 2, 0] = False  # a real row that leaves out a key it may read
+    rep, c = structure(al)
+    assert not c.ok and rep.first_failure.stage == "M"
+    if declared:
+        al = base.copy()
+        al[1, 5, [0, 4]] = True  # a padding row that reads a padding key (declared)
+        rep, c = structure(al)
+        assert not c.ok and "padding keys are readable" in c.hint, str(rep)
+
+
+# ---- stages H, C and O, check by check ----------------------------------------------------
+def _heads(tr):
+    """X, W_Q and the per-head Q: what tells the audit there are heads."""
+    return {"X": tr.X, "W_q": tr["W_q"], "Q": tr.Q}
+
+
+@pytest.fixture(scope="module")
+def two_heads():
+    """A two-head trace (B = 2): per-head H (2, 2, T, 3), W_O (6, D)."""
+    rng = np.random.default_rng(5)
+    X = rng.normal(size=(2, T, D))
+    W = [rng.normal(size=(D, 2 * DK)) for _ in range(3)] + [rng.normal(size=(2 * DK, D))]
+    return causalattn.trace(X, *W, n_heads=2)
+
+
+def test_stage_H_checks_A_V_and_says_how_far_off(two_heads):
+    tr = two_heads
+    A, V, H = tr.A, tr.V, tr.H
+    rep = audit({"A": A, "V": V, "H": H})
+    c = _check(rep, "H = A V")
+    assert rep.ok and c.ok and c.message.startswith("max |H - A V| = ")
+    Hc = H.transpose(0, 2, 1, 3).reshape(2, T, 2 * DK)  # heads concatenated: split back
+    assert _check(audit({**_heads(tr), "A": A, "V": V, "H": Hc}), "H = A V").ok
+    bad = H.copy()
+    bad[1, 0, 3, 2] += 0.5
+    rep = audit({"A": A, "V": V, "H": bad})
+    c = rep.first_failure
+    assert (c.stage, c.name, c.ok) == ("H", "H = A V", False)
+    assert c.message == f"max |H - A V| = {0.5:.3g}"
+    assert c.evidence == {"index": (1, 0), "rows": [3], "max_err": pytest.approx(0.5)}
+    assert c.hint == "H is not A V for these weights and values"
+    rep = audit({"A": A, "V": V, "H": H[..., :2]})
+    c = rep.first_failure
+    assert c.name == "H = A V" and c.message == (
+        f"H has shape {H[..., :2].shape} but A V is {H.shape}"
+    )
+    rep = audit({"A": A, "V": V[:, :, :4]})
+    c = rep.first_failure
+    assert (c.stage, c.name) == ("H", "H = A V shapes")
+    assert (
+        c.message == f"A is {A.shape} but V is {V[:, :, :4].shape}; A's key axis must match V's T"
+    )
+    rep = audit({"A": A, "V": V})  # no H: recomputed, nothing to fail
+    assert rep.ok and "H" in rep.recomputed
+
+
+def test_stage_C_adds_the_contributions_up_to_H(two_heads):
+    tr = two_heads
+    base = {"A": tr.A, "V": tr.V, "H": tr.H}
+    C = tr.C
+    assert C.shape == tr.A.shape + (DK,)
+    c = _check(audit({**base, "C": C}), "Σ_j C[i, j] = H_i")
+    assert c.ok and c.message.startswith("max |Σ_j C[i, j] - H_i| = ")
+    bad = C.copy()
+    bad[0, 1, 4, 0, 1] += 0.25
+    c = audit({**base, "C": bad}).first_failure
+    assert (c.stage, c.name) == ("C", "Σ_j C[i, j] = H_i")
+    assert c.message == f"max |Σ_j C[i, j] - H_i| = {0.25:.3g}"
+    assert c.evidence == {"index": (0, 1), "rows": [4], "max_err": pytest.approx(0.25)}
+    assert c.hint == "the contributions do not add up to the output"
+    for wrong in (C[..., :2], C[:, :, :4]):
+        c = audit({**base, "C": wrong}).first_failure
+        assert c.stage == "C" and c.message == (
+            f"C is {wrong.shape} but H is {tr.H.shape} (C must be T×T×d_v)"
+        )
+
+
+def test_stage_O_checks_the_output_projection(two_heads):
+    tr = two_heads
+    W_o, H = tr["W_o"], tr.H
+    O = tr.O
+    base = {**_heads(tr), "A": tr.A, "V": tr.V, "H": H, "W_o": W_o}
+    c = _check(audit({**base, "O": O}), "O = H W_O")
+    assert c.ok and c.message.startswith("max |O - H W_O| = ")
+    bad = O.copy()
+    bad[1, 2, 0] -= 1.0
+    c = audit({**base, "O": bad}).first_failure
+    assert (c.stage, c.message, c.hint) == ("O", f"max |O - H W_O| = {1.0:.3g}", None)
+    assert c.evidence == {"index": (1,), "rows": [2], "max_err": pytest.approx(1.0)}
+    c = audit({**base, "O": O, "W_o": W_o[:4]}).first_failure
+    assert c.message == "H is T×(h·d_v) = 6×6 but W_O is 4×4"
+    c = audit({**base, "O": O[..., :3]}).first_failure
+    assert c.message == f"O has shape {O[..., :3].shape} but H W_O is {O.shape}"
+    assert c.hint is None and c.evidence == {"shape": O[..., :3].shape}
+    Hm = H.transpose(0, 2, 1, 3).reshape(2, T, 2 * DK)  # the merged heads
+    W6 = np.random.default_rng(2).normal(size=(6, 6))  # square: transposed or missing show
+    rep = audit({**base, "W_o": W6, "O": Hm @ W6.T})
+    assert rep.first_failure.hint.endswith("O = H W_Oᵀ: the output projection is transposed")
+    rep = audit({**base, "W_o": W6, "O": Hm})
+    assert rep.first_failure.hint.endswith("O = H: the output projection is missing")
+    c = audit({**base, "W_o": W_o, "O": Hm}).first_failure  # not square: O has H's shape
+    assert c.message == f"O has shape {Hm.shape} but H W_O is {O.shape}"
+    assert c.hint.endswith("O has H's shape: the output projection is missing")
+    assert audit({"A": tr.A, "V": tr.V, "H": H, "O": O}).ok  # no W_O: nothing to check O by
+
+
+# ---- stage A, check by check --------------------------------------------------------------
+def test_stage_A_rows_sum_to_one_with_the_row_sums_as_evidence(parts):
+    X, W = parts
+    st = _pipeline(X, W)
+    A = st["A"].copy()
+    A[2] *= 1.5
+    A[4] *= 0.5
+    rep = audit({"A": A, "V": st["V"]})
+    c = rep.first_failure
+    assert (c.stage, c.name) == ("A", "rows sum to 1")
+    assert c.message == "2 readable rows do not sum to 1 over their readable columns (e.g. 1.5)"
+    assert c.evidence == {"rows": [2, 4], "row_sums": [1.5, 0.5]}
+    assert c.hint == "rows are not normalized over the key axis"
+    ok = _check(audit({"A": st["A"], "V": st["V"]}), "rows sum to 1")
+    assert ok.ok and ok.message == "every readable row sums to 1 over its readable columns"
+    rep = audit({"A": st["A"] * 0.9, "V": st["V"]}, sinks=[0.3])
+    assert _check(rep, "rows sum to 1").ok  # with sinks a row may sum to less than 1
+    rep = audit({"A": st["A"] * 1.1, "V": st["V"]}, sinks=[0.3])
+    assert not _check(rep, "rows sum to 1").ok  # ... never to more
+
+
+def test_stage_A_hints_name_how_the_softmax_went_wrong(parts):
+    X, W = parts
+    st = _pipeline(X, W)
+    S = st["S"]
+    al = masks.causal(T)
+    under = np.where(al, st["A"], 0) * 0.8  # rows below 1, zeros in the right place
+    rep = audit({"A": under, "V": st["V"]})
+    assert rep.first_failure.hint.endswith(
+        "rows sum to less than 1 with zeros in the right place: the mask was likely applied "
+        "after the softmax without renormalizing"
+    )
+    full = ca_softmax(S)
+    rep = audit({"S": S, "A": np.where(al, full, 0), "V": st["V"]})
+    assert rep.first_failure.hint.endswith(
+        "mask applied after softmax without renormalizing: rows sum to less than 1 (the "
+        "forbidden weight was dropped, not redistributed)"
+    )
+    cols = np.where(al, np.exp(S), 0)
+    cols = cols / cols.sum(0, keepdims=True)  # softmax down each key column
+    assert audit({"A": cols, "V": st["V"]}).first_failure.hint.endswith(
+        "columns sum to 1, rows do not: softmax ran over the query axis"
+    )
+    whole = np.where(al, np.exp(S), 0)
+    whole = whole / whole.sum()
+    assert audit({"A": whole, "V": st["V"]}).first_failure.hint.endswith(
+        "the whole matrix sums to 1: softmax ran over all entries at once"
+    )
+
+
+def ca_softmax(S):
+    E = np.exp(S - S.max(-1, keepdims=True))
+    return E / E.sum(-1, keepdims=True)
+
+
+def test_stage_A_blocked_entries_nonfinite_rows_empty_rows_and_the_softmax(parts):
+    X, W = parts
+    st = _pipeline(X, W)
+    A = st["A"].copy()
+    A[1, 3] = 0.25  # a future key with weight
+    A[1, 0] -= 0.25
+    c = _check(audit({"A": A, "V": st["V"]}), "forbidden entries exactly 0")
+    assert not c.ok and c.message == "1 blocked entries have nonzero weight (max 0.25)"
+    assert c.evidence == {"rows": [1], "cols": [3]}
+    assert c.hint.endswith(
+        "the mask must be applied before the softmax, with -inf (or a fill whose weight comes "
+        "out exactly 0)"
+    )
+    c = _check(audit({"A": st["A"], "V": st["V"]}), "forbidden entries exactly 0")
+    assert c.ok and c.message == "blocked entries have exactly zero weight"
+    A = st["A"].copy()
+    A[3, 1] = np.inf
+    c = _check(audit({"A": A, "V": st["V"]}), "readable rows finite")
+    assert not c.ok and c.message == "1 readable rows hold NaN or inf"
+    assert c.evidence == {"rows": [3]} and c.hint == "NaN/inf weights in rows that can read a key"
+    big = {**st, "S": st["S"] * 100, "A": A}
+    c = _check(audit(big), "readable rows finite")
+    assert c.hint.endswith(
+        "scores this large overflow exp(): subtract the row maximum before exponentiating "
+        "(stable softmax)"
+    )
+    assert _check(audit({"A": st["A"], "V": st["V"]}), "readable rows finite").message == (
+        "every readable row is finite"
+    )
+    al = masks.Pattern(lengths=[4]).allowed(1, 1, T, T)[0, 0]
+    A = np.where(al, st["A"], 0.0)
+    A[:4] /= A[:4].sum(-1, keepdims=True)
+    c = _check(audit({"A": A, "V": st["V"], "allowed": al}), "rows with no readable key are zero")
+    assert c.ok and c.message == "rows with no readable key have zero weight"
+    A[5] = np.nan
+    A[4, 0] = 0.1
+    c = _check(audit({"A": A, "V": st["V"], "allowed": al}), "rows with no readable key are zero")
+    assert not c.ok and c.message == "2 rows with no readable key are not zero (NaN)"
+    assert c.evidence == {"rows": [4, 5]} and "0/0" in c.hint
+    A[5] = 0.0
+    c = _check(audit({"A": A, "V": st["V"], "allowed": al}), "rows with no readable key are zero")
+    assert c.message == "1 rows with no readable key are not zero"
+    c = _check(audit({"S": st["S"], "A": st["A"], "V": st["V"]}), "A = softmax_last(S + M)")
+    assert c.ok and c.message.startswith("max |A - softmax(S + M)| = ")
+    hot = ca_softmax(np.where(masks.causal(T), st["S"] * 1.3, -np.inf))  # a distribution, wrong S
+    c = _check(audit({"S": st["S"], "A": hot, "V": st["V"]}), "A = softmax_last(S + M)")
+    assert not c.ok and c.hint.endswith(
+        "A is a distribution per row but not the softmax of these scores: check the scale and "
+        "which scores were used"
+    )
+    assert c.evidence["max_err"] > 0 and "rows" in c.evidence
+
+
+def test_stage_A_shapes(parts):
+    X, W = parts
+    st = _pipeline(X, W)
+    c = audit({"S": st["S"], "A": st["A"][:, :5], "V": st["V"][:5]}).first_failure
+    assert (c.stage, c.name) == ("A", "A has S's shape")
+    assert c.message == "A is 6×5 but S (Q Kᵀ) is 6×6 (T_q×T_k)"
+    assert c.hint == "A must be T_q×T_k like the scores: was it transposed or sliced?"
+    c = audit({"A": st["A"][:, :5], "V": st["V"][:5]}).first_failure
+    assert (c.name, c.message) == ("A is T×T", "A is 6×5: more query rows than keys")
+    with pytest.raises(AuditInputError, match=r"shape \(5, 6\) does not broadcast to \(6, 6\)"):
+        audit({"A": st["A"], "V": st["V"], "allowed": masks.causal(T)[:5]})
+
+
+def test_stage_A_shapes_with_a_leading_axis_and_a_mask_of_another_shape():
+    """The shape checks in full on 3-D arrays (T_q ≠ T_k read from the last two axes), and
+    an A whose shape is not the mask's."""
+    g = np.random.default_rng(3)
+    S = g.standard_normal((2, 3, 5))
+    c = audit({"S": S, "A": np.ones((2, 5, 3)) / 3}).first_failure
+    assert (c.stage, c.name, c.ok) == ("A", "A has S's shape", False)
+    assert c.message == "A is 5×3 but S (Q Kᵀ) is 3×5 (T_q×T_k)"
+    assert c.evidence == {"shape": (2, 5, 3)}
+    c = audit({"A": np.ones((2, 6, 5)) / 5}).first_failure
+    assert (c.stage, c.name, c.ok) == ("A", "A is T×T", False)
+    assert c.message == "A is 6×5: more query rows than keys"
+    A = np.tile(np.tril(np.ones((4, 4))) / np.arange(1, 5)[:, None], (2, 1, 1))
+    M = np.where(masks.causal(4), 0.0, -np.inf)
+    c = _check(audit({"M": M, "A": A}), "A matches the mask's shape")
+    assert (c.stage, c.ok) == ("A", False)
+    assert c.message == "A is (2, 4, 4) but the mask/scores are (4, 4)"

@@ -141,3 +141,74 @@ def test_an_object_that_is_no_input_is_named():
         AuditInputError, match=r"^audit: expected a Trace, a mapping of arrays or a path, got int$"
     ):
         audit(42)
+
+
+# ---- the shared numerics of the stage checks -------------------------------------------
+def test_relative_tolerance_is_100_eps_clamped():
+    from causalattn.check.numerics import _rtol
+
+    assert _rtol() == 1e-9 and _rtol(0.0) == 1e-9 and _rtol(1e-15) == 1e-9
+    assert _rtol(1e-6) == pytest.approx(1e-4) and _rtol(1e-6, 2e-6) == pytest.approx(2e-4)
+    assert _rtol(1e-3) == 0.03 and _rtol(1.0, 0.5) == 0.03
+    assert type(_rtol(1e-6)) is float
+
+
+def test_differences_count_nan_on_one_side_only_and_scale_by_the_magnitude():
+    from causalattn.check.numerics import _close, _diff
+
+    want = np.array([[1.0, 2.0, np.nan], [np.inf, -50.0, 0.0]])
+    got = want.copy()
+    e, mag, err = _diff(got, want)
+    assert e == 0.0 and mag == 50.0 and not err.any()  # NaN == NaN and inf == inf agree here
+    got[0, 0] = np.nan  # NaN on one side only: an infinite error
+    e, _, err = _diff(got, want)
+    assert e == np.inf and err[0, 0] == np.inf and err[1].sum() == 0
+    e, _, _ = _diff(got, want, where=np.array([[False, True, True], [True, True, True]]))
+    assert e == 0.0  # outside `where`: not counted
+    got = want.copy()
+    got[1, 1] = -49.0
+    ok, e, bad = _close(got, want, 0.02)  # 1 <= 0.02 · 50
+    assert ok and e == 1.0 and not bad.any()
+    ok, e, bad = _close(got, want, 0.019)
+    assert not ok and bad.tolist() == [[False, False, False], [False, True, False]]
+    small = np.array([0.1, -0.2])
+    assert _diff(small + 0.01, small)[1] == 1.0  # magnitudes below 1 count as 1
+    assert _diff(np.zeros(0), np.zeros(0))[:2] == (0.0, 1.0)
+
+
+def test_evidence_names_the_first_failing_slice_its_rows_and_columns():
+    from causalattn.check.numerics import _locate
+
+    bad = np.zeros((2, 3, 12, 12), bool)
+    assert _locate(bad, 2) == {}
+    bad[1, 2, 5, [3, 1]] = True
+    bad[1, 2, 7, 0] = True
+    bad[0, 1, 9, 9] = True  # an earlier slice: it comes first
+    assert _locate(bad, 2) == {"index": (0, 1), "rows": [9], "cols": [9], "slices_failing": 2}
+    bad[0, 1, 9, 9] = False
+    assert _locate(bad, 2) == {"index": (1, 2), "rows": [5, 7], "cols": [0, 1, 3]}
+    assert _locate(bad, 2, with_cols=False) == {"index": (1, 2), "rows": [5, 7]}
+    many = np.ones((12, 12), bool)
+    assert _locate(many, 0) == {"rows": list(range(8)), "cols": list(range(8))}  # 8 shown
+    assert _locate(np.array([False, True, True]), 0) == {"rows": [1, 2]}
+
+
+def test_additive_masks_are_read_with_a_blocking_threshold():
+    from causalattn.check.numerics import BLOCKED_BELOW, _looks_masked, _mask_from_additive
+
+    assert BLOCKED_BELOW == -1e4
+    M = np.array([0.0, -np.inf, -1e4, -1e4 + 1, -1e9, 0.5, np.nan])
+    allowed, odd = _mask_from_additive(M)
+    assert allowed.tolist() == [True, False, False, False, False, False, False]
+    assert odd.tolist() == [False, False, False, True, False, True, True]
+    S = np.arange(9.0).reshape(3, 3)
+    assert not _looks_masked(S)
+    Z = np.where(np.triu(np.ones((3, 3), bool), 1), -np.inf, S)
+    assert _looks_masked(Z) and _looks_masked(np.where(np.isinf(Z), -1e9, Z))
+    assert _looks_masked(np.stack([Z, Z]))
+    part = Z.copy()
+    part[0, 2] = 1.0  # one future entry not masked
+    assert not _looks_masked(part) and not _looks_masked(np.where(np.isinf(Z), -9e3, Z))
+    assert _looks_masked(np.where(np.triu(np.ones((2, 4), bool), 3), -np.inf, 0.0))  # T_q < T_k
+    assert not _looks_masked(np.zeros((1, 4)))  # one query reading every key: nothing in the future
+    assert not _looks_masked(np.full((3, 2), -np.inf))  # T_q > T_k

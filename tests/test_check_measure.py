@@ -203,3 +203,87 @@ def test_declared_padding_is_passed_to_code_that_takes_it():
     assert diagnose(numpy_qkv.correct, key_padding_mask=kpm).ok
     d = diagnose(numpy_qkv.padding_ignored, key_padding_mask=kpm)
     assert d.fault == "padding-ignored" and d.stage == "M", str(d)
+
+
+# ---- measure's pieces on their own -------------------------------------------------------
+def test_spans_fold_runs_of_consecutive_numbers_in_the_order_given():
+    from causalattn.check.measure import spans
+
+    assert spans([]) == [] and spans([4]) == ["4"]
+    assert spans([2, 3, 4, 7]) == ["2..4", "7"]
+    assert spans([1, 3, 5]) == ["1", "3", "5"] and spans([5, 6, 1, 2]) == ["5..6", "1..2"]
+    assert spans(np.array([0, 1]), dash="–") == ["0–1"] and spans([7, 7]) == ["7", "7"]
+
+
+def test_rows_and_keys_are_said_1_based_and_folded():
+    from causalattn.check.measure import _keys_text, rows_text
+
+    assert rows_text([]) == "no rows" and rows_text([0]) == "row 1"
+    assert rows_text([1, 2, 3, 7]) == "rows 2..4, 8" and rows_text(np.array([0, 2])) == "rows 1, 3"
+    assert rows_text(range(0, 20, 2)) == "rows 1, 3, 5, 7, 9, 11 ..."  # six parts shown
+    assert rows_text([0, 2, 4, 6, 8, 10]) == "rows 1, 3, 5, 7, 9, 11"
+    assert _keys_text([0]) == "key 1" and _keys_text([1, 2]) == "keys 2, 3"
+    assert _keys_text(range(8)) == "keys 1, 2, 3, 4, 5, 6 ..."
+    assert _keys_text(range(6)) == "keys 1, 2, 3, 4, 5, 6"
+
+
+def test_describe_difference_names_own_keys_extra_and_missing_reads():
+    from causalattn.check.measure import describe_difference
+
+    E = masks.causal(4)
+    assert describe_difference(E, E, 4, 4) == ""
+    P = E & ~np.eye(4, dtype=bool)
+    assert describe_difference(P, E, 4, 4) == "rows 1..4 do not read their own key"
+    P = E.copy()
+    P[2, 2] = False
+    assert describe_difference(P, E, 4, 4) == "row 3 does not read its own key (rows 1..2, 4 do)"
+    P = E.copy()
+    P[1, 1] = P[3, 3] = False
+    assert describe_difference(P, E, 4, 4) == "rows 2, 4 do not read their own key (rows 1, 3 do)"
+    P = E | np.triu(np.ones((4, 4), bool), 1)
+    assert (
+        describe_difference(P, E, 4, 4) == "rows 1..3 read future keys (row 1 reads keys 2, 3, 4)"
+    )
+    P = E.copy()
+    P[3, 1] = False
+    assert describe_difference(P, E, 4, 4) == "row 4 does not read keys it may (row 4 skips key 2)"
+    P[2, 0] = False
+    assert (
+        describe_difference(P, E, 4, 4) == "rows 3..4 do not read keys they may (row 3 skips key 1)"
+    )
+    W = masks.Pattern(window=2).allowed(1, 1, 4, 4)[0, 0]
+    P = E.copy()  # reads past the window, never the future
+    assert describe_difference(P, W, 4, 4) == "rows 3..4 read keys they may not (row 3 reads key 1)"
+    P = E.copy()
+    P[0, 1], P[2, 2] = True, False
+    assert describe_difference(P, E, 4, 4) == (
+        "row 3 does not read its own key (rows 1..2, 4 do); row 1 reads future keys (row 1 reads "
+        "key 2)"
+    )
+    # decoding, T_q < T_k: each query's own key is i + T_k - T_q
+    E2 = masks.causal(2, 5)
+    P2 = E2.copy()
+    P2[0, 3] = False
+    assert describe_difference(P2, E2, 2, 5) == "row 1 does not read its own key (row 2 does)"
+    P2 = E2.copy()
+    P2[0, 4] = True
+    assert describe_difference(P2, E2, 2, 5) == "row 1 reads future keys (row 1 reads key 5)"
+
+
+def test_read_pattern_and_tolerance():
+    from causalattn.check.measure import STAGES, Finding, read_pattern, tolerance
+
+    A = np.array([[0.0, 1e-9, -0.2, np.nan, 0.5]])
+    assert read_pattern(A).tolist() == [[False, True, True, True, True]]
+    assert read_pattern(A, noise=1e-6).tolist() == [[False, False, True, True, True]]
+    assert read_pattern(A, noise=0.2).tolist() == [[False, False, False, True, True]]
+    ref, plain = np.array([0.5, 0.25]), np.array([0.5, 0.2501])
+    eps32 = float(np.finfo(np.float32).eps)
+    assert tolerance(ref, plain, np.float32) == pytest.approx(2e-4 + 8 * eps32)
+    assert tolerance(ref * 10, plain * 10, np.float64) == pytest.approx(2e-3 + 8 * 2.2e-16 * 5)
+    assert tolerance(ref, ref, np.int64) == pytest.approx(8 * 2.2e-16)
+    assert STAGES == ("S", "M", "A", "H", "O")
+    keys = [Finding(s, None, "").key() for s in ("S", "M", "A", "H", "O", "heads")]
+    assert keys == [0, 1, 2, 3, 4, 5]
+    f = Finding("A", "x", "m")
+    assert (f.slice, f.probe) == ((), "")

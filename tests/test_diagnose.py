@@ -143,3 +143,23 @@ def test_hang_and_crash_are_reported(tmp_path):
     assert d.status == "crashed" and "exit code 3" in d.message
     r = CliRunner().invoke(app, ["diagnose", "no_colon_here"])
     assert r.exit_code == 2 and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize(
+    "fn,declared",
+    [
+        (more_faults.window_off_by_one, 3),  # reads w + 1 keys
+        (more_faults.window_one_too_narrow, 3),  # reads w - 1 keys
+        (more_faults.window_one_too_narrow, 1),  # reads 2 keys where w = 1 allows 1
+    ],
+)
+def test_a_window_one_key_off_either_way_is_window_off_by_one(fn, declared):
+    d = diagnose(fn, window=declared)
+    assert d.status == "fault" and d.fault == "window-off-by-one", str(d)
+    assert d.stage == "M", str(d)
+
+
+def test_a_window_two_keys_off_is_not_called_off_by_one():
+    d = diagnose(more_faults.window_one_too_narrow, window=4)  # reads 2 where 4 are declared
+    assert not d.ok and d.fault is None and d.stage == "M", str(d)
+    assert "do not read keys they may" in d.message, str(d)

@@ -395,3 +395,33 @@ def test_rows_with_no_readable_key_stay_zero_with_sinks():
     assert torch.isfinite(lse[:, :, :3]).all()
     dq, ds = torch.autograd.grad(out.sum(), (qq, sinks))
     assert not dq[:, :, 3:].any() and torch.isfinite(ds).all()
+
+
+def _out_grads(engine, q, k, v, kw):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = attention(*leaves, engine=engine, **kw)
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=F64)
+    return (out.detach(), *torch.autograd.grad((out * dout.to(out.dtype)).sum(), leaves))
+
+
+@pytest.mark.parametrize("engine", ["reference", "tiled", "sdpa"])
+def test_a_3d_mask_is_per_head_and_runs_as_its_4d_form(engine):
+    """A (H, T_q, T_k) mask is one mask per head shared by every batch row: the same
+    outputs and gradients, bit for bit, as the (1, H, T_q, T_k) mask, equal to the
+    reference, and the tiled engine runs all batch rows as one job (no per-row jobs)."""
+    from causalattn.engines import tiled
+
+    q, k, v = _inputs(3, 4, 2, 20, 26, 5, 4, seed=12)
+    m = torch.rand(4, 20, 26, generator=torch.Generator().manual_seed(3)) > 0.5
+    m[1] = False  # a head that reads nothing
+    m[2, :, 13:] = False
+    kw3, kw4 = {"causal": False, "mask": m}, {"causal": False, "mask": m[None]}
+    p3 = make_problem(q, k, v, **kw3)
+    assert not p3.pattern.per_batch and p3.pattern.per_head
+    assert tiled._jobs(p3) == [(0, 3)] and p3.allowed().shape == (1, 4, 20, 26)
+    got = _out_grads(engine, q, k, v, kw3)
+    for a, b in zip(got, _out_grads(engine, q, k, v, kw4)):
+        assert torch.equal(a, b)
+    assert torch.equal(got[0][:, 1], torch.zeros_like(got[0][:, 1]))
+    for a, b in zip(got, _out_grads("reference", q, k, v, kw4)):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9)

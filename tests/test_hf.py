@@ -9,6 +9,7 @@ longer than every window and chunk (4 tokens).
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from causalattn.integrations.transformers import (  # noqa: E402
     register,
 )
 from causalattn.layer import CausalSelfAttention  # noqa: E402
+from causalattn.masks import Pattern  # noqa: E402
 
 FLOOR = 1e-5
 T = 14
@@ -356,7 +358,7 @@ def test_t5_position_bias_and_padding_through_bias_match_eager_logits_and_genera
     """T5 hands its relative position bias (and the padding as an additive float mask) to
     the attention function: encoder, decoder and cross attention through causalattn's
     bias, the same logits and the same greedy generation as eager."""
-    from causalattn.integrations import transformers as integ
+    from causalattn.integrations import hf_attention as integ
 
     name = integ.register()
     eager, ours = _t5("eager"), _t5(name)
@@ -383,3 +385,437 @@ def test_t5_position_bias_and_padding_through_bias_match_eager_logits_and_genera
     ge = eager.generate(input_ids=ids, attention_mask=am, max_new_tokens=8, do_sample=False)
     gc = ours.generate(input_ids=ids, attention_mask=am, max_new_tokens=8, do_sample=False)
     assert torch.equal(ge, gc)
+
+
+@pytest.fixture
+def received(monkeypatch):
+    """Every call of the registered function: (attention_mask, T_q, T_k, pattern, n)."""
+    from causalattn.integrations import hf_attention as integration
+
+    calls = []
+    real = integration.pattern_from_hf
+
+    def spy(module, query, key, attention_mask, **kwargs):
+        pat, n = real(module, query, key, attention_mask, **kwargs)
+        calls.append((attention_mask, query.shape[2], key.shape[2], pat, n))
+        return pat, n
+
+    monkeypatch.setattr(integration, "pattern_from_hf", spy)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "name,want",
+    [("llama", "causal + documents"), ("mistral", "causal + window 4 + documents")],
+)
+def test_packed_documents_are_read_as_documents_not_a_dense_mask(models, received, name, want):
+    """position_ids restarting at 0 become cu_seqlens (the engines skip the blocks between
+    documents), not the dense fallback, which gives the same logits."""
+    _skip_unless_engine_takes(name)
+    model, _ = models(name)
+    model.set_attn_implementation("causalattn")
+    ids = torch.randint(3, tiny.VOCAB, (1, T), generator=torch.Generator().manual_seed(4))
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 0, 1, 2, 3, 4]])
+    with torch.no_grad():
+        model(ids, position_ids=pos, use_cache=False)
+    assert received and all(mask is not None for mask, *_ in received)
+    for _, _, _, pat, n in received:
+        assert pat.describe() == want and pat.mask is None and n == T
+        assert pat.cu_seqlens.tolist() == [0, 6, 9, T]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_static_cache_generation_without_a_mask_equals_eager(models, received, name):
+    """An unpadded prompt and no attention_mask: HF hands the StaticCache prefill no mask
+    (queries at positions 0..T_q-1 before empty slots), then masks the decoding steps.
+    Same tokens as eager."""
+    _skip_unless_engine_takes(name)
+    model, _ = models(name)
+    ids, _, _ = padded_batch("none")
+    out = {}
+    for impl in ("eager", "causalattn"):
+        model.set_attn_implementation(impl)
+        out[impl] = model.generate(
+            ids,
+            max_new_tokens=5,
+            do_sample=False,
+            pad_token_id=0,
+            eos_token_id=None,
+            cache_implementation="static",
+        )
+    assert out["causalattn"].shape == (3, T + 5)
+    assert torch.equal(out["causalattn"], out["eager"])
+    prefill = [c for c in received if c[0] is None and 1 < c[1] < c[2]]
+    assert prefill, [(m is None, tq, tk) for m, tq, tk, *_ in received]
+    for _, T_q, _, pat, n in prefill:
+        assert T_q == T and n == T and pat.causal  # the filled slots only
+
+
+# ---- pattern_from_hf on its own: what each mask HF can hand over becomes -------------------
+def _qk(B=2, H=4, T_q=8, T_k=8, H_kv=2):
+    return torch.zeros(B, H, T_q, 3), torch.zeros(B, H_kv, T_k, 3)
+
+
+def _hf_mask(pattern, B, T_q, T_k, H=1):
+    """HF's boolean (B, 1, T_q, T_k) mask for a pattern (True = may read)."""
+    m = pattern.allowed(B, H, T_q, T_k, like=torch.zeros(()))
+    return m.expand(B, H, T_q, T_k).contiguous()
+
+
+KPM = [[True] * 8, [False] * 3 + [True] * 5]  # HF's padding: keys only (left padding here)
+
+
+class _Module:
+    def __init__(self, is_causal=True, chunk=None, layer_types=None, layer_idx=None):
+        self.is_causal = is_causal
+        self.layer_idx = layer_idx
+        self.config = types.SimpleNamespace(attention_chunk_size=chunk, layer_types=layer_types)
+
+
+@pytest.mark.parametrize(
+    "kw,T_q,T_k,want,n",
+    [
+        ({}, 8, 8, "causal", 8),
+        ({}, 1, 8, "causal", 8),  # a decoding step reads every key
+        ({}, 3, 8, "causal", 3),  # a StaticCache prefill: the first T_q slots only
+        ({"is_causal": False}, 3, 8, "bidirectional", 8),
+        ({"sliding_window": 4}, 8, 8, "causal + window 4", 8),
+        ({"sliding_window": 4, "is_causal": False}, 8, 8, "bidirectional", 8),
+        ({"softcap": 5.0}, 8, 8, "causal + softcap 5", 8),
+        ({"softcap": 0.0}, 8, 8, "causal", 8),  # HF passes 0 for "none"
+        ({"s_aux": [0.0] * 4}, 8, 8, "causal + sinks", 8),
+    ],
+)
+def test_no_mask_is_the_plain_pattern_with_keywords(kw, T_q, T_k, want, n):
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    if "s_aux" in kw:
+        kw = {**kw, "s_aux": torch.tensor(kw["s_aux"])}
+    pat, got_n = pattern_from_hf(None, *_qk(T_q=T_q, T_k=T_k), None, **kw)
+    assert pat.describe() == want and got_n == n
+    assert pat.mask is None and pat.lengths is None and pat.key_padding_mask is None
+
+
+def test_the_modules_is_causal_is_read_unless_the_call_says():
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    q, k = _qk()
+    assert not pattern_from_hf(_Module(is_causal=False), q, k, None)[0].causal
+    assert pattern_from_hf(_Module(is_causal=False), q, k, None, is_causal=True)[0].causal
+    assert not pattern_from_hf(_Module(), q, k, None, is_causal=False)[0].causal
+    assert pattern_from_hf(object(), q, k, None)[0].causal  # no is_causal attribute: causal
+
+
+@pytest.mark.parametrize(
+    "truth,B,T_q,T_k,kw,want",
+    [
+        (Pattern(), 2, 8, 8, {}, {"causal": True}),
+        (Pattern(key_padding_mask=KPM), 2, 8, 8, {}, "key_padding_mask"),
+        (Pattern(window=3), 1, 8, 8, {"sliding_window": 3}, {"window": 3}),
+        (
+            Pattern(window=3, key_padding_mask=KPM),
+            2,
+            8,
+            8,
+            {"sliding_window": 3},
+            "key_padding_mask",
+        ),
+        (Pattern(cu_seqlens=[0, 3, 5, 8]), 1, 8, 8, {}, {"cu_seqlens": [0, 3, 5, 8]}),
+        (
+            Pattern(window=2, cu_seqlens=[0, 5, 8]),
+            1,
+            8,
+            8,
+            {"sliding_window": 2},
+            {"window": 2, "cu_seqlens": [0, 5, 8]},
+        ),
+        (Pattern(causal=False), 1, 8, 8, {"is_causal": False}, {"causal": False}),
+        (Pattern(), 2, 1, 8, {}, {"causal": True}),  # decoding: one query, every key
+    ],
+)
+def test_a_structured_mask_becomes_its_rules_not_a_dense_mask(truth, B, T_q, T_k, kw, want):
+    """HF's dense mask is searched for the structured pattern that gives it bit for bit."""
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    mask = _hf_mask(truth, B, T_q, T_k)
+    pat, n = pattern_from_hf(None, *_qk(B=B, T_q=T_q, T_k=T_k), mask, **kw)
+    assert pat.mask is None and n == T_k, pat.describe()
+    assert torch.equal(pat.allowed(B, 4, T_q, T_k, like=mask).expand_as(mask), mask)
+    if want == "key_padding_mask":
+        assert pat.key_padding_mask is not None and "padding" in pat.describe()
+    else:
+        for name, value in want.items():
+            got = getattr(pat, name)
+            assert (got.tolist() if hasattr(got, "tolist") else got) == value, name
+    assert pat.window == kw.get("sliding_window")
+
+
+def test_a_static_caches_empty_slots_are_dropped():
+    """Keys no query reads at the end (a StaticCache's unfilled slots): n is the filled part."""
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    mask = torch.zeros(2, 1, 3, 16, dtype=torch.bool)
+    mask[..., :7] = _hf_mask(Pattern(), 2, 3, 7)  # 7 filled slots, the last 3 queries
+    mask[1, :, :, :2] = False  # left padding of the second sequence
+    pat, n = pattern_from_hf(None, *_qk(T_q=3, T_k=16), mask)
+    assert n == 7 and pat.mask is None and pat.key_padding_mask.shape == (2, 7)
+    assert torch.equal(pat.allowed(2, 1, 3, 7, like=mask), mask[..., :7])
+    mask[0, 0, 2, 12] = True  # one query reads a late slot: all 16 keys count
+    pat, n = pattern_from_hf(None, *_qk(T_q=3, T_k=16), mask)
+    assert n == 16 and torch.equal(pat.allowed(2, 1, 3, 16, like=mask).expand_as(mask), mask)
+
+
+@pytest.mark.parametrize("B,H", [(2, 1), (1, 1), (2, 4)])
+def test_a_mask_no_rule_gives_is_the_dense_mask_itself(B, H):
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    g = torch.Generator().manual_seed(B * 10 + H)
+    mask = torch.rand(B, H, 6, 6, generator=g) > 0.5
+    mask[..., torch.arange(6), torch.arange(6)] = True
+    pat, n = pattern_from_hf(None, *_qk(B=B, T_q=6, T_k=6), mask)
+    assert (
+        n == 6 and not pat.causal and pat.mask is mask and pat.describe() == "bidirectional + mask"
+    )
+    docs = _hf_mask(Pattern(cu_seqlens=[0, 2, 6]), 1, 6, 6)
+    docs[0, 0, 5, 0] = True  # almost documents: one cell across
+    pat, _ = pattern_from_hf(None, *_qk(B=1, T_q=6, T_k=6), docs)
+    assert pat.mask is not None and pat.cu_seqlens is None
+
+
+def test_additive_float_masks_are_read_as_blocked_and_allowed():
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    allowed = _hf_mask(Pattern(key_padding_mask=KPM), 2, 8, 8)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for fill in (torch.finfo(dtype).min, float("-inf")):
+            additive = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, fill)
+            pat, n = pattern_from_hf(None, *_qk(T_q=8, T_k=8), additive)
+            assert pat.mask is None and "padding" in pat.describe()
+            assert torch.equal(pat.allowed(2, 1, 8, 8, like=allowed), allowed)
+
+
+# masks are built in the test, not at collection: a torch op at import starts OpenMP's
+# threads, and processes forked from one that did (mutmut's workers) can hang in them
+BAD_MASKS = [
+    (lambda: _additive((2, 1, 8, 8), -1e4), "additive bias"),
+    (lambda: torch.full((2, 1, 8, 8), 0.5), "additive bias"),
+    (
+        lambda: torch.zeros(2, 1, 8, 8, dtype=torch.int64),
+        r"dtype torch.int64; expected bool or float",
+    ),
+    (
+        lambda: torch.ones(2, 8, 8, dtype=torch.bool),
+        r"must be \(B, 1, T_q, T_k\) = \(2, 1, 8, 8\), got \(2, 8, 8\)",
+    ),
+    (lambda: torch.ones(3, 1, 8, 8, dtype=torch.bool), r"got \(3, 1, 8, 8\)"),
+    (lambda: torch.ones(2, 3, 8, 8, dtype=torch.bool), r"got \(2, 3, 8, 8\)"),
+    (lambda: torch.ones(2, 1, 7, 8, dtype=torch.bool), r"got \(2, 1, 7, 8\)"),
+    (lambda: torch.ones(2, 1, 8, 9, dtype=torch.bool), r"got \(2, 1, 8, 9\)"),
+]
+
+
+def _additive(shape, fill):
+    """A causal additive mask with ``fill`` above the diagonal."""
+    return torch.zeros(shape).masked_fill(torch.ones(shape[-2:], dtype=torch.bool).triu(1), fill)
+
+
+@pytest.mark.parametrize("make,match", BAD_MASKS)
+def test_masks_that_are_not_who_may_read_whom_are_refused(make, match):
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    with pytest.raises(ValueError, match=f"^causalattn attention: .*{match}"):
+        pattern_from_hf(None, *_qk(T_q=8, T_k=8), make())
+
+
+@pytest.mark.parametrize("name", ["position_bias", "alibi", "attn_bias"])
+def test_score_biases_and_bad_keywords_are_refused_by_name(name):
+    from causalattn.integrations.hf_pattern import REFUSED_KWARGS, SUPPORTED_KWARGS, pattern_from_hf
+
+    assert name in REFUSED_KWARGS and "sliding_window" in SUPPORTED_KWARGS
+    q, k = _qk()
+    with pytest.raises(
+        ValueError, match=f"^causalattn attention: '{name}' \\(an additive score bias\\)"
+    ):
+        pattern_from_hf(None, q, k, None, **{name: torch.zeros(1)})
+    assert pattern_from_hf(None, q, k, None, **{name: None})[0].is_plain_causal  # None: absent
+    for w in (0, -3):
+        with pytest.raises(ValueError, match=f"sliding_window must be >= 1, got {w}$"):
+            pattern_from_hf(None, q, k, None, sliding_window=w)
+    with pytest.raises(ValueError, match=r"one logit per head, \(H,\) = \(4,\); got \(2, 2\)"):
+        pattern_from_hf(None, q, k, None, s_aux=torch.zeros(2, 2))
+
+
+def test_llama4_chunks_come_from_the_config_on_chunked_layers_only():
+    from causalattn.integrations.hf_pattern import _chunk_of, pattern_from_hf
+
+    types_ = ["chunked_attention", "full_attention"]
+    assert _chunk_of(_Module(chunk=4, layer_types=types_, layer_idx=0)) == 4
+    assert _chunk_of(_Module(chunk=4, layer_types=types_, layer_idx=1)) is None
+    assert _chunk_of(_Module(chunk=4, layer_types=types_, layer_idx=5)) == 4  # beyond the list
+    assert _chunk_of(_Module(chunk=4)) == 4  # no layer types: every layer
+    for c in (None, 0, -2, 4.0, "4"):
+        assert _chunk_of(_Module(chunk=c)) is None
+    assert _chunk_of(None) is None and _chunk_of(object()) is None
+    mask = _hf_mask(Pattern(chunk=4, key_padding_mask=KPM), 2, 8, 8)
+    pat, _ = pattern_from_hf(_Module(chunk=4, layer_types=types_, layer_idx=0), *_qk(), mask)
+    assert pat.chunk == 4 and pat.mask is None and "padding" in pat.describe()
+    plain = _hf_mask(Pattern(key_padding_mask=KPM), 2, 8, 8)  # a layer HF did not chunk
+    pat, _ = pattern_from_hf(_Module(chunk=4, layer_types=types_, layer_idx=0), *_qk(), plain)
+    assert pat.chunk is None and pat.mask is None
+
+
+def test_the_structure_of_a_mask_is_found_once_per_tensor():
+    """Every layer gets the same mask tensor: its structure is remembered, for that very
+    tensor, unchanged (an in-place change is read anew)."""
+    from causalattn.integrations import hf_pattern
+
+    q, k = _qk()
+    mask = _hf_mask(Pattern(key_padding_mask=KPM), 2, 8, 8)
+    calls = []
+    real = hf_pattern._structure
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(hf_pattern, "_structure", counting)
+        m.setattr(hf_pattern, "_MEMO", hf_pattern._Memo())
+        first, _ = hf_pattern.pattern_from_hf(None, q, k, mask)
+        n = len(calls)
+        assert n >= 1 and first.mask is None
+        again, _ = hf_pattern.pattern_from_hf(None, q, k, mask)
+        assert len(calls) == n and again.describe() == first.describe()
+        hf_pattern.pattern_from_hf(None, q, k, mask.clone())  # an equal but other tensor
+        assert len(calls) == 2 * n
+        hf_pattern.pattern_from_hf(None, q, k, mask, sliding_window=3)  # other keywords
+        assert len(calls) > 2 * n
+        before = len(calls)
+        mask[0, 0, 2, 5] = True  # changed in place: a future key
+        changed, _ = hf_pattern.pattern_from_hf(None, q, k, mask)
+        assert len(calls) > before and changed.mask is not None
+    memo = hf_pattern._Memo(size=2)
+    ts = [torch.zeros(1) for _ in range(3)]
+    for i, t in enumerate(ts):
+        memo.put(t, ("k", i), i)
+    assert memo.get(ts[2], ("k", 2)) == 2 and memo.get(ts[1], ("k", 1)) == 1
+    assert memo.get(ts[0], ("k", 0)) is None  # the oldest was let go
+    assert memo.get(ts[1], ("k", 2)) is None  # same tensor, other key
+
+
+def test_two_one_token_documents_and_a_mask_shared_by_the_batch():
+    """The smallest packing (two documents of one token, T = 2) is read as documents; one
+    token is no packing. A (1, 1, T, T) mask HF shares over a batch of 2 with a key no query
+    reads becomes a key padding mask for both rows."""
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    two = _hf_mask(Pattern(cu_seqlens=[0, 1, 2]), 1, 2, 2)
+    pat, n = pattern_from_hf(None, *_qk(B=1, T_q=2, T_k=2), two)
+    assert n == 2 and pat.mask is None and pat.cu_seqlens.tolist() == [0, 1, 2]
+    one = torch.ones(1, 1, 1, 1, dtype=torch.bool)
+    pat, n = pattern_from_hf(None, *_qk(B=1, T_q=1, T_k=1), one)
+    assert n == 1 and pat.is_plain_causal
+    hole = [[True] * 3 + [False] + [True] * 4]
+    shared = _hf_mask(Pattern(key_padding_mask=hole), 1, 8, 8)  # (1, 1, 8, 8)
+    pat, n = pattern_from_hf(None, *_qk(B=2, T_q=8, T_k=8), shared)
+    assert n == 8 and pat.mask is None and pat.key_padding_mask.shape == (2, 8)
+    assert pat.key_padding_mask.tolist() == hole * 2
+    assert torch.equal(pat.allowed(2, 1, 8, 8, like=shared), shared.expand(2, 1, 8, 8))
+
+
+def test_documents_are_read_off_a_mask_whatever_the_default_device():
+    """The positions that index the mask are made on the mask's device."""
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    docs = _hf_mask(Pattern(cu_seqlens=[0, 3, 8]), 1, 8, 8)
+    q, k = _qk(B=1)
+    with torch.device("meta"):
+        pat, n = pattern_from_hf(None, q, k, docs)
+    assert n == 8 and pat.mask is None and pat.cu_seqlens.tolist() == [0, 3, 8]
+
+
+def test_the_memo_holds_the_last_four_masks():
+    from causalattn.integrations import hf_pattern
+
+    memo = hf_pattern._Memo()
+    ts = [torch.zeros(1) for _ in range(5)]
+    for i, t in enumerate(ts):
+        memo.put(t, ("k", i), i)
+    assert [memo.get(t, ("k", i)) for i, t in enumerate(ts)] == [None, 1, 2, 3, 4]
+
+
+def test_a_mask_no_query_may_read_pads_every_key():
+    """No readable cell at all (every row empty): every key is padding, all T_k kept."""
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    none = torch.zeros(1, 1, 4, 4, dtype=torch.bool)
+    pat, n = pattern_from_hf(None, *_qk(B=1, T_q=4, T_k=4), none)
+    assert n == 4 and pat.mask is None and pat.key_padding_mask.tolist() == [[False] * 4]
+    assert not pat.allowed(1, 1, 4, 4, like=none).any()
+
+
+def test_documents_are_looked_for_in_one_square_mask_only():
+    """A dense mask of fewer queries than keys, every key read by some query, is the mask
+    itself (documents need T_q = T_k and one sequence)."""
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    g = torch.Generator().manual_seed(4)
+    for B in (1, 2):
+        mask = torch.rand(B, 1, 3, 8, generator=g) > 0.5
+        mask[:, :, 0, :] = True  # every key read
+        mask[:, :, 1, 2] = False
+        pat, n = pattern_from_hf(None, *_qk(B=B, T_q=3, T_k=8), mask)
+        assert n == 8 and pat.mask is mask and not pat.causal
+
+
+def test_an_additive_mask_is_blocked_at_half_finfo_min_and_below_and_refused_above():
+    """Blocked: at or below finfo.min / 2 (HF adds finfo.min to masks that may already hold
+    one); 0 may read; any other value is a bias, refused with the whole reason."""
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    half = torch.finfo(torch.float32).min / 2
+    edge = _additive((1, 1, 8, 8), half)
+    pat, _ = pattern_from_hf(None, *_qk(B=1), edge)
+    assert pat.is_plain_causal
+    with pytest.raises(
+        ValueError,
+        match=r"^causalattn attention: attention_mask carries an additive bias \(values other "
+        r"than 0 and -inf/finfo.min\); causalattn takes who-may-read-whom masks, and ALiBi as "
+        r"slopes$",
+    ):
+        pattern_from_hf(None, *_qk(B=1), _additive((1, 1, 8, 8), half * 0.8))
+
+
+def test_llama4_chunk_of_one_and_a_layer_just_past_the_types():
+    from causalattn.integrations.hf_pattern import _chunk_of
+
+    types_ = ["full_attention", "chunked_attention"]
+    assert _chunk_of(_Module(chunk=1)) == 1
+    assert _chunk_of(_Module(chunk=4, layer_types=types_, layer_idx=2)) == 4
+    assert _chunk_of(_Module(chunk=4, layer_types=types_, layer_idx=1)) == 4
+    assert _chunk_of(_Module(chunk=4, layer_types=types_, layer_idx=0)) is None
+
+
+@pytest.mark.parametrize("name", ["position_bias", "alibi", "attn_bias"])
+def test_a_score_bias_is_refused_with_the_eager_way_out(name):
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    with pytest.raises(
+        ValueError,
+        match=f"^causalattn attention: '{name}' \\(an additive score bias\\) is not supported; "
+        "use attn_implementation='eager'$",
+    ):
+        pattern_from_hf(None, *_qk(), None, **{name: torch.zeros(1)})
+
+
+def test_a_window_of_one_and_a_two_token_prefill_into_a_static_cache():
+    """sliding_window = 1 is a window (each query reads itself); without a mask, 2 queries
+    before 8 keys are a prefill into an empty StaticCache: the first 2 keys only."""
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    pat, n = pattern_from_hf(None, *_qk(), None, sliding_window=1)
+    assert pat.window == 1 and n == 8
+    pat, n = pattern_from_hf(None, *_qk(T_q=2, T_k=8), None)
+    assert pat.is_plain_causal and n == 2
+    pat, n = pattern_from_hf(None, *_qk(T_q=1, T_k=8), None)  # decoding: every key
+    assert pat.is_plain_causal and n == 8

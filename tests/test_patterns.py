@@ -460,3 +460,30 @@ def test_key_range_of_packed_documents_is_the_tightest_interval(rule):
         for q1 in range(q0 + 1, min(12, q0 + 4) + 1):
             cols = np.flatnonzero(want[q0:q1].any(axis=0))
             assert pat.key_range(0, q0, q1, 12, 12) == (int(cols[0]), int(cols[-1]) + 1), (q0, q1)
+
+
+@pytest.mark.parametrize(
+    "shape,per_batch,per_head,dense",
+    [
+        ((5, 6), False, False, (1, 1, 5, 6)),
+        ((1, 5, 6), False, False, (1, 1, 5, 6)),
+        ((3, 5, 6), False, True, (1, 3, 5, 6)),  # 3-D is (H, T_q, T_k): heads, not batch rows
+        ((1, 1, 5, 6), False, False, (1, 1, 5, 6)),
+        ((2, 1, 5, 6), True, False, (2, 1, 5, 6)),
+        ((1, 3, 5, 6), False, True, (1, 3, 5, 6)),
+        ((2, 3, 5, 6), True, True, (2, 3, 5, 6)),
+    ],
+)
+@pytest.mark.parametrize("xp", ["numpy", "torch"])
+def test_a_dense_masks_axes_say_whether_it_differs_by_batch_row_or_head(
+    shape, per_batch, per_head, dense, xp
+):
+    """mask (T_q, T_k), (H|1, T_q, T_k) or (B|1, H|1, T_q, T_k): per_batch reads only a 4-D
+    mask's first axis, per_head the axis third from the end; the dense forms follow."""
+    m = np.random.default_rng(1).random(shape) > 0.4
+    pat = Pattern(causal=False, mask=m if xp == "numpy" else torch.from_numpy(m))
+    assert (pat.per_batch, pat.per_head) == (per_batch, per_head)
+    got = pat.allowed(2, 3, 5, 6)
+    assert tuple(got.shape) == dense and pat.reasons(2, 3, 5, 6).shape == dense
+    assert np.array_equal(np.asarray(got), m.reshape(dense))  # the mask itself, 4-D
+    assert Pattern(causal=False, mask=m, lengths=[5, 6]).per_batch  # lengths: always per row

@@ -314,3 +314,103 @@ def test_batch_broadcast_and_select():
 def test_package_exports():
     assert ca.trace is trace and ca.Trace is Trace
     assert list(STAGES)[:4] == ["X", "W_q", "W_k", "W_v"]
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, message",
+    [
+        (
+            (X4, np.eye(3), I2, WV4),
+            {},
+            "projections: X is T×d_model = 4×2 but W_q is 3×3; its rows must be d_model = 2",
+        ),
+        (
+            (X4, I2, np.ones((2, 3)), WV4),
+            {},
+            "scores: W_q gives d_k = 2 but W_k gives 3; Q Kᵀ contracts the inner d_k axes, which "
+            "must match",
+        ),
+        ((X4, np.ones(2), I2, WV4), {}, "projections: W_q must be 2-D, got shape (2,)"),
+        ((X4, I2, I2, np.ones(2)), {}, "projections: W_v must be 2-D, got shape (2,)"),
+        ((np.ones(2), I2, I2, WV4), {}, "projections: X must have at least 2 axes, got shape (2,)"),
+        (
+            (np.zeros((0, 2)), I2, I2, WV4),
+            {},
+            "projections: X is 0×2; a sequence needs T >= 1 token",
+        ),
+        (
+            (np.array([["a", "b"]]), I2, I2, WV4),
+            {},
+            "projections: X must be a real numeric array, got dtype <U1",
+        ),
+        (
+            (X4, I2, I2, WV4, np.eye(3)),
+            {},
+            "output projection: H is T×(h·d_v) = 4×2 but W_o is 3×3; its rows must be h·d_v = 2",
+        ),
+        (
+            (X4, I2, I2, WV4, np.ones(3)),
+            {},
+            "output projection: W_o must be 2-D, got shape (3,)",
+        ),
+        (
+            (X4, I2, I2, WV4),
+            {"mask": np.ones((4, 4))},
+            "mask: must be boolean (True = may read), got dtype float64",
+        ),
+        (
+            (X4, I2, I2, WV4),
+            {"mask": np.ones((3, 3), bool)},
+            "mask: must end in T×T = 4×4, got shape (3, 3)",
+        ),
+        (
+            (X4, I2, I2, WV4),
+            {"mask": np.ones(4, bool)},
+            "mask: must end in T×T = 4×4, got shape (4,)",
+        ),
+        (
+            (X4, I2, I2, WV4),
+            {"mask": np.ones((3, 2, 4, 4), bool), "n_heads": 2},
+            "mask: with n_heads=2 and X of shape (4, 2), give T×T, X's leading axes + T×T, or "
+            "X's leading axes + (h, T, T); got shape (3, 2, 4, 4)",
+        ),
+        (
+            (X4, np.eye(2, 4), np.eye(2, 4), np.eye(2, 3)),
+            {"n_heads": 2},
+            "projections: W_v has 3 columns, not divisible by n_heads=2 (it must be d_model×(h·d))",
+        ),
+        (
+            (X4, np.eye(2, 3), np.eye(2, 3), np.eye(2, 4)),
+            {"n_heads": 2},
+            "projections: W_q has 3 columns, not divisible by n_heads=2 (it must be d_model×(h·d))",
+        ),
+        (
+            (X4, I2, I2, WV4),
+            {"n_heads": 0},
+            "projections: n_heads must be a positive integer, got 0",
+        ),
+        (
+            (X4, I2, I2, WV4),
+            {"n_heads": True},
+            "projections: n_heads must be a positive integer, got True",
+        ),
+        (
+            (X4, I2, I2, WV4),
+            {"scale": float("nan")},
+            "scores: scale must be a finite number, got nan",
+        ),
+        ((X4, I2, I2, WV4), {"scale": True}, "scores: scale must be a finite number, got True"),
+        ((X4, I2, I2, WV4), {"scale": "1"}, "scores: scale must be a finite number, got '1'"),
+        (
+            (X4, I2, I2, WV4),
+            {"lengths": [4]},
+            "mask: lengths, key_padding_mask, prefix_lengths or a per-sequence mask need X of "
+            "shape (B, T, d_model); got leading axes ()",
+        ),
+        ((X4, I2, I2, WV4), {"dropout_p": 2.0}, "dropout: dropout_p must lie in [0, 1], got 2.0"),
+    ],
+)
+def test_bad_input_messages_in_full(args, kwargs, message):
+    with pytest.raises(ValueError) as e:
+        trace(*args, **kwargs)
+    assert str(e.value) == message

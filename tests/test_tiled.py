@@ -253,3 +253,24 @@ def test_forward_touches_no_fully_blocked_key_block(monkeypatch, kw):
             if p.pattern.block_kind(0, a, a + 8, c, min(hi, c + 16), 80, 80) != "skip":
                 want += 8 * (min(hi, c + 16) - c)
     assert int(p.allowed().sum()) <= count.cells <= want, (count.cells, want)
+
+
+# chunk sizes against block sizes: (query block, key block) that divide the chunk, that it
+# divides, and that do neither; chunks below and above MIN_PIECE (those cut query blocks)
+CHUNK_BLOCKS = [
+    (c, blocks) for blocks in ((4, 8), (8, 8), (5, 7), (16, 12)) for c in (1, 3, 8, 12, 33, 40)
+]
+
+
+@pytest.mark.parametrize(
+    "chunk,blocks", CHUNK_BLOCKS, ids=[f"c{c}-b{a}x{b}" for c, (a, b) in CHUNK_BLOCKS]
+)
+def test_chunks_against_block_sizes_that_do_and_do_not_divide_them(monkeypatch, chunk, blocks):
+    """No per-batch rule (one job for every batch row): the chunk's tiles are not the same
+    along a diagonal unless the blocks line up with it, so none may be shared; forward,
+    lse and every gradient equal the reference for square and bottom-right problems."""
+    monkeypatch.setattr(tiled, "BLOCKS", blocks)
+    for Tq, Tk in ((70, 70), (29, 75)):
+        q, k, v = _inputs(2, 2, 1, Tq, Tk, 4, 3, seed=chunk)
+        _assert_matches_reference(q, k, v, chunk=chunk)
+        _assert_matches_reference(q, k, v, chunk=chunk, causal=False)

@@ -22,7 +22,8 @@ decoding case). With that, for batch row b:
 - ``lengths`` (B,): keys j < L_b; query rows with pos(i) >= L_b are padding and read nothing;
 - ``key_padding_mask`` (B, T_k) bool: blocks keys only;
 - ``cu_seqlens`` (n+1,): packed documents (B == 1), a key is read only within its document;
-- ``mask`` (B|1, H|1, T_q, T_k) bool: the general fallback, ANDed with the rest;
+- ``mask`` (B|1, H|1, T_q, T_k) bool (or (H|1, T_q, T_k), or (T_q, T_k)): the general
+  fallback, ANDed with the rest;
 - ``mask_mod(b, h, q_idx, kv_idx) -> bool``: any rule a user writes (FlexAttention's
   signature, evaluated block by block: :mod:`causalattn.masks_mod`), ANDed with the rest.
 
@@ -172,7 +173,7 @@ class Pattern:
     key_padding_mask: object = None  # (B, T_k) bool
     cu_seqlens: object = None  # (n+1,) int
     prefix_lengths: object = None  # (B,) int
-    mask: object = None  # (B|1, H|1, T_q, T_k) bool
+    mask: object = None  # (B|1, H|1, T_q, T_k), (H|1, T_q, T_k) or (T_q, T_k) bool
     alibi_slopes: object = None  # (H,) or (B, H) float
     softcap: float | None = None
     sinks: object = None  # (H,) float, may be a learned torch Parameter
@@ -286,22 +287,24 @@ class Pattern:
 
     @property
     def per_batch(self) -> bool:
-        """Whether the readable set differs between batch rows."""
+        """Whether the readable set differs between batch rows (a dense mask has a batch axis
+        only with 4 axes: a 3-D one is (H, T_q, T_k); a mask_mod may read b: taken as
+        differing)."""
         return (
             any(
                 getattr(self, n) is not None
                 for n in ("lengths", "key_padding_mask", "prefix_lengths")
             )
-            or (self.mask is not None and self.mask.ndim >= 3 and self.mask.shape[0] > 1)
-            or (
-                self.mask_mod is not None  # it may read b: taken as differing
-            )
+            or (self.mask is not None and self.mask.ndim == 4 and self.mask.shape[0] > 1)
+            or self.mask_mod is not None
         )
 
     @property
     def per_head(self) -> bool:
+        """Whether the readable set differs between heads: the dense mask's head axis is the
+        third from the end, (B|1, H|1, T_q, T_k) or (H|1, T_q, T_k); a mask_mod may read h."""
         return (
-            self.mask is not None and self.mask.ndim == 4 and self.mask.shape[1] > 1
+            self.mask is not None and self.mask.ndim >= 3 and self.mask.shape[-3] > 1
         ) or self.mask_mod is not None
 
     @property

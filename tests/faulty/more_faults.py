@@ -37,6 +37,15 @@ def window_off_by_one(q, k, v):
     return _softmax_rows(np.where(allowed, s, -np.inf)) @ v
 
 
+def window_one_too_narrow(q, k, v):
+    """Declared window=3; reads the last 2 keys (i - j < 2: one key too few)."""
+    s = q @ np.swapaxes(k, -1, -2) / np.sqrt(q.shape[-1])
+    T = s.shape[-1]
+    i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+    allowed = (j <= i) & (i - j < 2)  # fault: one key too few
+    return _softmax_rows(np.where(allowed, s, -np.inf)) @ v
+
+
 def finite_fill_too_weak(q, k, v):
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     T = scores.shape[-1]

@@ -92,10 +92,8 @@ class KVCache:
         t = k.shape[2]
         need = self._len + t
         if self._k is None or need > self._k.shape[2]:
-            cap = max(self._capacity, need)
-            while cap < need:
-                cap *= 2
-            if self._k is not None:
+            cap = max(self._capacity, need)  # the first append: capacity, or all it needs
+            if self._k is not None:  # later ones: at least double the storage
                 cap = max(cap, 2 * self._k.shape[2])
             B, H = k.shape[:2]
             nbytes = B * H * cap * (k.shape[3] + v.shape[3]) * k.element_size()
