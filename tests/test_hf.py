@@ -597,8 +597,6 @@ def test_additive_float_masks_are_read_as_blocked_and_allowed():
 # masks are built in the test, not at collection: a torch op at import starts OpenMP's
 # threads, and processes forked from one that did (mutmut's workers) can hang in them
 BAD_MASKS = [
-    (lambda: _additive((2, 1, 8, 8), -1e4), "additive bias"),
-    (lambda: torch.full((2, 1, 8, 8), 0.5), "additive bias"),
     (
         lambda: torch.zeros(2, 1, 8, 8, dtype=torch.int64),
         r"dtype torch.int64; expected bool or float",
@@ -627,15 +625,16 @@ def test_masks_that_are_not_who_may_read_whom_are_refused(make, match):
         pattern_from_hf(None, *_qk(T_q=8, T_k=8), make())
 
 
-@pytest.mark.parametrize("name", ["position_bias", "alibi", "attn_bias"])
+@pytest.mark.parametrize("name", ["alibi", "attn_bias"])
 def test_score_biases_and_bad_keywords_are_refused_by_name(name):
+    """A model's ALiBi tensor and an attn_bias are refused by name (position_bias and
+    additive float masks go in as the pattern's bias since issue 24)."""
     from causalattn.integrations.hf_pattern import REFUSED_KWARGS, SUPPORTED_KWARGS, pattern_from_hf
 
     assert name in REFUSED_KWARGS and "sliding_window" in SUPPORTED_KWARGS
+    assert "position_bias" in SUPPORTED_KWARGS and "position_bias" not in REFUSED_KWARGS
     q, k = _qk()
-    with pytest.raises(
-        ValueError, match=f"^causalattn attention: '{name}' \\(an additive score bias\\)"
-    ):
+    with pytest.raises(ValueError, match=f"^causalattn attention: '{name}' \\("):
         pattern_from_hf(None, q, k, None, **{name: torch.zeros(1)})
     assert pattern_from_hf(None, q, k, None, **{name: None})[0].is_plain_causal  # None: absent
     for w in (0, -3):
@@ -768,22 +767,21 @@ def test_documents_are_looked_for_in_one_square_mask_only():
         assert n == 8 and pat.mask is mask and not pat.causal
 
 
-def test_an_additive_mask_is_blocked_at_half_finfo_min_and_below_and_refused_above():
+def test_an_additive_mask_is_blocked_at_half_finfo_min_and_below_and_a_bias_above():
     """Blocked: at or below finfo.min / 2 (HF adds finfo.min to masks that may already hold
-    one); 0 may read; any other value is a bias, refused with the whole reason."""
+    one); 0 may read with no bias; any other value is read with that bias added."""
     from causalattn.integrations.hf_pattern import pattern_from_hf
 
     half = torch.finfo(torch.float32).min / 2
     edge = _additive((1, 1, 8, 8), half)
     pat, _ = pattern_from_hf(None, *_qk(B=1), edge)
-    assert pat.is_plain_causal
-    with pytest.raises(
-        ValueError,
-        match=r"^causalattn attention: attention_mask carries an additive bias \(values other "
-        r"than 0 and -inf/finfo.min\); causalattn takes who-may-read-whom masks, and ALiBi as "
-        r"slopes$",
-    ):
-        pattern_from_hf(None, *_qk(B=1), _additive((1, 1, 8, 8), half * 0.8))
+    assert pat.is_plain_causal and pat.bias is None
+    above = _additive((1, 1, 8, 8), half * 0.8)
+    pat, _ = pattern_from_hf(None, *_qk(B=1), above)
+    assert pat.mask is not None and bool(torch.as_tensor(pat.mask).all())  # every cell read
+    torch.testing.assert_close(torch.as_tensor(pat.bias), above)  # with the mask as its bias
+    pat, _ = pattern_from_hf(None, *_qk(T_q=8, T_k=8), torch.full((2, 1, 8, 8), 0.5))
+    assert torch.equal(torch.as_tensor(pat.bias), torch.full((2, 1, 8, 8), 0.5))
 
 
 def test_llama4_chunk_of_one_and_a_layer_just_past_the_types():
@@ -796,16 +794,23 @@ def test_llama4_chunk_of_one_and_a_layer_just_past_the_types():
     assert _chunk_of(_Module(chunk=4, layer_types=types_, layer_idx=0)) is None
 
 
-@pytest.mark.parametrize("name", ["position_bias", "alibi", "attn_bias"])
-def test_a_score_bias_is_refused_with_the_eager_way_out(name):
+@pytest.mark.parametrize(
+    "name,what",
+    [
+        ("alibi", "a model's own ALiBi tensor; causalattn takes the slopes"),
+        ("attn_bias", "an additive score bias of a layout causalattn does not read"),
+    ],
+)
+def test_a_score_term_it_cannot_read_is_refused_with_the_eager_way_out(name, what):
     from causalattn.integrations.hf_pattern import pattern_from_hf
 
-    with pytest.raises(
-        ValueError,
-        match=f"^causalattn attention: '{name}' \\(an additive score bias\\) is not supported; "
-        "use attn_implementation='eager'$",
-    ):
+    with pytest.raises(ValueError) as e:
         pattern_from_hf(None, *_qk(), None, **{name: torch.zeros(1)})
+    assert str(e.value) == (
+        f"causalattn attention: '{name}' ({what}) is not supported; use attn_implementation='eager'"
+    )
+    pat, _ = pattern_from_hf(None, *_qk(), None, position_bias=torch.zeros(1))
+    assert pat.bias is not None  # position_bias is read, as the pattern's bias
 
 
 def test_a_window_of_one_and_a_two_token_prefill_into_a_static_cache():

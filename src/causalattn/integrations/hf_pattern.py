@@ -29,7 +29,10 @@ __all__ = ["pattern_from_hf", "SUPPORTED_KWARGS"]
 # keywords of HF's attention-function call that carry part of the pattern
 SUPPORTED_KWARGS = ("sliding_window", "softcap", "s_aux", "is_causal", "position_bias")
 BIAS_KWARGS = ("position_bias",)  # additive score biases: the pattern's bias
-REFUSED_KWARGS = ("alibi",)  # a model's own ALiBi tensor: give the slopes (alibi_slopes)
+REFUSED_KWARGS = {  # score terms whose layout causalattn does not read: refused by name
+    "alibi": "a model's own ALiBi tensor; causalattn takes the slopes",
+    "attn_bias": "an additive score bias of a layout causalattn does not read",
+}
 
 
 def _boolean(mask: torch.Tensor, B: int, H: int, T_q: int, T_k: int):
@@ -155,11 +158,11 @@ def pattern_from_hf(
     ``(B|1, 1|H, T_q, T_k)`` (bool, or HF's additive 0 / finfo.min). Keys after the first
     n are read by no query (a StaticCache's empty slots) and are dropped by the caller.
     """
-    for name in REFUSED_KWARGS:
+    for name, what in REFUSED_KWARGS.items():
         if kwargs.get(name) is not None:
             raise ValueError(
-                f"causalattn attention: {name!r} (a model's own ALiBi tensor) is not "
-                "supported; use attn_implementation='eager'"
+                f"causalattn attention: {name!r} ({what}) is not supported; "
+                "use attn_implementation='eager'"
             )
     B, H, T_q, _ = query.shape
     T_k = key.shape[2]
