@@ -486,3 +486,17 @@ def test_half_precision_with_window_modifiers_and_dropout(dtype):
         generator=_gen(9),
     )
     _check(*_inputs(1, 2, 1, 33, 33, 32, dtype=dtype), dtype=dtype, **kw)
+
+
+def test_a_mask_mod_and_a_bias():
+    """A rule given as a function (its partial tiles handed over as tile masks, kinds shared
+    by the heads it does not read) and an additive bias, forward and gradients."""
+    q, k, v = _inputs(2, 2, 2, 40, 40, 16)
+
+    def no_far_keys(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 9
+
+    _check(q, k, v, mask_mod=no_far_keys)
+    q, k, v = _inputs(2, 2, 2, 40, 40, 16, seed=1)  # fresh leaves: no gradient accumulated
+    bias = torch.randn(1, 2, 40, 40, generator=torch.Generator().manual_seed(3)).to(DEV)
+    _check(q, k, v, mask_mod=no_far_keys, bias=bias)

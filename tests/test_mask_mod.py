@@ -404,3 +404,20 @@ def test_tile_tables_store_each_partial_tile_once():
     assert bool((torch.tril(k, -1)[torch.tril(torch.ones(4, 4), -1) > 0] == 1).all())
     assert bool((torch.triu(k, 1) == 0).all())
     assert math.isclose(tiles[0].float().mean().item(), (128 * 129 / 2) / 128**2)
+
+
+def test_tile_kinds_differ_by_head_only_where_the_rule_reads_h():
+    """A rule that does not read h gets one table for every head (its partial tiles made
+    once); one that reads h gets a table per head."""
+
+    def table(fn, B=1):
+        lo, hi = Pattern(causal=False).row_ranges(B, 256, 256)
+        pt = Pattern(causal=False, mask_mod=fn)
+        return masks_mod.tile_table(pt, B, 3, 256, 256, 64, 64, lo, hi)
+
+    kinds, tiles = table(lambda b, h, q, kv: kv <= q)
+    assert kinds.shape == (1, 1, 4, 4) and tiles.shape[0] == 1
+    kinds, _ = table(lambda b, h, q, kv: kv <= q - h)
+    assert kinds.shape == (1, 3, 4, 4) and not torch.equal(kinds[0, 0], kinds[0, 2])
+    kinds, _ = table(lambda b, h, q, kv: (kv <= q) | (b == 1), B=2)  # rows: B's own axis
+    assert kinds.shape == (2, 1, 4, 4) and bool((kinds[1, 0] == 1).all())

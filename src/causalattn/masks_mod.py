@@ -304,9 +304,13 @@ def tile_table(pattern, B: int, H: int, T_q: int, T_k: int, bq: int, bk: int, lo
     if pattern.mask is None and pattern.mask_mod is None:
         return None, None
     nq, nk = -(-T_q // bq), -(-T_k // bk)
+    # each tile's kinds over the heads its cells differ by: one for a rule that does not read
+    # h (a mask_mod shows that only by what it returns), so the partial tiles are made once,
+    # not once per head, and the kernels get kinds that say so
     Bp = B if pattern.per_batch or (pattern.mask is not None and _mask_rows(pattern) > 1) else 1
     Hp = H if pattern.per_head else 1
-    kinds = torch.zeros((Bp, Hp, nq, nk), dtype=torch.int32)
+    kinds = torch.zeros((Bp, Hp, nq, nk), dtype=torch.int32)  # filled in place: no small
+    seen_b = seen_h = 1  # tensors kept per tile (they would pin the allocator's heap)
     masks: list = []
     index: dict[bytes, int] = {}
     lo, hi = np.asarray(lo), np.asarray(hi)
@@ -321,12 +325,11 @@ def tile_table(pattern, B: int, H: int, T_q: int, T_k: int, bq: int, bk: int, lo
             kc2 = min(k_last, kc + step)
             k0, k1 = kc * bk, min(T_k, kc2 * bk)
             t = pattern.extra_tile(B, H, T_q, T_k, q0, q1, k0, k1)  # (B'|1, H'|1, r, c)
-            t = t.expand(Bp, Hp, q1 - q0, k1 - k0)
             for ki in range(kc, kc2):
                 c0, c1 = ki * bk - k0, min(k1, ki * bk + bk) - k0
                 cell = t[:, :, :, c0:c1]
                 some, every = cell.any(-1).any(-1), cell.all(-1).all(-1)
-                kinds[:, :, qi, ki] = every.to(torch.int32)  # 1 full, 0 skip for now
+                kt = every.to(torch.int32)  # 1 full, 0 skip for now
                 for b, h in (some & ~every).nonzero().tolist():
                     m = torch.zeros((bq, bk), dtype=torch.bool)
                     m[: q1 - q0, : c1 - c0] = cell[b, h]
@@ -335,7 +338,10 @@ def tile_table(pattern, B: int, H: int, T_q: int, T_k: int, bq: int, bk: int, lo
                     if n is None:
                         n = index[key] = len(masks)
                         masks.append(m)
-                    kinds[b, h, qi, ki] = PARTIAL_TILE + n
+                    kt[b, h] = PARTIAL_TILE + n
+                kinds[:, :, qi, ki] = kt
+                seen_b, seen_h = max(seen_b, kt.shape[0]), max(seen_h, kt.shape[1])
+    kinds = kinds[:seen_b, :seen_h]  # the same for every row / head where nothing differed
     tile_masks = torch.stack(masks) if masks else torch.zeros((1, bq, bk), dtype=torch.bool)
     return kinds.contiguous(), tile_masks.contiguous()
 
