@@ -207,7 +207,7 @@ def test_declared_padding_is_passed_to_code_that_takes_it():
 
 # ---- measure's pieces on their own -------------------------------------------------------
 def test_spans_fold_runs_of_consecutive_numbers_in_the_order_given():
-    from causalattn.check.measure import spans
+    from causalattn.check.words import spans
 
     assert spans([]) == [] and spans([4]) == ["4"]
     assert spans([2, 3, 4, 7]) == ["2..4", "7"]
@@ -216,7 +216,8 @@ def test_spans_fold_runs_of_consecutive_numbers_in_the_order_given():
 
 
 def test_rows_and_keys_are_said_1_based_and_folded():
-    from causalattn.check.measure import _keys_text, rows_text
+    from causalattn.check.words import keys_text as _keys_text
+    from causalattn.check.words import rows_text
 
     assert rows_text([]) == "no rows" and rows_text([0]) == "row 1"
     assert rows_text([1, 2, 3, 7]) == "rows 2..4, 8" and rows_text(np.array([0, 2])) == "rows 1, 3"
@@ -228,7 +229,7 @@ def test_rows_and_keys_are_said_1_based_and_folded():
 
 
 def test_describe_difference_names_own_keys_extra_and_missing_reads():
-    from causalattn.check.measure import describe_difference
+    from causalattn.check.words import describe_difference
 
     E = masks.causal(4)
     assert describe_difference(E, E, 4, 4) == ""
@@ -271,7 +272,8 @@ def test_describe_difference_names_own_keys_extra_and_missing_reads():
 
 
 def test_read_pattern_and_tolerance():
-    from causalattn.check.measure import STAGES, Finding, read_pattern, tolerance
+    from causalattn.check.measure import read_pattern, tolerance
+    from causalattn.check.report import STAGES, Finding
 
     A = np.array([[0.0, 1e-9, -0.2, np.nan, 0.5]])
     assert read_pattern(A).tolist() == [[False, True, True, True, True]]

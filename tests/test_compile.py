@@ -315,6 +315,7 @@ def _op_args(q, k, v, engine, **kw):
         k,
         v,
         *tensors,
+        [],  # captured: the tensors a score_mod reads (none)
         seed,
         True,
         kw.get("window"),
@@ -322,6 +323,7 @@ def _op_args(q, k, v, engine, **kw):
         kw.get("softcap"),
         0.3,
         kw.get("dropout_p", 0.0),
+        0,  # mods: no mask_mod, no score_mod
         engine,
     )
 
@@ -343,7 +345,8 @@ def test_fake_and_real_operators_agree():
         out, lse = ops.fwd(*args, False)
         dout = torch.randn_like(out)
         det = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
-        bargs = (dout, None, *det[:3], out.detach(), lse.detach(), *det[3:], "sinks" in kw)
+        want = int("sinks" in kw)  # bit 0: LEARNED[0], the sinks
+        bargs = (dout, None, *det[:3], out.detach(), lse.detach(), *det[3:], want)
         torch.library.opcheck(torch.ops.causalattn.bwd.default, bargs, test_utils=UTILS[:2])
 
 

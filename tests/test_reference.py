@@ -371,8 +371,8 @@ def test_package_exports():
         (
             (X4, I2, I2, WV4),
             {"mask": np.ones((3, 2, 4, 4), bool), "n_heads": 2},
-            "mask: with n_heads=2 and X of shape (4, 2), give T×T, X's leading axes + T×T, or "
-            "X's leading axes + (h, T, T); got shape (3, 2, 4, 4)",
+            "mask: with n_heads=2 and X of leading axes (), give T×T, X's leading axes + T×T, "
+            "or X's leading axes + (h, T, T); got shape (3, 2, 4, 4)",
         ),
         (
             (X4, np.eye(2, 4), np.eye(2, 4), np.eye(2, 3)),

@@ -873,7 +873,7 @@ class Pattern:
     @staticmethod
     def from_block_mask(bm) -> Pattern:
         """The Pattern of a FlexAttention ``BlockMask`` (for its own (T_q, T_k) only)."""
-        return _mod.from_block_mask(bm)
+        return Pattern(causal=False, mask_mod=_mod.block_mask_mod(bm))
 
 
 def alibi_slopes(n_heads: int) -> np.ndarray:

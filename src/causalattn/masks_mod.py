@@ -42,7 +42,7 @@ __all__ = [
     "block_kind",
     "to_mask_mod",
     "to_block_mask",
-    "from_block_mask",
+    "block_mask_mod",
     "BlockMaskMod",
 ]
 
@@ -491,10 +491,10 @@ def _dense_kinds(bm):
     return kinds[..., :nq, :nk].to(torch.int8).contiguous()
 
 
-def from_block_mask(bm):
-    """A :class:`~causalattn.masks.Pattern` whose M is the BlockMask's (and nothing else)."""
-    from .masks import Pattern
-
+def block_mask_mod(bm) -> BlockMaskMod:
+    """The mask_mod of a FlexAttention ``BlockMask`` (checked to be one), for
+    :meth:`causalattn.masks.Pattern.from_block_mask`, which makes the Pattern (masks imports
+    this module, never the other way)."""
     try:
         from torch.nn.attention.flex_attention import BlockMask
     except ImportError as exc:  # pragma: no cover - old torch
@@ -504,4 +504,4 @@ def from_block_mask(bm):
             f"from_block_mask: expected a torch.nn.attention.flex_attention.BlockMask, got "
             f"{type(bm).__name__}"
         )
-    return Pattern(causal=False, mask_mod=BlockMaskMod(bm))
+    return BlockMaskMod(bm)

@@ -30,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import platformdirs
+import torch
 
 from .problem import constant_result
 from .registry import Features, refusal
@@ -40,6 +41,7 @@ PACKAGED = Path(__file__).with_name("auto_table.json")
 # wiring costs about 0.2 ms more per call (measured fwd+bwd on 2 cores: T = 8..64 SDPA
 # 0.56-0.81x cpp's time, T = 128 even, (4, 12, 128, 64) 1.28x)
 SDPA_GRAD_T = 64
+PLAIN_KINDS = ("causal", "full", "decode")  # no modifiers, masks or dropout: SDPA's results
 FALLBACK = {"cpu": ("cpp", "tiled", "sdpa", "reference"), "cuda": ("triton", "sdpa", "reference")}
 
 _TABLE: dict | None = None
@@ -118,8 +120,9 @@ def _measured_cpp() -> bool:
 
 
 @functools.lru_cache(maxsize=1024)
-def _ladder_for(f: Features) -> tuple[tuple[int, str], ...]:
-    """The engines "auto" runs for these features by T_k: ((T_max, engine), ...)."""
+def _ladder_for(f: Features, eager: bool = True) -> tuple[tuple[int, str], ...]:
+    """The engines "auto" runs for these features by T_k: ((T_max, engine), ...); ``eager``
+    False (tracing) leaves out the tiny-backward step, a bound that would guard T_k."""
     if f.device == "cuda":
         from . import triton as tr
 
@@ -133,8 +136,8 @@ def _ladder_for(f: Features) -> tuple[tuple[int, str], ...]:
     if f.device != "cpu":  # meta and other devices: any engine computes shapes
         return ((2**62, "tiled"),)
     if not refusal("cpp", f) and not _measured_cpp():
-        if f.grad and not refusal("sdpa", f):  # tiny backward: SDPA's fixed cost is lower
-            return ((SDPA_GRAD_T, "sdpa"), (2**62, "cpp"))
+        if eager and f.grad and f.kind in PLAIN_KINDS and not refusal("sdpa", f):
+            return ((SDPA_GRAD_T, "sdpa"), (2**62, "cpp"))  # tiny backward: less fixed cost
         return ((2**62, "cpp"),)
     ladder = table_ladder(f) or [(2**62, "tiled")]
     fallback = next((n for n in FALLBACK["cpu"] if not refusal(n, f)), "reference")
@@ -146,7 +149,7 @@ def ladder(f: Features) -> tuple[tuple[int, str], ...]:
     forced = os.environ.get(ENV)
     if forced and forced != "auto":
         return ((2**62, forced),)
-    return _ladder_for(f)
+    return _ladder_for(f, not torch.compiler.is_compiling())
 
 
 def pick(f: Features) -> str:

@@ -463,7 +463,9 @@ class FuncAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        return _backward(ctx, dout, dlse)
+        grads = list(_backward(ctx, dout, dlse))
+        grads[OpArgs._fields.index("captured")] = None  # a list argument: no gradient here
+        return tuple(grads)
 
 
 def _select(a, d, i):
