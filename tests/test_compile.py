@@ -405,26 +405,3 @@ def test_hf_model_exports_and_the_program_matches():
     assert any(n.target == torch.ops.causalattn.fwd.default for n in ep.graph.nodes)
     got = ep.module()(ids, attention_mask=am, use_cache=False).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
-
-
-def test_constant_result_marks_as_dynamo_does_and_import_leaves_dynamo_out():
-    """engines' constant_result sets exactly what torch.compiler.assume_constant_result
-    sets (so compiling sees the same constants), and `import causalattn.cli` no longer
-    imports torch._dynamo (half of every CLI start-up)."""
-    import subprocess
-    import sys
-
-    from causalattn.engines.problem import constant_result
-
-    def ours():
-        return 1
-
-    def torchs():
-        return 1
-
-    assert constant_result(ours) is ours
-    assert torch.compiler.assume_constant_result(torchs) is torchs
-    assert vars(ours) == vars(torchs) == {"_dynamo_marked_constant": True}
-    code = "import sys, causalattn.cli; print('torch._dynamo' in sys.modules)"
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert res.returncode == 0 and res.stdout.strip() == "False", res.stdout + res.stderr

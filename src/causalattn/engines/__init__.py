@@ -22,13 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from .. import dropout as _dropout
+from .._internals.torch import constant_result, is_fake, transforms_active
 from ..masks import default_scale
 from ..masks_mod import check_callable
 from . import auto as _auto
 from . import cpp as _cpp
 from . import ops as _ops
 from .cache import KVCache
-from .problem import Problem, _check_tensors, check_generator, constant_result, make_problem
+from .problem import Problem, _check_tensors, check_generator, make_problem
 from .registry import (
     ENGINES,
     LEARNED,
@@ -103,7 +104,7 @@ _SCALE: dict = {}  # d_k -> 1/√d_k
 def _plain(q, k, v, causal, window, chunk, scale, name):
     if not (type(q) is type(k) is type(v) is torch.Tensor):  # Parameters, fakes: the usual way
         return None
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if torch.compiler.is_compiling() or transforms_active():
         return None
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     # k, v's devices as indices: the shortcut only ever runs with q on the CPU, where any
@@ -316,7 +317,7 @@ def attention(
         engine=name,
         return_lse=return_lse,
     )
-    if torch._C._are_functorch_transforms_active():  # torch.func.grad, vmap, ...
+    if transforms_active():  # torch.func.grad, vmap, ...
         out, lse = _ops.FuncAttention.apply(*args)
     else:
         out, lse = torch.ops.causalattn.fwd(*args)
@@ -325,13 +326,11 @@ def attention(
 
 def _eager(q: torch.Tensor) -> bool:
     """Plain eager mode: not traced by Dynamo or export, no torch.func transform, real data."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return not (
         torch.compiler.is_compiling()
         or torch.compiler.is_exporting()
-        or torch._C._are_functorch_transforms_active()
-        or isinstance(q, FakeTensor)
+        or transforms_active()
+        or is_fake(q)
         or q.device.type == "meta"
     )
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import platformdirs
 import torch
 
-from .problem import constant_result
+from .._internals.torch import constant_result
 from .registry import Features, refusal
 
 ENV = "CAUSALATTN_ENGINE"

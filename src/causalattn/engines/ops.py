@@ -40,9 +40,10 @@ import torch
 from torch import Tensor
 
 from .. import dropout as _dropout
+from .._internals.torch import autograd_inside, constant_result
 from . import autograd as _autograd
-from .problem import autograd_inside, constant_result, make_problem
 from .problem import compute_dtype as lse_dtype
+from .problem import make_problem
 from .registry import ENGINES, LEARNED, TENSORS, captured_of, engine, of_problem
 
 __all__ = ["OpArgs", "ENGINES", "TENSORS", "fwd", "bwd", "refusal", "engine_module", "mods_id"]

@@ -47,27 +47,6 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def autograd_inside():
-    """Re-enable autograd dispatch inside an operator's implementation, which runs below the
-    Autograd keys (they are excluded from this thread's dispatch set there): the reference's
-    recomputation and a score_mod's tiles are differentiated by autograd."""
-    C = torch._C
-    ex = C._dispatch_tls_local_exclude_set()
-    for key in ("AutogradFunctionality", "AutogradOther", "AutogradNestedTensor"):
-        if hasattr(C.DispatchKey, key):
-            ex = ex.remove(getattr(C.DispatchKey, key))
-    return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), ex)
-
-
-def constant_result(fn):
-    """``torch.compiler.assume_constant_result`` without importing ``torch._dynamo`` when
-    causalattn is imported (that import is about half of the CLI's start-up): Dynamo's
-    decorator only sets this attribute, which Dynamo reads when it traces a call to ``fn``
-    (tests/test_compile.py checks that the two agree)."""
-    fn._dynamo_marked_constant = True
-    return fn
-
-
 @dataclass
 class Problem:
     q: torch.Tensor  # (B, H_q, T_q, d_k)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .._internals.torch import constant_result
 from ..masks import CALLABLES, PATTERN_KEYWORDS
-from .problem import constant_result
 
 # the pattern's tensors, in the operators' argument order (after q, k, v): Pattern's order
 SCALARS = ("causal", "window", "chunk", "softcap")
