@@ -22,6 +22,7 @@ import weakref
 import torch
 
 from .. import masks
+from .._internals.torch import version as _version
 from ..masks import shape_str as _shape_str
 
 __all__ = ["pattern_from_hf", "SUPPORTED_KWARGS"]
@@ -193,7 +194,7 @@ def pattern_from_hf(
     allowed, extra = _boolean(attention_mask.to(query.device), B, H, T_q, T_k)
     if extra is not None:
         bias = extra.to(query.dtype) if bias is None else bias + extra
-    key_ = (id(allowed), allowed._version, tuple(allowed.shape), B, H, T_q, causal, window, chunk)
+    key_ = (id(allowed), _version(allowed), tuple(allowed.shape), B, H, T_q, causal, window, chunk)
     found = _MEMO.get(allowed, key_)
     if found is None:
         found = None
