@@ -29,6 +29,7 @@ this module's kernels are first imported; that is how the tests run them without
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from .. import dropout as _dropout
+from .._internals.triton import interpreter_fixes
 from . import autograd as _autograd
 from .problem import Problem
 
@@ -61,46 +63,19 @@ def _require_triton() -> None:
 
 def _kernels():
     _require_triton()
-    if _interpreting():
-        _interpreter_compat()
     from . import _triton_kernels
 
     return _triton_kernels
 
 
-def _interpreter_compat():
-    """Two fixes to triton 3.6's interpreter (CPU only; compiled kernels are untouched):
-    it turns a scalar into a 1-element array and calls ``int()`` on it for ``range(lo, hi)``
-    bounds, which NumPy >= 2.4 refuses (take the element); and its ``tl.dot`` multiplies
-    the raw uint16 bits of bf16 operands (widen them to fp32 first)."""
-    from triton.runtime import interpreter as it
-
-    if getattr(it, "_causalattn_patched", False):
-        return
-    patch_tensor = it._patch_lang_tensor
-
-    def patched_tensor(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    dot = it.InterpreterBuilder.create_dot
-
-    def widen(h):
-        if h.dtype.scalar != triton.language.bfloat16:
-            return h
-        bits = (h.data.astype(np.uint32) << 16).view(np.float32)
-        return it.TensorHandle(bits, triton.language.float32)
-
-    def patched_dot(self, a, b, d, *args, **kwargs):
-        return dot(self, widen(a), widen(b), d, *args, **kwargs)
-
-    it._patch_lang_tensor = patched_tensor
-    it.InterpreterBuilder.create_dot = patched_dot
-    it._causalattn_patched = True
-
-
 def _interpreting() -> bool:
     return triton is not None and bool(triton.knobs.runtime.interpret)
+
+
+def _held():
+    """What a launch runs under: in the interpreter, its two fixes, restored after
+    (:mod:`causalattn._internals.triton`); compiled kernels need none."""
+    return interpreter_fixes() if _interpreting() else contextlib.nullcontext()
 
 
 def _pow2(n: int) -> int:
@@ -444,16 +419,18 @@ def _launch(name: str, grid, tiles: dict, tensors, own, plan: _Plan, scale: floa
     """Launch kernel ``name`` with arguments in the kernels' order: each (B, H, T, d) tensor
     with its strides, the kernel's own arrays ``own``, the pattern's arrays, the sizes and
     scalars, then the constexprs (flags, precision, tiles)."""
-    getattr(_kernels(), name)[grid](
-        *(x for t in tensors for x in _strided(t)),
-        *own,
-        *plan.arrays(tiles["BLOCK_M"], tiles["BLOCK_N"]),
-        *plan.scalars(scale),
-        **plan.flags(),
-        **constexprs,
-        PREC=_prec(tensors[0].dtype),
-        **_tile_keywords(tiles, plan.d_k, plan.d_v),
-    )
+    kernel = getattr(_kernels(), name)[grid]
+    with _held():
+        kernel(
+            *(x for t in tensors for x in _strided(t)),
+            *own,
+            *plan.arrays(tiles["BLOCK_M"], tiles["BLOCK_N"]),
+            *plan.scalars(scale),
+            **plan.flags(),
+            **constexprs,
+            PREC=_prec(tensors[0].dtype),
+            **_tile_keywords(tiles, plan.d_k, plan.d_v),
+        )
 
 
 def _launch_fwd(q, k, v, plan: _Plan, scale: float, cfg: dict):
@@ -477,19 +454,21 @@ def _launch_preprocess(out, dout, lse, dlse, cfg: dict):
     block_m = cfg["dq"]["BLOCK_M"]
     has_dlse = dlse is not None
     dlse = dlse.float().contiguous() if has_dlse else lse
-    kernels.bwd_preprocess[(triton.cdiv(n_rows, block_m),)](
-        out,
-        dout,
-        lse,
-        dlse,
-        D,
-        n_rows,
-        D_V=d_v,
-        HAS_DLSE=has_dlse,
-        BLOCK_M=block_m,
-        BLOCK_DV=block_dv,
-        NUM_DV=triton.cdiv(d_v, block_dv),
-    )
+    kernel = kernels.bwd_preprocess[(triton.cdiv(n_rows, block_m),)]
+    with _held():
+        kernel(
+            out,
+            dout,
+            lse,
+            dlse,
+            D,
+            n_rows,
+            D_V=d_v,
+            HAS_DLSE=has_dlse,
+            BLOCK_M=block_m,
+            BLOCK_DV=block_dv,
+            NUM_DV=triton.cdiv(d_v, block_dv),
+        )
     return D
 
 
