@@ -16,6 +16,7 @@ import torch
 from causalattn.engines import attention, contract, make_problem, pick_engine
 from causalattn.engines import exact as ref_engine
 from causalattn.engines import triton as tri
+from causalattn.engines.triton_plan import Plan
 from causalattn.masks import Pattern
 
 ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
@@ -400,7 +401,7 @@ def test_a_3d_mask_is_read_per_head_and_shared_by_the_batch_rows():
     and gradients bit for bit."""
     q, k, v = _inputs(2, 2, 1, 32, 32, 16, seed=4)
     m = _per_head_mask(1, 2, 32, 32)[0]
-    plan = tri._Plan(make_problem(q, k, v, causal=False, mask=m.to(DEV)))
+    plan = Plan(make_problem(q, k, v, causal=False, mask=m.to(DEV)))
     assert plan.dense_mask_strides == (0, 32 * 32, 32)
     runs = []
     for mask in (m, m[None]):

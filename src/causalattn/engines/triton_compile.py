@@ -23,6 +23,7 @@ from triton.compiler import ASTSource
 
 from . import triton as engine
 from .problem import make_problem
+from .triton_plan import Plan
 
 SMEM_LIMIT = 232448  # bytes of shared memory per block on sm_90
 TYPE_NAMES = {
@@ -117,7 +118,7 @@ def launches(
     cfg = engine._configs(d, d, dtype, interpret=False)
     for name, o in (over or {}).items():
         cfg[name] = {**cfg[name], **o}
-    plan = engine._Plan(p)
+    plan = Plan(p)
     kernels = engine._kernels
     engine._kernels = lambda: rec
     try:
