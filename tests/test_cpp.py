@@ -288,3 +288,17 @@ def test_a_row_that_a_minus_inf_bias_blocks_entirely_reads_nothing():
     out = attention(q, k, v, engine="cpp", bias=bias)
     assert torch.equal(out[:, :, 5], torch.zeros_like(out[:, :, 5]))
     torch.testing.assert_close(out, attention(q, k, v, engine="reference", bias=bias))
+
+
+def test_the_layout_constants_come_from_problem_h():
+    """REL_PAD and the backward's `want` bits have one source, csrc/problem.h: the extension
+    exports them, cpp.py reads them there (no Python copy)."""
+    import re
+
+    header = (cpp.CSRC / "problem.h").read_text()
+    ext = cpp._ops()
+    assert ext.REL_PAD == int(re.search(r"constexpr int64_t REL_PAD = (\d+);", header)[1])
+    bits = dict(re.findall(r"(WANT_\w+) = (\d+)", header))
+    assert set(bits) == set(cpp.WANTS.values())
+    assert {n: getattr(ext, n) for n in bits} == {n: int(b) for n, b in bits.items()}
+    assert not hasattr(cpp, "REL_PAD")

@@ -51,7 +51,6 @@ DTYPE_NAMES = "fp64, fp32, bf16 or fp16"
 DTYPE_NAMES_OF = tuple(str(t).replace("torch.", "") for t in DTYPES)
 DECODE_ROWS = 16  # query rows at most for the key-split decoding path
 BLOCKS: tuple[int, int] | None = None  # (bq, bk) to force, for tests
-REL_PAD = 64  # rel_bias rows' padding on each side (csrc/problem.h's REL_PAD)
 BWD_BLOCKS = (64, 96)  # backward (query rows, keys) per step; must divide the grid's
 
 _STATE: dict = {}
@@ -252,7 +251,8 @@ def _pattern_args(p: Problem, bq: int, bk: int) -> tuple:
 def _additive(p: Problem):
     """(bias, rel) as the kernels read them, in the compute dtype: bias as a 4-D view
     (1|B, 1|H_q, 1|T_q, 1|T_k) (no copy when it is already fp32 / fp64); rel_bias (H_q, R)
-    times log2 e, each row reversed between REL_PAD zeros (csrc/problem.h)."""
+    times log2 e, each row reversed between REL_PAD zeros (csrc/problem.h's, which the
+    extension exports: its one source)."""
     pt, ct = p.pattern, compute_dtype(p.q.dtype)
     bias = rel = None
     if pt.bias is not None:
@@ -260,7 +260,8 @@ def _additive(p: Problem):
         bias = b.reshape((1,) * (4 - b.dim()) + tuple(b.shape))
     if pt.rel_bias is not None:
         r = torch.as_tensor(_host(pt.rel_bias), dtype=torch.float64) * LOG2E
-        rel = torch.nn.functional.pad(r.flip(-1), (REL_PAD, REL_PAD)).to(ct).contiguous()
+        pad = _ops().REL_PAD
+        rel = torch.nn.functional.pad(r.flip(-1), (pad, pad)).to(ct).contiguous()
     return bias, rel
 
 
@@ -374,8 +375,9 @@ def bwd(p: Problem, out, lse, dout, dlse=None):
     return tuple(_bwd(p, out, lse, dout, dlse, 0)[:3])
 
 
-# the learned tensors the kernels differentiate, and their bits of the backward's `want`
-WANTS = {"alibi_slopes": 1, "bias": 2, "rel_bias": 4}
+# the learned tensors the kernels differentiate, by the name of their bit of the backward's
+# `want` (csrc/problem.h's WANT_*, which the extension exports: their one source)
+WANTS = {"alibi_slopes": "WANT_SLOPES", "bias": "WANT_BIAS", "rel_bias": "WANT_REL"}
 
 
 def bwd_grads(p: Problem, out, lse, dout, dlse, want: tuple[str, ...]):
@@ -385,7 +387,7 @@ def bwd_grads(p: Problem, out, lse, dout, dlse, want: tuple[str, ...]):
     position r, d slopes = −Σ dZ·|pos(i) − j|. Each task adds in its fixed order, tasks that
     share cells run as one or into separate parts summed in part order: the same bits
     whatever the thread count."""
-    bits = sum(WANTS[n] for n in want)
+    bits = sum(getattr(_ops(), WANTS[n]) for n in want)
     dq, dk, dv, dsl, dz, drel = _bwd(p, out, lse, dout, dlse, bits)
     pt, grads = p.pattern, {}
     if "bias" in want:  # summed over its broadcast axes in the kernel (its 4-D form)

@@ -212,4 +212,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bwd(q, k, v, out, dout, lse, dlse, lo, hi, key_padding, kinds, mask, tile_masks, "
         "slopes, sinks, bias, rel, scale, softcap, q_start, k_start, drop_thr, drop_scale, seed, "
         "offset, bq, bk, bwd_q, bwd_k, lanes, want) -> [dq, dk, dv, dslopes, dz, drel]");
+  // the layout constants Python builds arguments by (problem.h is their one source)
+  m.attr("REL_PAD") = causalattn::REL_PAD;
+  m.attr("WANT_SLOPES") = static_cast<int64_t>(causalattn::WANT_SLOPES);
+  m.attr("WANT_BIAS") = static_cast<int64_t>(causalattn::WANT_BIAS);
+  m.attr("WANT_REL") = static_cast<int64_t>(causalattn::WANT_REL);
 }
