@@ -230,11 +230,27 @@ def explorer_data(
     return index
 
 
-def _asset(name: str) -> str:
-    text = resources.files(__package__).joinpath(name).read_text(encoding="utf-8")
+# The page's script: one module per concern, inlined in this order into one <script> (each
+# a factory the later ones call: decode needs nothing, main builds the rest), so the page
+# stays one self-contained file.
+SCRIPTS = ("decode", "util", "paint", "side", "model", "learn", "main")
+
+
+def _asset(*parts: str) -> str:
+    """A file beside this module (``parts``: folders, then its name)."""
+    where, name = resources.files(__package__), "/".join(parts)
+    for part in parts:
+        where = where.joinpath(part)
+    text = where.read_text(encoding="utf-8")
     if "</script" in text.lower() or "</style" in text.lower():
         raise RuntimeError(f"explorer asset {name} must not contain a closing script/style tag")
     return text
+
+
+def script_source(*modules: str) -> str:
+    """The explorer's JavaScript modules (default: all of :data:`SCRIPTS`, in order), as the
+    page inlines them."""
+    return "\n".join(_asset("js", f"{m}.js") for m in (modules or SCRIPTS))
 
 
 def explorer_fragment(
@@ -275,7 +291,7 @@ def explorer_fragment(
         "the notebook)</div>"
         f'<script type="application/json" class="ca-data">{json_for_script(index)}</script>'
         + "".join(b for k, b in enumerate(paged) if k in early)
-        + f"<script{n}>(function () {{\n{_asset('explorer.js')}\n"
+        + f"<script{n}>(function () {{\n{script_source()}\n"
         f'var root = document.getElementById("{uid}");\n'
         'causalattnExplorer(root, JSON.parse(root.querySelector("script.ca-data").textContent));\n'
         "})();</script>" + "".join(b for k, b in enumerate(paged) if k not in early) + "</div>"
