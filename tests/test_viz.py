@@ -338,6 +338,18 @@ def test_score_modifiers_travel_as_parameters_not_as_dense_matrices():
     assert [h["form"] for h in lay["heads"]] == ["dense", "dense"]
 
 
+def test_traces_with_and_without_their_weights_share_a_page():
+    """Layers of the same shapes are checked together; one with X and weights and one with
+    only Q, K, V are not one group (issue 26: this raised a KeyError for W_q)."""
+    rng = np.random.default_rng(4)
+    tr = ca.trace(rng.normal(size=(6, 4)), *(rng.normal(size=(4, 4)) for _ in range(3)))
+    bare = ca.Trace(
+        {n: tr[n] for n in ("Q", "K", "V", "S", "A", "H")}, allowed=tr.allowed, scale=tr.scale
+    )
+    data = viz.explorer_data([tr, bare], layers=False)
+    assert [s["layers"][0]["heads"][0]["form"] for s in data["sequences"]] == ["x", "qk"]
+
+
 def test_questions_travel_with_their_matrix():
     learn = viz.explorer_data(_model(L=1), questions=QUESTIONS)["learn"]
     assert [q["answer"] for q in learn] == [1, 1]

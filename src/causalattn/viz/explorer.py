@@ -82,7 +82,8 @@ def _layers_data(
                 "kinds; the explorer draws one mask per layer"
             )
         names = tuple(n for n in ("Q", "K", "V", "S", "A", "H") if n in tr)
-        key = (names, tr.scale, json.dumps(modifiers(tr, A.shape[0]))) + tuple(
+        weights = tuple(n in tr for n in ("X", "W_q", "W_k", "W_v"))  # X W checked per group
+        key = (names, weights, tr.scale, json.dumps(modifiers(tr, A.shape[0]))) + tuple(
             (stacked(tr, n).shape, stacked(tr, n).dtype.str) for n in names
         )
         groups.setdefault(key, []).append(k)
