@@ -26,6 +26,13 @@ panel shows no more). The page says which, and how far its recomputed A is from 
 trace's (measured here, in float64). Thumbnails are max-pooled to at most 48×48. Should
 the sequences still not fit, the page keeps the first ones and says so (one sequence is
 never cut).
+
+The steps, a module each: :mod:`.explorer_read` (what was given, as sequences × layers),
+:mod:`.explorer_precision` (how each array travels), :mod:`.explorer_verify` (what the page
+may recompute, checked against the trace), :mod:`.explorer_encode` (the JSON blocks); this
+module groups the layers, assembles the page and inlines its script, the modules of
+``js/`` in the order of :data:`SCRIPTS`. The page's recompute (``js/decode.js``) is pinned
+to :mod:`causalattn.reference` for every modifier and mask rule by the browser tests.
 """
 
 from __future__ import annotations
