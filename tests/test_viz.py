@@ -215,6 +215,18 @@ def test_explorer_page_is_self_contained_and_escapes_tokens():
     assert data["sequences"][0]["tokens"] == hostile  # JSON escapes decode back exactly
 
 
+def test_explorer_script_is_its_modules_inlined_in_order_in_one_script():
+    from causalattn.viz import explorer
+
+    html = viz.explorer_html(ca.trace(np.eye(3), np.eye(3), np.eye(3), np.eye(3)))
+    sources = [explorer.script_source(m) for m in explorer.SCRIPTS]
+    at = [html.index(src) for src in sources]  # each module whole, in SCRIPTS' order
+    assert at == sorted(at) and all(html.count(src) == 1 for src in sources)
+    assert explorer.SCRIPTS[0] == "decode" and explorer.SCRIPTS[-1] == "main"
+    assert html.count("<script nonce=") == 1  # one script element; the rest is JSON data
+    assert "causalattnExplorer(root" in html.split(sources[-1])[1]  # main runs last
+
+
 def test_explorer_data_compact_when_recomputable_and_faithful_otherwise(traces, batch):
     seq = viz.explorer_data(traces[3])["sequences"][0]
     layer = seq["layers"][0]
