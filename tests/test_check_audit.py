@@ -170,7 +170,8 @@ def test_differences_count_nan_on_one_side_only_and_scale_by_the_magnitude():
 
     want = np.array([[1.0, 2.0, np.nan], [np.inf, -50.0, 0.0]])
     got = want.copy()
-    e, mag, err = _diff(got, want)
+    with np.errstate(all="raise"):  # inf - inf is no floating-point error here, whoever calls
+        e, mag, err = _diff(got, want)
     assert e == 0.0 and mag == 50.0 and not err.any()  # NaN == NaN and inf == inf agree here
     got[0, 0] = np.nan  # NaN on one side only: an infinite error
     e, _, err = _diff(got, want)
@@ -254,3 +255,16 @@ def test_a_shape_error_no_check_foresaw_is_an_audit_input_error(monkeypatch, tr)
     assert str(err.value) == (
         "audit: the arrays do not fit together (operands could not be broadcast together)"
     )
+
+
+def test_s_looks_masked_when_every_future_score_is_at_or_below_the_blocking_threshold():
+    from causalattn.check.numerics import BLOCKED_BELOW, _looks_masked
+
+    S = np.zeros((3, 3))
+    S[np.triu_indices(3, 1)] = BLOCKED_BELOW  # exactly at the threshold: blocked
+    assert _looks_masked(S)
+    S[0, 2] = BLOCKED_BELOW / 2  # one future score above it: a plain S
+    assert not _looks_masked(S)
+    S[0, 2] = -np.inf
+    assert _looks_masked(S[None, None])  # leading axes
+    assert not _looks_masked(np.zeros((3, 2)))  # T_q > T_k: no future part to read
