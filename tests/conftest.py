@@ -104,7 +104,7 @@ def _torch_threads(request):
 @pytest.fixture(autouse=True)
 def _worker_reach_in_mutmut_stats(monkeypatch):
     """mutmut's stats run maps each mutated function to the tests that reach it, counting
-    calls in the test's process only. diagnose runs a callable in a forked worker, so
+    calls in the test's process only. diagnose runs a callable in a forked worker (check.runner), so
     check/measure (and what else the worker reaches) would map to no test, its mutants "not
     covered". In that run only, the forked worker writes the functions it reached next to
     its result and the parent adds them to the test's; everything else runs as always."""
@@ -117,22 +117,22 @@ def _worker_reach_in_mutmut_stats(monkeypatch):
     from causalattn.check import runner
 
     reached = state()._stats  # mutmut 3's set of functions reached by the running test
-    work, finish = runner._diagnose_in_worker, runner._finish
+    work, outcome = runner._in_worker, runner._outcome
 
-    def worker(job):  # in the forked worker
+    def worker(job, limits, deadline, result):  # in the forked worker
         try:
-            return work(job)
+            return work(job, limits, deadline, result)
         finally:
-            Path(f"{job['result']}.reached").write_text("\n".join(sorted(reached)))
+            Path(f"{result}.reached").write_text("\n".join(sorted(reached)))
 
-    def parent(what, rc, timed_out, timeout, result, log):
+    def parent(what, rc, timed_out, timeout, result, log, max_memory):
         names = Path(f"{result}.reached")
         if names.exists():
             reached.update(names.read_text().split())
-        return finish(what, rc, timed_out, timeout, result, log)
+        return outcome(what, rc, timed_out, timeout, result, log, max_memory)
 
-    monkeypatch.setattr(runner, "_diagnose_in_worker", worker)
-    monkeypatch.setattr(runner, "_finish", parent)
+    monkeypatch.setattr(runner, "_in_worker", worker)
+    monkeypatch.setattr(runner, "_outcome", parent)
 
 
 @pytest.fixture
