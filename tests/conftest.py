@@ -51,6 +51,9 @@ LONGEST = (
 # prefix that matches wins, so a module's own entry comes before its package's
 MUTATION_TESTS = {
     "causalattn.masks.": ("test_masks.py", "test_patterns.py"),
+    # the modules masks was split into (issue 26): the same tests as before
+    "causalattn.masks_checks.": ("test_masks.py", "test_patterns.py"),
+    "causalattn.masks_dense.": ("test_masks.py", "test_patterns.py"),
     "causalattn.dropout.": ("test_dropout.py",),
     "causalattn.shapes.": ("test_shapes.py",),
     "causalattn.text.": ("test_text.py",),
@@ -61,7 +64,7 @@ MUTATION_TESTS = {
     "causalattn.distributed.ring.": ("test_ring_local.py", "test_ring.py"),
     "causalattn.integrations.hf_pattern.": ("test_hf.py",),
     "causalattn.engines.cache.": ("test_cache.py",),
-    "causalattn.engines.": (
+    "causalattn.engines.": (  # tiled and the modules it was split into (tiled_*) too
         "test_engine_contract.py",
         "test_engines.py",
         "test_engine_patterns.py",
