@@ -453,3 +453,118 @@ def test_2048_tokens_open_quickly(page, tmp_path):
     assert sorted(float(w) for w in shown) == pytest.approx(sorted(top), abs=6e-4)
     page.clean()
     assert in_page < 10.0  # the 2 s goal is measured and reported, not asserted on a shared box
+
+
+# -- the page's recompute against the reference, for every modifier and mask rule ---------
+# Where the page is given Q and K (or X and shared weights), its JavaScript (js/decode.js,
+# `recompute`) computes S and A itself, with softcap, ALiBi and sinks; every mask rule
+# reaches it as the kinds of the cells, so each rule is a case too. Each must give
+# causalattn.reference's S and A to float64 rounding: |ΔA| ≤ 1e-12 and |ΔS| ≤ 1e-12·max(1, |S|)
+# (the page works in float64 from float64 inputs here). Modifiers the page does not apply
+# (bias, rel_bias, score_mod, ALiBi slopes per sequence) travel as the trace's own S and A
+# in float32: |ΔA| ≤ 1e-6·max(1, |A|), as the reference's A rounded to float32.
+T_REC, D_REC, H_REC = 9, 8, 2
+RECOMPUTED = {  # name: (batch, pattern keywords); each with X W (form "x") and Q, K ("qk")
+    "causal": (1, {}),
+    "softcap": (1, {"softcap": 2.0}),
+    "alibi": (1, {"alibi_slopes": np.array([0.5, 0.125])}),
+    "alibi (1, H)": (1, {"alibi_slopes": np.array([[0.3, 0.7]])}),
+    "sinks": (1, {"sinks": np.array([0.3, 2.5])}),
+    "softcap, alibi, sinks, window": (
+        2,
+        {"softcap": 3.0, "alibi_slopes": np.array([0.5, 0.25]), "sinks": [-1.0, 1.5], "window": 4},
+    ),
+    "window": (1, {"window": 3}),
+    "chunk": (1, {"chunk": 4}),
+    "padding (lengths)": (2, {"lengths": [5, 9]}),
+    "key_padding_mask": (2, {"key_padding_mask": np.arange(T_REC)[None] < np.array([[7], [9]])}),
+    "prefix": (2, {"prefix_lengths": [3, 5]}),
+    "documents": (1, {"cu_seqlens": [0, 4, 9]}),
+    "mask": (1, {"mask": np.random.default_rng(7).random((T_REC, T_REC)) < 0.7}),
+    "mask_mod": (1, {"mask_mod": lambda b, h, q, k: (q - k) % 3 != 1}),
+    "not causal, padding": (2, {"causal": False, "lengths": [6, 9]}),
+    "alibi, not causal": (1, {"alibi_slopes": np.array([0.5, 0.125]), "causal": False}),
+    "chunk, sinks, softcap, padding": (
+        2,
+        {"chunk": 3, "sinks": [0.0, 1.0], "softcap": 1.5, "lengths": [7, 9]},
+    ),
+}
+AS_THEY_ARE = {  # modifiers the page cannot apply: S and A travel as the trace's own
+    "bias": (1, {"bias": np.random.default_rng(8).normal(size=(H_REC, T_REC, T_REC))}),
+    "rel_bias": (1, {"rel_bias": np.random.default_rng(9).normal(size=(H_REC, 2 * T_REC - 1))}),
+    "score_mod": (1, {"score_mod": lambda s, b, h, q, k: s * 0.5 + 0.1 * h}),
+    "alibi per sequence": (2, {"alibi_slopes": np.array([[0.5, 0.25], [0.1, 0.9]])}),
+}
+
+
+def _recompute_case(batch, kw):
+    rng = np.random.default_rng(11)
+    W = [rng.normal(size=(D_REC, D_REC)) for _ in range(3)]
+    tr = ca.reference.trace(rng.normal(size=(batch, T_REC, D_REC)), *W, n_heads=H_REC, **kw)
+    bare = ca.Trace(  # no X nor weights: the page is given Q and K
+        {n: tr[n] for n in ("Q", "K", "V", "S", "A", "H")},
+        n_heads=H_REC,
+        allowed=tr.allowed,
+        scale=tr.scale,
+        pattern=tr.pattern,
+    )
+    return tr, [tr, bare]
+
+
+def _page_heads(page) -> list[dict]:
+    """Every head of the open page as the page's own decode module gives it (the same source
+    the page inlines, a fresh instance over the page's data blocks): form, S and A (readable
+    entries, row-major)."""
+    return page.page.evaluate(
+        "() => {\n"
+        + viz.explorer.script_source("decode")
+        + """
+        const root = document.querySelector('.ca-explorer');
+        const data = JSON.parse(root.querySelector('script.ca-data').textContent);
+        const D = caDecode(root, data), out = [];
+        data.sequences.forEach((q, s) => D.seqMeta(s).layers.forEach((lay, l) => {
+          for (let h = 0; h < lay.n_heads; h++) {
+            const hi = D.headInfo(s, l, h);
+            out.push({ s: s, h: h, form: D.block(lay.block).heads[h].form,
+                       S: Array.from(hi.S), A: Array.from(hi.A) });
+          }
+        }));
+        return out;
+      }"""
+    )
+
+
+def _check_heads(page, tr, path, forms):
+    page.open(path)
+    heads = _page_heads(page)
+    B = tr.A.shape[0]
+    allowed = np.broadcast_to(tr.allowed, tr.A.shape)
+    assert len(heads) == 2 * B * H_REC  # the trace, then the bare trace: B sequences each
+    for hd in heads:
+        b, h = hd["s"] % B, hd["h"]
+        al = allowed[b, h]
+        want_A, want_S = tr.A[b, h][al], tr.S[b, h][al]
+        assert hd["form"] == forms[hd["s"] // B], (hd["s"], hd["form"])
+        if hd["form"] == "dense":
+            np.testing.assert_allclose(hd["A"], want_A, rtol=1e-6, atol=1e-6)
+        else:
+            np.testing.assert_allclose(hd["A"], want_A, rtol=0, atol=1e-12)
+            scale = max(1.0, float(np.abs(want_S).max(initial=0)))
+            np.testing.assert_allclose(hd["S"], want_S, rtol=0, atol=1e-12 * scale)
+    page.clean()
+
+
+@pytest.mark.parametrize("name", list(RECOMPUTED))
+def test_page_recompute_is_the_reference(page, tmp_path, name):
+    batch, kw = RECOMPUTED[name]
+    tr, traces = _recompute_case(batch, kw)
+    path = viz.write_explorer(traces, tmp_path / "rec.html", layers=False)
+    _check_heads(page, tr, path, forms=("x", "qk"))
+
+
+@pytest.mark.parametrize("name", list(AS_THEY_ARE))
+def test_modifiers_the_page_cannot_apply_travel_as_they_are(page, tmp_path, name):
+    batch, kw = AS_THEY_ARE[name]
+    tr, traces = _recompute_case(batch, kw)
+    path = viz.write_explorer(traces, tmp_path / "as_is.html", layers=False)
+    _check_heads(page, tr, path, forms=("dense", "dense"))

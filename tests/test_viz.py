@@ -215,6 +215,18 @@ def test_explorer_page_is_self_contained_and_escapes_tokens():
     assert data["sequences"][0]["tokens"] == hostile  # JSON escapes decode back exactly
 
 
+def test_explorer_script_is_its_modules_inlined_in_order_in_one_script():
+    from causalattn.viz import explorer
+
+    html = viz.explorer_html(ca.trace(np.eye(3), np.eye(3), np.eye(3), np.eye(3)))
+    sources = [explorer.script_source(m) for m in explorer.SCRIPTS]
+    at = [html.index(src) for src in sources]  # each module whole, in SCRIPTS' order
+    assert at == sorted(at) and all(html.count(src) == 1 for src in sources)
+    assert explorer.SCRIPTS[0] == "decode" and explorer.SCRIPTS[-1] == "main"
+    assert html.count("<script nonce=") == 1  # one script element; the rest is JSON data
+    assert "causalattnExplorer(root" in html.split(sources[-1])[1]  # main runs last
+
+
 def test_explorer_data_compact_when_recomputable_and_faithful_otherwise(traces, batch):
     seq = viz.explorer_data(traces[3])["sequences"][0]
     layer = seq["layers"][0]
@@ -336,6 +348,18 @@ def test_score_modifiers_travel_as_parameters_not_as_dense_matrices():
     )  # modifiers unknown: as is
     lay = viz.explorer_data(no_pattern)["sequences"][0]["layers"][0]
     assert [h["form"] for h in lay["heads"]] == ["dense", "dense"]
+
+
+def test_traces_with_and_without_their_weights_share_a_page():
+    """Layers of the same shapes are checked together; one with X and weights and one with
+    only Q, K, V are not one group (issue 26: this raised a KeyError for W_q)."""
+    rng = np.random.default_rng(4)
+    tr = ca.trace(rng.normal(size=(6, 4)), *(rng.normal(size=(4, 4)) for _ in range(3)))
+    bare = ca.Trace(
+        {n: tr[n] for n in ("Q", "K", "V", "S", "A", "H")}, allowed=tr.allowed, scale=tr.scale
+    )
+    data = viz.explorer_data([tr, bare], layers=False)
+    assert [s["layers"][0]["heads"][0]["form"] for s in data["sequences"]] == ["x", "qk"]
 
 
 def test_questions_travel_with_their_matrix():

@@ -1,7 +1,7 @@
 """The private names of other libraries that causalattn still needs: one small module per
 library, each saying why no public API serves, each pinned by tests/test_internals.py (which
 fails when the library changes the name or what it does). Nothing here imports causalattn;
-each module imports only its own library (and the standard library), and this package
+each module imports only its own library (with NumPy and the standard library), and this package
 imports none of them: a module that needs one imports it by name.
 
 - :mod:`.typer`: the click exceptions that typer raises (``typer._click``);
@@ -12,6 +12,7 @@ imports none of them: a module that needs one imports it by name.
   a tensor's version counter;
 - :mod:`.triton`: two fixes to Triton's CPU interpreter, held only while our kernels run.
 
-Left elsewhere for now (issue 26's closing note): ``ThreadPoolExecutor._max_workers`` in
-``engines/tiled.py``.
+No private name of another library is left outside this package in ``engines/`` or
+``integrations/hf_pattern.py`` (``ThreadPoolExecutor._max_workers`` is gone too:
+``engines/tiled_pool.py`` keeps its own count).
 """
