@@ -229,3 +229,18 @@ def test_generators_and_compute_dtypes():
     assert compute_dtype(torch.float64) == torch.float64
     for dt in (torch.float32, torch.bfloat16, torch.float16):
         assert compute_dtype(dt) == torch.float32
+
+
+def test_the_reference_reads_sinks_given_to_the_problem_as_a_list():
+    from causalattn.engines.exact import attend
+    from causalattn.engines.problem import make_problem
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    sinks = [0.7, -1.5]
+    want = ca.attention(q, k, v, sinks=torch.tensor(sinks, dtype=torch.float64), engine="reference")
+    got = attend(make_problem(q, k, v, sinks=sinks))  # the Pattern holds them as NumPy
+    got = got[0] if isinstance(got, tuple) else got
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    plain = ca.attention(q, k, v, engine="reference")
+    assert not torch.allclose(got, plain)  # the sinks took weight
