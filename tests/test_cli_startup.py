@@ -74,6 +74,24 @@ def test_the_check_catches_a_command_that_imports_torch():
     assert res.stderr.strip().splitlines()[-1].startswith("TORCH-MODULES torch")
 
 
+def test_a_command_loads_only_its_own_module():
+    """Each command's module is loaded when it runs; `--help` loads them all."""
+    code = _CHILD.replace(
+        '    print("TORCH-MODULES',
+        '    cli = sorted(m[15:] for m in sys.modules if m.startswith("causalattn.cli."))\n'
+        '    print("CLI " + " ".join(n for n in cli if not n.startswith("_")), file=sys.stderr)\n'
+        '    print("TORCH-MODULES',
+    )
+    res = _child(["shapes", "--json"], code)
+    assert res.returncode == 0, res.stderr
+    assert "CLI shapes" in res.stderr.splitlines(), res.stderr
+    res = _child(["--help"], code)
+    from causalattn.cli import COMMANDS
+
+    want = "CLI " + " ".join(sorted(COMMANDS.values()))
+    assert want in res.stderr.splitlines(), res.stderr
+
+
 def test_import_causalattn_is_lazy_and_keeps_every_public_name():
     code = (
         "import sys, causalattn; assert 'torch' not in sys.modules, 'import'; "

@@ -1,8 +1,9 @@
-"""The app, its one-line errors, and the groups whose modes are sub-commands.
+"""The one-line errors, what every command shares (``_fail``, ``_library_errors``,
+``--json``, ``--max-bytes``), and the groups whose modes are sub-commands.
 
 Every failure is one ``error: ...`` line on stderr and exit 2 (usage errors too, followed
-by a hint to ``--help``); nothing prints a traceback. Every command module registers itself
-on :data:`app` (see :mod:`causalattn.cli`).
+by a hint to ``--help``); nothing prints a traceback. Each command's module makes its own
+typer app (:func:`command_app`); :mod:`causalattn.cli` loads it when the command runs.
 """
 
 from __future__ import annotations
@@ -78,13 +79,6 @@ class _OneLineErrors(TyperGroup):
             return rv
         sys.exit(rv if isinstance(rv, int) else 0)
 
-
-app = typer.Typer(
-    cls=_OneLineErrors,
-    add_completion=False,
-    no_args_is_help=True,
-    help="Causal self-attention in matrix form: H = softmax_last(Q Kᵀ/√d_k + M) V.",
-)
 
 # Arrays past this many bytes are refused (--max-bytes raises it): a 100,000-token
 # sentence's N×N float64 stage alone is 80 GB.
@@ -168,8 +162,10 @@ def _mode_of(group: _ModeGroup, flag: str) -> str | None:
     return None
 
 
-def mode_group(name: str, help: str) -> typer.Typer:
-    """A sub-app of :data:`app` whose commands are modes (see :class:`_ModeGroup`)."""
-    sub = typer.Typer(cls=_ModeGroup, add_completion=False, help=help)
-    app.add_typer(sub, name=name)
-    return sub
+def command_app(name: str | None = None, help: str | None = None) -> typer.Typer:
+    """The typer app of one command's module: give it one command, or (with ``name``) the
+    modes of a :class:`_ModeGroup`. ``causalattn.cli`` loads the module when its command
+    runs (or ``--help`` lists it)."""
+    if name is None:
+        return typer.Typer(add_completion=False)
+    return typer.Typer(name=name, cls=_ModeGroup, add_completion=False, help=help)

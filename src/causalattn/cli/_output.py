@@ -1,5 +1,5 @@
-"""What every command prints with: JSON, the rich console, numbers, sizes, output paths,
-progress and PNG figures. Positions on the command line and in its output are 1-based."""
+"""What every command prints with: JSON, the rich console, numbers, sizes, output paths
+and progress. Positions on the command line and in its output are 1-based."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import track
 
-from .. import viz
 from ..check.report import jsonable
-from ._app import _fail, _library_errors
+from ._app import _fail
 
 
 def _print_json(data) -> None:
@@ -74,22 +73,6 @@ def _progress(items, description: str, quiet: bool):
     if quiet or not sys.stderr.isatty():
         return items
     return track(items, description=description, console=Console(stderr=True), transient=True)
-
-
-def _write_pngs(out_dir: Path, make) -> None:
-    """Draw ``make(causalattn.viz)``'s named figures into ``out_dir`` as PNG (needs matplotlib)."""
-    try:
-        import matplotlib  # noqa: F401  (at call time: heavy and optional; viz draws with it)
-    except ImportError:
-        _fail("--png needs matplotlib: pip install 'causalattn[viz]'")
-    _check_out_dir("--png", out_dir)
-    try:
-        out_dir.mkdir(exist_ok=True)
-    except OSError as exc:
-        _fail(f"--png: cannot create {out_dir} ({exc.strerror or exc})")
-    with _library_errors():
-        paths = viz.write_figures(make(viz), out_dir)
-    typer.echo(f"wrote {len(paths)} PNG files to {out_dir}", err=True)
 
 
 def _explain_json(ex) -> dict:

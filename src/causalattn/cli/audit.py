@@ -10,7 +10,7 @@ import typer
 from .. import masks
 from ..check import audit
 from ..check.compare import compare_masks, mask_of_file
-from ._app import _fail, _Json, app
+from ._app import _fail, _Json, command_app
 from ._inputs import _captured
 from ._options import (
     _AlibiSlopes,
@@ -26,8 +26,10 @@ from ._options import (
 )
 from ._output import _console, _one_based, _print_json
 
+command = command_app()
 
-@app.command("audit")
+
+@command.command("audit")
 def audit_cmd(
     file: str = typer.Argument(
         None,

@@ -16,10 +16,10 @@ import typer
 
 from ..bench import io as io_bench
 from ..bench import startup
-from ._app import _fail, _ModeCommand, _ModeGroup, mode_group
+from ._app import _fail, _ModeCommand, _ModeGroup, command_app
 from ._output import _console, _print_json
 
-bench_app = mode_group(
+command = command_app(
     "bench",
     "Time the tiled engine against PyTorch's SDPA and naive attention (CPU), in alternation: "
     "cpu (the default), layer, patterns, io, tune.",
@@ -35,26 +35,26 @@ _Out = Annotated[Path, typer.Option("--out", help="write the table here instead"
 _IO_PARTS = ("startup", "input")
 
 
-@bench_app.command("cpu", cls=_ModeCommand)
+@command.command("cpu", cls=_ModeCommand)
 def bench_cpu(quick: _Quick = False, as_json: _JsonRows = False) -> None:
     """The engines at one head's shapes (CPU) vs SDPA and naive attention."""
     _run_cpu(quick, as_json)
 
 
-@bench_app.command("layer", cls=_ModeCommand)
+@command.command("layer", cls=_ModeCommand)
 def bench_layer(quick: _Quick = False, as_json: _JsonRows = False) -> None:
     """The whole CausalSelfAttention layer at GPT-2 small, fwd and fwd+bwd, vs SDPA."""
     _run_layer(quick, as_json)
 
 
-@bench_app.command("patterns", cls=_ModeCommand)
+@command.command("patterns", cls=_ModeCommand)
 def bench_patterns(quick: _Quick = False, as_json: _JsonRows = False) -> None:
     """Window, packed documents, softcap, sinks, ALiBi and dropout on the tiled engine vs
     their peers."""
     _run_patterns(quick, as_json)
 
 
-@bench_app.command("io", cls=_ModeCommand)
+@command.command("io", cls=_ModeCommand)
 def bench_io(
     quick: _Quick = False,
     as_json: _JsonRows = False,
@@ -69,12 +69,12 @@ def bench_io(
     _run_io(quick, as_json, only)
 
 
-@bench_app.command("tune", cls=_ModeCommand, help=_TUNE_HELP[0].upper() + _TUNE_HELP[1:] + ".")
+@command.command("tune", cls=_ModeCommand, help=_TUNE_HELP[0].upper() + _TUNE_HELP[1:] + ".")
 def bench_tune(out: _Out = None, as_json: _JsonRows = False) -> None:
     _run_tune(out, as_json)
 
 
-@bench_app.command(_ModeGroup.LEGACY, cls=_ModeCommand, hidden=True)
+@command.command(_ModeGroup.LEGACY, cls=_ModeCommand, hidden=True)
 def bench_legacy(
     quick: _Quick = False,
     as_json: _JsonRows = False,

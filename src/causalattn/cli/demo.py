@@ -9,13 +9,15 @@ from rich.text import Text
 from .. import text
 from ..check import audit
 from ..reference import trace as run_trace
-from ._app import _MAX_BYTES_HELP, DEFAULT_MAX_BYTES, _Json, _library_errors, app
+from ._app import _MAX_BYTES_HELP, DEFAULT_MAX_BYTES, _Json, _library_errors, command_app
 from ._inputs import _CHAPTER, _check_width_options, _check_widths, _encode_quiet, _seeded_attention
 from ._output import _console, _explain_json, _fmt, _one_based, _print_json
 from ._present import _mask_pair, _mask_table, _print_tables
 
+command = command_app()
 
-@app.command()
+
+@command.command("demo")
 def demo(
     d_model: int = typer.Option(8, "--d-model", help="Width of the random embeddings."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random embeddings and weights."),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import typer
 
 from ..check import diagnose
-from ._app import _fail, _Json, _library_errors, app
+from ._app import _fail, _Json, _library_errors, command_app
 from ._options import (
     _AlibiSlopes,
     _Bidirectional,
@@ -23,8 +23,10 @@ from ._options import (
 )
 from ._output import _console, _print_json
 
+command = command_app()
 
-@app.command("diagnose")
+
+@command.command("diagnose")
 def diagnose_cmd(
     target: str = typer.Argument(
         ..., help="path/to/file.py:function_or_class (the file is executed)."

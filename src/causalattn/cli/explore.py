@@ -25,12 +25,12 @@ from ._app import (
     _library_errors,
     _ModeCommand,
     _ModeGroup,
-    mode_group,
+    command_app,
 )
 from ._inputs import _captured, _check_width_options, _check_widths, _encode_quiet, _read_corpus
 from ._output import _check_out_file, _console, _human_bytes, _print_json, _progress
 
-explore_app = mode_group(
+command = command_app(
     "explore",
     "One self-contained HTML page (no network) to explore masks, S, A and each query's row: "
     "of sentences (text), of a saved trace (trace) or of a Hugging Face model (model).",
@@ -77,7 +77,7 @@ _Generate = Annotated[
 _OUTPUT = Path("explorer.html")
 
 
-@explore_app.command("text", cls=_ModeCommand)
+@command.command("text", cls=_ModeCommand)
 def explore_text(
     sentences: _Sentences = None,
     file: _File = None,
@@ -113,7 +113,7 @@ def explore_text(
     _wrote(output, n, as_json)
 
 
-@explore_app.command("trace", cls=_ModeCommand)
+@command.command("trace", cls=_ModeCommand)
 def explore_trace(
     trace_file: Annotated[
         Path, typer.Argument(help="A trace saved by `trace --save` (.npz).", show_default=False)
@@ -132,7 +132,7 @@ def explore_trace(
     _wrote(output, n, as_json)
 
 
-@explore_app.command("model", cls=_ModeCommand)
+@command.command("model", cls=_ModeCommand)
 def explore_model(
     model: Annotated[
         Path,
@@ -155,7 +155,7 @@ def explore_model(
     _write_model(model, prompt, layers, generate, output, qs, as_json)
 
 
-@explore_app.command(_ModeGroup.LEGACY, cls=_ModeCommand, hidden=True)
+@command.command(_ModeGroup.LEGACY, cls=_ModeCommand, hidden=True)
 def explore_legacy(
     sentences: _Sentences = None,
     file: _File = None,

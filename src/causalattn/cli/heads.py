@@ -7,11 +7,13 @@ from pathlib import Path
 
 import typer
 
-from ._app import _Json, _library_errors, app
+from ._app import _Json, _library_errors, command_app
 from ._output import _print_json
 
+command = command_app()
 
-@app.command("heads")
+
+@command.command("heads")
 def heads_cmd(
     model: Path = typer.Option(
         ..., "--model", help="A Hugging Face causal LM folder (save_pretrained) or cached hub id."

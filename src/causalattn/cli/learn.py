@@ -7,12 +7,14 @@ from pathlib import Path
 import typer
 
 from ..learn import exercises, grade, questions, session
-from ._app import _fail, _library_errors, app
+from ._app import _fail, _library_errors, command_app
 from ._options import _MaxMemory, _memory_bytes
 from ._output import _console, _print_json
 
+command = command_app()
 
-@app.command()
+
+@command.command("learn")
 def learn(
     seed: int = typer.Option(0, "--seed", help="Seed of the question set (hand out the same one)."),
     n: int = typer.Option(None, "--n", "-n", help="Number of questions (default: one per kind)."),

@@ -7,15 +7,19 @@ from pathlib import Path
 import typer
 
 from .. import text
-from ._app import _MAX_BYTES_HELP, DEFAULT_MAX_BYTES, _fail, _Json, _library_errors, app
+from ._app import _MAX_BYTES_HELP, DEFAULT_MAX_BYTES, _fail, _Json, _library_errors, command_app
+from ._figures import _write_pngs
 from ._inputs import _encode_quiet, _read_corpus
-from ._output import _check_out_dir, _console, _markup_escape, _print_json, _progress, _write_pngs
+from ._output import _check_out_dir, _console, _markup_escape, _print_json, _progress
 from ._present import _SHOW_N, _SHOW_SENTENCES, _mask_pair, _MaskView, _print_tables
 
 _FORMS = ("both", "additive", "check")
 
 
-@app.command()
+command = command_app()
+
+
+@command.command("masks")
 def masks(
     sentences: list[str] = typer.Argument(None, help="Sentences (default: the seed's four)."),
     file: Path = typer.Option(None, "--file", "-f", help="Corpus file, one sentence a line."),

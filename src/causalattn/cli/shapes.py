@@ -6,11 +6,13 @@ import typer
 from rich.table import Table
 
 from ..shapes import shape_table
-from ._app import _Json, _library_errors, app
+from ._app import _Json, _library_errors, command_app
 from ._output import _console, _human_bytes, _markup_escape, _print_json, _si
 
+command = command_app()
 
-@app.command()
+
+@command.command("shapes")
 def shapes(
     seq_len: int = typer.Option(2048, "--seq-len", "-T", help="Sequence length T (N)."),
     d_model: int = typer.Option(1000, "--d-model", help="Model (embedding) width d_model."),

@@ -9,7 +9,8 @@ import typer
 
 from .. import text
 from ..reference import trace as run_trace
-from ._app import _MAX_BYTES_HELP, DEFAULT_MAX_BYTES, _fail, _Json, _library_errors, app
+from ._app import _MAX_BYTES_HELP, DEFAULT_MAX_BYTES, _fail, _Json, _library_errors, command_app
+from ._figures import _write_pngs
 from ._inputs import _CHAPTER, _load_trace_inputs
 from ._output import (
     _check_out_dir,
@@ -19,11 +20,12 @@ from ._output import (
     _fmt,
     _markup_escape,
     _print_json,
-    _write_pngs,
 )
 
+command = command_app()
 
-@app.command("trace")
+
+@command.command("trace")
 def trace_cmd(
     input_file: Path = typer.Option(
         None, "--input", "-i", help=".npz or .json with X, W_q, W_k, W_v (optional W_o, mask)."
