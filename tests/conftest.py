@@ -51,6 +51,9 @@ LONGEST = (
 # prefix that matches wins, so a module's own entry comes before its package's
 MUTATION_TESTS = {
     "causalattn.masks.": ("test_masks.py", "test_patterns.py"),
+    # the modules masks was split into (issue 26): the same tests as before
+    "causalattn.masks_checks.": ("test_masks.py", "test_patterns.py"),
+    "causalattn.masks_dense.": ("test_masks.py", "test_patterns.py"),
     "causalattn.dropout.": ("test_dropout.py",),
     "causalattn.shapes.": ("test_shapes.py",),
     "causalattn.text.": ("test_text.py",),
@@ -61,7 +64,7 @@ MUTATION_TESTS = {
     "causalattn.distributed.ring.": ("test_ring_local.py", "test_ring.py"),
     "causalattn.integrations.hf_pattern.": ("test_hf.py",),
     "causalattn.engines.cache.": ("test_cache.py",),
-    "causalattn.engines.": (
+    "causalattn.engines.": (  # tiled and the modules it was split into (tiled_*) too
         "test_engine_contract.py",
         "test_engines.py",
         "test_engine_patterns.py",
@@ -101,7 +104,7 @@ def _torch_threads(request):
 @pytest.fixture(autouse=True)
 def _worker_reach_in_mutmut_stats(monkeypatch):
     """mutmut's stats run maps each mutated function to the tests that reach it, counting
-    calls in the test's process only. diagnose runs a callable in a forked worker, so
+    calls in the test's process only. diagnose runs a callable in a forked worker (check.runner), so
     check/measure (and what else the worker reaches) would map to no test, its mutants "not
     covered". In that run only, the forked worker writes the functions it reached next to
     its result and the parent adds them to the test's; everything else runs as always."""
@@ -114,22 +117,22 @@ def _worker_reach_in_mutmut_stats(monkeypatch):
     from causalattn.check import runner
 
     reached = state()._stats  # mutmut 3's set of functions reached by the running test
-    work, finish = runner._diagnose_in_worker, runner._finish
+    work, outcome = runner._in_worker, runner._outcome
 
-    def worker(job):  # in the forked worker
+    def worker(job, limits, deadline, result):  # in the forked worker
         try:
-            return work(job)
+            return work(job, limits, deadline, result)
         finally:
-            Path(f"{job['result']}.reached").write_text("\n".join(sorted(reached)))
+            Path(f"{result}.reached").write_text("\n".join(sorted(reached)))
 
-    def parent(what, rc, timed_out, timeout, result, log):
+    def parent(what, rc, timed_out, timeout, result, log, max_memory):
         names = Path(f"{result}.reached")
         if names.exists():
             reached.update(names.read_text().split())
-        return finish(what, rc, timed_out, timeout, result, log)
+        return outcome(what, rc, timed_out, timeout, result, log, max_memory)
 
-    monkeypatch.setattr(runner, "_diagnose_in_worker", worker)
-    monkeypatch.setattr(runner, "_finish", parent)
+    monkeypatch.setattr(runner, "_in_worker", worker)
+    monkeypatch.setattr(runner, "_outcome", parent)
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ unambiguous; the stage of a mask fault is M), the declared pattern, hints from t
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import numpy as np
@@ -127,6 +128,17 @@ def test_audit_and_diagnose_refuse_a_declared_scale_that_is_not_finite_and_posit
         ({"cu_seqlens": [0, 2, 6]}, {"cu_seqlens": [0, 3, 6]}),
         ({"causal": False}, {}),
         ({"scale": 0.25}, {"scale": 0.5}),
+        # issue 24's M: a rule, a score function and two biases, each a keyword of audit
+        (
+            {"mask_mod": lambda b, h, q, k: (q - k) % 2 == 0},
+            {"mask_mod": lambda b, h, q, k: q - k < 3},
+        ),
+        (
+            {"score_mod": lambda s, b, h, q, k: 0.5 * s},
+            {"score_mod": lambda s, b, h, q, k: 2.0 * s},
+        ),
+        ({"bias": np.arange(T * T).reshape(T, T) % 3 * 0.5}, {"bias": np.eye(T)}),
+        ({"rel_bias": np.linspace(-1, 1, 2 * T - 1)[None]}, {"rel_bias": np.zeros((1, 2 * T - 1))}),
     ],
 )
 def test_every_declared_keyword_is_what_the_weights_are_checked_against(tr, kw, other):
@@ -158,7 +170,8 @@ def test_differences_count_nan_on_one_side_only_and_scale_by_the_magnitude():
 
     want = np.array([[1.0, 2.0, np.nan], [np.inf, -50.0, 0.0]])
     got = want.copy()
-    e, mag, err = _diff(got, want)
+    with np.errstate(all="raise"):  # inf - inf is no floating-point error here, whoever calls
+        e, mag, err = _diff(got, want)
     assert e == 0.0 and mag == 50.0 and not err.any()  # NaN == NaN and inf == inf agree here
     got[0, 0] = np.nan  # NaN on one side only: an infinite error
     e, _, err = _diff(got, want)
@@ -212,3 +225,46 @@ def test_additive_masks_are_read_with_a_blocking_threshold():
     assert _looks_masked(np.where(np.triu(np.ones((2, 4), bool), 3), -np.inf, 0.0))  # T_q < T_k
     assert not _looks_masked(np.zeros((1, 4)))  # one query reading every key: nothing in the future
     assert not _looks_masked(np.full((3, 2), -np.inf))  # T_q > T_k
+
+
+def test_a_file_is_read_within_audit_s_max_bytes(tmp_path, tr):
+    f = tmp_path / "t.npz"
+    np.savez(f, **_qkv(tr), A=tr.A)
+    assert audit(f).ok
+    with pytest.raises(AuditInputError, match="max_bytes|budget|larger"):
+        audit(f, max_bytes=256)
+
+
+def test_nan_and_inf_in_the_arrays_are_findings_not_floating_point_errors(tr):
+    Q = tr.Q.copy()
+    Q[2, 0] = np.inf
+    with np.errstate(all="raise"):  # the caller's numpy settings do not reach the checks
+        rep = audit({"q": Q, "k": tr.K, "v": tr.V, "A": tr.A})
+    assert not rep.ok and rep.first_failure.stage == "S", str(rep)
+
+
+def test_a_shape_error_no_check_foresaw_is_an_audit_input_error(monkeypatch, tr):
+    audit_module = importlib.import_module("causalattn.check.audit")  # (the name is the function)
+
+    def unforeseen(inp):
+        raise ValueError("operands could not be broadcast together")
+
+    monkeypatch.setattr(audit_module, "_run_stages", unforeseen)
+    with pytest.raises(AuditInputError) as err:
+        audit({**_qkv(tr), "A": tr.A})
+    assert str(err.value) == (
+        "audit: the arrays do not fit together (operands could not be broadcast together)"
+    )
+
+
+def test_s_looks_masked_when_every_future_score_is_at_or_below_the_blocking_threshold():
+    from causalattn.check.numerics import BLOCKED_BELOW, _looks_masked
+
+    S = np.zeros((3, 3))
+    S[np.triu_indices(3, 1)] = BLOCKED_BELOW  # exactly at the threshold: blocked
+    assert _looks_masked(S)
+    S[0, 2] = BLOCKED_BELOW / 2  # one future score above it: a plain S
+    assert not _looks_masked(S)
+    S[0, 2] = -np.inf
+    assert _looks_masked(S[None, None])  # leading axes
+    assert not _looks_masked(np.zeros((3, 2)))  # T_q > T_k: no future part to read

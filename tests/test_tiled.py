@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from causalattn.engines import KVCache, attention, make_problem, pick_engine, tiled
+from causalattn.engines import KVCache, attention, make_problem, pick_engine, tiled, tiled_fwd
 
 F64 = torch.float64
 FAST = settings(max_examples=25, deadline=None)
@@ -204,7 +204,8 @@ def test_non_contiguous_inputs():
 
 
 class _CountScores:
-    """torch as tiled sees it, counting the score GEMMs' key columns (K block: (M, d, cols))."""
+    """torch as tiled's forward pass sees it, counting the score GEMMs' key columns (K block:
+    (M, d, cols))."""
 
     def __init__(self, d):
         self.d, self.cells = d, 0
@@ -243,7 +244,7 @@ def test_forward_touches_no_fully_blocked_key_block(monkeypatch, kw):
     q, k, v = _inputs(1, 1, 1, 80, 80, 6, 4, dtype=torch.float32, seed=29)
     p = make_problem(q, k, v, **kw)
     count = _CountScores(6)
-    monkeypatch.setattr(tiled, "torch", count)
+    monkeypatch.setattr(tiled_fwd, "torch", count)  # the forward pass's module
     tiled.fwd(p)
     monkeypatch.undo()
     want = 0
@@ -274,3 +275,27 @@ def test_chunks_against_block_sizes_that_do_and_do_not_divide_them(monkeypatch, 
         q, k, v = _inputs(2, 2, 1, Tq, Tk, 4, 3, seed=chunk)
         _assert_matches_reference(q, k, v, chunk=chunk)
         _assert_matches_reference(q, k, v, chunk=chunk, causal=False)
+
+
+def test_the_pool_keeps_its_own_worker_count():
+    """The thread pool's size is the engine's own record (tiled_pool._POOL_WORKERS), not
+    ThreadPoolExecutor's private _max_workers: the pool is kept while it has enough
+    threads and replaced by a larger one when more are asked for; results in part order."""
+    import threading
+
+    from causalattn.engines import tiled_pool
+
+    parts = [[i] for i in range(6)]
+
+    def run(part):
+        return part[0], threading.current_thread().name
+
+    out = tiled_pool._parallel(parts, run, 3)
+    assert [i for i, _ in out] == list(range(6))
+    assert all(name.startswith("causalattn-tiled") for _, name in out)
+    pool, n = tiled_pool._POOL, tiled_pool._POOL_WORKERS
+    assert n >= 3
+    tiled_pool._parallel(parts, run, 2)
+    assert tiled_pool._POOL is pool and tiled_pool._POOL_WORKERS == n
+    tiled_pool._parallel(parts, run, n + 1)
+    assert tiled_pool._POOL is not pool and tiled_pool._POOL_WORKERS == n + 1

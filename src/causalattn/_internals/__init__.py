@@ -7,6 +7,6 @@ fails when the library changes the name). Nothing here imports causalattn, or to
   (``config._attn_implementation``).
 
 Left in ``engines/`` for now (issue 26's closing note): ``torch._C`` dispatch guards in
-``engines/ops.py``, ``ThreadPoolExecutor._max_workers`` in ``engines/tiled.py`` and the
-Triton interpreter fixes in ``engines/triton.py``.
+``engines/ops.py`` and the Triton interpreter fixes in ``engines/triton.py``
+(``ThreadPoolExecutor._max_workers`` is gone: ``engines/tiled_pool.py`` keeps its own count).
 """

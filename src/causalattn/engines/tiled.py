@@ -33,31 +33,32 @@ Raw functions (no autograd), used by the ring-attention helper as well:
 
 Causality is a guarantee: in masked tiles, blocked weights are exactly 0 and never meet
 a NaN/inf row of the other operand (0·NaN = NaN would leak an unreadable value into a
-readable row); see :func:`_acc` and :func:`_nonfinite_terms`.
+readable row); see :func:`~.tiled_tiles._acc` and :func:`~.tiled_tiles._nonfinite_terms`.
+
+The engine's modules: this one (the entry points, the block sizes of :func:`_plan`),
+:mod:`.tiled_pool` (the threads and the split of the work), :mod:`.tiled_tiles` (which tiles
+to touch, their masks, the non-finite guards), :mod:`.tiled_scores` (the score modifiers,
+the per-head constants, the dropout keep pattern, the learned tensors' gradients),
+:mod:`.tiled_fwd` and :mod:`.tiled_bwd` (one job's forward and backward pass).
 """
 
 from __future__ import annotations
 
 import sys
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
 
 import torch
 
-from ..masks_mod import apply_score_mod
 from . import autograd as _autograd
-from .problem import LOG2E, Problem, compute_dtype
-from .registry import captured_of
-
-NEG_INF = float("-inf")
-# exp2 is about twice as fast as exp here (torch's exp goes through MKL's VML, which has no
-# fast path on some CPUs): scores are kept in base 2, S₂ = S·log₂e, and P = 2^(S₂ - m₂).
-LN2 = 0.6931471805599453
+from .problem import Problem, compute_dtype
+from .tiled_bwd import _bwd_job
+from .tiled_fwd import _fwd_job
+from .tiled_pool import _lanes, _workers
+from .tiled_scores import _Grads, _Heads, _np
+from .tiled_tiles import NEG_INF, _jobs
 
 # Block sizes (tuned on a 2-core AVX2 machine; see _plan).
 TILE_ELEMS = 1 << 17  # score elements per tile (all its heads): 512 KiB in fp32, fits L2
 BLOCKS: tuple[int, int] | None = None  # (query block, key block) to force, for tests
-LANES = 4  # backward: dQ partial sums per job, a fixed number whatever the thread count
 
 
 def _plan(N: int, m: int, n: int, d: int, bwd: bool = False) -> tuple[int, int, int]:
@@ -83,537 +84,13 @@ def _plan(N: int, m: int, n: int, d: int, bwd: bool = False) -> tuple[int, int, 
     return nh, bq, bk
 
 
-_POOL: ThreadPoolExecutor | None = None
-
-
-def _parallel(parts: list[list], run, workers: int) -> list:
-    """``[run(part) for part in parts]`` on up to ``workers`` threads, results in part order;
-    each thread runs single-threaded torch ops. Independent tiles in Python threads (torch
-    releases the GIL) avoid one OpenMP fork-join per small op, which costs dearly on a busy
-    machine. A part's result never depends on the number of workers."""
-    global _POOL
-    n_threads = torch.get_num_threads()
-
-    def one(part):
-        with torch.no_grad():
-            return run(part)
-
-    workers = min(workers, len(parts))
-    # torch.set_num_threads is process-wide: set once around the whole parallel region (a
-    # worker restoring it while another still runs would hand that one a multi-threaded
-    # reduction, whose summation order, and so whose bits, depend on the timing)
-    torch.set_num_threads(1)  # OpenMP and MKL: small ops stay serial
-    try:
-        if workers <= 1:
-            return [one(p) for p in parts]
-        if _POOL is None or _POOL._max_workers < workers:
-            _POOL = ThreadPoolExecutor(workers, thread_name_prefix="causalattn-tiled")
-        return [f.result() for f in [_POOL.submit(one, p) for p in parts]]
-    finally:
-        torch.set_num_threads(n_threads)
-
-
-def _balanced(tasks: list[tuple], cost, n: int) -> list[list]:
-    """Deal tasks into ``n`` parts of similar cost (greedy: the next largest task to the
-    least loaded part); deterministic in the tasks, whatever the thread count."""
-    tasks = sorted(tasks, key=cost, reverse=True)
-    n = max(1, min(n, len(tasks)))
-    loads = [0.0] * n
-    bins: list[list] = [[] for _ in range(n)]
-    for t in tasks:
-        w = loads.index(min(loads))
-        bins[w].append(t)
-        loads[w] += cost(t)
-    return [b for b in bins if b]
-
-
-# ---- non-finite guards ---------------------------------------------------------------------
-def _finite(X: torch.Tensor):
-    """(X0, bad): X with non-finite entries zeroed and the prefix count of positions along
-    axis 1 holding one ((n+1,) int64), or (X, None) when all is finite (one read: a sum)."""
-    if X.numel() == 0 or bool(torch.isfinite(X.sum())):
-        return X, None
-    bad_pos = ~torch.isfinite(X).all(-1).all(0)  # (n,)
-    if not bool(bad_pos.any()):  # the sum overflowed, the entries are finite
-        return X, None
-    cum = torch.zeros(bad_pos.numel() + 1, dtype=torch.int64)
-    torch.cumsum(bad_pos.cpu(), 0, out=cum[1:])
-    return torch.nan_to_num(X, nan=0.0, posinf=0.0, neginf=0.0), cum
-
-
-def _flag(bad, c: int, c2: int) -> bool | None:
-    """None when the whole operand is finite, else whether positions c:c2 hold a non-finite."""
-    return None if bad is None else bool(bad[c2] > bad[c])
-
-
-def _nonfinite_terms(out: torch.Tensor, A: torch.Tensor, X: torch.Tensor) -> None:
-    """out += A @ X restricted to X's non-finite entries, where an exact 0 in A adds nothing.
-
-    The product with the zeroed X0 gave every finite term; this adds the rest without
-    ever forming 0·NaN, so an unreadable NaN/inf never reaches a readable row.
-    """
-    bad = ~torch.isfinite(X)
-    cols = bad.any(-1).any(0).nonzero().squeeze(-1)
-    Xb = torch.where(bad[:, cols], X[:, cols], 0.0)
-    step = max(1, (1 << 22) // max(1, A.shape[0] * A.shape[1] * X.shape[-1]))
-    for s in range(0, cols.numel(), step):
-        a = A[:, :, cols[s : s + step]].unsqueeze(-1)  # (N, r, c, 1)
-        x = Xb[:, s : s + step].unsqueeze(1)  # (N, 1, c, e)
-        out += torch.where(a != 0, a * x, 0.0).sum(-2)
-
-
-def _acc(out, A, X, X0, flag: bool | None, masked: bool):
-    """out += A @ X; where A has exact zeros (masked tile, dropout) they must not meet
-    non-finite rows of X. ``flag``: None when X is finite everywhere, else whether this
-    block of X holds a non-finite entry (X0 is X with those zeroed)."""
-    if not masked or flag is None:
-        out.baddbmm_(A, X)
-        return
-    out.baddbmm_(A, X0)
-    if flag:
-        _nonfinite_terms(out, A, X)
-
-
-def _tile(buf: torch.Tensor, N: int, r: int, w: int) -> torch.Tensor:
-    """A contiguous (N, r, w) view at the start of a reused flat buffer."""
-    return buf[: N * r * w].view(N, r, w)
-
-
-def _stack(x: torch.Tensor, N: int, r: int) -> torch.Tensor:
-    """(N, g, bq, e) -> (N, g·bq, e): grouped-query heads as extra rows (a view when g = 1)."""
-    return x.reshape(N, r, x.shape[-1])
-
-
-# ---- which tiles to touch, and their masks (from the one M) ---------------------------------
-@dataclass
-class _Mask:
-    """A partly readable tile: ``allowed`` (H'|1, rows, cols) bool and ``bias`` (0 / -inf,
-    same shape, compute dtype). H' = H_q when the dense mask differs by head."""
-
-    allowed: torch.Tensor
-    bias: torch.Tensor
-
-    def pick(self, x: torch.Tensor, heads: torch.Tensor | None) -> torch.Tensor:
-        """x (bias or allowed) for a head chunk: (M, g, rows, cols), or (rows, cols)."""
-        return x[0] if heads is None or x.shape[0] == 1 else x[heads]
-
-
-class _Tiles:
-    """The tiles of one job (batch rows b0:b1 sharing one pattern): per query block, its
-    readable key blocks with a mask for the partly readable ones (None = fully readable).
-
-    Only what the pattern allows is listed: key blocks outside ``Pattern.key_range`` are
-    never touched, so a window costs O(T·w) and documents or chunks the sum of their squares.
-    Tiles of patterns that look the same along every diagonal (causal, window) are computed
-    once per offset and shared.
-    """
-
-    def __init__(self, p: Problem, b: int, bq: int, bk: int, dt: torch.dtype, aligned: bool):
-        pt = p.pattern
-        B, H, T_q, T_k = p.dims
-        self.p, self.b, self.dt = p, b, dt
-        shift = not (
-            pt.per_batch
-            or pt.per_head
-            or pt.mask is not None
-            or pt.chunk
-            or pt.cu_seqlens is not None
-            or pt.prefix_lengths is not None
-            or pt.mask_mod is not None
-        )
-        cache: dict = {}
-        self.blocks = []  # per query block: (a, a2, [(c, c2, _Mask | None), ...])
-        for a, a2 in _row_blocks(p, b, bq):
-            lo, hi = pt.key_range(b, a, a2, T_q, T_k)
-            tiles = []
-            if hi > lo:
-                c = lo // bk * bk if aligned else lo
-                while c < hi:
-                    c2 = min(T_k if aligned else hi, c + bk)
-                    key = (a - c, a2 - a, c2 - c) if shift else None
-                    kind = cache.get(key) if key is not None else None
-                    if kind is None:
-                        kind = self._kind(a, a2, c, c2)
-                        if key is not None:
-                            cache[key] = kind
-                    if kind != "skip":
-                        tiles.append((c, c2, kind))
-                    c = c2
-            self.blocks.append((a, a2, tiles))
-
-    def _kind(self, a, a2, c, c2):
-        p = self.p
-        t = p.pattern.tile(*p.dims, a, a2, c, c2, like=_CPU, batch=[self.b])[0]  # (H'|1, r, c)
-        if bool(t.all()):
-            return None
-        if not bool(t.any()):
-            return "skip"
-        bias = torch.zeros(t.shape, dtype=self.dt).masked_fill_(~t, NEG_INF)
-        return _Mask(t, bias)
-
-    def work(self, ai: int) -> int:
-        a, a2, tiles = self.blocks[ai]
-        return (a2 - a) * sum(c2 - c for c, c2, _ in tiles)
-
-
-_CPU = torch.zeros(())
-MIN_PIECE = 32  # chunks shorter than this are masked inside blocks rather than cut out
-
-
-def _row_blocks(p: Problem, b: int, bq: int) -> list[tuple[int, int]]:
-    """Query blocks of at most bq rows that never straddle a document, a chunk, the end of
-    a prefix or of a sequence's length: a block on both sides of such an edge would read
-    (and mask) the union of both sides' keys."""
-    pt = p.pattern
-    B, H, T_q, T_k = p.dims
-    qs = pt.query_start(T_q, T_k)
-    edges = set()  # key positions where the readable set changes
-    cu = pt.cu_seqlens
-    starts = [0] if cu is None else [int(x) for x in cu[:-1]]
-    ends = [qs + T_q] if cu is None else [int(x) for x in cu[1:]]
-    edges.update(starts)
-    if pt.chunk is not None and pt.chunk >= MIN_PIECE:
-        for s0, e0 in zip(starts, ends):
-            edges.update(range(s0, e0, pt.chunk))
-    for v in (pt.lengths, pt.prefix_lengths):
-        if v is not None:
-            edges.add(int(v[b]))
-    cuts = sorted({0, T_q} | {x - qs for x in edges if 0 < x - qs < T_q})
-    out = []
-    for s0, e0 in zip(cuts, cuts[1:]):
-        n = -(-(e0 - s0) // bq)  # pieces of equal size, at most bq rows
-        out.extend((s0 + (e0 - s0) * i // n, s0 + (e0 - s0) * (i + 1) // n) for i in range(n))
-    return out
-
-
-def _jobs(p: Problem) -> list[tuple[int, int]]:
-    """Batch row ranges that share one pattern (all rows, unless it differs by row)."""
-    B = p.q.shape[0]
-    if B == 0:
-        return []
-    return [(b, b + 1) for b in range(B)] if p.pattern.per_batch else [(0, B)]
-
-
-class _Heads:
-    """Per head chunk of a job (N = batch rows · H_kv heads, g query heads each): the query
-    head indices, the batch rows, and the per-head modifier constants in base 2."""
-
-    def __init__(self, p: Problem, b0: int, b1: int, dt):
-        B, Hq, _, _ = p.dims
-        Hkv, g = p.k.shape[1], p.group
-        n = torch.arange((b1 - b0) * Hkv)
-        self.qhead = (n % Hkv)[:, None] * g + torch.arange(g)[None, :]  # (N, g)
-        self.batch = (b0 + n // Hkv)[:, None].expand(-1, g)  # (N, g)
-        pt = p.pattern
-        self.slopes = None
-        if pt.alibi_slopes is not None:
-            sl = torch.as_tensor(_np(pt.alibi_slopes), dtype=torch.float64)
-            sl = sl[None].expand(B, Hq) if sl.dim() == 1 else sl
-            self.slopes = (sl[self.batch, self.qhead] * LOG2E).to(dt)  # (N, g)
-            self.slope_list = self.slopes.tolist()
-        self.sinks = None
-        if pt.sinks is not None:
-            s = torch.as_tensor(_np(pt.sinks), dtype=torch.float64)
-            self.sinks = (s[self.qhead] * LOG2E).to(dt)  # (N, g)
-        self.softcap = None if pt.softcap is None else pt.softcap * LOG2E  # in base-2 units
-        self.rel = None  # rel_bias (H, R) in base 2, and its centre
-        if pt.rel_bias is not None:
-            r = torch.as_tensor(_np(pt.rel_bias), dtype=torch.float64)
-            self.rel, self.rel_c = (r * LOG2E).to(dt), (r.shape[1] - 1) // 2
-        self.bias = None  # bias as 4-D (B|1, H|1, T_q|1, T_k|1), its own dtype
-        if pt.bias is not None:
-            bb = torch.as_tensor(pt.bias).detach().cpu()
-            self.bias = bb.reshape((1,) * (4 - bb.dim()) + tuple(bb.shape))
-        self.score_mod = pt.score_mod
-        # scores may be -inf (or NaN) where the pattern reads: masks are filled, never added
-        self.user = pt.bias is not None or pt.score_mod is not None
-        self.pos0, self.k0 = pt.query_start(*p.dims[2:]), pt.k_start
-
-    def bias_tile(self, h, h2, a, a2, c, c2, dt) -> torch.Tensor:
-        """bias for head chunk h:h2, rows a:a2, keys c:c2: (M, g, rows|1, cols|1) in dt."""
-        b4 = self.bias
-        t = b4[:, :, _span(b4, 2, a, a2), _span(b4, 3, c, c2)]
-        zero = torch.zeros_like(self.batch[h:h2])
-        bi = self.batch[h:h2] if b4.shape[0] > 1 else zero
-        hi = self.qhead[h:h2] if b4.shape[1] > 1 else zero
-        return t[bi, hi].to(dt)
-
-    def rel_index(self, a, a2, c, c2) -> torch.Tensor:
-        """rel_bias's column c + j - pos(i) for the tile (rows, cols), int64."""
-        pos = torch.arange(a, a2) + self.pos0
-        j = torch.arange(c, c2) + self.k0
-        return self.rel_c + j[None, :] - pos[:, None]
-
-    def mod_indices(self, h, h2, a, a2, c, c2):
-        """score_mod's (b, h, q_idx, kv_idx) for the tile: (M, g, 1, 1) twice, positions."""
-        pos = (torch.arange(a, a2) + self.pos0).view(1, 1, -1, 1)
-        j = (torch.arange(c, c2) + self.k0).view(1, 1, 1, -1)
-        return self.batch[h:h2, :, None, None], self.qhead[h:h2, :, None, None], pos, j
-
-
-def _span(x: torch.Tensor, axis: int, lo: int, hi: int) -> slice:
-    """lo:hi along an axis of x, or all of it where x broadcasts there (size 1)."""
-    return slice(lo, hi) if x.shape[axis] > 1 else slice(None)
-
-
-class _Grads:
-    """Gradients of the pattern's learned tensors, summed over the tiles of one part of the
-    backward (or, for the whole call, over the parts in order): ``bias`` in its 4-D form,
-    ``rel_bias`` (H, R), ``alibi_slopes`` (1|B, H), and the tensors the score_mod reads."""
-
-    def __init__(self, p: Problem, hd, want, dcache):
-        self.p, self.hd, self.dcache = p, hd, dcache
-        self.want = set(want)
-        self.wanted = bool(self.want - {"captured"})  # read off dS in every tile
-        self.caps = captured_of(p.pattern.score_mod) if "captured" in self.want else []
-        self.sums: dict = {}
-        if hd is not None:
-            self.batch, self.qhead = hd.batch.tolist(), hd.qhead.tolist()
-
-    def _acc(self, key, shape, dtype) -> torch.Tensor:
-        if key not in self.sums:
-            self.sums[key] = torch.zeros(shape, dtype=dtype)
-        return self.sums[key]
-
-    def tile(self, dS, tape, mask, heads, h, h2, a, a2, c, c2) -> None:
-        """Add one tile's share. dS (M, g, rows, cols): the loss's gradient by the scores
-        after every modifier (natural units); through the score_mod's tape it becomes the
-        gradient by its input (in place), the one the biases and slopes take."""
-        if tape is not None:
-            x, y = tape
-            with torch.enable_grad():
-                g = torch.autograd.grad(y, [x, *self.caps], dS, allow_unused=True)
-            dS.copy_(g[0])
-            if mask is not None:  # nothing flows to a blocked cell, even 0·inf
-                dS.masked_fill_(~mask.pick(mask.allowed, heads), 0.0)
-            for i, gi in enumerate(g[1:]):
-                if gi is not None:
-                    self._acc(("captured", i), gi.shape, gi.dtype).add_(gi)
-        if not self.wanted:
-            return
-        pt, hd = self.p.pattern, self.hd
-        M, G = dS.shape[:2]
-        cells = [
-            (m, gi, self.batch[h + m][gi], self.qhead[h + m][gi])
-            for m in range(M)
-            for gi in range(G)
-        ]
-        if "bias" in self.want:
-            b4 = hd.bias
-            t = dS.sum(2, keepdim=True) if b4.shape[2] == 1 else dS
-            t = t.sum(3, keepdim=True) if b4.shape[3] == 1 else t
-            acc = self._acc("bias", b4.shape, dS.dtype)
-            rs, cs = _span(b4, 2, a, a2), _span(b4, 3, c, c2)
-            for m, gi, bi, qh in cells:
-                acc[bi if b4.shape[0] > 1 else 0, qh if b4.shape[1] > 1 else 0, rs, cs] += t[m, gi]
-        if "rel_bias" in self.want:
-            acc = self._acc("rel_bias", tuple(pt.rel_bias.shape), dS.dtype)
-            idx = hd.rel_index(a, a2, c, c2).flatten()
-            for m, gi, _, qh in cells:
-                acc[qh].index_add_(0, idx, dS[m, gi].flatten())
-        if "alibi_slopes" in self.want:
-            sl = pt.alibi_slopes
-            acc = self._acc(
-                "alibi_slopes", (sl.shape[0] if sl.ndim == 2 else 1, sl.shape[-1]), dS.dtype
-            )
-            dist = _dist(self.p, a, a2, c, c2, self.dcache, dS.dtype)
-            for m, gi, bi, qh in cells:  # Z = ... - slope·|pos(i) - j|
-                acc[bi if sl.ndim == 2 else 0, qh] -= (dS[m, gi] * dist).sum()
-
-    def add(self, other: _Grads) -> None:
-        for key, t in other.sums.items():
-            if key in self.sums:
-                self.sums[key] += t
-            else:
-                self.sums[key] = t.clone()
-
-    def result(self) -> dict:
-        """{name: gradient shaped as the pattern's tensor}; "captured": a list, in order."""
-        pt, out = self.p.pattern, {}
-        for name in ("bias", "rel_bias", "alibi_slopes"):
-            if name in self.want:
-                shape = tuple(getattr(pt, name).shape)
-                t = self.sums.get(name)
-                out[name] = (
-                    torch.zeros(shape, dtype=torch.float64) if t is None else t.reshape(shape)
-                )
-        if "captured" in self.want:
-            out["captured"] = [
-                self.sums[("captured", i)] if ("captured", i) in self.sums else torch.zeros_like(c)
-                for i, c in enumerate(self.caps)
-            ]
-        return out
-
-
-def _np(x):
-    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else x
-
-
-def _dist(p: Problem, a: int, a2: int, c: int, c2: int, cache: dict, dt) -> torch.Tensor:
-    """|pos(i) - j| for the tile (rows, cols) in dtype dt, from the pattern's ALiBi (unit
-    slope): the same for every tile on one diagonal offset, so computed once per offset."""
-    key = (a - c, a2 - a, c2 - c, dt)
-    if key not in cache:
-        # ALiBi alone (the other modifiers would leak into the distance)
-        unit = replace(p.pattern.only("alibi_slopes"), sinks=None, alibi_slopes=[1.0])
-        B, H, T_q, T_k = p.dims
-        z = torch.zeros(1, 1, a2 - a, c2 - c, dtype=torch.float64)
-        cache[key] = (-unit.modify_scores(z, a, c, T_q, T_k)[0, 0]).to(dt)
-    return cache[key]
-
-
-def _modify(
-    S4: torch.Tensor, hd: _Heads, h: int, h2: int, a, a2, c, c2, p, cache, T=None, grad=False
-):
-    """softcap, ALiBi, rel_bias, bias, then the score_mod, in place on base-2 scores S4
-    (M, g, rows, cols). With softcap and ``T`` (a buffer like S4), T receives tanh(S/c) for
-    the backward; without T, S4 comes already divided by c (the forward folds 1/c into the
-    query scale). With a score_mod and ``grad``: returns (its input, its output) in natural
-    units, on autograd's tape, for the backward's vector-Jacobian product (else None)."""
-    if hd.softcap is not None:
-        cap = hd.softcap
-        if T is not None:
-            torch.div(S4, cap, out=T).tanh_()
-            torch.mul(T, cap, out=S4)
-        else:
-            S4.tanh_().mul_(cap)
-    if hd.slopes is not None:  # one fused pass per head: S -= slope·dist
-        dist = _dist(p, a, a2, c, c2, cache, S4.dtype)
-        for mi, row in enumerate(hd.slope_list[h:h2]):
-            for gi, slope in enumerate(row):
-                S4[mi, gi].sub_(dist, alpha=slope)
-    if hd.rel is not None:
-        S4.add_(hd.rel[hd.qhead[h:h2]][:, :, hd.rel_index(a, a2, c, c2)])
-    if hd.bias is not None:
-        S4.add_(hd.bias_tile(h, h2, a, a2, c, c2, S4.dtype), alpha=LOG2E)
-    if hd.score_mod is None:
-        return None
-    idx = hd.mod_indices(h, h2, a, a2, c, c2)
-    x = S4 * LN2
-    if not grad:
-        S4.copy_(apply_score_mod(hd.score_mod, x, *idx)).mul_(LOG2E)
-        return None
-    with torch.enable_grad():
-        x.requires_grad_(True)
-        y = apply_score_mod(hd.score_mod, x, *idx)
-    S4.copy_(y.detach()).mul_(LOG2E)
-    return x, y
-
-
-def _keep(p: Problem, hd: _Heads, h, h2, a, a2, c, c2) -> torch.Tensor:
-    """The dropout keep pattern of one tile, (M, g, rows, cols) bool, from global positions."""
-    return p.keep(hd.batch[h:h2], hd.qhead[h:h2], a, a2, c, c2)
-
-
-def _workers(p: Problem) -> int:
-    """Threads for independent tiles: torch's thread count, one for tiny problems."""
-    B, H, T_q, d = p.q.shape
-    work = B * H * T_q * p.k.shape[2] * (d + p.v.shape[3])
-    return torch.get_num_threads() if work >= (1 << 22) else 1
-
-
-def _lanes(p: Problem) -> int:
-    """dQ partial sums in the backward: fixed by the shape, never by the thread count, so
-    the gradients are the same bits on any machine."""
-    B, H, T_q, d = p.q.shape
-    return LANES if B * H * T_q * p.k.shape[2] * (d + p.v.shape[3]) >= (1 << 22) else 1
-
-
-# ---- forward ---------------------------------------------------------------------------------
-def _fwd_job(p, Q, K, V, hd, b, O_out, L_out, workers):
-    """Q (N, g, m, d), K (N, n, d), V (N, n, d_v) -> writes O_out (N, g, m, d_v), L_out (N, g, m).
-
-    Tasks are (head chunk, query block); each runs its readable key blocks with the online
-    softmax: one GEMM for the scores, the modifiers, the mask only where the tile is partly
-    readable, the row max, exp in place, the row sum, dropout, one GEMM into the accumulator.
-    """
+def _job_plan(Q: torch.Tensor, n: int, bwd: bool = False) -> tuple[int, int, int]:
+    """(key/value heads per tile, query block, key block) of a job's Q (N, g, m, d) against
+    n keys: :func:`_plan` for its N·g query heads, the g query heads of one key/value head
+    kept in one tile."""
     N, g, m, d = Q.shape
-    n, dv = K.shape[1], V.shape[2]
-    nh, bq, bk = _plan(N * g, m, n, d)
-    nh = max(1, nh // g)
-    dt = Q.dtype
-    tiles = _Tiles(p, b, bq, bk, dt, aligned=False)
-    masked_any = any(t[2] is not None for _, _, ts in tiles.blocks for t in ts)
-    drop = p.dropout_p
-    if masked_any or drop:  # zero weights will meet V; -inf will meet the scores
-        V0, vbad = _finite(V)
-        _, kbad = _finite(K)
-        _, qbad = _finite(Q.reshape(N * g, m, d))
-    else:  # no zero weight anywhere (decoding, full attention): nothing to guard
-        V0, vbad, kbad, qbad = V, None, None, None
-    dcache: dict = {}
-    tasks = [(h, min(N, h + nh), ai) for h in range(0, N, nh) for ai in range(len(tiles.blocks))]
-    cost = lambda t: (t[1] - t[0]) * tiles.work(t[2])  # noqa: E731
-
-    def run(part):
-        # per-worker buffers, reused by every task: fresh allocations would page-fault
-        buf = torch.empty(nh * g * bq * bk, dtype=dt)
-        qbuf = torch.empty(nh * g * bq * d, dtype=dt)
-        abuf = torch.empty(nh * g * bq * dv, dtype=dt)
-        lbuf = torch.empty(nh * g * bq, dtype=dt)
-        for h, h2, ai in part:
-            a, a2, row_tiles = tiles.blocks[ai]
-            M, r = h2 - h, g * (a2 - a)
-            qs = torch.mul(Q[h:h2, :, a:a2], scale2, out=qbuf[: M * r * d].view(M, g, a2 - a, d))
-            qs = qs.view(M, r, d)
-            l = lbuf[: M * r].view(M, r)  # noqa: E741
-            acc = _tile(abuf, M, r, dv)
-            mx = None  # running row max; the first block read writes l, acc instead of adding
-            heads = hd.qhead[h:h2]
-            for c, c2, mask in row_tiles:
-                S = torch.bmm(qs, K[h:h2, c:c2].transpose(1, 2), out=_tile(buf, M, r, c2 - c))
-                S4 = S.view(M, g, a2 - a, c2 - c)
-                _modify(S4, hd, h, h2, a, a2, c, c2, p, dcache)
-                if mask is not None:
-                    if _flag(kbad, c, c2) or _flag(qbad, a, a2) or hd.user:
-                        S4.masked_fill_(~mask.pick(mask.allowed, heads), NEG_INF)
-                    else:  # adding is far cheaper than masked_fill; NaN + -inf would be NaN
-                        S4.add_(mask.pick(mask.bias, heads))
-                bm = S.amax(-1)
-                m_new = bm if mx is None else torch.maximum(mx, bm)
-                if mask is None and mx is not None and not hd.user:  # every row max is finite
-                    m_safe = m_new
-                else:  # rows with nothing read yet subtract 0 (their scores are all -inf)
-                    m_safe = m_new.masked_fill(m_new == NEG_INF, 0.0)
-                S.sub_(m_safe.unsqueeze(-1)).exp2_()  # S is now P, unnormalized
-                if mx is None:
-                    torch.sum(S, -1, out=l)
-                else:  # rescale what earlier key blocks accumulated
-                    alpha = torch.exp2(mx - m_safe)
-                    l.mul_(alpha).add_(S.sum(-1))
-                    acc.mul_(alpha.unsqueeze(-1))
-                if drop:  # the row sum counts every weight; the values only the kept ones
-                    S4.mul_(_keep(p, hd, h, h2, a, a2, c, c2))
-                zeros = mask is not None or drop > 0
-                flag = _flag(vbad, c, c2)
-                if mx is None and (not zeros or flag is None):
-                    torch.bmm(S, V[h:h2, c:c2], out=acc)
-                else:
-                    if mx is None:
-                        acc.zero_()
-                    _acc(acc, S, V[h:h2, c:c2], V0[h:h2, c:c2], flag, zeros)
-                mx = m_new
-            if mx is None:  # no readable key at all
-                l.zero_()
-                acc.zero_()
-                mx = torch.full((M, r), NEG_INF, dtype=dt)
-            empty = l == 0
-            if hd.sinks is not None:  # the sink joins the denominator: l·2^mx + 2^s
-                s = hd.sinks[h:h2, :, None].expand(M, g, a2 - a).reshape(M, r)
-                m2 = torch.maximum(mx, s).masked_fill_(empty, 0.0)
-                alpha = torch.exp2(mx - m2)
-                l.mul_(alpha).add_(torch.exp2(s - m2).masked_fill_(empty, 0.0))
-                acc.mul_(alpha.unsqueeze(-1))
-                mx = m2
-            acc.div_(l.masked_fill(empty, 1.0).unsqueeze(-1))
-            if drop:
-                acc.mul_(1.0 / (1.0 - drop) if drop < 1 else 0.0)
-            O_out[h:h2, :, a:a2] = acc.view(M, g, a2 - a, dv)
-            lse = torch.log2(l).add_(mx.masked_fill(empty, 0.0)).mul_(LN2)
-            L_out[h:h2, :, a:a2] = lse.masked_fill_(empty, NEG_INF).view(M, g, a2 - a)
-
-    scale2 = p.scale * LOG2E / (hd.softcap or 1.0)  # softcap: S/c straight from the GEMM
-    _parallel(_balanced(tasks, cost, workers), run, workers)
+    nh, bq, bk = _plan(N * g, m, n, d, bwd)
+    return max(1, nh // g), bq, bk
 
 
 def _job_view(t: torch.Tensor, b0: int, b1: int, Hkv: int) -> torch.Tensor:
@@ -645,9 +122,10 @@ def fwd(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     with torch.no_grad():
         for b0, b1 in _jobs(p):
             hd = _Heads(p, b0, b1, cd)
+            Q = _job_view(q, b0, b1, Hkv)
             _fwd_job(
                 p,
-                _job_view(q, b0, b1, Hkv),
+                Q,
                 _kv(k, b0, b1),
                 _kv(v, b0, b1),
                 hd,
@@ -655,159 +133,9 @@ def fwd(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
                 _job_view(out, b0, b1, Hkv),
                 _job_view(lse, b0, b1, Hkv).squeeze(-1),
                 workers,
+                _job_plan(Q, k.shape[2]),
             )
     return out, lse.squeeze(-1)
-
-
-# ---- backward --------------------------------------------------------------------------------
-@dataclass
-class _QueryRows:
-    """One query block of the backward, (N, g·rows, ·) each, prepared once for all the key
-    blocks that read it: Q in base 2 (q) with its non-finite rows zeroed (q0) and whether it
-    has any (q_flag: None = finite everywhere); dO likewise (dout, dout0, dout_flag); the
-    lse in base 2 (+inf where no key is readable, so P = 0) and whether it holds NaN; the
-    row term D, and whether dO and D are finite (then blocked entries of dS are exactly 0)."""
-
-    q: torch.Tensor
-    q0: torch.Tensor
-    q_flag: bool | None
-    dout: torch.Tensor
-    dout0: torch.Tensor
-    dout_flag: bool | None
-    lse: torch.Tensor
-    lse_nan: bool
-    D: torch.Tensor
-    d_finite: bool
-
-
-def _bwd_job(p, Q, K, V, dO, LSE, D, hd, b, dQ_out, dK, dV, workers, lanes, want, total_grads):
-    """Gradients of one job: writes dQ_out (N, g, m, d), dK (N, n, d), dV (N, n, d_v).
-
-    Tasks are (head chunk, key block): each accumulates its dK, dV block in a contiguous
-    buffer over the query blocks that read it; dQ accumulates per lane (a fixed split of
-    the tasks) and the lanes are summed in order.
-    """
-    N, g, m, d = Q.shape
-    n, dv = K.shape[1], V.shape[2]
-    nh, bq, bk = _plan(N * g, m, n, d, bwd=True)
-    nh = max(1, nh // g)
-    dt = Q.dtype
-    drop = p.dropout_p
-    tiles = _Tiles(p, b, bq, bk, dt, aligned=True)
-    K0, kbad = _finite(K)
-    _, vbad = _finite(V)
-    dcache: dict = {}
-    blocks = [(a, a2) for a, a2, _ in tiles.blocks]
-    readers: dict[int, list] = {}  # key block start -> [(query block index, mask)]
-    for ai, (_, _, ts) in enumerate(tiles.blocks):
-        for c, _, mask in ts:
-            readers.setdefault(c, []).append((ai, mask))
-    zscale = 1.0 / (1.0 - drop) if drop < 1 else 0.0  # dropout's Z = keep / (1 - p)
-    rows = []  # per query block: what every key block reading it needs (_QueryRows)
-    for a, a2 in blocks:
-        r = g * (a2 - a)
-        x = _stack(Q[:, :, a:a2] * (p.scale * LOG2E), N, r)  # base-2 scores; dK·ln2 at the end
-        x0, xb = _finite(x)
-        y = _stack(dO[:, :, a:a2] * zscale if drop else dO[:, :, a:a2].contiguous(), N, r)
-        y0, yb = _finite(y)
-        L = _stack(LSE[:, :, a:a2].unsqueeze(-1), N, r)
-        Dr = _stack(D[:, :, a:a2].unsqueeze(-1), N, r)
-        rows.append(
-            _QueryRows(
-                q=x,
-                q0=x0,
-                q_flag=_flag(xb, 0, r),  # one block: one flag for the whole block
-                dout=y,
-                dout0=y0,
-                dout_flag=_flag(yb, 0, r),
-                lse=L.masked_fill(L == NEG_INF, float("inf")).mul_(LOG2E),  # no key: P = 0
-                lse_nan=bool(torch.isnan(L).any()),
-                D=Dr,
-                # dS = P ∘ (dP - D) is 0 at blocked entries unless dP or D is non-finite there
-                d_finite=yb is None and bool(torch.isfinite(Dr).all()),
-            )
-        )
-    tasks = [(h, min(N, h + nh), c, min(n, c + bk)) for h in range(0, N, nh) for c in readers]
-
-    def cost(t):
-        return (
-            (t[1] - t[0])
-            * (t[3] - t[2])
-            * sum(blocks[ai][1] - blocks[ai][0] for ai, _ in readers[t[2]])
-        )
-
-    soft = hd.softcap is not None
-
-    def run(part):
-        dq = [torch.zeros(N, g * (a2 - a), d, dtype=dt) for a, a2 in blocks]
-        grads = _Grads(p, hd, want, dcache)  # this part's sums
-        bufS = torch.empty(nh * g * bq * bk, dtype=dt)
-        bufP = torch.empty_like(bufS)
-        bufT = torch.empty_like(bufS) if soft else None
-        kbuf = torch.empty(nh * bk * d, dtype=dt)  # per-worker dK, dV block accumulators
-        vbuf = torch.empty(nh * bk * dv, dtype=dt)
-        for h, h2, c, c2 in part:
-            M, w = h2 - h, c2 - c
-            Kc, Vc, K0c = K[h:h2, c:c2], V[h:h2, c:c2], K0[h:h2, c:c2]
-            kflag = _flag(kbad, c, c2)
-            vfin = not _flag(vbad, c, c2)
-            dk = _tile(kbuf, M, w, d).zero_()
-            dvb = _tile(vbuf, M, w, dv).zero_()
-            heads = hd.qhead[h:h2]
-            for ai, mask in readers[c]:
-                a, a2 = blocks[ai]
-                r = g * (a2 - a)
-                masked = mask is not None
-                shape = (M, g, a2 - a, w)
-                S = torch.bmm(rows[ai].q[h:h2], Kc.transpose(1, 2), out=_tile(bufS, M, r, w))
-                T = _tile(bufT, M, r, w).view(shape) if soft else None
-                tape = _modify(S.view(shape), hd, h, h2, a, a2, c, c2, p, dcache, T, grad=True)
-                # P mixes rows into dV: its blocked entries must be exactly 0, even where a
-                # query row, a key or the given lse is NaN (then the mask goes on P itself)
-                fast = not kflag and not rows[ai].q_flag and not rows[ai].lse_nan and not hd.user
-                if masked and fast:
-                    S.view(shape).add_(mask.pick(mask.bias, heads))
-                P = S.sub_(rows[ai].lse[h:h2]).exp2_()
-                if masked and not fast:
-                    P.view(shape).masked_fill_(~mask.pick(mask.allowed, heads), 0.0)
-                dS = torch.bmm(rows[ai].dout[h:h2], Vc.transpose(1, 2), out=_tile(bufP, M, r, w))
-                keep = None
-                if drop:  # dP ∘ Z, Z = keep / (1 - p): dO came scaled by 1 / (1 - p)
-                    keep = _keep(p, hd, h, h2, a, a2, c, c2)
-                    dS.view(shape).mul_(keep)
-                dS.sub_(rows[ai].D[h:h2]).mul_(P)  # dS = P ∘ (dP·Z - D)
-                if masked and not (
-                    vfin and rows[ai].d_finite and not hd.user
-                ):  # P is 0 there, dP or D is not finite
-                    dS.view(shape).masked_fill_(~mask.pick(mask.allowed, heads), 0.0)
-                if tape is not None or grads.wanted:  # d score_mod, biases, slopes
-                    grads.tile(dS.view(shape), tape, mask, heads, h, h2, a, a2, c, c2)
-                if soft:  # through the cap: d tanh = 1 - tanh²
-                    T.mul_(T).neg_().add_(1.0)
-                    dS.view(shape).mul_(T)
-                if drop:  # the values saw P ∘ Z (and dO is scaled)
-                    P.view(shape).mul_(keep)
-                Pt, dSt = P.transpose(1, 2), dS.transpose(1, 2)
-                zeros = masked or drop > 0
-                _acc(dvb, Pt, rows[ai].dout[h:h2], rows[ai].dout0[h:h2], rows[ai].dout_flag, zeros)
-                _acc(dk, dSt, rows[ai].q[h:h2], rows[ai].q0[h:h2], rows[ai].q_flag, masked)
-                _acc(dq[ai][h:h2], dS, Kc, K0c, kflag, masked)
-            torch.mul(dk, LN2, out=dK[h:h2, c:c2])
-            dV[h:h2, c:c2] = dvb
-        return dq, grads
-
-    results = _parallel(_balanced(tasks, cost, lanes), run, workers) if tasks else []
-    parts = [r[0] for r in results]
-    for r in results:  # in part order: the same sums on any thread count
-        total_grads.add(r[1])
-    for ai, (a, a2) in enumerate(blocks):
-        if not parts:
-            dQ_out[:, :, a:a2] = 0.0
-            continue
-        total = parts[0][ai]
-        for other in parts[1:]:
-            total += other[ai]
-        dQ_out[:, :, a:a2] = total.mul_(p.scale).view(N, g, a2 - a, d)
 
 
 def _D(p: Problem, out, dout, dlse, cd):
@@ -851,9 +179,10 @@ def bwd_grads(p: Problem, out, lse, dout, dlse=None, want: tuple = ()):
     with torch.no_grad():
         for b0, b1 in _jobs(p):
             hd = _Heads(p, b0, b1, cd)
+            Q = _job_view(q, b0, b1, Hkv)
             _bwd_job(
                 p,
-                _job_view(q, b0, b1, Hkv),
+                Q,
                 _kv(k, b0, b1),
                 _kv(v, b0, b1),
                 _job_view(dout, b0, b1, Hkv),
@@ -868,6 +197,7 @@ def bwd_grads(p: Problem, out, lse, dout, dlse=None, want: tuple = ()):
                 lanes,
                 want,
                 total,
+                _job_plan(Q, k.shape[2], bwd=True),
             )
     return dq.to(p.q.dtype), dk.to(p.k.dtype), dv.to(p.v.dtype), total.result()
 
