@@ -81,6 +81,10 @@ OPTS = {
         ("--trace", PATHS),
     ],
     "demo": [("--d-model", INTS), ("--seed", INTS), ("--json", None)],
+    # issue 26's modes; `explore` above is their older spelling (--trace, a mode's option
+    # given to another mode, must be one error line too)
+    "explore text": [("--max-len", INTS), ("--heads", INTS), ("-o", PATHS), ("--trace", PATHS)],
+    "explore trace": [("-o", PATHS), ("--max-bytes", INTS), ("--d-model", INTS)],
     "shapes": [("-T", INTS), ("--d-model", INTS), ("-H", INTS), ("--d-k", INTS), ("--json", None)],
     "nosuch": [],
 }
@@ -89,11 +93,11 @@ OPTS = {
 @st.composite
 def argv(draw):
     cmd = draw(st.sampled_from(sorted(OPTS)))
-    args = [cmd]
+    args = cmd.split()
     opts = draw(st.lists(st.sampled_from(OPTS[cmd]), max_size=4)) if OPTS[cmd] else []
     for name, values in opts:
         args += [name] if values is None else [name, draw(values)]
-    if cmd in ("masks", "explore") and draw(st.booleans()):
+    if cmd in ("masks", "explore", "explore text", "explore trace") and draw(st.booleans()):
         args += draw(st.lists(WORDS, min_size=1, max_size=3))
     return args
 

@@ -302,3 +302,40 @@ def test_the_layout_constants_come_from_problem_h():
     assert set(bits) == set(cpp.WANTS.values())
     assert {n: getattr(ext, n) for n in bits} == {n: int(b) for n, b in bits.items()}
     assert not hasattr(cpp, "REL_PAD")
+
+
+@pytest.mark.parametrize("env", ["default root", "TORCH_EXTENSIONS_DIR"])
+def test_a_stale_build_lock_is_cleared_in_the_folder_the_build_uses(tmp_path, monkeypatch, env):
+    """A killed build's lock is removed where the build runs, also under torch's default
+    root (which has one folder per Python below it), and the build is told that folder."""
+    import time
+
+    from torch.utils import cpp_extension
+
+    if env == "default root":
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+        monkeypatch.setattr(cpp_extension, "get_default_build_root", lambda: str(tmp_path))
+    else:
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("CAUSALATTN_NO_CPP", raising=False)
+    monkeypatch.setattr(cpp, "_STATE", dict(cpp._STATE))  # the mocked load's object() stays here
+    seen = {}
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.update(kw) or object())
+    monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
+    name = f"causalattn_cpp_{cpp._machine_tag()}"
+    folder = cpp.build_folder(cpp_extension, name)
+    want = (
+        tmp_path
+        if env != "default root"
+        else tmp_path / f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+    )
+    assert folder == want / name
+    lock = folder / "lock"
+    lock.touch()
+    old = time.time() - cpp.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    with pytest.warns(RuntimeWarning, match="removed a stale build lock"):
+        assert cpp._build() == ""
+    assert not lock.exists() and seen["build_directory"] == str(folder)
+    lock.touch()  # a fresh lock (a build running now) is left alone
+    assert cpp._build() == "" and lock.exists()

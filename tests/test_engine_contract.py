@@ -205,6 +205,24 @@ def test_a_nan_a_row_reads_propagates_to_that_row(name):
     assert not rows[:10].any() and rows[10:].all()
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_non_finite_values_reach_exactly_the_rows_that_read_them(name):
+    """Row 0 reads only key 0: its NaN is row 0's alone to carry. A +inf value (all values
+    positive) makes the rows that read it +inf: no 0·inf NaN from the keys they do not read."""
+    if not ROWS[name].future:
+        pytest.skip(f"{name}: future keys' 0·NaN is the peer's own")
+    q, k, v = _inputs(name, 1, 1, 1, 12, 12, 4)
+    v = v.abs()
+    v0 = v.clone()
+    v0[0, 0, 0] = float("nan")
+    assert torch.isnan(attention(q, k, v0, engine=name)[0, 0]).all()
+    v[0, 0, 5] = float("inf")
+    v[0, 0, 9] = float("inf")
+    out = attention(q, k, v, engine=name)[0, 0]
+    assert torch.isfinite(out[:5]).all()
+    assert torch.isposinf(out[5:]).all(), out[5:]
+
+
 # ---- the accuracy rule -----------------------------------------------------------------------
 FLOOR = {torch.float32: 1e-5, torch.bfloat16: 1e-3, torch.float16: 1e-3}
 

@@ -229,3 +229,61 @@ def test_generators_and_compute_dtypes():
     assert compute_dtype(torch.float64) == torch.float64
     for dt in (torch.float32, torch.bfloat16, torch.float16):
         assert compute_dtype(dt) == torch.float32
+
+
+def test_the_reference_reads_sinks_given_to_the_problem_as_a_list():
+    from causalattn.engines.exact import attend
+    from causalattn.engines.problem import make_problem
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 5, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    sinks = [0.7, -1.5]
+    want = ca.attention(q, k, v, sinks=torch.tensor(sinks, dtype=torch.float64), engine="reference")
+    got = attend(make_problem(q, k, v, sinks=sinks))  # the Pattern holds them as NumPy
+    got = got[0] if isinstance(got, tuple) else got
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    plain = ca.attention(q, k, v, engine="reference")
+    assert not torch.allclose(got, plain)  # the sinks took weight
+
+
+def _qkv64(T=5, H=1, d=3, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, H, T, d, generator=g, dtype=torch.float64) for _ in range(3)]
+
+
+@pytest.mark.parametrize("how", ["bias", "score_mod"])
+def test_a_row_the_score_terms_leave_nothing_to_read_is_a_zero_row_with_lse_minus_inf(how):
+    """Row 2's every readable key gets -inf from a bias (or a score_mod): like a row with no
+    readable key, it is zero (not NaN), its lse -inf; the other rows are as without it."""
+    q, k, v = _qkv64()
+    if how == "bias":
+        bias = torch.zeros(5, 5, dtype=torch.float64)
+        bias[2] = float("-inf")
+        kw = {"bias": bias}
+    else:
+        kw = {"score_mod": lambda s, b, h, qi, kj: torch.where(qi == 2, float("-inf"), s)}
+    out, lse = ca.attention(q, k, v, engine="reference", return_lse=True, **kw)
+    plain, plain_lse = ca.attention(q, k, v, engine="reference", return_lse=True)
+    assert (out[0, 0, 2] == 0).all() and lse[0, 0, 2] == float("-inf")
+    rows = [0, 1, 3, 4]
+    torch.testing.assert_close(out[0, 0, rows], plain[0, 0, rows], rtol=0, atol=0)
+    torch.testing.assert_close(lse[0, 0, rows], plain_lse[0, 0, rows], rtol=0, atol=0)
+
+
+def test_the_reference_at_dropout_1_gives_zeros_and_zero_gradients():
+    q, k, v = (t.requires_grad_() for t in _qkv64())
+    out = ca.attention(q, k, v, engine="reference", dropout_p=1.0)
+    assert out.shape == v.shape and (out == 0).all()
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    assert all((g == 0).all() for g in grads)
+
+
+def test_the_reference_computes_in_float64_whatever_the_inputs():
+    """The oracle: float32 inputs give the float64 result rounded once, bit for bit."""
+    q, k, v = (t.float() for t in _qkv64(T=9, d=16, seed=6))
+    got = ca.attention(q, k, v, engine="reference", sinks=torch.tensor([0.25]))
+    want = ca.attention(
+        q.double(), k.double(), v.double(), engine="reference", sinks=torch.tensor([0.25])
+    )
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want.float(), rtol=0, atol=0)

@@ -113,6 +113,28 @@ def test_explore_writes_one_offline_page(dirs, tmp_path):
     assert data["layers"] == 2 and data["bytes"] == page.stat().st_size
 
 
+def test_explore_model_and_the_older_spelling_write_the_same_page(dirs, tmp_path):
+    """`explore model DIR "text"` (issue 26) is `explore --model DIR "text"`, flags and all."""
+    import re
+
+    def page(p):  # less the nonce and element id, new on every page
+        b = re.sub(rb"nonce(-|=\")[A-Za-z0-9_-]+", rb"nonce\1N", p.read_bytes())
+        return re.sub(rb"ca-x-[0-9a-f]+", b"ca-x-ID", b)
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    pa, pb = tmp_path / "a" / "e.html", tmp_path / "b" / "e.html"
+    extra = ["--layers", "1", "--generate", "2", "--questions", "1", "--json"]
+    a = run("explore", "model", dirs["llama"], TEXT, "-o", pa, *extra)
+    b = run("explore", "--model", dirs["llama"], TEXT, "-o", pb, *extra)
+    assert json.loads(a.stdout)["layers"] == json.loads(b.stdout)["layers"] == 1
+    assert page(pa) == page(pb)
+    na = runner.invoke(app, ["explore", "model", str(dirs["gpt2"])])
+    nb = runner.invoke(app, ["explore", "--model", str(dirs["gpt2"])])
+    assert na.exit_code == nb.exit_code == 2
+    assert na.stderr == nb.stderr and "needs the text" in na.stderr
+
+
 def test_bad_input_is_one_error_line_exit_2(dirs, tmp_path):
     (tmp_path / "empty").mkdir()
     t5 = tmp_path / "t5"

@@ -4,16 +4,54 @@ H = softmax_last( Q Kᵀ / √d_k + M ) V
 
 The notation (X, W_Q, …, S, M, Z, A, H, C, O), "the seed", "the chapter's example", the
 layers and the conventions are defined in docs/design.md.
+
+Every public name loads on first use (PEP 562), so ``import causalattn`` and the commands
+that compute nothing with torch (``causalattn --help``, ``shapes``, ``masks``, ``learn``'s
+questions) start without importing it (issue 26).
 """
 
-from . import masks, shapes, text, viz
-from .check import AuditInputError, Diagnosis, Report, audit, diagnose
-from .engines import KVCache, attention
-from .layer import CausalSelfAttention
-from .reference import trace
-from .shapes import shape_table
-from .text import Batch, Vocabulary, encode
-from .trace import Trace
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+# public name -> the module that defines it (relative to this package)
+_LAZY = {
+    "trace": ".reference",
+    "Trace": ".trace",
+    "attention": ".engines",
+    "KVCache": ".engines",
+    "audit": ".check",
+    "Report": ".check",
+    "AuditInputError": ".check",
+    "diagnose": ".check",
+    "Diagnosis": ".check",
+    "encode": ".text",
+    "Vocabulary": ".text",
+    "Batch": ".text",
+    "shape_table": ".shapes",
+    "CausalSelfAttention": ".layer",
+}
+# submodules reached as attributes (`causalattn.masks`, `causalattn.distributed`, ...)
+_SUBMODULES = (
+    "masks",
+    "masks_mod",
+    "text",
+    "shapes",
+    "viz",
+    "check",
+    "engines",
+    "layer",
+    "reference",
+    "dropout",
+    "inspect",
+    "memory",
+    "integrations",
+    "distributed",
+    "learn",
+    "bench",
+)
 
 __all__ = [
     "masks",
@@ -33,9 +71,31 @@ __all__ += ["CausalSelfAttention"]
 __version__ = "0.1.0"
 
 
-def __getattr__(name):  # `causalattn.distributed` (ring attention) and `.learn` load on first use
-    if name in ("distributed", "learn"):
-        import importlib
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'causalattn' has no attribute {name!r}")
+    globals()[name] = value  # later reads skip this function
+    return value
 
-        return importlib.import_module(f".{name}", __name__)
-    raise AttributeError(f"module 'causalattn' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__, *_LAZY, *_SUBMODULES})
+
+
+class _Package(types.ModuleType):
+    """This package's module type: the import system binds each loaded submodule as an
+    attribute of its package, and ``causalattn.trace`` names the function
+    (:func:`causalattn.reference.trace`), as it always has, not the submodule ``trace.py``
+    (``from causalattn.trace import Trace`` still reads the submodule)."""
+
+    def __setattr__(self, name, value):
+        if name == "trace" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package

@@ -100,13 +100,15 @@ def _build() -> str:
     if not cpp_extension.is_ninja_available():
         return "engine 'cpp': the ninja build tool is not installed (pip install ninja)"
     name = f"causalattn_cpp_{_machine_tag()}"
-    _clear_stale_lock(cpp_extension, name)
+    folder = build_folder(cpp_extension, name)
+    _clear_stale_lock(folder / "lock")
     try:
         _STATE["ext"] = cpp_extension.load(
             name=name,
             sources=[str(CSRC / s) for s in SOURCES],
             extra_cflags=list(FLAGS),
             extra_ldflags=["-fopenmp"],
+            build_directory=str(folder),
             verbose=False,
         )
     except Exception as exc:  # noqa: BLE001 - any build failure leaves the engine unavailable
@@ -117,11 +119,22 @@ def _build() -> str:
 STALE_LOCK_S = 900.0  # a build takes minutes; a lock this old was left by a killed one
 
 
-def _clear_stale_lock(cpp_extension, name: str) -> None:
+def build_folder(cpp_extension, name: str) -> Path:
+    """The extension's build folder, named here (and handed to ``load``) so that the lock
+    check below looks where the build runs: ``$TORCH_EXTENSIONS_DIR/<name>``, else torch's
+    default root, one folder per Python (torch's own default adds that level too)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        cpp_extension.get_default_build_root(),
+        f"py{sys.version_info.major}{sys.version_info.minor}_cpu",
+    )
+    folder = Path(root) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _clear_stale_lock(lock: Path) -> None:
     """Remove the build folder's ``lock`` when a killed build left it: torch waits on it
     forever otherwise (every later first call would hang)."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    lock = Path(root) / name / "lock"
     try:
         if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
             lock.unlink()

@@ -1,0 +1,5 @@
+"""``python -m causalattn``: the ``causalattn`` command."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,5 @@
+"""``python -m causalattn.cli``: the ``causalattn`` command."""
+
+from . import main
+
+main()
