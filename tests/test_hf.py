@@ -824,3 +824,68 @@ def test_a_window_of_one_and_a_two_token_prefill_into_a_static_cache():
     assert pat.is_plain_causal and n == 2
     pat, n = pattern_from_hf(None, *_qk(T_q=1, T_k=8), None)  # decoding: every key
     assert pat.is_plain_causal and n == 8
+
+
+def test_a_position_bias_and_an_additive_mask_s_bias_add_up_in_the_query_s_dtype():
+    """pattern_from_hf's bias: position_bias plus the finite cells of an additive float mask,
+    in the queries' dtype; over the n keys that are read (a StaticCache prefill drops the rest)."""
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    q, k = (t.double() for t in _qk(B=1, H=2, T_q=4, T_k=4, H_kv=2))
+    g = torch.Generator().manual_seed(8)
+    pb = torch.randn(1, 2, 4, 4, generator=g, dtype=torch.float64)
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    extra = torch.randn(1, 1, 4, 4, generator=g)  # float32: a mask of another dtype
+    additive = extra.masked_fill(~causal, torch.finfo(torch.float32).min)
+    pat, n = pattern_from_hf(None, q, k, additive, position_bias=pb)
+    assert n == 4 and pat.bias.dtype == torch.float64
+    want = (pb + extra.double()).masked_fill(~causal, 0)
+    torch.testing.assert_close(pat.bias.masked_fill(~causal, 0), want, rtol=0, atol=0)
+    pat, _ = pattern_from_hf(None, q, k, additive)  # the mask's bias alone, in q's dtype
+    assert pat.bias.dtype == torch.float64
+    # prefill into an empty StaticCache (no mask, T_q < T_k): the bias over the first T_q keys
+    q, k = _qk(B=1, H=2, T_q=3, T_k=8, H_kv=2)
+    pb = torch.randn(1, 2, 3, 8, generator=g)
+    pat, n = pattern_from_hf(None, q, k, None, position_bias=pb)
+    assert n == 3 and torch.equal(pat.bias, pb[..., :3])
+    pat, n = pattern_from_hf(None, q, k, None, position_bias=pb[..., :1])  # broadcast keys
+    assert n == 3 and torch.equal(pat.bias, pb[..., :1])
+    # with a mask: the causal first 2 of 8 slots read (a StaticCache filled to 2)
+    q, k = _qk(B=1, H=2, T_q=2, T_k=8, H_kv=2)
+    mask = torch.zeros(1, 1, 2, 8, dtype=torch.bool)
+    mask[..., :2] = torch.ones(2, 2, dtype=torch.bool).tril()
+    pb = torch.randn(1, 2, 2, 8, generator=g)
+    pat, n = pattern_from_hf(None, q, k, mask, position_bias=pb)
+    assert n == 2 and torch.equal(pat.bias, pb[..., :2])
+
+
+@pytest.mark.parametrize(
+    "bias, got",
+    [
+        (torch.zeros(4, 4, dtype=torch.int64), "torch.Size([4, 4])"),
+        (torch.zeros(1, 1, 1, 4, 4), "torch.Size([1, 1, 1, 4, 4])"),
+        ([[0.0]], "<class 'list'>"),
+    ],
+)
+def test_a_position_bias_that_is_no_float_tensor_of_at_most_4_axes_is_refused_naming_it(bias, got):
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    q, k = _qk(B=1, H=2, T_q=4, T_k=4, H_kv=2)
+    with pytest.raises(ValueError) as err:
+        pattern_from_hf(None, q, k, None, position_bias=bias)
+    assert str(err.value) == (
+        "causalattn attention: position_bias must be a float tensor broadcastable to "
+        f"(B, H, T_q, T_k) = (1, 2, 4, 4), got {got}"
+    )
+    assert pattern_from_hf(None, q, k, None, position_bias=torch.zeros(1, 1, 4, 4))[1] == 4
+
+
+def test_an_attention_mask_holding_nan_is_refused():
+    from causalattn.integrations.hf_pattern import pattern_from_hf
+
+    q, k = _qk(B=1, H=2, T_q=4, T_k=4, H_kv=2)
+    mask = torch.zeros(1, 1, 4, 4)
+    mask[0, 0, 1, 0] = float("nan")
+    with pytest.raises(ValueError) as err:
+        pattern_from_hf(None, q, k, mask)
+    assert str(err.value) == "causalattn attention: attention_mask holds NaN"
