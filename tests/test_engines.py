@@ -287,3 +287,22 @@ def test_the_reference_computes_in_float64_whatever_the_inputs():
     )
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, want.float(), rtol=0, atol=0)
+
+
+def test_make_problem_takes_issue_24_s_four_keywords_into_its_pattern():
+    """mask_mod, score_mod, bias and rel_bias reach the Problem's Pattern, and the reference
+    reads each (its output moves off the plain causal one)."""
+    from causalattn.engines.exact import attend
+    from causalattn.engines.problem import make_problem
+
+    q, k, v = _qkv64(T=6, H=2)
+    plain = attend(make_problem(q, k, v))
+    for name, value in (
+        ("mask_mod", lambda b, h, qi, kj: (qi - kj) % 2 == 0),
+        ("score_mod", lambda s, b, h, qi, kj: 2.0 * s),
+        ("bias", torch.linspace(-1, 1, 36, dtype=torch.float64).reshape(6, 6)),
+        ("rel_bias", torch.linspace(-1, 1, 22, dtype=torch.float64).reshape(2, 11)),
+    ):
+        p = make_problem(q, k, v, **{name: value})
+        assert getattr(p.pattern, name) is not None, name
+        assert not torch.allclose(attend(p), plain), name
