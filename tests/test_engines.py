@@ -306,3 +306,11 @@ def test_make_problem_takes_issue_24_s_four_keywords_into_its_pattern():
         p = make_problem(q, k, v, **{name: value})
         assert getattr(p.pattern, name) is not None, name
         assert not torch.allclose(attend(p), plain), name
+
+
+def test_make_problem_refuses_a_generator_that_is_no_cpu_generator():
+    from causalattn.engines.problem import make_problem
+
+    q, k, v = _qkv64()
+    with pytest.raises(ValueError, match=r"^attention: generator must be a CPU torch.Generator"):
+        make_problem(q, k, v, dropout_p=0.1, generator=1234)
