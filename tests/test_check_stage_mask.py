@@ -1,0 +1,181 @@
+"""Stage M check by check (causalattn.check.stage_mask): where the mask is read from (a
+declared mask, M, Z or the keys A reads), what each check says, the catalogue fault it names,
+and when padding is inferred."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import causalattn as ca
+from causalattn import masks
+from causalattn.check import AuditInputError, audit
+
+T = 6
+
+
+@pytest.fixture(scope="module")
+def tr():
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(T, 4))
+    return ca.trace(X, *(rng.normal(size=(4, 3)) for _ in range(3)))
+
+
+def _qkv(tr):
+    return {"q": tr.Q, "k": tr.K, "v": tr.V}
+
+
+def _m(rep):
+    """Stage M's checks by name."""
+    return {c.name: c for c in rep.checks if c.stage == "M"}
+
+
+def _weights(S, al):
+    """softmax over the allowed keys, zero rows where none is."""
+    return ca.reference.softmax_last(np.where(al, S, 0.0), al)
+
+
+CAUSAL_OK = "0 on and below the diagonal, blocked above"
+
+
+# ---- where the mask comes from -------------------------------------------------------------
+@pytest.mark.parametrize("fill", [-np.inf, -1e9, -1e4])
+def test_an_additive_M_is_read_and_nothing_is_recomputed_for_it(tr, fill):
+    M = np.where(masks.causal(T), 0.0, fill)
+    rep = audit({"S": tr.S, "M": M, "A": tr.A})
+    assert rep.ok, str(rep)
+    assert list(_m(rep)) == ["mask is causal (+ padding)"]
+    c = _m(rep)["mask is causal (+ padding)"]
+    assert c.message == f"M: {CAUSAL_OK}" and c.evidence == {} and c.hint is None
+    assert "M" not in rep.recomputed
+
+
+def test_an_M_entry_neither_zero_nor_blocked_is_named(tr):
+    M = np.where(masks.causal(T), 0.0, -np.inf)
+    M[2, 4] = 0.5
+    M[3, 1] = -3.0
+    c = _m(audit({"S": tr.S, "M": M, "A": tr.A}))["M is 0 or blocked"]
+    assert (c.ok, c.fault) == (False, None)
+    assert c.message == "M has entries that are neither 0 nor -inf (or a large negative fill)"
+    assert c.evidence == {"rows": [2, 3], "cols": [1, 4]}
+    assert c.hint == (
+        "M must be 0 where a key may be read and -inf (or a large negative fill) where it may "
+        "not; a bias belongs in S"
+    )
+    Mb = np.stack([np.where(masks.causal(T), 0.0, -np.inf), M])  # (B, T, T): the index too
+    c = _m(audit({"S": np.stack([tr.S, tr.S]), "M": Mb}))["M is 0 or blocked"]
+    assert c.evidence == {"index": (1,), "rows": [2, 3], "cols": [1, 4]}
+
+
+def test_scores_with_the_mask_in_them_are_read_as_Z(tr):
+    Z = np.where(masks.causal(T), tr.S, -np.inf)
+    rep = audit({"Z": Z, "A": tr.A, "V": tr.V})
+    assert rep.ok, str(rep)
+    assert _m(rep)["mask is causal (+ padding)"].message == f"Z: {CAUSAL_OK}"
+    assert rep.recomputed[:2] == ["S", "M"]
+    Zf = np.where(masks.causal(T), tr.S, -2e4)  # a large negative fill blocks as -inf does
+    assert _m(audit({"Z": Zf, "A": tr.A}))["mask is causal (+ padding)"].ok
+    Zw = np.where(masks.causal(T), tr.S, -5e3)  # above the threshold: every key readable
+    c = _m(audit({"Z": Zw, "A": tr.A}))["mask is causal (+ padding)"]
+    assert not c.ok and c.fault == "no-mask", c
+    Zn = Z.copy()
+    Zn[4, 2] = np.nan  # not finite: blocked
+    c = _m(audit({"Z": Zn}))["mask is causal (+ padding)"]
+    assert not c.ok and c.evidence == {"rows": [4], "cols": [2]}, c
+
+
+def test_with_S_and_Z_given_S_is_kept(tr):
+    Z = np.where(masks.causal(T), tr.S, -np.inf)
+    rep = audit({"S": tr.S, "Z": Z, "A": tr.A})
+    assert rep.ok and "S" not in rep.recomputed and "M" in rep.recomputed, str(rep)
+
+
+def test_the_sources_are_compared_with_the_first(tr):
+    M = np.where(masks.causal(T), 0.0, -np.inf)
+    Z = np.where(masks.causal(T), tr.S, -np.inf)
+    rep = audit({"S": tr.S, "M": M, "Z": Z, "allowed": masks.causal(T), "A": tr.A})
+    assert rep.ok, str(rep)
+    checks = _m(rep)
+    assert list(checks) == [
+        "M agrees with declared mask",
+        "Z agrees with declared mask",
+        "mask is causal (+ padding)",
+    ]
+    assert checks["M agrees with declared mask"].message == "M and declared mask agree"
+    assert checks["Z agrees with declared mask"].message == "Z and declared mask agree"
+    assert checks["mask is causal (+ padding)"].message == f"declared mask: {CAUSAL_OK}"
+    assert "M" not in rep.recomputed
+    al = masks.causal(T).copy()
+    al[3, 4] = True
+    rep = audit({"S": tr.S, "M": M, "allowed": al})
+    c = _m(rep)["M agrees with declared mask"]
+    assert (c.ok, c.message) == (False, "M and declared mask disagree")
+    assert c.evidence == {"rows": [3], "cols": [4]} and c.hint is None
+    s = _m(rep)["mask is causal (+ padding)"]  # the first source is the one judged
+    assert s.message == "declared mask: does not match causal ∧ padding"
+    assert s.hint == "some queries read future keys (j > i): the causal mask is wrong"
+    c = _m(audit({"Z": Z, "M": np.where(al, 0.0, -np.inf)}))["Z agrees with M"]
+    assert (c.ok, c.message, c.evidence) == (False, "Z and M disagree", {"rows": [3], "cols": [4]})
+
+
+def test_a_declared_mask_alone_is_what_M_is_recomputed_from(tr):
+    rep = audit({"S": tr.S, "allowed": masks.causal(T), "A": tr.A})
+    assert rep.ok and "M" in rep.recomputed, str(rep)
+    assert _m(rep)["mask is causal (+ padding)"].message == f"declared mask: {CAUSAL_OK}"
+
+
+def test_without_a_mask_or_A_the_declared_pattern_is_the_mask(tr):
+    rep = audit({**_qkv(tr), "H": tr.H})
+    assert rep.ok and _m(rep) == {} and rep.recomputed[:3] == ["S", "M", "A"], str(rep)
+    rep = audit({**_qkv(tr), "H": tr.H}, window=2)  # the window is the mask H is checked by
+    assert not rep.ok and rep.first_failure.stage == "H", str(rep)
+    Hw = ca.trace(tr.X, tr["W_q"], tr["W_k"], tr["W_v"], window=2).H
+    assert audit({**_qkv(tr), "H": Hw}, window=2).ok
+    # S given, no A: the mask is still the declared pattern
+    rep = audit({"S": tr.S, "V": tr.V, "H": tr.H})
+    assert rep.ok and "M" in rep.recomputed and _m(rep) == {}, str(rep)
+
+
+def test_q_and_k_alone_give_the_shape_with_their_leading_axes():
+    rng = np.random.default_rng(0)
+    q, k, v = rng.normal(size=(3, 2, 1, 5, 4))
+    k = np.broadcast_to(k, (2, 3, 5, 4))  # (B, 1) and (B, H) leading axes broadcast
+    v = np.broadcast_to(v, (2, 3, 5, 4))
+    s = q @ np.swapaxes(k, -1, -2) / 2.0
+    a = _weights(s, masks.causal(5))
+    h = a @ v
+    rep = audit({"Q": q, "K": k, "V": v, "H": h})
+    assert rep.ok and "M" in rep.recomputed, str(rep)
+    rep = audit({"Q": q, "K": k, "V": v, "H": h}, window=2)
+    assert not rep.ok and rep.first_failure.stage == "H", str(rep)
+
+
+def test_more_queries_than_keys_leave_stage_M_out(tr):
+    S = tr.S[:, :4]
+    rep = audit({"S": S, "M": np.zeros_like(S) + 0.5})
+    assert _m(rep) == {} and "M" not in rep.recomputed, str(rep)
+
+
+# ---- shapes a mask may have ------------------------------------------------------------------
+def test_a_batch_mask_missing_its_head_axis_is_fitted():
+    rng = np.random.default_rng(5)
+    X = rng.normal(size=(2, T, 8))
+    W = [rng.normal(size=(8, 8)) for _ in range(3)]
+    t = ca.trace(X, *W, n_heads=2)
+    al = np.stack([masks.causal(T), masks.causal(T)])  # (B, T, T), the stages (B, H, T, T)
+    rep = audit({"S": t.S, "A": t.A, "allowed": al, "n_heads": 2})
+    assert rep.ok and _m(rep)["mask is causal (+ padding)"].ok, str(rep)
+    M = np.where(al, 0.0, -np.inf)
+    assert audit({"S": t.S, "A": t.A, "M": M, "n_heads": 2}).ok
+    with pytest.raises(
+        AuditInputError, match=r"^M: shape \(3, 6, 6\) does not broadcast to \(2, 2, 6, 6\)$"
+    ):
+        audit({"S": t.S, "M": np.zeros((3, T, T)), "n_heads": 2})
+    with pytest.raises(
+        AuditInputError, match=r"^mask: shape \(3, 6, 6\) does not broadcast to \(2, 2, 6, 6\)$"
+    ):
+        audit({"S": t.S, "allowed": np.ones((3, T, T), bool), "n_heads": 2})
+    with pytest.raises(  # no heads: nothing to insert
+        AuditInputError, match=r"^mask: shape \(2, 6, 6\) does not broadcast to \(3, 6, 6\)$"
+    ):
+        audit({"S": np.zeros((3, T, T)), "allowed": al})
