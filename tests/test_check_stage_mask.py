@@ -179,3 +179,184 @@ def test_a_batch_mask_missing_its_head_axis_is_fitted():
         AuditInputError, match=r"^mask: shape \(2, 6, 6\) does not broadcast to \(3, 6, 6\)$"
     ):
         audit({"S": np.zeros((3, T, T)), "allowed": al})
+
+
+# ---- no mask given: the keys A reads ---------------------------------------------------------
+READS = "A reads what the pattern allows"
+
+
+def test_weights_that_read_the_causal_keys_match_the_declared_pattern(tr):
+    rep = audit({**_qkv(tr), "A": tr.A})
+    c = _m(rep)[READS]
+    assert rep.ok and c.ok and list(_m(rep)) == [READS], str(rep)
+    assert c.message == "the keys A reads match the declared pattern (causal)"
+    assert rep.notes == [] and "M" in rep.recomputed
+    A = tr.A.copy()
+    A[3] = np.nan  # a row of NaN reads nothing here: stage A says what is wrong with it
+    rep = audit({**_qkv(tr), "A": A})
+    assert _m(rep)[READS].ok and rep.first_failure.stage == "A", str(rep)
+
+
+@pytest.mark.parametrize(
+    "name, al, fault, msg, evidence, hint",
+    [
+        (
+            "no mask",
+            np.ones((T, T), bool),
+            "no-mask",
+            "rows 1..5 read future keys (row 1 reads keys 2, 3, 4, 5, 6)",
+            {"rows": [0, 1, 2, 3, 4], "cols": [1, 2, 3, 4, 5]},
+            "no-mask: no causal mask: queries read future keys; add the causal mask M before "
+            "the softmax",
+        ),
+        (
+            "transposed",
+            masks.causal(T).T,
+            "anti-causal-mask",
+            "rows 1..5 read future keys (row 1 reads keys 2, 3, 4, 5, 6); rows 2..6 do not read "
+            "keys they may (row 2 skips key 1)",
+            {"rows": [0, 1, 2, 3, 4, 5], "cols": [0, 1, 2, 3, 4, 5]},
+            "anti-causal-mask: mask transposed: queries read j >= i; queries read j <= i: the "
+            "lower triangle, not the upper",
+        ),
+        (
+            "diagonal blocked",
+            np.tril(np.ones((T, T), bool), -1),
+            "diagonal-blocked",
+            "rows 2..6 do not read their own key (row 1 does)",
+            {"rows": [1, 2, 3, 4, 5], "cols": [1, 2, 3, 4, 5]},
+            "diagonal-blocked: the diagonal is blocked (j < i allowed): a token cannot read "
+            "itself; allow j <= i: each token must be able to read itself; key 6 is read by no "
+            "query: if that is padding, declare key_padding_mask= or lengths=",
+        ),
+        (
+            "one future key",
+            masks.causal(T) | (np.arange(T)[:, None] == 1) & (np.arange(T) == 3),
+            None,
+            "row 2 reads future keys (row 2 reads key 4)",
+            {"rows": [1], "cols": [3]},
+            "A gives weight to keys the pattern blocks: the mask is too weak or wrong",
+        ),
+        (
+            "two keys nobody reads",
+            masks.causal(T) & (np.arange(T) < 4) | np.diag(np.arange(T) == 4),
+            None,
+            "row 6 does not read its own key (rows 1..5 do); row 6 does not read keys it may "
+            "(row 6 skips key 5)",
+            {"rows": [5], "cols": [4, 5]},
+            "A leaves out keys the pattern allows: the mask is stricter than declared (a window "
+            "or a padding rule nobody declared?); key 6 is read by no query: if that is "
+            "padding, declare key_padding_mask= or lengths=",
+        ),
+        (
+            "keys 5 and 6 read by nobody",
+            masks.causal(T) & (np.arange(T) < 4),
+            None,
+            "rows 5..6 do not read their own key (rows 1..4 do); row 6 does not read keys it "
+            "may (row 6 skips key 5)",
+            {"rows": [4, 5], "cols": [4, 5]},
+            "A leaves out keys the pattern allows: the mask is stricter than declared (a window "
+            "or a padding rule nobody declared?); keys 5, 6 are read by no query: if that is "
+            "padding, declare key_padding_mask= or lengths=",
+        ),
+    ],
+)
+def test_weights_that_read_other_keys_fail_with_what_differs(
+    tr, name, al, fault, msg, evidence, hint
+):
+    A = _weights(tr.S, al)
+    for given in (_qkv(tr), {"A": A, "V": tr.V}):  # with S (recomputed) and without
+        c = audit({**given, "A": A}).first_failure
+        assert (c.stage, c.name, c.fault) == ("M", READS, fault), (name, c)
+        assert c.message == f"the keys A reads differ from the declared pattern (causal): {msg}"
+        assert c.evidence == evidence and c.hint == hint, (name, c)
+
+
+def _padded(lengths, T_q=T):
+    """(B, T_q, T) causal ∧ padding masks, bottom-right aligned."""
+    return np.stack(
+        [masks.Pattern(lengths=[L]).allowed(1, 1, T, T)[0, 0][T - T_q :] for L in lengths]
+    )
+
+
+NOTE = "padding assumed from A (keys and query rows from L on read nothing): "
+
+
+@pytest.mark.parametrize(
+    "lengths, said",
+    [
+        ([4, 6, 3, 5, 2], "[0] L = 4; [2] L = 3; [3] L = 5; [4] L = 2"),
+        ([2, 3, 4, 5, 1, 6, 3], "[0] L = 2; [1] L = 3; [2] L = 4; [3] L = 5 ..."),
+        ([6, 5], "[1] L = 5"),
+    ],
+)
+def test_unambiguous_padding_per_sequence_is_inferred_and_said(tr, lengths, said):
+    al = _padded(lengths)
+    S = np.broadcast_to(tr.S, al.shape)
+    for given in ({"S": S}, {"V": np.broadcast_to(tr.V, al.shape[:1] + tr.V.shape)}):
+        rep = audit({**given, "A": _weights(S, al)})
+        assert rep.ok and _m(rep)[READS].ok, str(rep)
+        assert rep.notes == [NOTE + said + "; declare lengths= to state it"], rep.notes
+        assert [r["index"] for r in rep.empty_rows] == [[b] for b, L in enumerate(lengths) if L < T]
+
+
+def test_padding_inferred_for_one_sequence_and_for_queries_at_the_end(tr):
+    al = _padded([4])[0]
+    rep = audit({"A": _weights(tr.S, al), "V": tr.V})
+    assert rep.ok and rep.notes == [NOTE + "L = 4; declare lengths= to state it"], str(rep)
+    al = _padded([4], T_q=3)[0]  # decoding: the last 3 queries, 1 real, 2 padding
+    rep = audit({"S": tr.S[-3:], "A": _weights(tr.S[-3:], al)})
+    assert rep.ok and rep.notes == [NOTE + "L = 4; declare lengths= to state it"], str(rep)
+    al = _padded([4], T_q=2)[0]  # the two padding queries only: nothing read at all, no L
+    rep = audit({"S": tr.S[-2:], "A": _weights(tr.S[-2:], al)})
+    assert rep.notes == [] and not rep.ok, str(rep)
+
+
+def test_padding_is_not_inferred_when_it_is_ambiguous_or_declared(tr):
+    al = _padded([4])[0]
+    A = _weights(tr.S, al)
+    rep = audit({"A": A, "V": tr.V}, lengths=[4])  # declared: nothing to assume
+    assert rep.ok and rep.notes == [], str(rep)
+    rep = audit({"A": A, "V": tr.V, "lengths": np.array([4])})
+    assert rep.ok and rep.notes == [], str(rep)
+    kp = np.arange(T)[None] < 4  # key padding only: the query rows from 4 on read keys 1..4
+    rep = audit({"A": A, "V": tr.V, "key_padding_mask": kp})
+    assert _m(rep)[READS].ok and rep.notes == [], str(rep)
+    assert _m(rep)[READS].message.endswith("(causal + padding)")
+    assert rep.first_failure.stage == "A"  # the zero padding rows: stage A says so
+    # a padding query row that reads a real key: the keys from 4 on are not padding
+    al2 = al.copy()
+    al2[5, 0] = True
+    rep = audit({"A": _weights(tr.S, al2), "V": tr.V})
+    c = _m(rep)[READS]
+    assert rep.notes == [] and not c.ok, str(rep)
+    assert c.message.endswith(
+        "(causal): row 6 does not read its own key (rows 1..5 do); row 6 does not read keys it "
+        "may (row 6 skips keys 2, 3, 4, 5)"
+    )  # row 5 reads nothing: left to stage A
+    assert c.hint.endswith(
+        "keys 5, 6 are read by no query: if that is padding, declare key_padding_mask= or lengths="
+    )
+    # a later key read (key 5, by row 6): no L from which on nothing is read
+    al3 = al.copy()
+    al3[5, 5] = True
+    rep = audit({"A": _weights(tr.S, al3), "V": tr.V})
+    assert rep.notes == [] and not _m(rep)[READS].ok, str(rep)
+    assert _m(rep)[READS].hint.endswith(
+        "key 5 is read by no query: if that is padding, declare key_padding_mask= or lengths="
+    )
+
+
+def test_a_weight_that_underflowed_to_zero_is_not_a_blocked_key(tr):
+    S = tr.S.copy()
+    S[5, 0] = -1e4  # exp underflows: A[5, 0] is exactly 0 though key 0 is readable
+    A = _weights(S, masks.causal(T))
+    assert A[5, 0] == 0.0
+    assert audit({"S": S, "A": A}).ok
+    rep = audit({"A": A, "V": tr.V})  # without S the zero is read as a blocked key
+    c = _m(rep)[READS]
+    assert not c.ok and c.message.endswith("row 6 does not read keys it may (row 6 skips key 1)")
+    A2 = A.copy()
+    A2[4, 0], A2[4, 1] = 0.0, A2[4, 1] + A2[4, 0]  # a zero the scores do not explain
+    c = _m(audit({"S": S, "A": A2}))[READS]
+    assert not c.ok and c.message.endswith("row 5 does not read keys it may (row 5 skips key 1)")
