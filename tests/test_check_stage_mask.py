@@ -360,3 +360,133 @@ def test_a_weight_that_underflowed_to_zero_is_not_a_blocked_key(tr):
     A2[4, 0], A2[4, 1] = 0.0, A2[4, 1] + A2[4, 0]  # a zero the scores do not explain
     c = _m(audit({"S": S, "A": A2}))[READS]
     assert not c.ok and c.message.endswith("row 5 does not read keys it may (row 5 skips key 1)")
+
+
+# ---- a given mask against causal ∧ padding ------------------------------------------------------
+STRUCT = "mask is causal (+ padding)"
+C = masks.causal(T)
+HINTS = {
+    "none": "no-mask: no causal mask: every query reads future keys (add M before the softmax)",
+    "anti": "anti-causal-mask: the mask is transposed (anti-causal): queries read j >= i instead "
+    "of j <= i",
+    "diag": "diagonal-blocked: the diagonal is blocked (j < i): each token must be able to read "
+    "itself",
+    "future": "some queries read future keys (j > i): the causal mask is wrong",
+    "padding": "padding-ignored: padding keys are readable: the padding mask was not applied to "
+    "keys",
+    "over": "the mask blocks keys that should be readable (j <= i, not padding)",
+}
+
+
+def _one_future():
+    al = C.copy()
+    al[1, 3] = True
+    return al
+
+
+def _one_blocked():
+    al = C.copy()
+    al[4, 1] = False
+    return al
+
+
+@pytest.mark.parametrize(
+    "kind, al, fault, evidence",
+    [
+        (
+            "none",
+            np.ones((T, T), bool),
+            "no-mask",
+            {"rows": [0, 1, 2, 3, 4], "cols": [1, 2, 3, 4, 5]},
+        ),
+        ("anti", C.T, "anti-causal-mask", {"rows": list(range(6)), "cols": list(range(6))}),
+        (
+            "diag",
+            np.tril(C, -1),
+            "diagonal-blocked",
+            {"rows": [0, 1, 2, 3, 4], "cols": [0, 1, 2, 3, 4]},
+        ),
+        ("future", _one_future(), None, {"rows": [1], "cols": [3]}),
+        ("over", _one_blocked(), None, {"rows": [4], "cols": [1]}),
+    ],
+)
+def test_a_mask_that_is_not_causal_is_named_by_its_kind(tr, kind, al, fault, evidence):
+    for given in ({"allowed": al}, {"M": np.where(al, 0.0, -np.inf)}):
+        src = "declared mask" if "allowed" in given else "M"
+        rep = audit({"S": tr.S, **given})
+        c = _m(rep)[STRUCT]
+        assert (c.ok, c.fault, c.hint) == (False, fault, HINTS[kind]), (kind, c)
+        assert c.message == f"{src}: does not match causal ∧ padding"
+        assert c.evidence == evidence, (kind, c.evidence)
+        assert rep.first_failure is c
+    # with a leading axis: the first failing slice is named
+    rep = audit({"S": np.stack([tr.S] * 3), "allowed": np.stack([C, al, al])})
+    c = _m(rep)[STRUCT]
+    assert c.evidence == {"index": (1,), "slices_failing": 2, **evidence}, c.evidence
+    assert c.hint == HINTS[kind]
+
+
+def test_the_worst_kind_in_a_batch_is_the_one_named(tr):
+    kinds = {"none": np.ones((T, T), bool), "future": _one_future(), "over": _one_blocked()}
+    kinds |= {"anti": C.T, "diag": np.tril(C, -1)}
+    order = ["none", "anti", "diag", "future", "over"]
+    for i, k in enumerate(order):
+        for later in order[i + 1 :]:
+            for al in (np.stack([kinds[later], kinds[k]]), np.stack([kinds[k], kinds[later]])):
+                c = _m(audit({"S": np.stack([tr.S] * 2), "allowed": al}))[STRUCT]
+                assert c.hint == HINTS[k], (k, later, c.hint)
+
+
+def test_anti_and_diagonal_are_named_only_for_plain_causal_square_masks(tr):
+    # with a window declared, the transposed mask is "future keys", not the catalogue's fault
+    c = _m(audit({"S": tr.S, "allowed": C.T}, window=3))[STRUCT]
+    assert (c.hint, c.fault) == (HINTS["future"], None), c
+    Cw = masks.Pattern(window=3).allowed(1, 1, T, T)[0, 0]
+    c = _m(audit({"S": tr.S, "allowed": Cw & ~np.eye(T, dtype=bool)}, window=3))[STRUCT]
+    assert (c.hint, c.fault) == (HINTS["over"], None), c
+    c = _m(audit({"S": tr.S[2:], "allowed": masks.causal(4, T)}))[STRUCT]  # decoding
+    assert c.ok and c.message == f"declared mask: {CAUSAL_OK}", c
+    c = _m(audit({"S": tr.S[:4, :4], "allowed": masks.causal(4).T}))[STRUCT]
+    assert c.fault == "anti-causal-mask"
+
+
+def test_a_mask_as_declared_and_its_padding_are_said(tr):
+    Cw = masks.Pattern(window=3).allowed(1, 1, T, T)[0, 0]
+    c = _m(audit({"S": tr.S, "allowed": Cw}, window=3))[STRUCT]
+    assert c.ok and c.message == "declared mask: as declared (causal + window 3)", c
+    assert c.evidence == {} and c.hint is None and c.fault is None
+    c = _m(audit({"S": tr.S, "allowed": C}, window=3))[STRUCT]
+    assert not c.ok and c.hint == HINTS["future"] and c.evidence["rows"] == [3, 4, 5]
+    P = _padded([4])[0]
+    c = _m(audit({"S": tr.S, "allowed": P}))[STRUCT]
+    assert (
+        c.ok and c.message == f"declared mask: {CAUSAL_OK}, padding keys (read by no query) blocked"
+    )
+    c = _m(audit({"S": tr.S, "allowed": P, "lengths": np.array([4])}))[STRUCT]
+    assert c.ok and c.message == f"declared mask: {CAUSAL_OK}, padding blocked"
+    c = _m(audit({"S": tr.S, "allowed": P}, lengths=[4]))[STRUCT]
+    assert c.ok and c.message == f"declared mask: {CAUSAL_OK}, padding blocked"
+    Pw = P & Cw
+    c = _m(audit({"S": tr.S, "allowed": Pw}, window=3, lengths=[4]))[STRUCT]
+    assert c.ok and c.message == "declared mask: as declared (causal + window 3), padding blocked"
+    c = _m(audit({"S": tr.S, "allowed": C, "lengths": np.array([4])}))[STRUCT]
+    assert not c.ok and c.hint == HINTS["padding"] and c.fault == "padding-ignored"
+    assert c.evidence == {"rows": [4, 5], "cols": [4, 5]}
+    kp = np.arange(T)[None] < 4  # key padding only: the padding rows read the real keys
+    c = _m(audit({"S": tr.S, "allowed": C & kp, "key_padding_mask": kp}))[STRUCT]
+    assert c.ok and c.message == f"declared mask: {CAUSAL_OK}, padding blocked", c
+    c = _m(audit({"S": tr.S, "allowed": C, "key_padding_mask": kp}))[STRUCT]
+    assert not c.ok and c.fault == "padding-ignored" and c.evidence["cols"] == [4, 5], c
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AuditInputError,
+    reason="bug: _structure compares the mask with causal.T before it checks T_q == T_k, so a "
+    "wrong T_q < T_k mask is 'the arrays do not fit together', not a finding at M",
+)
+def test_a_wrong_decoding_mask_is_a_finding_at_M(tr):
+    Cd = masks.causal(4, T)
+    diag = Cd & ~np.eye(4, T, 2, dtype=bool)  # each query's own key blocked
+    c = _m(audit({"S": tr.S[2:], "allowed": diag}))[STRUCT]
+    assert (c.ok, c.hint, c.fault) == (False, HINTS["over"], None), c
