@@ -490,3 +490,89 @@ def test_a_wrong_decoding_mask_is_a_finding_at_M(tr):
     diag = Cd & ~np.eye(4, T, 2, dtype=bool)  # each query's own key blocked
     c = _m(audit({"S": tr.S[2:], "allowed": diag}))[STRUCT]
     assert (c.ok, c.hint, c.fault) == (False, HINTS["over"], None), c
+
+
+# ---- the declared pattern in the stages' shape; the modified scores and sinks ---------------
+def _mh_trace(x_shape, h, **kw):
+    rng = np.random.default_rng(7)
+    X = rng.normal(size=x_shape)
+    W = [rng.normal(size=(8, 8)) for _ in range(3)]
+    return ca.trace(X, *W, n_heads=h, **kw)
+
+
+SHAPES = {  # name -> (X's shape, heads, the axis squeezed from the trace's (B?, H, T, T) or None)
+    "T×T": ((T, 8), 1, 0),
+    "H×T×T": ((T, 8), 2, None),
+    "B×H×T×T": ((2, T, 8), 2, None),
+    "B×T×T": ((3, T, 8), 1, 1),
+    "B1×T×T": ((1, T, 8), 1, 1),
+}
+
+
+MODIFIERS = [
+    ({"sinks": [0.3, -0.5]}, {"sinks": [1.5, 0.5]}),
+    ({"softcap": 2.0}, {"softcap": 3.0}),
+    ({"alibi_slopes": [0.5, 0.25]}, {"alibi_slopes": [0.25, 0.5]}),
+    ({"alibi_slopes": [0.5, 0.25], "softcap": 2.0}, {"alibi_slopes": [0.5, 0.25]}),
+]
+HEAD_MOD = (
+    {"score_mod": lambda s, b, h, q, k: s * (1 + h)},
+    {"score_mod": lambda s, b, h, q, k: s},
+)
+
+
+@pytest.mark.parametrize(
+    "shape, kw, other",
+    [(sh, kw, o) for sh in SHAPES for kw, o in MODIFIERS],
+)
+def test_the_declared_modifiers_and_sinks_are_what_A_is_checked_against(shape, kw, other):
+    x_shape, h, squeeze = SHAPES[shape]
+    cut = {k: v[:h] if isinstance(v, list) else v for k, v in kw.items()}
+    cut_other = {k: v[:h] if isinstance(v, list) else v for k, v in other.items()}
+    t = _mh_trace(x_shape, h, **cut)
+    S, A = (t.S, t.A) if squeeze is None else (t.S.squeeze(squeeze), t.A.squeeze(squeeze))
+    given = {"S": S, "A": A} | ({"n_heads": h} if squeeze is None else {})
+    rep = audit(given, **cut)
+    assert rep.ok and _m(rep)[READS].ok, (shape, str(rep))
+    if cut_other == cut:
+        return
+    c = audit(given, **cut_other).first_failure
+    assert (c.stage, c.name) == ("A", "A = softmax_last(S + M)"), (shape, c)
+
+
+def test_per_head_parameters_need_the_head_axis_named():
+    t = _mh_trace((T, 8), 2, sinks=[0.3, -0.5])
+    assert audit({"S": t.S, "A": t.A, "n_heads": 2}, sinks=[0.3, -0.5]).ok
+    with pytest.raises(AuditInputError) as err:  # (2, T, T) without heads: a batch of 2
+        audit({"S": t.S, "A": t.A}, sinks=[0.3, -0.5])
+    assert str(err.value) == (
+        "mask: the declared pattern does not fit the stages (2, 6, 6): sinks: expected one "
+        "logit per head, shape (H,) = (1,), got (2,)"
+    )
+
+
+@pytest.mark.parametrize("n_heads", [None, 2])
+def test_a_per_sequence_pattern_reads_a_single_leading_axis_as_the_batch(tr, n_heads):
+    S = np.stack([tr.S, tr.S])
+    al = _padded([6, 4])
+    A = _weights(S, al)
+    given = {"S": S, "A": A} | ({} if n_heads is None else {"n_heads": n_heads})
+    rep = audit(given, lengths=[6, 4])
+    assert rep.ok and rep.notes == [], str(rep)
+    assert not audit(given, lengths=[4, 6]).ok
+    with pytest.raises(AuditInputError) as err:
+        audit(given, lengths=[6, 4, 3])
+    assert str(err.value) == (
+        "mask: the declared pattern does not fit the stages (2, 6, 6): lengths: expected shape "
+        "(B,) = (2,), got (3,)"
+    )
+    with pytest.raises(
+        AuditInputError,
+        match=r"^mask: the declared pattern does not fit the "
+        r"stages \(6, 6\): lengths: expected shape \(B,\) = \(1,\), got \(2,\)$",
+    ):
+        audit({"S": tr.S, "A": tr.A}, lengths=[6, 4])
+    S4 = np.stack([S] * 3, 1)  # (B, H, T, T)
+    al4 = np.broadcast_to(al[:, None], S4.shape)
+    assert audit({"S": S4, "A": _weights(S4, al4)}, lengths=[6, 4]).ok
+    assert not audit({"S": S4, "A": _weights(S4, al4)}, lengths=[4, 6]).ok
