@@ -576,3 +576,86 @@ def test_a_per_sequence_pattern_reads_a_single_leading_axis_as_the_batch(tr, n_h
     al4 = np.broadcast_to(al[:, None], S4.shape)
     assert audit({"S": S4, "A": _weights(S4, al4)}, lengths=[6, 4]).ok
     assert not audit({"S": S4, "A": _weights(S4, al4)}, lengths=[4, 6]).ok
+
+
+# ---- more of what the weights are read for ------------------------------------------------------
+def test_the_mask_shape_is_the_scores_then_Z_then_M_then_A(tr):
+    rep = audit({"S": tr.S, "A": tr.A[:, :5]})  # A of another shape: not read for the mask
+    assert READS not in _m(rep) and "M" in rep.recomputed, str(rep)
+    assert rep.first_failure.name == "A has S's shape"
+    Z = np.where(C, tr.S, -1e4)  # exactly at the threshold: blocked
+    c = _m(audit({"Z": Z, "A": tr.A[:, :5]}))[STRUCT]
+    assert c.ok and c.message == f"Z: {CAUSAL_OK}", c
+    M = np.where(C, 0.0, -np.inf)
+    rep = audit({"M": M, "A": np.stack([tr.A, tr.A])})
+    assert _m(rep)[STRUCT].ok and READS not in _m(rep), str(rep)
+    assert rep.first_failure.message == "A is (2, 6, 6) but the mask/scores are (6, 6)"
+
+
+def test_a_failing_slice_and_the_declared_pattern_are_named(tr):
+    S = np.stack([tr.S, tr.S, tr.S])
+    al = np.stack([C, np.ones((T, T), bool), C])
+    c = audit({"S": S, "A": _weights(S, al)}).first_failure
+    assert (c.name, c.fault) == (READS, "no-mask")
+    assert c.message == (
+        "the keys A reads differ from the declared pattern (causal): rows 1..5 read future keys "
+        "(row 1 reads keys 2, 3, 4, 5, 6) (at index [1])"
+    )
+    assert c.evidence == {"index": (1,), "rows": [0, 1, 2, 3, 4], "cols": [1, 2, 3, 4, 5]}
+    c = audit({"S": tr.S, "A": tr.A}, window=3).first_failure
+    assert c.name == READS and c.message == (
+        "the keys A reads differ from the declared pattern (causal + window 3): rows 4..6 read "
+        "keys they may not (row 4 reads key 1)"
+    )
+    assert c.hint == "A gives weight to keys the pattern blocks: the mask is too weak or wrong"
+    Cw = masks.Pattern(window=3).allowed(1, 1, T, T)[0, 0]
+    c = audit({"S": tr.S, "A": _weights(tr.S, Cw & ~np.eye(T, dtype=bool))}, window=3)
+    assert c.first_failure.fault == "diagonal-blocked", str(c)
+
+
+def test_at_most_six_keys_nobody_reads_are_listed():
+    g = np.random.default_rng(1)
+    S = g.normal(size=(9, 9))
+    al = np.zeros((9, 9), bool)
+    al[:, 0] = True  # every query reads key 1 only
+    c = audit({"S": S, "A": _weights(S, al)}).first_failure
+    assert c.name == READS and c.fault is None
+    assert c.hint.endswith(
+        "; keys 2, 3, 4, 5, 6, 7 are read by no query: if that is padding, declare "
+        "key_padding_mask= or lengths="
+    )
+
+
+def test_decoding_weights_that_read_every_key_are_no_mask(tr):
+    S = tr.S[2:]
+    c = audit({"S": S, "A": _weights(S, np.ones((4, T), bool))}).first_failure
+    assert (c.name, c.fault) == (READS, "no-mask"), c
+    assert audit({"S": S, "A": _weights(S, masks.causal(4, T))}).ok
+
+
+def test_all_zero_weights_infer_no_padding(tr):
+    rep = audit({"S": tr.S, "A": np.zeros((T, T))})
+    assert rep.notes == [] and not rep.ok, str(rep)
+    assert rep.first_failure.stage == "A"
+
+
+def test_declared_lengths_win_over_the_arrays_lengths(tr):
+    A = _weights(tr.S, _padded([4])[0])
+    assert audit({"S": tr.S, "A": A, "lengths": np.array([5])}, lengths=[4]).ok
+    assert not audit({"S": tr.S, "A": A, "lengths": np.array([4])}, lengths=[5]).ok
+    kp4, kp5 = np.arange(T)[None] < 4, np.arange(T)[None] < 5
+    Ak = _weights(tr.S, C & kp4)
+    assert _m(audit({"S": tr.S, "A": Ak, "key_padding_mask": kp5}, key_padding_mask=kp4))[READS].ok
+    assert not _m(audit({"S": tr.S, "A": Ak, "key_padding_mask": kp4}, key_padding_mask=kp5))[
+        READS
+    ].ok
+
+
+def test_a_decoding_mask_with_padding_is_read_bottom_right(tr):
+    al = _padded([4], T_q=3)[0]
+    c = _m(audit({"S": tr.S[-3:], "allowed": al}))[STRUCT]
+    assert (
+        c.ok and c.message == f"declared mask: {CAUSAL_OK}, padding keys (read by no query) blocked"
+    )
+    c = _m(audit({"S": tr.S[-3:], "allowed": al, "lengths": np.array([4])}))[STRUCT]
+    assert c.ok and c.message == f"declared mask: {CAUSAL_OK}, padding blocked", c
