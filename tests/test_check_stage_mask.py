@@ -159,26 +159,35 @@ def test_more_queries_than_keys_leave_stage_M_out(tr):
 # ---- shapes a mask may have ------------------------------------------------------------------
 def test_a_batch_mask_missing_its_head_axis_is_fitted():
     rng = np.random.default_rng(5)
-    X = rng.normal(size=(2, T, 8))
+    X = rng.normal(size=(3, T, 8))  # B = 3, H = 2: a (B, T, T) mask does not broadcast as is
     W = [rng.normal(size=(8, 8)) for _ in range(3)]
-    t = ca.trace(X, *W, n_heads=2)
-    al = np.stack([masks.causal(T), masks.causal(T)])  # (B, T, T), the stages (B, H, T, T)
-    rep = audit({"S": t.S, "A": t.A, "allowed": al, "n_heads": 2})
-    assert rep.ok and _m(rep)["mask is causal (+ padding)"].ok, str(rep)
-    M = np.where(al, 0.0, -np.inf)
-    assert audit({"S": t.S, "A": t.A, "M": M, "n_heads": 2}).ok
+    al = _padded([6, 4, 5])  # (B, T, T), the stages (B, H, T, T)
+    t = ca.trace(X, *W, n_heads=2, mask=al[:, None])
+    for given in ({"allowed": al}, {"M": np.where(al, 0.0, -np.inf)}):
+        rep = audit({"S": t.S, "A": t.A, **given, "n_heads": 2})
+        assert rep.ok and _m(rep)[STRUCT].ok, str(rep)
+        assert rep.empty_rows == [
+            {"index": [1, 0], "rows": [4, 5]},
+            {"index": [1, 1], "rows": [4, 5]},
+            {"index": [2, 0], "rows": [5]},
+            {"index": [2, 1], "rows": [5]},
+        ]
     with pytest.raises(
-        AuditInputError, match=r"^M: shape \(3, 6, 6\) does not broadcast to \(2, 2, 6, 6\)$"
+        AuditInputError, match=r"^M: shape \(4, 6, 6\) does not broadcast to \(3, 2, 6, 6\)$"
     ):
-        audit({"S": t.S, "M": np.zeros((3, T, T)), "n_heads": 2})
+        audit({"S": t.S, "M": np.zeros((4, T, T)), "n_heads": 2})
     with pytest.raises(
-        AuditInputError, match=r"^mask: shape \(3, 6, 6\) does not broadcast to \(2, 2, 6, 6\)$"
+        AuditInputError, match=r"^mask: shape \(4, 6, 6\) does not broadcast to \(3, 2, 6, 6\)$"
     ):
-        audit({"S": t.S, "allowed": np.ones((3, T, T), bool), "n_heads": 2})
-    with pytest.raises(  # no heads: nothing to insert
+        audit({"S": t.S, "allowed": np.ones((4, T, T), bool), "n_heads": 2})
+    with pytest.raises(  # no heads named: a 3-D mask is not taken for (B, T, T)
+        AuditInputError, match=r"^mask: shape \(3, 6, 6\) does not broadcast to \(3, 2, 6, 6\)$"
+    ):
+        audit({"S": t.S, "allowed": al})
+    with pytest.raises(
         AuditInputError, match=r"^mask: shape \(2, 6, 6\) does not broadcast to \(3, 6, 6\)$"
     ):
-        audit({"S": np.zeros((3, T, T)), "allowed": al})
+        audit({"S": np.zeros((3, T, T)), "allowed": al[:2]})
 
 
 # ---- no mask given: the keys A reads ---------------------------------------------------------
