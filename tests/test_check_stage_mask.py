@@ -668,3 +668,46 @@ def test_a_decoding_mask_with_padding_is_read_bottom_right(tr):
     )
     c = _m(audit({"S": tr.S[-3:], "allowed": al, "lengths": np.array([4])}))[STRUCT]
     assert c.ok and c.message == f"declared mask: {CAUSAL_OK}, padding blocked", c
+
+
+def test_padding_rows_are_judged_row_by_row(tr):
+    L4 = {"lengths": np.array([4])}
+    P = _padded([4])[0]
+    al = P.copy()
+    al[5, [4, 5]] = True  # a padding query reading only the padding keys before it
+    c = _m(audit({"S": tr.S, "allowed": al, **L4}))[STRUCT]
+    assert (c.ok, c.fault, c.evidence) == (
+        False,
+        "padding-ignored",
+        {"rows": [5], "cols": list(range(6))},
+    )
+    al = P.copy()
+    al[4, 4] = True  # row 5 reads its own (padding) key; row 6 reads token 0 only: that is fine
+    al[5, 0] = True
+    c = _m(audit({"S": tr.S, "allowed": al, **L4}))[STRUCT]
+    assert (c.ok, c.evidence) == (False, {"rows": [4], "cols": [0, 1, 2, 3, 4]}), c
+    al = P.copy()
+    al[1, 3] = True  # a real row reading a future key; row 6 reads token 0 only: fine
+    al[5, 0] = True
+    c = _m(audit({"S": tr.S, "allowed": al}))[STRUCT]
+    assert (c.ok, c.hint, c.evidence) == (False, HINTS["future"], {"rows": [1], "cols": [3]}), c
+    al = P.copy()
+    al[2, 0] = False  # a real row leaving out a key, padding declared: blocked too much
+    c = _m(audit({"S": tr.S, "allowed": al, **L4}))[STRUCT]
+    assert (c.ok, c.hint, c.fault) == (False, HINTS["over"], None), c
+    al = C.copy()
+    al[0] = ~C[0]  # a row that differs from causal in every key
+    c = _m(audit({"S": tr.S, "allowed": al}))[STRUCT]
+    assert (c.ok, c.evidence) == (False, {"rows": [0], "cols": [0, 1, 2, 3, 4, 5]}), c
+
+
+def test_padding_in_any_slice_is_said_and_decoding_padding_rows_are_bottom_right(tr):
+    al = np.stack([_padded([4])[0], C])  # padding in the first slice only
+    c = _m(audit({"S": np.stack([tr.S, tr.S]), "allowed": al}))[STRUCT]
+    assert (
+        c.ok and c.message == f"declared mask: {CAUSAL_OK}, padding keys (read by no query) blocked"
+    )
+    al = _padded([4], T_q=4)[0]  # queries 3..6: two real, two padding rows reading nothing
+    for given in ({}, {"lengths": np.array([4])}):
+        c = _m(audit({"S": tr.S[2:], "allowed": al, **given}))[STRUCT]
+        assert c.ok and c.message.startswith(f"declared mask: {CAUSAL_OK}, padding"), c
