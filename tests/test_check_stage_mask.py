@@ -711,3 +711,10 @@ def test_padding_in_any_slice_is_said_and_decoding_padding_rows_are_bottom_right
     for given in ({}, {"lengths": np.array([4])}):
         c = _m(audit({"S": tr.S[2:], "allowed": al, **given}))[STRUCT]
         assert c.ok and c.message.startswith(f"declared mask: {CAUSAL_OK}, padding"), c
+
+
+def test_a_nan_row_in_a_batch_reads_nothing(tr):
+    A = np.stack([tr.A, tr.A])
+    A[1, 3] = np.nan  # one row of the second sequence: stage A's finding, not a mask's
+    rep = audit({"S": np.stack([tr.S, tr.S]), "A": A})
+    assert _m(rep)[READS].ok and rep.first_failure.stage == "A", str(rep)
