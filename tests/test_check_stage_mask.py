@@ -718,3 +718,13 @@ def test_a_nan_row_in_a_batch_reads_nothing(tr):
     A[1, 3] = np.nan  # one row of the second sequence: stage A's finding, not a mask's
     rep = audit({"S": np.stack([tr.S, tr.S]), "A": A})
     assert _m(rep)[READS].ok and rep.first_failure.stage == "A", str(rep)
+
+
+@pytest.mark.parametrize("x_shape, h", [((T, 8), 2), ((2, T, 8), 2)])
+def test_a_per_head_bias_is_added_head_by_head(x_shape, h):
+    rb = np.linspace(-1, 1, 2 * T - 1)[None] * np.arange(1, h + 1)[:, None]  # (H, 2T - 1)
+    t = _mh_trace(x_shape, h, rel_bias=rb)
+    given = {"S": t.S, "A": t.A, "n_heads": h}
+    assert audit(given, rel_bias=rb).ok
+    c = audit(given, rel_bias=rb[::-1].copy()).first_failure  # the heads' biases swapped
+    assert (c.stage, c.name) == ("A", "A = softmax_last(S + M)"), c
