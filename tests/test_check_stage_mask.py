@@ -296,6 +296,7 @@ NOTE = "padding assumed from A (keys and query rows from L on read nothing): "
     [
         ([4, 6, 3, 5, 2], "[0] L = 4; [2] L = 3; [3] L = 5; [4] L = 2"),
         ([2, 3, 4, 5, 1, 6, 3], "[0] L = 2; [1] L = 3; [2] L = 4; [3] L = 5 ..."),
+        ([2, 3, 4, 5, 1], "[0] L = 2; [1] L = 3; [2] L = 4; [3] L = 5 ..."),
         ([6, 5], "[1] L = 5"),
     ],
 )
@@ -728,3 +729,11 @@ def test_a_per_head_bias_is_added_head_by_head(x_shape, h):
     assert audit(given, rel_bias=rb).ok
     c = audit(given, rel_bias=rb[::-1].copy()).first_failure  # the heads' biases swapped
     assert (c.stage, c.name) == ("A", "A = softmax_last(S + M)"), c
+
+
+def test_declared_padding_keys_are_not_listed_as_read_by_no_query(tr):
+    al = _padded([4])[0]
+    al[1, 2] = True  # row 2 reads a future key; keys 5, 6 are padding, declared
+    c = audit({"S": tr.S, "A": _weights(tr.S, al)}, lengths=[4]).first_failure
+    assert c.name == READS and c.message.endswith("row 2 reads future keys (row 2 reads key 3)")
+    assert c.hint == "A gives weight to keys the pattern blocks: the mask is too weak or wrong"
