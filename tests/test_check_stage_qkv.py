@@ -232,3 +232,223 @@ def test_sequence_lengths_of_k_v_and_x_must_agree(lens, stage, text):
 def test_equal_sequence_lengths_add_no_check(p):
     rep = audit({"X": p["X"], "W_k": p["W_k"], "K": p["K"], "V": p["V"]})
     assert rep.ok and [c.name for c in rep.checks] == ["K = X W_k"], str(rep)
+
+
+# -- stage S: scores that carry the mask, S without Q or K, the shapes of Q Kᵀ ----------------
+
+NOTE_Z = "the given scores carry the mask already; read as Z = S + M"
+CAUSAL = masks.causal(T)
+
+
+def _z(S):
+    return np.where(CAUSAL, S, -np.inf)
+
+
+def test_scores_that_carry_the_mask_are_read_as_z(p):
+    rep = audit({"Q": p["Q"][0], "K": p["K"][0], "S": _z(p["S"][0])})
+    assert rep.ok and rep.notes == [NOTE_Z], str(rep)
+    assert rep.given == ["Q", "K", "Z"] and "S" in rep.recomputed
+    # with Z given too, the masked S stays S and is checked as S
+    rep = audit({"Q": p["Q"][0], "K": p["K"][0], "S": _z(p["S"][0]), "Z": _z(p["S"][0])})
+    assert rep.ok and rep.notes == [] and rep.given == ["Q", "K", "S", "Z"], str(rep)
+    assert _check(rep, "S", "scale 1/√d_k").ok
+
+
+def test_masked_scores_in_float32_keep_their_precision_as_z(p):
+    S, A = p["S"][0], p["A"][0]  # computed in float64, the scores then stored in float32
+    rep = audit({"S": _z(S).astype(np.float32), "A": A})
+    assert rep.ok and rep.notes == [NOTE_Z], str(rep)
+    S = S.copy()
+    S[3, 1] += 1e-3  # one score off by 100 times the float32 tolerance
+    rep = audit({"S": _z(S).astype(np.float32), "A": A})
+    assert not _check(rep, "A", "A = softmax_last(S + M)").ok, str(rep)
+
+
+def test_q_k_and_z_without_s_recompute_s_and_read_the_scale_back_from_a(p):
+    rep = audit({"Q": p["Q"][0], "K": p["K"][0], "Z": _z(p["S"][0]), "A": p["A"][0]})
+    assert rep.ok and rep.recomputed[0] == "S", str(rep)
+    assert _check(rep, "S", "scale 1/√d_k (read back from A)").ok
+
+
+@pytest.mark.parametrize("with_z", [False, True])
+def test_s_without_q_or_k_is_checked_for_its_shape_only(p, with_z):
+    S = p["S"][0]
+    extra = {"Z": _z(S)} if with_z else {}
+    c = _check(audit({"S": S, **extra}), "S", "S is T×T")
+    assert c.ok and c.message == f"S is {T}×{T}" and c.evidence == {} and c.hint is None
+    c = _check(audit({"S": S[:2], "Q": p["Q"][0]}), "S", "S is T×T")  # decoding: 2 of T rows
+    assert c.ok and c.message == f"S is 2×{T}"
+    St = np.zeros((T + 1, T))
+    c = _check(audit({"S": St}), "S", "S is T×T")
+    assert not c.ok and c.message == f"S is {T + 1}×{T}" and c.evidence == {"shape": (T + 1, T)}
+    assert c.hint == "more query rows than key columns: is it transposed?" and c.fault is None
+
+
+def test_q_and_k_with_different_d_k_fail_at_s_naming_both(p):
+    Q, K = np.zeros((B, T, DK)), np.zeros((B, T + 1, DK + 1))
+    rep = audit({"Q": Q, "K": K, "S": np.zeros((B, T, T + 1))})
+    c = _check(rep, "S", "Q Kᵀ shapes")
+    assert not c.ok and rep.first_failure is c, str(rep)
+    assert c.message == (
+        f"Q is T×d_k = {T}×{DK} but K is {T + 1}×{DK + 1}; the inner d_k axes must match"
+    )
+
+
+def test_q_and_k_whose_leading_axes_do_not_broadcast_fail_at_s(p):
+    Q, K = np.zeros((2, T, DK)), np.zeros((3, T, DK))
+    rep = audit({"Q": Q, "K": K, "S": np.zeros((T, T))})
+    c = _check(rep, "S", "Q Kᵀ shapes")
+    assert not c.ok and rep.first_failure is c, str(rep)
+    assert c.message == f"Q {Q.shape} and K {K.shape}: leading axes do not broadcast"
+
+
+@pytest.mark.parametrize(
+    "q, k, s",
+    [
+        ((T, DK), (DK, DK), (T, T)),  # T_k = d_k, S T×T
+        ((T, DK), (T - 1, DK), (T, DK)),  # S T×d_k with T_k ≠ d_k
+        ((B, T, DK), (B, DK, DK), (B, DK, DK)),
+        ((B, T, DK), (B, DK, DK), (B, DK)),
+        ((1, H, T, DK), (1, H, DK, DK), (1, H, T, H)),
+        ((B, T, DK), (B, DK, DK), (B, T, 2)),
+    ],
+)
+def test_s_of_the_wrong_shape_fails_with_its_shape_and_no_hint(q, k, s):
+    rng = np.random.default_rng(1)
+    Q, K, S = rng.normal(size=q), rng.normal(size=k), rng.normal(size=s)
+    rep = audit({"Q": Q, "K": K, "S": S})
+    c = _check(rep, "S", "S is T×T")
+    G = (Q @ np.swapaxes(K, -1, -2)).shape
+    assert not c.ok and rep.first_failure is c, str(rep)
+    assert c.message == f"S is {s[-2]}×{s[-1]} but Q Kᵀ is {G[-2]}×{G[-1]} (T_q×T_k)"
+    assert c.evidence == {"shape": s} and c.hint is None and c.fault is None
+
+
+def test_s_whose_batch_axes_do_not_match_q_k_fails(p):
+    S = np.zeros((3, T, T))
+    rep = audit({"Q": p["Q"], "K": p["K"], "S": S})
+    c = _check(rep, "S", "S is T×T")
+    assert not c.ok and rep.first_failure is c, str(rep)
+    assert c.message == f"S is {S.shape} but Q Kᵀ is {(H, T, T)}: the batch/head axes do not match"
+    assert c.evidence == {"shape": S.shape} and c.hint is None
+
+
+def test_decoding_scores_with_heads_pass_with_their_shape_and_scale(p):
+    Q = p["Q"][:, -2:]  # the last 2 queries of each head, all T keys
+    rep = audit({"Q": Q, "K": p["K"], "S": p["S"][:, -2:]})
+    assert rep.ok, str(rep)
+    assert _check(rep, "S", "S is T×T").message == f"S is 2×{T}"
+    msg = _check(rep, "S", "scale 1/√d_k").message
+    assert msg.startswith(f"S = Q Kᵀ · {1 / np.sqrt(DK):.4g} (d_k = {DK}); max error "), msg
+
+
+def test_blocked_entries_of_s_are_not_compared(p):
+    S = p["S"].copy()
+    S[..., 0] = -1e9  # a padded first key, filled in S (not read as Z: the future is not blocked)
+    S[0, 3, 1] = -1e4  # exactly the fill bound
+    rep = audit({"Q": p["Q"], "K": p["K"], "S": S})
+    assert _check(rep, "S", "scale 1/√d_k").ok and rep.notes == [], str(rep)
+
+
+@pytest.mark.parametrize("low", ["S", "Q", "K"])
+def test_each_of_s_q_k_s_precision_sets_the_scale_tolerance(p, low):
+    for err, ok in ((0.0, True), (1e-3, False)):
+        arrays = {"Q": p["Q"], "K": p["K"], "S": p["S"] + err}
+        arrays[low] = arrays[low].astype(np.float32)
+        assert _check(audit(arrays), "S", "scale 1/√d_k").ok is ok, (low, err)
+
+
+def _scale_fail(rep):
+    c = _check(rep, "S", "scale 1/√d_k")
+    assert not c.ok and rep.first_failure is c, str(rep)
+    return c
+
+
+def test_a_wrong_scale_is_named_where_and_how_far_off(p):
+    G = p["Q"] @ np.swapaxes(p["K"], -1, -2)
+    c = _scale_fail(audit({"Q": p["Q"], "K": p["K"], "S": G}))
+    assert (c.fault, c.hint) == (
+        "missing-scale",
+        "missing-scale: the 1/√d_k scale is missing (S = Q Kᵀ)",
+    )
+    e = np.abs(G - G / np.sqrt(DK)).max()
+    assert c.message == f"S differs from Q Kᵀ/√d_k by up to {e:.3g}"
+    assert c.evidence["index"] == (0,) and c.evidence["max_err"] == pytest.approx(e)
+    assert c.evidence["slices_failing"] == H and c.evidence["rows"] == list(range(T))
+    c = _scale_fail(audit({"Q": p["Q"], "K": p["K"], "S": G / DK}))
+    assert c.fault == "scale-by-dk"
+    assert c.hint == f"scale-by-dk: S was divided by d_k = {DK} instead of √d_k"
+    c = _scale_fail(audit({"Q": p["Q"], "K": p["K"], "S": G * 0.3}))
+    assert c.fault is None
+    assert c.hint == f"S = Q Kᵀ · 0.3, expected · {1 / np.sqrt(DK):.4g} (1/√d_k, d_k = {DK})"
+    S = p["S"].copy()
+    S[1, 2, 0] += 1.0  # one wrong score: no factor explains it
+    c = _scale_fail(audit({"Q": p["Q"], "K": p["K"], "S": S}))
+    assert c.hint is None and c.fault is None
+    assert c.evidence == {"index": (1,), "rows": [2], "cols": [0], "max_err": pytest.approx(1.0)}
+
+
+def test_a_wrong_scale_ignores_blocked_scores_when_naming_the_factor(p):
+    G = p["Q"] @ np.swapaxes(p["K"], -1, -2)
+    for S, fault in ((G.copy(), "missing-scale"), (G / DK, "scale-by-dk"), (G * 0.3, None)):
+        S[..., 0] = -1e9  # a padded first key
+        c = _scale_fail(audit({"Q": p["Q"], "K": p["K"], "S": S}))
+        assert c.fault == fault and (fault is not None or "· 0.3, expected" in c.hint), c
+
+
+def test_k_not_transposed_is_named_when_t_equals_d_k():
+    rng = np.random.default_rng(5)
+    Q, K = rng.normal(size=(DK, DK)), rng.normal(size=(DK, DK))
+    for S in (Q @ K / np.sqrt(DK), Q @ K):
+        c = _scale_fail(audit({"Q": Q, "K": K, "S": S}))
+        assert c.fault == "k-not-transposed", c
+        assert c.hint == (
+            "k-not-transposed: S = Q K, not Q Kᵀ: K was not transposed (shapes hid it: T = d_k)"
+        )
+    for S in (Q @ K / np.sqrt(DK), Q @ K):
+        S[0, 1] = -1e9  # a blocked score is left out of the comparison
+        assert _scale_fail(audit({"Q": Q, "K": K, "S": S})).fault == "k-not-transposed"
+    Ks = K + K.T  # symmetric: Q K = Q Kᵀ, and the missing scale is what is named
+    c = _scale_fail(audit({"Q": Q, "K": Ks, "S": Q @ Ks}))
+    assert c.fault == "missing-scale", c
+
+
+def test_the_fitted_factor_of_small_scores(p):
+    Q, K = p["Q"] * 0.01, p["K"] * 0.01  # Σ (Q Kᵀ)² < 1
+    c = _scale_fail(audit({"Q": Q, "K": K, "S": 0.3 * Q @ np.swapaxes(K, -1, -2)}))
+    assert c.hint == f"S = Q Kᵀ · 0.3, expected · {1 / np.sqrt(DK):.4g} (1/√d_k, d_k = {DK})"
+
+
+@pytest.mark.parametrize("low", ["Q", "K"])
+def test_recomputed_s_carries_q_and_k_s_precision(p, low):
+    """S recomputed from Q and K, one stored in float32: A computed in float64 before that
+    rounding is the softmax within the float32 tolerance; one weight off by 1e-3 is not."""
+    for err, ok in ((0.0, True), (1e-3, False)):
+        A = p["A"].copy()
+        A[1, 3, 1] += err
+        A[1, 3, 0] -= err
+        arrays = {"Q": p["Q"], "K": p["K"], "A": A}
+        arrays[low] = arrays[low].astype(np.float32)
+        rep = audit(arrays)
+        assert _check(rep, "A", "A = softmax_last(S + M)").ok is ok, (low, err, str(rep))
+
+
+def test_a_declared_scale_is_not_blamed_as_the_candidate_it_equals():
+    """scale = 1 + 2^-42 (1 to 1e-12): S = Q Kᵀ with one score just past float64's tolerance
+    (1e-9) from it and just inside it from Q Kᵀ · 1: the hint is the fitted factor, not
+    'missing-scale'."""
+    rng = np.random.default_rng(6)
+    Q, K = rng.normal(size=(T, DK)), rng.normal(size=(T, DK))
+    G = Q @ K.T
+    c0 = 1 + 2**-42
+    j = np.unravel_index(np.argmax(G), G.shape)
+    S = G.copy()
+    S[j] -= 1e-9 * np.abs(G).max() - G[j] * 2**-43
+    c = _scale_fail(audit({"Q": Q, "K": K, "S": S}, scale=c0))
+    assert c.fault is None and c.hint.startswith("S = Q Kᵀ · 1, expected · 1 "), c
+    # scale = 1/3 + 1e-12 is not 1/d_k (1e-12 > 1e-12 · scale): 'scale-by-dk' is tried
+    c0 = 1 / DK + 1e-12
+    S = G / DK
+    S[j] -= 1e-9 * np.abs(G * c0).max() - G[j] * 1e-12 / 2
+    c = _scale_fail(audit({"Q": Q, "K": K, "S": S}, scale=c0))
+    assert c.fault == "scale-by-dk", c
