@@ -452,3 +452,96 @@ def test_a_declared_scale_is_not_blamed_as_the_candidate_it_equals():
     S[j] -= 1e-9 * np.abs(G * c0).max() - G[j] * 1e-12 / 2
     c = _scale_fail(audit({"Q": Q, "K": K, "S": S}, scale=c0))
     assert c.fault == "scale-by-dk", c
+
+
+# -- S absent: its scale read back from A ------------------------------------------------------
+
+READ = "scale 1/√d_k (read back from A)"
+
+
+def _readback(rep):
+    hits = [c for c in rep.checks if c.name == READ]
+    return hits[0] if hits else None
+
+
+def _weights(Q, K, c, allowed=None):
+    G = Q @ np.swapaxes(K, -1, -2)
+    al = masks.causal(*G.shape[-2:]) if allowed is None else allowed
+    return softmax_last(np.where(al, c * G, 0.0), al)
+
+
+def test_the_scale_read_back_from_a_with_heads_and_its_hints(p):
+    Q, K = p["Q"], p["K"]
+    c0 = 1 / np.sqrt(DK)
+    c = _readback(audit({"Q": Q, "K": K, "A": p["A"]}))
+    assert c.ok and c.stage == "S" and c.evidence == {} and c.hint is None and c.fault is None
+    assert c.message == f"log A matches Q Kᵀ · {c0:.4g}; expected · {c0:.4g}"
+    for factor, fault, hint in (
+        (1.0, "missing-scale", "missing-scale: the 1/√d_k scale is missing (softmax of Q Kᵀ)"),
+        (1 / DK, "scale-by-dk", f"scale-by-dk: S was divided by d_k = {DK} instead of √d_k"),
+        (0.3, None, f"A is the softmax of Q Kᵀ · 0.3, expected · {c0:.4g}"),
+    ):
+        rep = audit({"Q": Q, "K": K, "A": _weights(Q, K, factor)})
+        c = _readback(rep)
+        assert c is not None and not c.ok and rep.first_failure is c, str(rep)
+        assert (c.fault, c.hint) == (fault, hint)
+        assert c.message == f"log A matches Q Kᵀ · {factor:.4g}; expected · {c0:.4g}"
+        assert c.evidence == {"factor": pytest.approx(factor), "expected": pytest.approx(c0)}
+
+
+def test_the_read_back_leaves_out_blocked_keys_and_underflowed_weights(p):
+    A = p["A"].copy()
+    A[0, 1, 3] = 1e-3  # weight on a blocked (future) key: stage M's fault, not the scale's
+    A[1, 4, 2] = 1e-30  # an underflowed weight says nothing about the scale
+    rep = audit({"Q": p["Q"], "K": p["K"], "A": A})
+    c = _readback(rep)
+    assert c is not None and c.ok, str(rep)
+    assert rep.first_failure.stage == "M", str(rep)
+
+
+def test_the_read_back_with_more_queries_than_keys(p):
+    # no mask is known (T_q > T_k): every positive weight is read
+    Q, K = p["Q"][0], p["K"][0, :3]
+    A = _weights(Q, K, 1 / np.sqrt(DK), np.ones((T, 3), bool))
+    c = _readback(audit({"Q": Q, "K": K, "A": A}))
+    assert c is not None and c.ok, c
+
+
+def test_the_read_back_needs_two_rows_with_two_readable_keys(p):
+    rng = np.random.default_rng(7)
+    for t, read in ((2, False), (3, True)):
+        Q, K = rng.normal(size=(t, DK)), rng.normal(size=(t, DK))
+        c = _readback(audit({"Q": Q, "K": K, "A": _weights(Q, K, 1.0)}))
+        assert (c is not None) is read, t
+        if read:
+            assert not c.ok and c.fault == "missing-scale"
+
+
+def test_the_read_back_with_sinks_whose_first_row_has_one_key(p):
+    import causalattn as ca
+
+    tr = ca.trace(p["X"], p["W_q"], p["W_k"], p["W_v"], sinks=[0.3])
+    c = _readback(audit({"Q": tr.Q, "K": tr.K, "A": tr.A}, sinks=[0.3]))
+    assert c is not None and c.ok, c
+
+
+def test_the_read_back_with_small_scores(p):
+    Q, K = p["Q"][0] * 0.05, p["K"][0] * 0.05  # Σ of the centred scores² well below 1
+    c = _readback(audit({"Q": Q, "K": K, "A": _weights(Q, K, 1.0)}))
+    assert c is not None and c.fault == "missing-scale", c
+
+
+@pytest.mark.parametrize(
+    "scale, delta, read",
+    [
+        (1.0, 0.03, True),  # spread of log A ≈ 5: a 0.03 error is within 1% of it
+        (0.05, 0.016, False),  # spread < 1: the bound is 0.01, and 0.014 is past it
+    ],
+)
+def test_the_read_back_only_when_a_is_nearly_a_softmax_of_a_multiple(scale, delta, read):
+    rng = np.random.default_rng(8)
+    Q, K = rng.normal(size=(8, 4)) * 2 * scale, rng.normal(size=(8, 4)) * 2
+    A = _weights(Q, K, 0.5)
+    A[7, 2] *= np.exp(delta)
+    c = _readback(audit({"Q": Q, "K": K, "A": A}))
+    assert (c is not None) is read, c
