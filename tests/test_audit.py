@@ -697,9 +697,12 @@ def test_failing_checks_at_C_and_O_name_the_check_and_the_fault(parts, two_heads
     c = audit({**base, "C": tr.C[..., :2]}).first_failure
     assert (c.stage, c.name, c.ok) == ("C", "Σ_j C[i, j] = H_i", False)
     W5 = np.random.default_rng(8).normal(size=(5, 4))
-    c = audit({**base, "W_o": W5, "O": tr.H @ W5[:3]}).first_failure
-    assert (c.stage, c.name) == ("O", "O = H W_O")
-    assert c.message == "H is T×(h·d_v) = 6×3 but W_O is 5×4"
+    two = causalattn.trace(np.stack([X, X]), *W.values())  # and a batch of two: H (2, 6, 3)
+    for t in (tr, two):
+        given = {"A": t.A, "V": t.V, "H": t.H, "W_o": W5, "O": t.H @ W5[:3]}
+        c = audit(given).first_failure
+        assert (c.stage, c.name) == ("O", "O = H W_O")
+        assert c.message == "H is T×(h·d_v) = 6×3 but W_O is 5×4"
     for O, fault in ((tr.O[:, :2], None), (tr.H, "output-projection-missing")):
         c = audit({**base, "W_o": tr["W_o"], "O": O}).first_failure
         assert (c.stage, c.name, c.fault) == ("O", "O = H W_O", fault), c
