@@ -59,7 +59,7 @@ MUTATION_TESTS = {
     "causalattn.text.": ("test_text.py",),
     "causalattn.reference.": ("test_reference.py",),
     "causalattn.check.measure.": ("test_check_measure.py", "test_diagnose.py"),
-    "causalattn.check.": ("test_audit.py", "test_check_audit.py"),
+    "causalattn.check.": ("test_audit.py", "test_check_audit.py", "test_check_scale.py"),
     "causalattn.distributed.layout.": ("test_layout.py", "test_ring.py"),
     "causalattn.distributed.ring.": ("test_ring_local.py", "test_ring.py"),
     "causalattn.integrations.hf_pattern.": ("test_hf.py",),
