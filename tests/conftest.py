@@ -59,7 +59,12 @@ MUTATION_TESTS = {
     "causalattn.text.": ("test_text.py",),
     "causalattn.reference.": ("test_reference.py",),
     "causalattn.check.measure.": ("test_check_measure.py", "test_diagnose.py"),
-    "causalattn.check.": ("test_audit.py", "test_check_audit.py", "test_check_stage_qkv.py"),
+    "causalattn.check.": (
+        "test_audit.py",
+        "test_check_audit.py",
+        "test_check_scale.py",
+        "test_check_stage_qkv.py",
+    ),
     "causalattn.distributed.layout.": ("test_layout.py", "test_ring.py"),
     "causalattn.distributed.ring.": ("test_ring_local.py", "test_ring.py"),
     "causalattn.integrations.hf_pattern.": ("test_hf.py",),
