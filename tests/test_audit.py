@@ -735,3 +735,29 @@ def test_heads_are_split_for_H_and_merged_for_O_only_when_declared(two_heads):
     W_o = g.normal(size=(DK, D))
     c = audit({"H": H, "W_o": W_o, "O": one.H @ W_o}).first_failure
     assert c.message == f"O has shape {(T, D)} but H W_O is {(2, T, D)}", c
+
+
+# ---- stage M: a wrong decoding mask, and masks of more query rows than keys ---------------
+OVER = "the mask blocks keys that should be readable (j <= i, not padding)"
+
+
+def _m_trace():
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(T, 4))
+    return causalattn.trace(X, *(rng.normal(size=(4, 3)) for _ in range(3)))
+
+
+def test_a_wrong_decoding_mask_is_a_finding_at_M():
+    # T_q = 4 < T_k = 6: the transposed causal mask (T_k×T_q) must not be compared with it
+    tr = _m_trace()
+    Cd = masks.causal(4, T)
+    diag = Cd & ~np.eye(4, T, 2, dtype=bool)  # each query's own key blocked
+    c = _check(audit({"S": tr.S[2:], "allowed": diag}), "mask is causal (+ padding)")
+    assert (c.stage, c.ok, c.hint, c.fault) == ("M", False, OVER, None), c
+    # the last key (index 5) is read by no query, so it reads as padding: row 3 is not wrong
+    assert c.evidence == {"rows": [0, 1, 2], "cols": [2, 3, 4]}, c
+    future = Cd.copy()
+    future[0, 3] = True
+    c = _check(audit({"S": tr.S[2:], "allowed": future}), "mask is causal (+ padding)")
+    assert (c.ok, c.fault) == (False, None) and c.hint.startswith("some queries read future"), c
+    assert _check(audit({"S": tr.S[2:], "allowed": Cd}), "mask is causal (+ padding)").ok

@@ -303,7 +303,7 @@ def _structure(st, allowed, source):
         if wrong.any():
             if r.all():
                 kinds.add("none")
-            elif plain and (r == causal.T).all() and T_q == T_k:
+            elif plain and T_q == T_k and (r == causal.T).all():  # causal.T is T_k×T_q
                 kinds.add("anti")
             elif plain and T_q == T_k and (r == (causal & ~np.eye(T_q, dtype=bool))).all():
                 kinds.add("diag")
