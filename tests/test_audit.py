@@ -799,5 +799,7 @@ def test_a_mask_of_more_queries_than_keys_fails_at_M_with_both_shapes():
         AuditInputError, match=r"^Z: shape \(4, 4\) does not broadcast to \(3, 3\)$"
     ):
         audit({"S": np.zeros((3, 3)), "Z": np.zeros((4, 4))})  # Z named, as M is
+    rep = audit({"M": np.zeros((4, 2))})  # M alone: no other stage would say anything
+    assert not rep.ok and [c.name for c in rep.checks] == ["mask is T×T"]
     rep = audit({"A": np.full((4, 2), 0.5)})  # no mask given: stage A alone refuses the shape
     assert [c.name for c in rep.checks if not c.ok] == ["A is T×T"]
