@@ -735,3 +735,71 @@ def test_heads_are_split_for_H_and_merged_for_O_only_when_declared(two_heads):
     W_o = g.normal(size=(DK, D))
     c = audit({"H": H, "W_o": W_o, "O": one.H @ W_o}).first_failure
     assert c.message == f"O has shape {(T, D)} but H W_O is {(2, T, D)}", c
+
+
+# ---- stage M: a wrong decoding mask, and masks of more query rows than keys ---------------
+OVER = "the mask blocks keys that should be readable (j <= i, not padding)"
+
+
+def _m_trace():
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(T, 4))
+    return causalattn.trace(X, *(rng.normal(size=(4, 3)) for _ in range(3)))
+
+
+def test_a_wrong_decoding_mask_is_a_finding_at_M():
+    # T_q = 4 < T_k = 6: the transposed causal mask (T_k×T_q) must not be compared with it
+    tr = _m_trace()
+    Cd = masks.causal(4, T)
+    diag = Cd & ~np.eye(4, T, 2, dtype=bool)  # each query's own key blocked
+    c = _check(audit({"S": tr.S[2:], "allowed": diag}), "mask is causal (+ padding)")
+    assert (c.stage, c.ok, c.hint, c.fault) == ("M", False, OVER, None), c
+    # the last key (index 5) is read by no query, so it reads as padding: row 3 is not wrong
+    assert c.evidence == {"rows": [0, 1, 2], "cols": [2, 3, 4]}, c
+    future = Cd.copy()
+    future[0, 3] = True
+    c = _check(audit({"S": tr.S[2:], "allowed": future}), "mask is causal (+ padding)")
+    assert (c.ok, c.fault) == (False, None) and c.hint.startswith("some queries read future"), c
+    assert _check(audit({"S": tr.S[2:], "allowed": Cd}), "mask is causal (+ padding)").ok
+
+
+def test_a_mask_of_more_queries_than_keys_fails_at_M_with_both_shapes():
+    """T_q > T_k: stage M reads no mask, but a given M, Z or mask is a failing check there (A
+    of another shape named), must still fit the other arrays, and the verdict is never ok."""
+    A = _softmax(np.where(masks.causal(3), 0.0, -np.inf), -1)  # a correct 3×3 causal A
+    for name in ("M", "Z"):
+        rep = audit({name: np.zeros((4, 2)), "A": A})
+        c = _check(rep, "mask is T×T")
+        assert not rep.ok and rep.first_failure == c
+        assert (c.stage, c.message) == (
+            "M",
+            f"{name} is 4×2 (more query rows than keys) but A is 3×3",
+        )
+        assert c.evidence == {"shape": (4, 2)}
+        assert c.hint == "more query rows than key columns: is it transposed?"
+        assert _check(rep, "forbidden entries exactly 0").ok  # A is still checked on its own
+        A42 = np.full((2, 4, 2), 0.5)
+        rep = audit({name: np.zeros((2, 4, 2)), "A": A42})  # same shape: A's refusal too
+        assert [(c.stage, c.name, c.message) for c in rep.checks if not c.ok] == [
+            ("M", "mask is T×T", f"{name} is 4×2: more query rows than keys"),
+            ("A", "A is T×T", "A is 4×2: more query rows than keys"),
+        ]
+        with pytest.raises(AuditInputError, match=rf"^{name}: shape \(3, 3\) does not broadcast"):
+            audit({"S": np.zeros((4, 2)), name: np.zeros((3, 3))})
+    rep = audit(
+        {"allowed": np.ones((4, 2), bool), "M": np.zeros((4, 2)), "A": np.full((4, 2), 0.5)}
+    )
+    c = _check(rep, "mask is T×T")
+    assert c.message == "the declared mask and M are 4×2: more query rows than keys"
+    with pytest.raises(
+        AuditInputError, match=r"^mask: shape \(4, 2\) does not broadcast to \(3, 3\)$"
+    ):
+        audit({"allowed": np.ones((4, 2), bool), "A": A})
+    with pytest.raises(
+        AuditInputError, match=r"^Z: shape \(4, 4\) does not broadcast to \(3, 3\)$"
+    ):
+        audit({"S": np.zeros((3, 3)), "Z": np.zeros((4, 4))})  # Z named, as M is
+    rep = audit({"M": np.zeros((4, 2))})  # M alone: no other stage would say anything
+    assert not rep.ok and [c.name for c in rep.checks] == ["mask is T×T"]
+    rep = audit({"A": np.full((4, 2), 0.5)})  # no mask given: stage A alone refuses the shape
+    assert [c.name for c in rep.checks if not c.ok] == ["A is T×T"]

@@ -295,8 +295,8 @@ def test_weights_recomputed_from_s_keep_s_precision_and_need_s(tr):
 
 
 def test_an_m_of_more_queries_than_keys_leaves_a_checked_against_plain_causal():
-    # stage M cannot read a 4×2 M, so stage A builds the causal mask of A's own shape (that
-    # nothing fails on the M itself is a gap: only stage A's checks are asserted here)
+    # stage M cannot read a 4×2 M, so stage A builds the causal mask of A's own shape (the M
+    # itself fails at stage M: test_audit.py's ..._fails_at_M_with_both_shapes; only A here)
     M = np.zeros((4, 2))
     for T_q, T_k in ((3, 3), (2, 3)):
         al = masks.causal(T_q, T_k)
