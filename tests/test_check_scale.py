@@ -184,3 +184,24 @@ def test_more_query_rows_than_keys_still_reads_the_scale_back(qk):
     rep = audit({"Q": Q, "K": K, "A": _softmax(C0 * Q @ K.T)})
     assert [c.ok for c in _read_back(rep)] == [True]
     assert (rep.first_failure.stage, rep.first_failure.name) == ("A", "A is T×T")
+
+
+@pytest.mark.parametrize("given", ["Z", "S"])
+@pytest.mark.parametrize(
+    "change, ok, hint",
+    [
+        (lambda Z: Z, True, None),
+        (lambda Z: 2 * Z, False, f"S = Q Kᵀ · {2 * C0:.4g}, expected · {C0:.4g} (1/√d_k, d_k = 3)"),
+        (lambda Z: Z + 1, False, None),
+    ],
+)
+def test_masked_scores_given_with_q_and_k_are_checked_against_q_k(qk, given, change, ok, hint):
+    """Z = S + M (or an S that already carries the mask, read as Z): its readable entries are
+    S's, so they are compared with Q Kᵀ·scale like an unmasked S, not only read for the mask."""
+    Q, K, _ = qk
+    Z = np.where(np.tril(np.ones((T, T), bool)), C0 * Q @ K.T, -np.inf)
+    rep = audit({"Q": Q, "K": K, given: change(Z)})
+    (chk,) = [c for c in rep.checks if c.name == "scale 1/√d_k"]
+    assert (chk.stage, chk.ok, chk.hint) == ("S", ok, hint)
+    assert chk.message.startswith("S (Z's readable entries) ")
+    assert rep.ok is ok
