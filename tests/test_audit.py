@@ -606,3 +606,200 @@ def test_stage_A_shapes_with_a_leading_axis_and_a_mask_of_another_shape():
     c = _check(audit({"M": M, "A": A}), "A matches the mask's shape")
     assert (c.stage, c.ok) == ("A", False)
     assert c.message == "A is (2, 4, 4) but the mask/scores are (4, 4)"
+
+
+# ---- stages H, C and O: what the checks above leave open ---------------------------------
+@pytest.mark.parametrize("kept", ["A", "V", "H", "C", "W_o", "O", "A, no H", "V, no H"])
+def test_stages_H_C_O_are_as_tolerant_as_their_least_precise_source(parts, kept):
+    """One array rounded to float32 (the others float64): H = A V, Σ_j C = H and O = H W_O
+    allow float32's error wherever that array is a source, a recomputed H keeping the
+    precision of A and V. The same rounding in a float64 array is an error."""
+    X, W = parts
+    tr = causalattn.trace(X, *W.values())
+    name = kept.split(",")[0]
+    given = {n: tr[n] for n in ("A", "V", "H", "C", "W_o", "O")}
+    if kept.endswith("no H"):
+        del given["H"]
+    rep = audit({**given, name: given[name].astype(np.float32)})
+    assert rep.ok, str(rep)
+    assert {c.name for c in rep.checks if c.stage in "HCO"} >= {"Σ_j C[i, j] = H_i", "O = H W_O"}
+    assert ("H" in rep.recomputed) == kept.endswith("no H")
+    rounded = given[name].astype(np.float32).astype(np.float64)
+    assert not audit({**given, name: rounded}).ok  # float64 precision: 1e-7 is an error
+
+
+def test_stage_H_keeps_a_nan_value_at_a_padding_key_out_and_broadcasts_heads(parts, two_heads):
+    """A NaN value at a key no query reads (padding) does not reach H = A V; a V without
+    the head axis (one value head for all, multi-query) and an A without the batch axis
+    broadcast against each other."""
+    tr, al, lengths = _padded_trace(*parts)
+    V = tr.V.copy()
+    V[1, 4] = np.nan  # a padding key of the second sequence
+    rep = audit({"A": tr.A, "V": V, "H": tr.H, "lengths": np.array(lengths)})
+    assert rep.ok and _check(rep, "H = A V").ok, str(rep)
+    V[1, 2] = np.nan  # a real key: the rows that read it are NaN in A V, not in this H
+    c = _check(audit({"A": tr.A, "V": V, "H": tr.H, "lengths": np.array(lengths)}), "H = A V")
+    assert not c.ok and c.evidence["index"] == (1,) and c.evidence["rows"] == [2, 3]
+    A = two_heads.A  # (2, 2, T, T)
+    V0 = two_heads.V[0, 0]  # one (T, d_v) for every sequence and head
+    assert audit({"A": A, "V": V0, "H": A @ V0}).ok
+    A0 = A[0, 0]  # one (T, T) for every sequence and head of V
+    assert audit({"A": A0, "V": two_heads.V, "H": A0 @ two_heads.V}).ok
+
+
+def test_stage_H_with_more_queries_than_keys_reads_every_key():
+    """T_q > T_k: stage M has no mask to give, so H = A V is checked over every key, a
+    non-finite value included (it reaches every row that weighs it)."""
+    g = np.random.default_rng(7)
+    A = g.random((6, 5)) + 0.1
+    A /= A.sum(-1, keepdims=True)
+    V = g.normal(size=(5, 3))
+    rep = audit({"A": A, "V": V, "H": A @ V})
+    assert rep.first_failure.name == "A is T×T" and _check(rep, "H = A V").ok, str(rep)
+    V[2] = np.inf
+    assert _check(audit({"A": A, "V": V, "H": A @ V}), "H = A V").ok  # inf rows, as A V
+    H = A @ V
+    H[0] = 0.0
+    c = _check(audit({"A": A, "V": V, "H": H}), "H = A V")
+    assert not c.ok and c.evidence["rows"] == [0]
+
+
+def test_passing_checks_at_H_C_O_carry_no_evidence_hint_or_fault(two_heads, parts):
+    tr = two_heads
+    rep = audit({**_heads(tr), **{n: tr[n] for n in ("A", "V", "H", "C", "W_o", "O")}})
+    out = [c for c in rep.checks if c.stage in "HCO"]
+    assert [(c.stage, c.name) for c in out] == [
+        ("H", "H = A V"),  # no row lacks a key: no zero-row check
+        ("C", "Σ_j C[i, j] = H_i"),
+        ("O", "O = H W_O"),
+    ]
+    for c in out:
+        assert c.ok and (c.evidence, c.hint, c.fault) == ({}, None, None), c
+    pad, al, _ = _padded_trace(*parts)
+    rep = audit({"A": pad.A, "V": pad.V, "H": pad.H, "allowed": al})
+    (c,) = [c for c in rep.checks if c.stage == "H" and c.name.startswith("rows with no")]
+    assert c.ok and c.name == "rows with no readable key are zero", str(rep)
+    assert (c.message, c.evidence, c.hint) == ("zero output on rows with no readable key", {}, None)
+    H = pad.H.copy()
+    H[1, 5, 1] = 0.5
+    c = audit({"A": pad.A, "V": pad.V, "H": H, "allowed": al}).first_failure
+    assert (c.name, c.hint) == (
+        "rows with no readable key are zero",
+        "a padding query must output zeros, never NaN",
+    )
+    assert c.evidence == {"index": (1,), "rows": [5]}
+
+
+def test_failing_checks_at_C_and_O_name_the_check_and_the_fault(parts, two_heads):
+    X, W = parts
+    tr = causalattn.trace(X, *W.values())  # one head: H is 6×3, W_O 3×4
+    base = {"A": tr.A, "V": tr.V, "H": tr.H}
+    c = audit({**base, "C": tr.C[..., :2]}).first_failure
+    assert (c.stage, c.name, c.ok) == ("C", "Σ_j C[i, j] = H_i", False)
+    W5 = np.random.default_rng(8).normal(size=(5, 4))
+    two = causalattn.trace(np.stack([X, X]), *W.values())  # and a batch of two: H (2, 6, 3)
+    for t in (tr, two):
+        given = {"A": t.A, "V": t.V, "H": t.H, "W_o": W5, "O": t.H @ W5[:3]}
+        c = audit(given).first_failure
+        assert (c.stage, c.name) == ("O", "O = H W_O")
+        assert c.message == "H is T×(h·d_v) = 6×3 but W_O is 5×4"
+    for O, fault in ((tr.O[:, :2], None), (tr.H, "output-projection-missing")):
+        c = audit({**base, "W_o": tr["W_o"], "O": O}).first_failure
+        assert (c.stage, c.name, c.fault) == ("O", "O = H W_O", fault), c
+    assert c.hint == "output-projection-missing: O has H's shape: the output projection is missing"
+    W3 = np.random.default_rng(9).normal(size=(3, 3))  # square: transposed or missing show
+    for O, fault in (
+        (tr.H @ W3.T, "output-projection-transposed"),
+        (tr.H, "output-projection-missing"),
+        (tr.H @ W3 + 1.0, None),
+    ):
+        c = audit({**base, "W_o": W3, "O": O}).first_failure
+        assert (c.stage, c.fault) == ("O", fault), c
+        assert c.hint is None or c.hint.startswith(f"{fault}: "), c
+
+
+def test_heads_are_split_for_H_and_merged_for_O_only_when_declared(two_heads):
+    """H given with the heads side by side (T, h·d_v) is split for H = A V on one sequence
+    too; with W_O and O alone it is checked as it is; without n_heads a leading axis of H
+    is a batch O lacks, never heads to merge."""
+    g = np.random.default_rng(5)
+    X = g.normal(size=(T, D))
+    W = [g.normal(size=(D, 2 * DK)) for _ in range(3)] + [g.normal(size=(2 * DK, D))]
+    tr = causalattn.trace(X, *W, n_heads=2)  # no batch axis: A is (2, T, T)
+    Hc = tr.H.transpose(1, 0, 2).reshape(T, 2 * DK)
+    assert _check(audit({**_heads(tr), "A": tr.A, "V": tr.V, "H": Hc}), "H = A V").ok
+    rep = audit({"H": Hc, "W_o": tr["W_o"], "O": tr.O, "n_heads": 2})
+    assert rep.ok and [c.name for c in rep.checks] == ["O = H W_O"], str(rep)
+    one = two_heads.select(1, 1)  # (T, 3) per sequence
+    H = np.stack([one.H, one.H])  # (2, T, 3): a batch of two
+    W_o = g.normal(size=(DK, D))
+    c = audit({"H": H, "W_o": W_o, "O": one.H @ W_o}).first_failure
+    assert c.message == f"O has shape {(T, D)} but H W_O is {(2, T, D)}", c
+
+
+# ---- stage M: a wrong decoding mask, and masks of more query rows than keys ---------------
+OVER = "the mask blocks keys that should be readable (j <= i, not padding)"
+
+
+def _m_trace():
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(T, 4))
+    return causalattn.trace(X, *(rng.normal(size=(4, 3)) for _ in range(3)))
+
+
+def test_a_wrong_decoding_mask_is_a_finding_at_M():
+    # T_q = 4 < T_k = 6: the transposed causal mask (T_k×T_q) must not be compared with it
+    tr = _m_trace()
+    Cd = masks.causal(4, T)
+    diag = Cd & ~np.eye(4, T, 2, dtype=bool)  # each query's own key blocked
+    c = _check(audit({"S": tr.S[2:], "allowed": diag}), "mask is causal (+ padding)")
+    assert (c.stage, c.ok, c.hint, c.fault) == ("M", False, OVER, None), c
+    # the last key (index 5) is read by no query, so it reads as padding: row 3 is not wrong
+    assert c.evidence == {"rows": [0, 1, 2], "cols": [2, 3, 4]}, c
+    future = Cd.copy()
+    future[0, 3] = True
+    c = _check(audit({"S": tr.S[2:], "allowed": future}), "mask is causal (+ padding)")
+    assert (c.ok, c.fault) == (False, None) and c.hint.startswith("some queries read future"), c
+    assert _check(audit({"S": tr.S[2:], "allowed": Cd}), "mask is causal (+ padding)").ok
+
+
+def test_a_mask_of_more_queries_than_keys_fails_at_M_with_both_shapes():
+    """T_q > T_k: stage M reads no mask, but a given M, Z or mask is a failing check there (A
+    of another shape named), must still fit the other arrays, and the verdict is never ok."""
+    A = _softmax(np.where(masks.causal(3), 0.0, -np.inf), -1)  # a correct 3×3 causal A
+    for name in ("M", "Z"):
+        rep = audit({name: np.zeros((4, 2)), "A": A})
+        c = _check(rep, "mask is T×T")
+        assert not rep.ok and rep.first_failure == c
+        assert (c.stage, c.message) == (
+            "M",
+            f"{name} is 4×2 (more query rows than keys) but A is 3×3",
+        )
+        assert c.evidence == {"shape": (4, 2)}
+        assert c.hint == "more query rows than key columns: is it transposed?"
+        assert _check(rep, "forbidden entries exactly 0").ok  # A is still checked on its own
+        A42 = np.full((2, 4, 2), 0.5)
+        rep = audit({name: np.zeros((2, 4, 2)), "A": A42})  # same shape: A's refusal too
+        assert [(c.stage, c.name, c.message) for c in rep.checks if not c.ok] == [
+            ("M", "mask is T×T", f"{name} is 4×2: more query rows than keys"),
+            ("A", "A is T×T", "A is 4×2: more query rows than keys"),
+        ]
+        with pytest.raises(AuditInputError, match=rf"^{name}: shape \(3, 3\) does not broadcast"):
+            audit({"S": np.zeros((4, 2)), name: np.zeros((3, 3))})
+    rep = audit(
+        {"allowed": np.ones((4, 2), bool), "M": np.zeros((4, 2)), "A": np.full((4, 2), 0.5)}
+    )
+    c = _check(rep, "mask is T×T")
+    assert c.message == "the declared mask and M are 4×2: more query rows than keys"
+    with pytest.raises(
+        AuditInputError, match=r"^mask: shape \(4, 2\) does not broadcast to \(3, 3\)$"
+    ):
+        audit({"allowed": np.ones((4, 2), bool), "A": A})
+    with pytest.raises(
+        AuditInputError, match=r"^Z: shape \(4, 4\) does not broadcast to \(3, 3\)$"
+    ):
+        audit({"S": np.zeros((3, 3)), "Z": np.zeros((4, 4))})  # Z named, as M is
+    rep = audit({"M": np.zeros((4, 2))})  # M alone: no other stage would say anything
+    assert not rep.ok and [c.name for c in rep.checks] == ["mask is T×T"]
+    rep = audit({"A": np.full((4, 2), 0.5)})  # no mask given: stage A alone refuses the shape
+    assert [c.name for c in rep.checks if not c.ok] == ["A is T×T"]

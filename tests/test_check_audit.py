@@ -268,3 +268,209 @@ def test_s_looks_masked_when_every_future_score_is_at_or_below_the_blocking_thre
     S[0, 2] = -np.inf
     assert _looks_masked(S[None, None])  # leading axes
     assert not _looks_masked(np.zeros((3, 2)))  # T_q > T_k: no future part to read
+
+
+# ---- stage A (check/stage_weights.py): verdicts at the tolerance edges, hints, evidence ----
+TOL32 = 100 * float(np.finfo(np.float32).eps)  # _rtol of a float32 A: 100 eps, exactly 100·2⁻²³
+
+
+def _a_checks(rep):
+    return {c.name: c for c in rep.checks if c.stage == "A"}
+
+
+def _masked_softmax(S, al):
+    return ca.reference.softmax_last(np.where(al, S, 0.0), al)
+
+
+def test_weights_recomputed_from_s_keep_s_precision_and_need_s(tr):
+    S32 = tr.S.astype(np.float32)  # A = softmax(S32) differs from tr.A by ~3e-8
+    rep = audit({"S": S32, "V": tr.V, "H": tr.H})
+    assert "A" in rep.recomputed and rep.ok, str(rep)  # H is judged at S's (float32) precision
+    assert not audit({"S": S32, "V": tr.V, "H": tr.H + 1e-3}).ok
+    M = np.where(masks.causal(T), 0.0, -np.inf)
+    rep = audit({"M": M, "V": tr.V, "H": tr.H})  # no S: no A to compute, so H is not checked
+    assert "A" not in rep.recomputed and [c.name for c in rep.checks] == [
+        "mask is causal (+ padding)"
+    ]
+
+
+def test_an_m_of_more_queries_than_keys_leaves_a_checked_against_plain_causal():
+    # stage M cannot read a 4×2 M, so stage A builds the causal mask of A's own shape (the M
+    # itself fails at stage M: test_audit.py's ..._fails_at_M_with_both_shapes; only A here)
+    M = np.zeros((4, 2))
+    for T_q, T_k in ((3, 3), (2, 3)):
+        al = masks.causal(T_q, T_k)
+        A = _masked_softmax(np.zeros((T_q, T_k)), al)
+        chk = _a_checks(audit({"M": M, "A": A}))
+        assert list(chk) == ["rows sum to 1", "forbidden entries exactly 0", "readable rows finite"]
+        assert all(c.ok for c in chk.values()), (T_q, T_k, chk)
+        A[0, -1] = 0.25  # a future key read
+        chk = _a_checks(audit({"M": M, "A": A}))
+        assert not chk["forbidden entries exactly 0"].ok
+        assert chk["forbidden entries exactly 0"].evidence == {"rows": [0], "cols": [T_k - 1]}
+
+
+def test_row_sums_at_the_tolerance_edge_pass_and_past_it_fail():
+    # float32 A: tol = 100·2⁻²³; a one-entry row of 1 + tol sums to exactly 1 + tol
+    A = np.array([[1 + TOL32, 0, 0], [0.5, 0.5, 0], [0.25, 0.25, 0.5]], np.float32)
+    assert _a_checks(audit({"A": A}))["rows sum to 1"].ok  # |sum - 1| = tol: inside
+    A_sink = A.copy()
+    A_sink[1:] *= 0.5  # sinks declared: rows sum to at most 1 (+ tol), the sink takes the rest
+    assert _a_checks(audit({"A": A_sink}, sinks=[0.3]))["rows sum to 1"].ok
+    A[0, 0] = A_sink[0, 0] = 1 + 2 * TOL32
+    assert not _a_checks(audit({"A": A}))["rows sum to 1"].ok
+    assert not _a_checks(audit({"A": A_sink}, sinks=[0.3]))["rows sum to 1"].ok
+
+
+def test_rows_that_do_not_sum_to_1_are_counted_with_their_sums_and_stop_the_softmax_check(tr):
+    A = tr.A.copy()
+    A[3] *= 0.123456 / A[3].sum()
+    rep = audit({**_qkv(tr), "S": tr.S, "A": A})
+    c = _a_checks(rep)["rows sum to 1"]
+    assert not c.ok and c.message == (
+        "1 readable rows do not sum to 1 over their readable columns (e.g. 0.1235)"
+    )
+    assert c.evidence == {"rows": [3], "row_sums": [0.1235]}
+    assert "A = softmax_last(S + M)" not in _a_checks(rep)  # A already failed its own checks
+    assert "A = softmax_last(S + M)" in _a_checks(audit({**_qkv(tr), "S": tr.S, "A": tr.A}))
+
+
+def test_passing_weight_checks_carry_no_hint_or_evidence(tr):
+    rep = audit({**_qkv(tr), "S": tr.S, "A": tr.A})
+    assert list(_a_checks(rep)) == [
+        "rows sum to 1",
+        "forbidden entries exactly 0",
+        "readable rows finite",
+        "A = softmax_last(S + M)",
+    ]  # no empty rows here: no check for them
+    al = masks.Pattern(lengths=[4]).allowed(1, 1, T, T)[0, 0]
+    rep = audit({"S": tr.S, "A": _masked_softmax(tr.S, al)}, lengths=[4])
+    chk = _a_checks(rep)
+    assert list(chk)[-2:] == ["rows with no readable key are zero", "A = softmax_last(S + M)"]
+    for c in chk.values():
+        assert c.ok and c.hint is None and c.fault is None and c.evidence == {}, c
+    assert chk["forbidden entries exactly 0"].message == "blocked entries have exactly zero weight"
+    assert chk["rows with no readable key are zero"].message == (
+        "rows with no readable key have zero weight"
+    )
+
+
+def test_nan_rows_are_blamed_on_exp_overflow_only_past_80_in_a_readable_score(tr):
+    A = tr.A.copy()
+    A[3] = np.nan
+
+    def finite_check(S):
+        return _a_checks(audit({"S": S, "A": A}))["readable rows finite"]
+
+    S = tr.S.copy()
+    S[0, 5] = 1000.0  # blocked: softmax never exponentiates it
+    S[2, 1] = 80.0
+    c = finite_check(S)
+    assert not c.ok and c.message == "1 readable rows hold NaN or inf"
+    assert c.evidence == {"rows": [3]}
+    assert c.fault is None and c.hint == "NaN/inf weights in rows that can read a key"
+    S[2, 1] = 80.5
+    c = finite_check(S)
+    assert c.fault == "unstable-softmax" and c.hint == (
+        "unstable-softmax: scores this large overflow exp(): subtract the row maximum before "
+        "exponentiating (stable softmax)"
+    )
+
+
+def test_rows_with_no_readable_key_must_be_zero_even_when_no_row_has_one():
+    A = np.zeros((T, T))
+    A[2, 1] = np.nan
+    rep = audit({"A": A}, lengths=[0])  # every row empty
+    assert rep.empty_rows == [{"index": [], "rows": list(range(T))}]
+    c = _a_checks(rep)["rows with no readable key are zero"]
+    assert not c.ok and c.message == "1 rows with no readable key are not zero (NaN)"
+    assert c.evidence == {"rows": [2]} and c.fault == "nan-on-empty-rows"
+    assert c.hint == (
+        "nan-on-empty-rows: a row whose keys are all blocked must give zero weights; -inf on "
+        "every entry makes softmax NaN (0/0), a finite fill spreads weight over forbidden keys"
+    )
+
+
+def test_a_nan_in_a_readable_row_is_not_laid_on_the_empty_rows(tr):
+    al = masks.Pattern(lengths=[4]).allowed(1, 2, T, T)  # (B, H) = (1, 2); rows 5, 6 empty
+    A = _masked_softmax(np.stack([tr.S, 2 * tr.S])[None], al)
+    A[0, 0, 0, 5] = np.nan  # row 1 reads a NaN in key 6's column; rows 5 and 6 stay zero
+    chk = _a_checks(audit({"A": A}, lengths=[4]))
+    assert not chk["readable rows finite"].ok
+    assert chk["rows with no readable key are zero"].ok, chk
+
+
+def test_softmax_comparison_is_at_the_coarser_of_a_and_s_precision(tr):
+    ok = "A = softmax_last(S + M)"
+    assert _a_checks(audit({"S": tr.S, "A": tr.A.astype(np.float32)}))[ok].ok  # A float32
+    S32 = tr.S.astype(np.float32)  # A from the unrounded scores: off by ~3e-8
+    assert _a_checks(audit({"S": S32, "A": tr.A}))[ok].ok  # S float32
+    assert not _a_checks(audit({"S": S32, "A": tr.A * (1 + 1e-3)}))["rows sum to 1"].ok
+
+
+def _rows_fault(A, **kw):
+    c = _a_checks(audit(A, **kw))["rows sum to 1"]
+    assert not c.ok, c
+    return c.fault, c.hint
+
+
+def test_softmax_hint_tolerances_are_4_tol_inclusive():
+    e = TOL32
+    for k, want in ((4, "softmax-query-axis"), (4.5, None)):  # columns sum to 1 (+ k tol)
+        A = np.array([[0.5, 0], [0.5, 1 + k * e]], np.float32)
+        assert _rows_fault({"A": A})[0] == want, k
+    for k, want in ((4, "softmax-all-entries"), (4.5, "mask-after-softmax")):  # the total
+        A = np.array([[0.25, 0], [0.25, 0.5 + k * e]], np.float32)
+        assert _rows_fault({"A": A})[0] == want, k
+    # a row of exactly 1 + tol still counts as "at most 1": the others lost their weight
+    A = np.array([[1 + e, 0, 0], [0.25, 0.25, 0], [0.25, 0.25, 0.25]], np.float32)
+    assert _rows_fault({"A": A})[0] == "mask-after-softmax"
+    c = _a_checks(audit({"A": A}))["rows sum to 1"]
+    assert c.message.startswith("2 readable rows") and c.evidence["rows"] == [1, 2]
+
+
+def test_softmax_hint_over_the_query_axis_reads_only_columns_someone_reads(tr):
+    al = masks.Pattern(lengths=[4]).allowed(1, 1, T, T)[0, 0]  # keys 5, 6: read by no query
+    A = _masked_softmax(tr.S.T, al.T).T  # normalized over the queries
+    assert _rows_fault({"A": A}, lengths=[4])[0] == "softmax-query-axis"
+
+
+def test_softmax_hint_over_all_entries_is_per_slice(tr):
+    al = masks.causal(T)
+    Z = np.where(al, np.stack([tr.S, 2 * tr.S]), -np.inf)  # two sequences
+    E = np.exp(Z - Z.max(axis=(-1, -2), keepdims=True))
+    A = E / E.sum(axis=(-1, -2), keepdims=True)
+    fault, hint = _rows_fault({"A": A})
+    assert fault == "softmax-all-entries" and hint == (
+        "softmax-all-entries: the whole matrix sums to 1: softmax ran over all entries at once"
+    )
+
+
+def test_softmax_hint_for_a_mask_after_softmax_ignores_non_finite_entries(tr):
+    al = masks.causal(T)
+    full = ca.reference.softmax_last(tr.S, np.ones((T, T), bool))
+    A = np.where(al, full, 0.0)  # masked after the softmax, not renormalized
+    A[4] = np.nan  # one row NaN: the others still show the fault
+    assert _rows_fault({"A": A}) == (
+        "mask-after-softmax",
+        "mask-after-softmax: rows sum to less than 1 with zeros in the right place: the mask "
+        "was likely applied after the softmax without renormalizing",
+    )
+    exact = (
+        "mask-after-softmax: mask applied after softmax without renormalizing: rows sum to "
+        "less than 1 (the forbidden weight was dropped, not redistributed)"
+    )
+    A = np.where(al, full, 0.0)
+    A[1, 5] = np.nan  # a blocked entry: not compared with the masked softmax
+    assert _rows_fault({"S": tr.S, "A": A}) == ("mask-after-softmax", exact)
+    for delta, hint in ((2e-9, exact), (4.5e-9, None)):  # within 4 tol (float64: 4e-9)?
+        A = np.where(al, full - delta, 0.0)
+        got = _rows_fault({"S": tr.S, "A": A})
+        assert got[0] == "mask-after-softmax" and (got[1] == exact) == (hint is not None), delta
+
+
+def test_softmax_hint_for_unnormalized_rows_beside_a_nan_row(tr):
+    A = tr.A.copy()
+    A[2] = np.nan
+    A[4] *= 2
+    assert _rows_fault({"A": A}) == (None, "rows are not normalized over the key axis")

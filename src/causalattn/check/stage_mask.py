@@ -37,6 +37,7 @@ def mask(st: AuditState) -> None:
             return
     T_q, T_k = shape[-2:]
     if T_q > T_k:
+        _more_queries_than_keys(st, shape)
         return
     lead = shape[:-2]
     sources: list[tuple[str, np.ndarray]] = []
@@ -57,7 +58,7 @@ def mask(st: AuditState) -> None:
             )
         sources.append(("M", R_M))
     if "Z" in a:
-        Z = np.broadcast_to(a["Z"], shape)
+        Z = _bcast(st, a["Z"], shape, "Z")
         sources.append(("Z", np.isfinite(Z) & (Z > BLOCKED_BELOW)))
         if "S" not in a:
             st.recompute("S", np.where(sources[-1][1], Z, 0.0), "Z")
@@ -82,6 +83,38 @@ def mask(st: AuditState) -> None:
     if name0 != "M" and "M" not in a:
         st.recomputed.append("M")
     _structure(st, allowed, name0)
+
+
+def _more_queries_than_keys(st: AuditState, shape) -> None:
+    """T_q > T_k: no causal mask has more query rows than keys, so stage M reads none. A given
+    mask, M or Z must still fit the stages' shape (else AuditInputError, as with T_q <= T_k),
+    and is a failing check naming its shape, and A's where A's T_q×T_k differs (stage A then
+    checks A against the plain causal mask of its own shape)."""
+    a = st.arrays
+    given = []
+    if st.inp.allowed is not None:
+        _bcast(st, st.inp.allowed, shape, "mask")
+        given.append("the declared mask")
+    for s in ("M", "Z"):
+        if s in a:
+            _bcast(st, a[s], shape, s)
+            given.append(s)
+    if not given:
+        return
+    T_q, T_k = shape[-2:]
+    msg = f"{' and '.join(given)} {'is' if len(given) == 1 else 'are'} {T_q}×{T_k}"
+    if "A" in a and a["A"].shape[-2:] != shape[-2:]:
+        msg += f" (more query rows than keys) but A is {a['A'].shape[-2]}×{a['A'].shape[-1]}"
+    else:
+        msg += ": more query rows than keys"
+    st.add(
+        "M",
+        "mask is T×T",
+        False,
+        msg,
+        {"shape": shape},
+        "more query rows than key columns: is it transposed?",
+    )
 
 
 def pattern_kw(st, padding: bool = True) -> dict:
@@ -303,7 +336,7 @@ def _structure(st, allowed, source):
         if wrong.any():
             if r.all():
                 kinds.add("none")
-            elif plain and (r == causal.T).all() and T_q == T_k:
+            elif plain and T_q == T_k and (r == causal.T).all():  # causal.T is T_k×T_q
                 kinds.add("anti")
             elif plain and T_q == T_k and (r == (causal & ~np.eye(T_q, dtype=bool))).all():
                 kinds.add("diag")

@@ -130,12 +130,16 @@ def scores(st: AuditState) -> None:
             "S", "Q Kᵀ shapes", False, f"Q {Q.shape} and K {K.shape}: leading axes do not broadcast"
         )
         return
-    if "S" not in a:
+    if "S" in a:
+        S, src = a["S"], "S"
+    else:
         st.recompute("S", G * c0, "Q", "K")
         st.pending = (G, c0, d_k)  # read the scale back from A once the mask is known
-        return
-    S = a["S"]
-    if S.shape[-2:] != G.shape[-2:]:
+        Z = a.get("Z")
+        if Z is None or Z.shape[-2:] != G.shape[-2:]:
+            return  # (a Z of another shape is stage M's to report)
+        S, src = Z, "Z"  # Z = S + M: its readable entries are S's, so Q Kᵀ·scale too
+    if src == "S" and S.shape[-2:] != G.shape[-2:]:
         hint = fault = None
         if S.shape[-2:] == (Q.shape[-2], K.shape[-1]) and K.shape[-2] == d_k:
             hint = "S is T×d_k: K was not transposed (Q K instead of Q Kᵀ)"
@@ -153,6 +157,8 @@ def scores(st: AuditState) -> None:
     try:
         S, G = np.broadcast_arrays(S, G)
     except ValueError:
+        if src == "Z":
+            return
         st.add(
             "S",
             "S is T×T",
@@ -161,12 +167,16 @@ def scores(st: AuditState) -> None:
             {"shape": S.shape},
         )
         return
-    st.add("S", "S is T×T", True, f"S is {S.shape[-2]}×{S.shape[-1]}")
+    if src == "S":
+        st.add("S", "S is T×T", True, f"S is {S.shape[-2]}×{S.shape[-1]}")
+    what = "S" if src == "S" else "S (Z's readable entries)"
     finite = np.isfinite(S) & (S > BLOCKED_BELOW)
-    tol = _rtol(st.eps["S"], st.eps["Q"], st.eps["K"])
+    tol = _rtol(st.eps[src], st.eps["Q"], st.eps["K"])
     ok, e, bad = _close(S, G * c0, tol, finite)
     if ok:
-        st.add("S", "scale 1/√d_k", True, f"S = Q Kᵀ · {c0:.4g} (d_k = {d_k}); max error {e:.3g}")
+        st.add(
+            "S", "scale 1/√d_k", True, f"{what} = Q Kᵀ · {c0:.4g} (d_k = {d_k}); max error {e:.3g}"
+        )
         return
     cands = [
         (1.0, "missing-scale", "the 1/√d_k scale is missing (S = Q Kᵀ)"),
@@ -193,7 +203,7 @@ def scores(st: AuditState) -> None:
         "S",
         "scale 1/√d_k",
         False,
-        f"S differs from Q Kᵀ/√d_k by up to {e:.3g}",
+        f"{what} differs from Q Kᵀ/√d_k by up to {e:.3g}",
         {**_locate(bad, S.ndim - 2), "max_err": e},
         hint,
         fault,
