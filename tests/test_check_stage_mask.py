@@ -153,7 +153,9 @@ def test_q_and_k_alone_give_the_shape_with_their_leading_axes():
 def test_more_queries_than_keys_leave_stage_M_out(tr):
     S = tr.S[:, :4]
     rep = audit({"S": S, "M": np.zeros_like(S) + 0.5})
-    assert _m(rep) == {} and "M" not in rep.recomputed, str(rep)
+    assert list(_m(rep)) == ["mask is T×T"] and "M" not in rep.recomputed, str(rep)
+    c = _m(rep)["mask is T×T"]  # no causal mask has more query rows than keys
+    assert (c.ok, c.message) == (False, "M is 6×4: more query rows than keys"), c
 
 
 # ---- shapes a mask may have ------------------------------------------------------------------
@@ -489,12 +491,6 @@ def test_a_mask_as_declared_and_its_padding_are_said(tr):
     assert not c.ok and c.fault == "padding-ignored" and c.evidence["cols"] == [4, 5], c
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AuditInputError,
-    reason="bug: _structure compares the mask with causal.T before it checks T_q == T_k, so a "
-    "wrong T_q < T_k mask is 'the arrays do not fit together', not a finding at M",
-)
 def test_a_wrong_decoding_mask_is_a_finding_at_M(tr):
     Cd = masks.causal(4, T)
     diag = Cd & ~np.eye(4, T, 2, dtype=bool)  # each query's own key blocked
