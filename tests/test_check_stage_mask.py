@@ -733,3 +733,69 @@ def test_declared_padding_keys_are_not_listed_as_read_by_no_query(tr):
     c = audit({"S": tr.S, "A": _weights(tr.S, al)}, lengths=[4]).first_failure
     assert c.name == READS and c.message.endswith("row 2 reads future keys (row 2 reads key 3)")
     assert c.hint == "A gives weight to keys the pattern blocks: the mask is too weak or wrong"
+
+
+# ---- the stages' shape from Q and K alone; S rebuilt from Z keeps Z's precision ----------
+def _h_of(Q, K, V, lengths=None):
+    """H = softmax_last(Q Kᵀ/√d_k + M) V, M causal (+ padding by ``lengths``); rows with
+    no readable key are 0. Q (..., T_q, d), K (..., T_k, d), V (T_k, d_v)."""
+    G = Q @ np.swapaxes(K, -1, -2) / np.sqrt(Q.shape[-1])
+    T_q, T_k = G.shape[-2:]
+    al = masks.causal(T_q, T_k)
+    if lengths is not None:  # padding keys are never read, padding queries read nothing
+        n = np.asarray(lengths)[:, None, None]
+        al = al & (np.arange(T_k) < n) & (np.arange(T_q)[:, None] < n)
+    Z = np.where(al, G, -np.inf)
+    E = np.exp(Z - np.where(np.isfinite(Z), Z, -1e300).max(-1, keepdims=True))
+    A = np.where(al.any(-1, keepdims=True), E / np.maximum(E.sum(-1, keepdims=True), 1e-300), 0)
+    return A @ V
+
+
+@pytest.mark.parametrize(
+    "q_shape, k_shape, lengths",
+    [
+        ((2, 5, 3), (2, 5, 3), None),
+        ((2, 5, 3), (5, 3), [3, 5]),  # the batch axis from Q only
+        ((5, 3), (2, 5, 3), [3, 5]),  # ... or from K only
+        ((2, 3), (5, 3), None),  # decoding: 2 queries, 5 keys
+        ((2, 3, 5, 3), (2, 3, 5, 3), None),  # (B, H) = (2, 3)
+    ],
+)
+def test_q_and_k_without_scores_or_weights_give_stage_m_its_shape(q_shape, k_shape, lengths):
+    """With no S, Z, M or A, the mask is the declared one over broadcast(Q, K)'s leading axes
+    × (T_q, T_k), and H = A V is checked against it."""
+    rng = np.random.default_rng(5)
+    Q, K, V = rng.normal(size=q_shape), rng.normal(size=k_shape), rng.normal(size=(5, 3))
+    kw = {} if lengths is None else {"lengths": lengths}
+    rep = audit({"Q": Q, "K": K, "V": V, "H": _h_of(Q, K, V, lengths)}, **kw)
+    assert rep.ok and "M" in rep.recomputed, str(rep)
+    wrong = _h_of(Q, K, V, None if lengths is None else [5, 5])
+    if lengths is not None:  # the padding is read from the declared lengths, per batch row
+        assert not audit({"Q": Q, "K": K, "V": V, "H": wrong}, **kw).ok
+
+
+def test_s_rebuilt_from_a_float32_z_keeps_z_precision():
+    """A float32 Z and the float64 weights of the exact scores: they agree to float32's
+    precision, which is Z's, so stage A passes."""
+    rng = np.random.default_rng(6)
+    Q, K = rng.normal(size=(5, 3)), rng.normal(size=(5, 3))
+    Z = np.where(masks.causal(5, 5), Q @ K.T / np.sqrt(3), -np.inf)
+    E = np.exp(Z - Z.max(-1, keepdims=True))
+    rep = audit({"Z": Z.astype(np.float32), "A": E / E.sum(-1, keepdims=True)})
+    assert rep.ok, str(rep)
+
+
+@pytest.mark.parametrize(
+    "q_lead, k_lead, lengths",
+    [((2,), (), None), ((2,), (), [3, 5]), ((), (2,), [3, 5]), ((2, 1), (3,), None)],
+)
+def test_q_and_k_that_do_not_multiply_still_give_stage_m_its_shape(q_lead, k_lead, lengths):
+    """Q Kᵀ fails (d_k 3 vs 4), so S is not rebuilt: stage M takes its shape from Q's and K's
+    leading axes broadcast × (T_q, T_k) and builds the declared mask there (per batch row with
+    ``lengths``) instead of failing."""
+    rng = np.random.default_rng(8)
+    Q, K = rng.normal(size=(*q_lead, 5, 3)), rng.normal(size=(*k_lead, 5, 4))
+    kw = {} if lengths is None else {"lengths": lengths}
+    rep = audit({"Q": Q, "K": K, "V": rng.normal(size=(5, 3)), "H": rng.normal(size=(5, 3))}, **kw)
+    assert rep.recomputed == ["M"], str(rep)
+    assert (rep.first_failure.stage, rep.first_failure.name) == ("S", "Q Kᵀ shapes")
