@@ -141,6 +141,19 @@ def _worker_reach_in_mutmut_stats(monkeypatch):
     monkeypatch.setattr(runner, "_outcome", parent)
 
 
+@pytest.fixture(scope="module")
+def tr():
+    """The audit tests' trace (test_check_audit, test_check_stage_mask): T = 6 tokens,
+    d_model 4, d_k = d_v = 3, seed 3."""
+    import numpy as np
+
+    import causalattn as ca
+
+    rng = np.random.default_rng(3)
+    X = rng.normal(size=(6, 4))
+    return ca.trace(X, *(rng.normal(size=(4, 3)) for _ in range(3)))
+
+
 @pytest.fixture
 def loopback_ports(tmp_path_factory):
     """Held while a test picks free loopback ports and binds them (free_port, then gloo or

@@ -11,14 +11,7 @@ import causalattn as ca
 from causalattn import masks
 from causalattn.check import AuditInputError, audit
 
-T = 6
-
-
-@pytest.fixture(scope="module")
-def tr():
-    rng = np.random.default_rng(3)
-    X = rng.normal(size=(T, 4))
-    return ca.trace(X, *(rng.normal(size=(4, 3)) for _ in range(3)))
+T = 6  # the conftest trace `tr` has 6 tokens
 
 
 def _qkv(tr):
