@@ -9,6 +9,7 @@ import warnings
 import numpy as np
 import pytest
 
+from causalattn import masks
 from causalattn.check import audit
 
 T, D_K = 5, 3
@@ -30,7 +31,7 @@ def _softmax(Z):
 def _causal_A(Q, K, c, noise=0.0):
     """A = softmax_last(c · Q Kᵀ + noise + M), M causal: (..., T, T)."""
     T_ = Q.shape[-2]
-    allowed = np.tril(np.ones((T_, T_), bool))
+    allowed = masks.causal(T_, T_)
     return _softmax(np.where(allowed, c * (Q @ np.swapaxes(K, -1, -2)) + noise, -np.inf))
 
 
@@ -199,7 +200,7 @@ def test_masked_scores_given_with_q_and_k_are_checked_against_q_k(qk, given, cha
     """Z = S + M (or an S that already carries the mask, read as Z): its readable entries are
     S's, so they are compared with Q Kᵀ·scale like an unmasked S, not only read for the mask."""
     Q, K, _ = qk
-    Z = np.where(np.tril(np.ones((T, T), bool)), C0 * Q @ K.T, -np.inf)
+    Z = np.where(masks.causal(T, T), C0 * Q @ K.T, -np.inf)
     rep = audit({"Q": Q, "K": K, given: change(Z)})
     (chk,) = [c for c in rep.checks if c.name == "scale 1/√d_k"]
     assert (chk.stage, chk.ok, chk.hint) == ("S", ok, hint)

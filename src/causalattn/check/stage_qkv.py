@@ -130,35 +130,30 @@ def scores(st: AuditState) -> None:
             "S", "Q Kᵀ shapes", False, f"Q {Q.shape} and K {K.shape}: leading axes do not broadcast"
         )
         return
-    if "S" in a:
-        S, src = a["S"], "S"
-    else:
+    if "S" not in a:
         st.recompute("S", G * c0, "Q", "K")
         st.pending = (G, c0, d_k)  # read the scale back from A once the mask is known
         Z = a.get("Z")
-        if Z is None or Z.shape[-2:] != G.shape[-2:]:
-            return  # (a Z of another shape is stage M's to report)
-        S, src = Z, "Z"  # Z = S + M: its readable entries are S's, so Q Kᵀ·scale too
-    if src == "S" and S.shape[-2:] != G.shape[-2:]:
-        hint = fault = None
-        if S.shape[-2:] == (Q.shape[-2], K.shape[-1]) and K.shape[-2] == d_k:
-            hint = "S is T×d_k: K was not transposed (Q K instead of Q Kᵀ)"
-            fault = "k-not-transposed"
+        if Z is not None and Z.shape[-2:] == G.shape[-2:]:
+            try:
+                Z, G = np.broadcast_arrays(Z, G)
+            except ValueError:
+                return  # a Z that does not fit is stage M's to report
+            _scale(st, Z, "Z", G, Q, K, c0)  # Z = S + M: its readable entries are S's
+        return
+    S = a["S"]
+    if S.shape[-2:] != G.shape[-2:]:
         st.add(
             "S",
             "S is T×T",
             False,
             f"S is {S.shape[-2]}×{S.shape[-1]} but Q Kᵀ is {G.shape[-2]}×{G.shape[-1]} (T_q×T_k)",
             {"shape": S.shape},
-            hint,
-            fault,
         )
         return
     try:
         S, G = np.broadcast_arrays(S, G)
     except ValueError:
-        if src == "Z":
-            return
         st.add(
             "S",
             "S is T×T",
@@ -167,8 +162,14 @@ def scores(st: AuditState) -> None:
             {"shape": S.shape},
         )
         return
-    if src == "S":
-        st.add("S", "S is T×T", True, f"S is {S.shape[-2]}×{S.shape[-1]}")
+    st.add("S", "S is T×T", True, f"S is {S.shape[-2]}×{S.shape[-1]}")
+    _scale(st, S, "S", G, Q, K, c0)
+
+
+def _scale(st, S, src, G, Q, K, c0):
+    """The scale check: S (or Z, ``src``) at its readable entries against Q Kᵀ·c0, G = Q Kᵀ
+    broadcast to S's shape (..., T_q, T_k); a failure names the scale it finds instead."""
+    d_k = Q.shape[-1]
     what = "S" if src == "S" else "S (Z's readable entries)"
     finite = np.isfinite(S) & (S > BLOCKED_BELOW)
     tol = _rtol(st.eps[src], st.eps["Q"], st.eps["K"])
