@@ -14,7 +14,6 @@ from __future__ import annotations
 import queue
 import threading
 import types
-from collections import defaultdict
 
 import pytest
 import torch
@@ -35,7 +34,8 @@ class _Threads:
     def __init__(self, P: int):
         self.P = P
         self.me = threading.local()
-        self.boxes: dict = defaultdict(queue.Queue)  # (to, frm, tag) -> tensors, in order
+        self.boxes: dict = {}  # (to, frm, tag) -> tensors, in order
+        self.boxes_lock = threading.Lock()
         self.barrier = threading.Barrier(P, timeout=WAIT_S)
         self.gathered: list = [None] * P
         self.sent: list = []  # (frm, to, tag, numel), in send order
@@ -51,15 +51,21 @@ class _Threads:
     def rank_and_size(self, group=None):
         return self.me.rank, self.P
 
+    def box(self, key) -> queue.Queue:
+        # under a lock: a defaultdict lets a sender and a receiver that meet a new key at
+        # once each make a Queue, and the message goes to the one that is then replaced
+        with self.boxes_lock:
+            return self.boxes.setdefault(key, queue.Queue())
+
     def batch_isend_irecv(self, ops):
         works = []
         for op, tensor, peer, tag in ops:
             assert 0 <= peer < self.P
             if op == "isend":
-                self.boxes[(peer, self.me.rank, tag)].put(tensor.detach().clone())
+                self.box((peer, self.me.rank, tag)).put(tensor.detach().clone())
                 self.sent.append((self.me.rank, peer, tag, tensor.numel()))
             else:
-                box = self.boxes[(self.me.rank, peer, tag)]
+                box = self.box((self.me.rank, peer, tag))
                 works.append(
                     types.SimpleNamespace(
                         wait=lambda b=box, t=tensor: t.copy_(b.get(timeout=WAIT_S))
