@@ -166,48 +166,6 @@ def test_modifiers_softcap_then_alibi():
     assert np.allclose(tout.numpy(), expect)
 
 
-@pytest.mark.parametrize(
-    "kw, msg",
-    [
-        ({"window": 0}, "window"),
-        ({"chunk": -1}, "chunk"),
-        ({"window": 2.5}, "window"),
-        ({"softcap": 0.0}, "softcap"),
-        ({"softcap": float("inf")}, "softcap"),
-        ({"causal": None}, "causal"),
-        ({"alibi_slopes": [float("nan")]}, "alibi_slopes"),
-        ({"mask": np.ones((2, 2), dtype=np.int64)}, "mask"),
-        ({"cu_seqlens": [0, 2], "lengths": [2]}, "cu_seqlens"),
-        ({"cu_seqlens": [0, 2], "mask": np.ones((2, 2), bool)}, "cu_seqlens"),
-        ({"lengths": [1.5]}, "lengths"),
-    ],
-)
-def test_bad_patterns_are_refused_by_name(kw, msg):
-    with pytest.raises(ValueError, match=msg):
-        Pattern(**kw)
-
-
-@pytest.mark.parametrize(
-    "kw, shape, msg",
-    [
-        ({"lengths": [1, 2]}, (1, 1, 3, 3), "lengths"),
-        ({"prefix_lengths": [3]}, (1, 1, 3, 3), None),
-        ({"prefix_lengths": [3], "lengths": [2]}, (1, 1, 3, 3), "prefix_lengths"),
-        ({"sinks": [0.0, 1.0]}, (1, 3, 3, 3), "sinks"),
-        ({"alibi_slopes": [[0.1]]}, (2, 1, 3, 3), "alibi_slopes"),
-        ({"mask": np.ones((1, 1, 3, 4), bool)}, (1, 1, 3, 3), "mask"),
-        ({"cu_seqlens": [0, 2]}, (1, 1, 3, 3), "cu_seqlens"),
-    ],
-)
-def test_shapes_are_checked_against_the_problem(kw, shape, msg):
-    pat = Pattern(**kw)
-    if msg is None:
-        pat.check(*shape)
-    else:
-        with pytest.raises(ValueError, match=msg):
-            pat.check(*shape)
-
-
 def test_dropout_pattern_is_a_function_of_global_positions():
     from causalattn import dropout
 
@@ -487,3 +445,127 @@ def test_a_dense_masks_axes_say_whether_it_differs_by_batch_row_or_head(
     assert tuple(got.shape) == dense and pat.reasons(2, 3, 5, 6).shape == dense
     assert np.array_equal(np.asarray(got), m.reshape(dense))  # the mask itself, 4-D
     assert Pattern(causal=False, mask=m, lengths=[5, 6]).per_batch  # lengths: always per row
+
+
+@pytest.mark.parametrize("rule", [{}, {"chunk": 2}, {"window": 3}, {"causal": False, "chunk": 3}])
+def test_row_ranges_of_packed_documents_are_the_rules_row_by_row(rule):
+    """Documents [0, 3), [3, 3) (empty), [3, 7), [7, 12): each row's interval stays inside
+    its own document, chunks counted from the document's start."""
+    cu = [0, 3, 3, 7, 12]
+    lo, hi = Pattern(cu_seqlens=cu, **rule).row_ranges(1, 12, 12)
+    rules = {k: v for k, v in rule.items() if k != "causal"}
+    want = brute(1, 1, 12, 12, cu=cu, causal=rule.get("causal", True), **rules)[0, 0]
+    j = np.arange(12)
+    assert ((j >= lo[0][:, None]) & (j < hi[0][:, None]) == want).all()
+
+
+# placed blocks whose rules leave a row or a whole block nothing: (pattern, T_q, T_k)
+NOTHING_TO_READ = [
+    (dict(q_start=0, k_start=8), 4, 4),  # every key in the queries' future
+    (dict(window=2, q_start=8, k_start=0), 2, 4),  # every key before the window
+    (dict(window=2, q_start=5, k_start=0), 1, 4),  # the window starts just past the keys
+]
+
+
+@pytest.mark.parametrize("kw,T_q,T_k", NOTHING_TO_READ)
+def test_a_block_that_reads_nothing_has_empty_ranges_inside_its_keys(kw, T_q, T_k):
+    """row_ranges gives such a row lo = hi within [0, T_k]; key_range gives the block (0, 0),
+    never an interval that is empty only by lo >= hi."""
+    pat = Pattern(**kw)
+    want = np.broadcast_to(pat.allowed(1, 1, T_q, T_k), (1, 1, T_q, T_k))[0, 0]
+    lo, hi = pat.row_ranges(1, T_q, T_k)
+    assert (0 <= lo).all() and (lo <= hi).all() and (hi <= T_k).all()
+    j = np.arange(T_k)
+    assert ((j >= lo[0][:, None]) & (j < hi[0][:, None]) == want).all()
+    empty = [i for i in range(T_q) if not want[i].any()]
+    assert empty and all(lo[0, i] == hi[0, i] for i in empty)
+    assert pat.key_range(0, empty[0], empty[-1] + 1, T_q, T_k) == (0, 0)
+
+
+def test_key_range_of_a_placed_block_is_in_its_own_key_indices():
+    """Queries at global 8, 9 against keys at global 4..11 (causal): keys 4..9, local 0..6."""
+    assert Pattern(q_start=8, k_start=4).key_range(0, 0, 2, 4, 8) == (0, 6)
+    assert Pattern(window=3, q_start=8, k_start=4).key_range(0, 0, 2, 4, 8) == (2, 6)
+
+
+def test_key_range_is_the_hull_of_the_readable_keys_of_key_padding_and_a_dense_mask():
+    """key_padding_mask and a 2-D or 3-D mask bound the range to their readable columns
+    (local, also for a placed block); a row of the batch with no readable key is (0, 0)."""
+    kpm = np.array([[0, 1, 1, 0, 1, 0], [0, 0, 0, 0, 0, 0]], bool)
+    pat = Pattern(causal=False, key_padding_mask=kpm)
+    assert pat.key_range(0, 0, 2, 2, 6) == (1, 5)
+    assert pat.key_range(1, 0, 2, 2, 6) == (0, 0)
+    m = np.zeros((4, 8), bool)
+    m[0, 2] = m[1, 5] = True  # rows 2, 3 read nothing
+    for mask in (m, m[None], torch.from_numpy(m)):
+        for placement in ({}, {"q_start": 0, "k_start": 4}):
+            pat = Pattern(causal=False, mask=mask, **placement)
+            assert pat.key_range(0, 0, 2, 4, 8) == (2, 6)
+            assert pat.key_range(0, 1, 2, 4, 8) == (5, 6)
+            assert pat.key_range(0, 2, 4, 4, 8) == (0, 0)
+
+
+def _reads_head_and_row(b, h, q_idx, kv_idx):
+    """Causal; head 1 also drops the diagonal; batch row 1 reads nothing before key 2."""
+    return (kv_idx <= q_idx) & ((h == 0) | (kv_idx < q_idx)) & ((b == 0) | (kv_idx >= 2))
+
+
+def _causal_mod(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
+
+
+def test_a_mask_mod_is_asked_about_every_head_and_row_of_the_problem():
+    """allowed and reasons (B', H, T_q, T_k): a mask_mod may read b and h, so B' = B even for
+    one that does not; "mask_mod" names the cells it alone blocks."""
+    B, H, T = 2, 2, 5
+    want = np.zeros((B, H, T, T), bool)
+    for b in range(B):
+        for h in range(H):
+            for i in range(T):
+                for j in range(T):
+                    want[b, h, i, j] = _reads_head_and_row(b, h, i, j)
+    pat = Pattern(causal=False, mask_mod=_reads_head_and_row)
+    assert np.array_equal(pat.allowed(B, H, T, T), want)
+    r = pat.reasons(B, H, T, T)
+    mask_code = next(c for c, n in masks.REASONS.items() if n == "mask_mod")
+    assert np.array_equal(r, np.where(want, 0, mask_code))
+    assert pat.allowed(B, H, T, T, like=torch.zeros(1)).numpy().tolist() == want.tolist()
+    plain = Pattern(causal=False, mask_mod=_causal_mod)
+    assert plain.reasons(B, H, T, T).shape[0] == B
+
+
+def test_block_kind_with_a_mask_mod_reads_the_row_and_the_heads_asked_for():
+    """Each tile's kind from the cells of batch row b, heads 0..H-1 (H=1: head 0 only)."""
+    B, H, T = 2, 2, 6
+    pat = Pattern(causal=False, mask_mod=_reads_head_and_row)
+    cells = pat.allowed(B, H, T, T)
+    for b in range(B):
+        for heads in (1, 2):
+            for q0, q1, k0, k1 in [(0, 2, 0, 2), (2, 4, 0, 2), (3, 6, 2, 4), (0, 3, 3, 6)]:
+                c = cells[b, :heads, q0:q1, k0:k1]
+                kind = "full" if c.all() else "partial" if c.any() else "skip"
+                args = (b, q0, q1, k0, k1, T, T)
+                got = pat.block_kind(*args, H=heads) if heads > 1 else pat.block_kind(*args)
+                assert got == kind, (b, heads, q0, q1, k0, k1)
+
+
+def test_block_kind_skips_a_tile_outside_the_key_range_without_asking_the_mask_mod():
+    """Tiles that end at the range's start, start at its end, lie beyond it or meet an empty
+    range are "skip" with no call to the mask_mod; one inside the range asks it."""
+    calls = []
+
+    def mod(b, h, q_idx, kv_idx):
+        calls.append(1)
+        return kv_idx <= q_idx
+
+    pat = Pattern(window=3, mask_mod=mod)
+    T = 16
+    assert pat.key_range(0, 8, 10, T, T) == (6, 10)
+    calls.clear()
+    for k0, k1 in [(4, 6), (0, 5), (10, 12), (11, 16)]:
+        assert pat.block_kind(0, 8, 10, k0, k1, T, T) == "skip", (k0, k1)
+    lo, hi = Pattern(window=2, q_start=5, k_start=0, mask_mod=mod).key_range(0, 0, 1, 1, 4)
+    assert (lo, hi) == (0, 0)
+    assert Pattern(window=2, q_start=5, k_start=0, mask_mod=mod).block_kind(0, 0, 1, 0, 4, 1, 4)
+    assert calls == []
+    assert pat.block_kind(0, 8, 10, 6, 10, T, T) == "partial" and calls

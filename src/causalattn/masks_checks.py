@@ -47,7 +47,7 @@ def _positive_int(name: str, value) -> int:
 
 
 def _int_vector(name: str, value) -> np.ndarray:
-    arr = _numpy(value) if not isinstance(value, (list, tuple)) else np.asarray(value)
+    arr = _numpy(value)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_:
         raise ValueError(
             f"mask: {name} must be a 1-D integer array, got shape {arr.shape} and dtype {arr.dtype}"
@@ -89,7 +89,7 @@ def _check_len(name: str, value) -> int:
 def check_lengths(lengths, T: int, what: str, B: int | None = None, note: str = "") -> np.ndarray:
     """``lengths`` as int64 NumPy (B,), each in [0, T]; else a ValueError from ``what``
     naming the shape (B,) = (``B``,) when given. The one lengths check (masks, layer, ring)."""
-    arr = _numpy(lengths) if not isinstance(lengths, (list, tuple)) else np.asarray(lengths)
+    arr = _numpy(lengths)
     if (
         arr.ndim != 1
         or not np.issubdtype(arr.dtype, np.integer)
@@ -222,7 +222,8 @@ class PatternChecks:
         cu = self.cu_seqlens
         if cu is not None:
             if (cu[-1] != T_k and not placed) or cu[-1] < T_all:
-                raise ValueError(f"cu_seqlens: must end at T={T_k}; got {cu.tolist()[:8]}...")
+                end = f"end at T={T_k}" if not placed else f"reach this block's end, {T_all}"
+                raise ValueError(f"cu_seqlens: must {end}; got {cu.tolist()[:8]}")
             if B != 1 or (T_q != T_k and not placed):
                 raise ValueError(
                     f"cu_seqlens: packed sequences need B = 1 and T_q = T_k; got B={B}, "

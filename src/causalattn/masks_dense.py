@@ -222,8 +222,8 @@ class PatternDense:
         lo, hi = ks, ks + T_k  # global key positions from here on
         P = int(self.prefix_lengths[b]) if self.prefix_lengths is not None else 0
         in_prefix = p0 < P  # some query of the block reads the whole prefix
-        if self.causal:
-            hi = min(hi, max(p1 + 1, P if in_prefix else 0))
+        if self.causal:  # a block reaching into the prefix reads all of it (else p1 >= P)
+            hi = min(hi, max(p1 + 1, P))
         if self.window is not None and not in_prefix:
             lo = max(lo, p0 - self.window + 1)
         cu = self.cu_seqlens
@@ -280,8 +280,7 @@ class PatternDense:
         if self.chunk is not None:
             c0 = base + (pos - base) // self.chunk * self.chunk
             lo, hi = np.maximum(lo, c0), np.minimum(hi, c0 + self.chunk)
-        n = B if (self.lengths is not None or self.prefix_lengths is not None) else 1
-        lo, hi = np.broadcast_to(lo, (n, T_q)), np.broadcast_to(hi, (n, T_q))
+        lo, hi = lo[None], hi[None]  # (1, T_q): lengths and prefixes broadcast it to (B, T_q)
         if self.prefix_lengths is not None:
             # inside the prefix the row also reads all of it: [0, P) ∪ [lo, hi), and
             # lo <= pos < P there, so the union is one interval
@@ -289,13 +288,15 @@ class PatternDense:
             inside = pos < P
             lo = np.where(inside, ks, lo)
             hi = np.where(inside, np.minimum(np.maximum(hi, P), ks + T_k), hi)
-        padding = np.zeros((1, 1), dtype=bool)
+        padding = False  # the padding query rows: none without lengths
         if self.lengths is not None:
             L = self.lengths[:, None]
             hi = np.minimum(hi, L)
             padding = pos >= L  # padding query rows, the last ones
-        lo, hi = np.clip(lo - ks, 0, T_k), np.clip(hi - ks, 0, T_k)  # this problem's keys
-        hi = np.maximum(hi, lo)  # an empty row: lo = hi, still in order with its neighbours
+        # this problem's keys: lo >= ks and hi <= ks + T_k already, so one bound each; an
+        # empty row gets lo = hi, still in order with its neighbours
+        lo = np.minimum(lo - ks, T_k)
+        hi = np.maximum(hi - ks, lo)
         return np.where(padding, T_k, lo), np.where(padding, T_k, hi)
 
     def mask_tile_kinds(self, block_q: int, block_k: int, like=None):
@@ -325,30 +326,17 @@ class PatternDense:
         every = padded(True).reshape(tiles).all(5).all(3)
         return torch.where(every, 1, torch.where(some, 2, 0)).to(torch.int8).contiguous()
 
-    def block_kind(
-        self, b, q0, q1, k0, k1, T_q, T_k, H=1, B=None
-    ) -> Literal["skip", "full", "partial"]:
-        """Whether the tile (queries q0:q1, keys k0:k1) of batch row b is skipped, fully
-        readable, or partly readable (and must be masked with :meth:`tile`)."""
+    def block_kind(self, b, q0, q1, k0, k1, T_q, T_k, H=1) -> Literal["skip", "full", "partial"]:
+        """Whether the tile (queries q0:q1, keys k0:k1) of batch row b, heads 0..H-1, is
+        skipped, fully readable, or partly readable (and must be masked with :meth:`tile`).
+        A tile outside :meth:`key_range` is skipped without forming any of its cells."""
         lo, hi = self.key_range(b, q0, q1, T_q, T_k)
         if hi <= k0 or lo >= k1 or lo == hi:
             return "skip"
-        B = (
-            (
-                len(self.lengths)
-                if self.lengths is not None
-                else len(self.prefix_lengths)
-                if self.prefix_lengths is not None
-                else self.key_padding_mask.shape[0]
-                if self.key_padding_mask is not None
-                else b + 1
-            )
-            if B is None
-            else B
-        )
+        # row b only (batch=[b]): rows 0..b frame it, whatever the batch's size
         if self.mask_mod is not None:  # a few tiles at a time, never the whole block
-            return _mod.block_kind(self, max(B, b + 1), H, T_q, T_k, q0, q1, k0, k1, [b])
-        t = self.tile(max(B, b + 1), H, T_q, T_k, q0, q1, k0, k1, batch=[b])
+            return _mod.block_kind(self, b + 1, H, T_q, T_k, q0, q1, k0, k1, [b])
+        t = self.tile(b + 1, H, T_q, T_k, q0, q1, k0, k1, batch=[b])
         if t.all():
             return "full"
         return "partial" if t.any() else "skip"

@@ -62,11 +62,16 @@ def name_of(fn) -> str:
     return "lambda" if name == "<lambda>" else str(name)
 
 
+_SIGNATURES = {  # FlexAttention's
+    "mask_mod": "mask_mod(b, h, q_idx, kv_idx) -> bool",
+    "score_mod": "score_mod(score, b, h, q_idx, kv_idx) -> score",
+}
+
+
 def check_callable(what: str, fn) -> None:
     if fn is not None and not callable(fn):
         raise ValueError(
-            f"mask: {what} must be a function ({what}(b, h, q_idx, kv_idx)"
-            f"{' -> bool' if what == 'mask_mod' else ''}), got {type(fn).__name__}"
+            f"mask: {what} must be a function ({_SIGNATURES[what]}), got {type(fn).__name__}"
         )
 
 

@@ -94,7 +94,7 @@ def plan(pattern: Pattern, q_segs, kv_segs, B: int = 1) -> list[_Pair]:
             placed = replace(pattern, q_start=qa, k_start=ka)
             at = replace(structure, q_start=qa, k_start=ka)
             rows = range(B) if pattern.mask_mod is not None else (0,)
-            kinds = {at.block_kind(b, 0, n, 0, m, n, m, B=B) for b in rows}
+            kinds = {at.block_kind(b, 0, n, 0, m, n, m) for b in rows}
             kind = kinds.pop() if len(kinds) == 1 else "partial"
             if kind != "skip" and n and m:
                 units = n * m if kind == "full" else n * m / 2
