@@ -569,3 +569,32 @@ def test_block_kind_skips_a_tile_outside_the_key_range_without_asking_the_mask_m
     assert Pattern(window=2, q_start=5, k_start=0, mask_mod=mod).block_kind(0, 0, 1, 0, 4, 1, 4)
     assert calls == []
     assert pat.block_kind(0, 8, 10, 6, 10, T, T) == "partial" and calls
+
+
+@pytest.mark.parametrize(
+    "kw,B",
+    [(kw, B) for kw in ({}, {"window": 2}, {"mask_mod": _causal_mod}) for B in (0, 1, 2)]
+    + [({"lengths": [3, 1]}, 2)],
+)
+def test_reasons_and_allowed_have_one_shape(kw, B):
+    """A pattern that is not per batch has one batch row (B' = 1, for an empty batch too)."""
+    pat = Pattern(**kw)
+    want = (B if pat.per_batch else 1, 1, 3, 3)
+    assert pat.allowed(B, 1, 3, 3).shape == pat.reasons(B, 1, 3, 3).shape == want
+
+
+def test_block_kind_asks_a_mask_mod_about_a_few_tiles_at_a_time():
+    """Never the whole block: each call covers at most masks_mod.TILE_CELLS cells."""
+    from causalattn.masks_mod import TILE_CELLS
+
+    cells = []
+
+    def mod(b, h, q_idx, kv_idx):
+        cells.append(q_idx.shape[-2] * kv_idx.shape[-1])
+        return kv_idx <= q_idx
+
+    T = 1024
+    pat = Pattern(causal=False, mask_mod=mod)
+    cells.clear()
+    assert pat.block_kind(0, 0, T, 0, T // 2, T, T) == "partial"
+    assert cells and max(cells) <= TILE_CELLS < T * T // 2
