@@ -598,3 +598,79 @@ def test_block_kind_asks_a_mask_mod_about_a_few_tiles_at_a_time():
     cells.clear()
     assert pat.block_kind(0, 0, T, 0, T // 2, T, T) == "partial"
     assert cells and max(cells) <= TILE_CELLS < T * T // 2
+
+
+def _user_modified_by_hand(S, kw, T_q, T_k, q_start=None, k_start=0):
+    """rel_bias, bias, then score_mod, cell by cell, on the whole (B, H, T_q, T_k)."""
+    out = S.copy()
+    qs = k_start + T_k - T_q if q_start is None else q_start
+    B, H = S.shape[:2]
+    for b in range(B):
+        for h in range(H):
+            for i in range(T_q):
+                for j in range(T_k):
+                    p, k = i + qs, j + k_start
+                    s = out[b, h, i, j]
+                    if "rel_bias" in kw:
+                        r = kw["rel_bias"]
+                        s += r[h, (r.shape[1] - 1) // 2 + k - p]
+                    if "bias" in kw:
+                        bias = kw["bias"]
+                        s += bias[
+                            b if bias.shape[0] > 1 else 0, h, i if bias.shape[2] > 1 else 0, j
+                        ]
+                    if "score_mod" in kw:
+                        s = kw["score_mod"](s, b, h, p, k)
+                    out[b, h, i, j] = s
+    return out
+
+
+def _score_mod(score, b, h, q_idx, kv_idx):
+    return score * (1 + h) + 0.25 * (q_idx - kv_idx) - b
+
+
+USER_MODS = [
+    {"rel_bias": np.arange(2 * 11, dtype=float).reshape(2, 11) / 7},
+    {"bias": np.arange(3 * 2 * 4 * 6, dtype=float).reshape(3, 2, 4, 6) / 9},
+    {"bias": np.linspace(-1, 1, 2 * 6).reshape(1, 2, 1, 6)},  # broadcast over b and rows
+    {"score_mod": _score_mod},
+    {
+        "rel_bias": np.linspace(0, 1, 2 * 11).reshape(2, 11),
+        "bias": np.linspace(1, 2, 3 * 2 * 4 * 6).reshape(3, 2, 4, 6),
+        "score_mod": _score_mod,
+    },
+]
+
+
+@pytest.mark.parametrize("xp", ["numpy", "torch"])
+@pytest.mark.parametrize("placement", [{}, {"q_start": 5, "k_start": 1}])
+@pytest.mark.parametrize("kw", USER_MODS)
+def test_user_score_modifiers_of_a_tile_are_those_of_the_whole_by_hand(kw, placement, xp):
+    """modify_scores with rel_bias, bias and score_mod (alone and together): the whole S cell
+    by cell, and each tile (q0, k0, batch rows) its own part of it."""
+    B, H, T_q, T_k = 3, 2, 4, 6
+    S = np.random.default_rng(5).standard_normal((B, H, T_q, T_k))
+    want = _user_modified_by_hand(S, kw, T_q, T_k, **placement)
+    pat = Pattern(causal=False, **kw, **placement)
+
+    def run(S_part, *args, **kwargs):
+        got = pat.modify_scores(
+            torch.from_numpy(S_part) if xp == "torch" else S_part, *args, **kwargs
+        )
+        assert (xp == "torch") == torch.is_tensor(got)
+        return np.asarray(got)
+
+    assert np.allclose(run(S), want, atol=1e-12)
+    for rows, q0, q1, k0, k1 in [([2], 1, 3, 2, 5), ([0, 2], 3, 4, 0, 6), ([1], 0, 4, 5, 6)]:
+        part = np.ascontiguousarray(S[rows][:, :, q0:q1, k0:k1])
+        got = run(part, q0, k0, T_q, T_k, batch=rows)
+        assert np.allclose(got, want[rows][:, :, q0:q1, k0:k1], atol=1e-12), (rows, q0, k0)
+
+
+def test_counts_refuses_by_name():
+    with pytest.raises(ValueError) as err:
+        masks.counts([1], -1, window=2)
+    assert str(err.value) == "mask: T must be >= 0, got -1"
+    with pytest.raises(ValueError) as err:
+        masks.counts([5, 1], 3, chunk=2)
+    assert str(err.value) == "mask counts: lengths must lie in [0, T=3], got [5, 1]"

@@ -247,8 +247,7 @@ class Pattern(PatternChecks, PatternDense):
                 pos = torch.arange(q0, q0 + rows, device=S.device) + self.query_start(T_q, T_k)
                 j = torch.arange(k0, k0 + cols, device=S.device) + self.k_start
                 dist = (pos[:, None] - j[None, :]).abs().to(S.dtype)
-                sl = a if _is_torch(a) else torch.as_tensor(a)
-                sl = sl.to(device=S.device, dtype=S.dtype)
+                sl = torch.as_tensor(a).to(device=S.device, dtype=S.dtype)
             else:
                 pos = np.arange(q0, q0 + rows) + self.query_start(T_q, T_k)
                 j = np.arange(k0, k0 + cols) + self.k_start
@@ -256,8 +255,7 @@ class Pattern(PatternChecks, PatternDense):
                 sl = _numpy(a).astype(S.dtype)
             if sl.ndim == 2 and batch is not None:
                 sl = sl[batch]
-            sl = sl[None] if sl.ndim == 1 else sl  # (1|B, H)
-            S = S - sl[..., None, None] * dist
+            S = S - sl[..., None, None] * dist  # slopes (H,) or (B, H)
         if self.rel_bias is not None or self.bias is not None or self.score_mod is not None:
             S = self._modify_user(S, q0, k0, T_q, T_k, batch)
         return S
@@ -331,7 +329,7 @@ def alibi_slopes(n_heads: int) -> np.ndarray:
 
     low = 1 << (n.bit_length() - 1)
     slopes = powers(low) + powers(2 * low)[0::2][: n - low]
-    return np.asarray(slopes, dtype=np.float64)
+    return np.asarray(slopes)  # Python floats: float64
 
 
 # ---- the seeds' building blocks, on the one definition ----------------------------------
@@ -436,11 +434,11 @@ def counts(
     """
     T = _check_len("T", T)
     L = check_lengths(lengths, T, "mask counts")
-    B = len(L)
     if window is None and chunk is None:  # closed form, O(B)
         readable = L * (L + 1) // 2
         return {"readable": readable, "future": L * L - readable, "padding": T * T - L * L}
-    lo, hi = Pattern(window=window, chunk=chunk, lengths=L).row_ranges(B, T, T)
+    # the rules' intervals; real rows' own (i < L) never pass L, and padding rows count 0
+    lo, hi = Pattern(window=window, chunk=chunk).row_ranges(1, T, T)
     real = np.arange(T)[None, :] < L[:, None]  # query rows of real tokens
     width = np.where(real, hi - lo, 0)
     readable = width.sum(axis=1)
