@@ -290,7 +290,7 @@ def test_refuses_what_it_cannot_do():
         )
     with pytest.raises(ValueError, match=r"bias: shape \(1, 3, 5, 5\) does not broadcast"):
         attention_forward(module, q, k, v, None, position_bias=torch.zeros(1, 3, 5, 5))
-    with pytest.raises(ValueError, match="attention_mask holds NaN"):
+    with pytest.raises(ValueError, match=r"^causalattn attention: attention_mask holds NaN$"):
         attention_forward(module, q, k, v, torch.full((1, 1, 5, 5), float("nan")))
     with pytest.raises(ValueError, match=r"s_aux \(sinks\) must be one logit per head"):
         attention_forward(module, q, k, v, None, s_aux=torch.zeros(3))

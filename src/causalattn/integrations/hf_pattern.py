@@ -227,7 +227,6 @@ def _bias_of(kwargs, B: int, H: int, T_q: int, T_k: int):
 
 
 def _keys(bias, n: int):
-    """A bias over the first n keys (a StaticCache's unfilled slots dropped)."""
-    if bias is None or bias.shape[-1] in (1, n):
-        return bias
-    return bias[..., :n]
+    """A bias over the first n keys (a StaticCache's unfilled slots dropped; a key axis of
+    1 or n is kept as it is)."""
+    return None if bias is None else bias[..., :n]
