@@ -674,3 +674,61 @@ def test_counts_refuses_by_name():
     with pytest.raises(ValueError) as err:
         masks.counts([5, 1], 3, chunk=2)
     assert str(err.value) == "mask counts: lengths must lie in [0, T=3], got [5, 1]"
+
+
+def test_describe_names_every_rule_in_order():
+    assert Pattern().describe() == "causal"
+    assert Pattern(causal=False).describe() == "bidirectional"
+    everything = Pattern(
+        window=3,
+        chunk=4,
+        prefix_lengths=[1],
+        lengths=[4],
+        mask=np.ones((4, 4), bool),
+        mask_mod=_causal_mod,
+        softcap=2.5,
+        alibi_slopes=[0.5],
+        sinks=[0.0],
+        rel_bias=np.zeros((1, 7)),
+        bias=np.zeros((1, 1, 4, 4)),
+        score_mod=_score_mod,
+    )
+    assert everything.describe() == (
+        "causal + window 3 + chunk 4 + prefix + padding + mask + mask_mod _causal_mod + "
+        "softcap 2.5 + ALiBi + sinks + relative bias + bias + score_mod _score_mod"
+    )
+    assert Pattern(key_padding_mask=np.ones((1, 2), bool)).describe() == "causal + padding"
+    assert Pattern(cu_seqlens=[0, 2, 4]).describe() == "causal + documents"
+
+
+def test_only_keeps_the_named_score_modifiers_and_every_rule():
+    full = Pattern(
+        window=2,
+        softcap=3.0,
+        alibi_slopes=[0.5],
+        rel_bias=np.zeros((1, 3)),
+        bias=np.zeros((1, 1, 2, 2)),
+        score_mod=_score_mod,
+    )
+    kept = full.only("alibi_slopes", "bias")
+    assert kept.window == 2 and kept.softcap is None and kept.rel_bias is None
+    assert kept.score_mod is None and kept.alibi_slopes is not None and kept.bias is not None
+    assert full.only().describe() == "causal + window 2"
+    assert full.only("softcap", "rel_bias", "score_mod").describe() == (
+        "causal + window 2 + softcap 3 + relative bias + score_mod _score_mod"
+    )
+
+
+def test_batch_size_is_what_the_per_sequence_data_says():
+    assert Pattern().batch_size() == 1
+    assert Pattern(lengths=[1, 2, 3]).batch_size() == 3
+    assert Pattern(prefix_lengths=[1, 2]).batch_size() == 2
+    assert Pattern(key_padding_mask=np.ones((4, 3), bool)).batch_size() == 4
+
+
+def test_a_reasons_name_is_the_mask_mods_own_for_its_code():
+    mask_mod = next(c for c, n in masks.REASONS.items() if n == "mask_mod")
+    future = next(c for c, n in masks.REASONS.items() if n == "future")
+    assert Pattern(mask_mod=_causal_mod).reason_name(mask_mod) == "_causal_mod"
+    assert Pattern().reason_name(mask_mod) == "mask_mod"
+    assert Pattern(mask_mod=_causal_mod).reason_name(np.uint8(future)) == "future"
