@@ -732,3 +732,77 @@ def test_a_reasons_name_is_the_mask_mods_own_for_its_code():
     assert Pattern(mask_mod=_causal_mod).reason_name(mask_mod) == "_causal_mod"
     assert Pattern().reason_name(mask_mod) == "mask_mod"
     assert Pattern(mask_mod=_causal_mod).reason_name(np.uint8(future)) == "future"
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"window": 2, "lengths": [5, 3]},
+        {"chunk": 2, "prefix_lengths": [2, 0], "causal": False},
+        {"key_padding_mask": np.array([[1, 1, 0, 1, 1], [0, 1, 1, 1, 1]], bool)},
+        {"mask": np.random.default_rng(3).random((2, 3, 4, 5)) > 0.3},
+        {"mask": np.random.default_rng(4).random((3, 4, 5)) > 0.3, "window": 3},
+        {"mask_mod": _reads_head_and_row, "lengths": [4, 5]},
+    ],
+)
+def test_to_mask_mod_is_the_dense_mask_pointwise(kw):
+    """FlexAttention's indices (q_idx 0..T_q-1, queries bottom-right): every cell of
+    to_mask_mod's answer is allowed()'s, through rules_at."""
+    B, H, T_q, T_k = 2, 3, 4, 5
+    pat = Pattern(**kw)
+    mod = pat.to_mask_mod(T_q, T_k)
+    b = torch.arange(B).view(B, 1, 1, 1)
+    h = torch.arange(H).view(1, H, 1, 1)
+    q = torch.arange(T_q).view(1, 1, T_q, 1)
+    kv = torch.arange(T_k).view(1, 1, 1, T_k)
+    got = torch.broadcast_to(mod(b, h, q, kv), (B, H, T_q, T_k)).numpy()
+    want = np.broadcast_to(pat.allowed(B, H, T_q, T_k), (B, H, T_q, T_k))
+    assert (got == want).all()
+
+
+@pytest.mark.parametrize("shape", [(5, 7), (3, 5, 7), (2, 1, 5, 7)])
+@pytest.mark.parametrize("blocks", [(2, 3), (5, 7), (4, 8)])
+def test_mask_tile_kinds_are_each_tiles_cells_of_the_dense_mask(shape, blocks):
+    """0 nothing allowed, 1 everything, 2 partly, per (block_q × block_k) tile of the dense
+    mask alone, cut at T_q, T_k; int8 torch (B', H', ceil(T_q/bq), ceil(T_k/bk))."""
+    m = np.random.default_rng(sum(shape)).random(shape) > 0.5
+    m[..., :2, :3] = True  # a full tile at (0, 0) for the smaller blocks
+    m[..., 4:, :] = False
+    for mask in (m, torch.from_numpy(m)):
+        pat = Pattern(causal=False, window=2, mask=mask)  # the rules beside it do not count
+        kinds = pat.mask_tile_kinds(*blocks, like=torch.zeros(1))
+        m4 = m.reshape((1,) * (4 - m.ndim) + m.shape)
+        bq, bk = blocks
+        n_q, n_k = -(-5 // bq), -(-7 // bk)
+        assert kinds.dtype == torch.int8 and tuple(kinds.shape) == (*m4.shape[:2], n_q, n_k)
+        for x in range(n_q):
+            for y in range(n_k):
+                cells = m4[:, :, x * bq : (x + 1) * bq, y * bk : (y + 1) * bk]
+                want = np.where(cells.all((2, 3)), 1, np.where(cells.any((2, 3)), 2, 0))
+                assert kinds[:, :, x, y].tolist() == want.tolist(), (x, y)
+    assert Pattern(window=2).mask_tile_kinds(2, 2) is None
+
+
+def test_extra_tile_is_the_dense_mask_and_the_mask_mod_alone():
+    """For kernels that apply the intervals and the key padding themselves: the dense mask
+    AND the mask_mod of the tile (placed as the pattern is), torch bool on the CPU."""
+    m = np.random.default_rng(8).random((2, 1, 4, 6)) > 0.3
+    pat = Pattern(window=2, lengths=[3, 4], mask=m, mask_mod=_reads_head_and_row)
+    B, H, T_q, T_k = 2, 2, 4, 6
+    want = np.zeros((B, H, T_q, T_k), bool)
+    qs = T_k - T_q
+    for b in range(B):
+        for h in range(H):
+            for i in range(T_q):
+                for j in range(T_k):
+                    want[b, h, i, j] = m[b, 0, i, j] and _reads_head_and_row(b, h, i + qs, j)
+    for q0, q1, k0, k1 in [(0, 4, 0, 6), (1, 3, 2, 5)]:
+        got = pat.extra_tile(B, H, T_q, T_k, q0, q1, k0, k1)
+        assert torch.is_tensor(got) and got.device.type == "cpu"
+        got = torch.broadcast_to(got, (B, H, q1 - q0, k1 - k0)).numpy()
+        assert (got == want[:, :, q0:q1, k0:k1]).all(), (q0, k0)
+    placed = Pattern(mask_mod=_causal_mod, q_start=6, k_start=4)
+    assert placed.extra_tile(1, 1, 2, 3, 0, 2, 0, 3)[0, 0].tolist() == [[True] * 3, [True] * 3]
+    late = Pattern(mask_mod=_causal_mod, q_start=0, k_start=4)
+    assert not late.extra_tile(1, 1, 2, 3, 0, 2, 0, 3).any()
