@@ -385,6 +385,14 @@ def test_slopes_and_sinks_are_checked_and_kept():
     for bad, msg in [
         (dict(alibi_slopes=torch.tensor([0.5, float("nan")])), "alibi_slopes must be finite"),
         (dict(sinks=torch.tensor([float("inf")])), "sinks must be finite"),
+        (
+            dict(alibi_slopes=[0.5, float("nan")]),
+            "^mask: alibi_slopes must be finite, got non-finite entries$",
+        ),
+        (
+            dict(rel_bias=np.array([[0.0, np.inf, 1.0]])),
+            "^mask: rel_bias must be finite, got non-finite entries$",
+        ),
         (dict(sinks=torch.tensor([1, 2])), "sinks must be a real array"),
         (dict(sinks=[True, False]), "sinks must be a real array"),
         (dict(sinks=["a"]), "sinks must be a real array"),
@@ -497,6 +505,9 @@ def test_key_range_is_the_hull_of_the_readable_keys_of_key_padding_and_a_dense_m
     assert pat.key_range(1, 0, 2, 2, 6) == (0, 0)
     m = np.zeros((4, 8), bool)
     m[0, 2] = m[1, 5] = True  # rows 2, 3 read nothing
+    per_row = np.stack([np.zeros_like(m), m])[:, None]  # (2, 1, 4, 8): row 0 reads nothing
+    assert Pattern(causal=False, mask=per_row).key_range(1, 0, 2, 4, 8) == (2, 6)
+    assert Pattern(causal=False, mask=per_row).key_range(0, 0, 2, 4, 8) == (0, 0)
     for mask in (m, m[None], torch.from_numpy(m)):
         for placement in ({}, {"q_start": 0, "k_start": 4}):
             pat = Pattern(causal=False, mask=mask, **placement)

@@ -288,16 +288,16 @@ class PatternDense:
             inside = pos < P
             lo = np.where(inside, ks, lo)
             hi = np.where(inside, np.minimum(np.maximum(hi, P), ks + T_k), hi)
-        padding = False  # the padding query rows: none without lengths
         if self.lengths is not None:
-            L = self.lengths[:, None]
-            hi = np.minimum(hi, L)
-            padding = pos >= L  # padding query rows, the last ones
+            hi = np.minimum(hi, self.lengths[:, None])
         # this problem's keys: lo >= ks and hi <= ks + T_k already, so one bound each; an
         # empty row gets lo = hi, still in order with its neighbours
         lo = np.minimum(lo - ks, T_k)
         hi = np.maximum(hi - ks, lo)
-        return np.where(padding, T_k, lo), np.where(padding, T_k, hi)
+        if self.lengths is not None:  # padding query rows (the last ones): lo = hi = T_k
+            padding = pos >= self.lengths[:, None]
+            lo, hi = np.where(padding, T_k, lo), np.where(padding, T_k, hi)
+        return lo, hi
 
     def mask_tile_kinds(self, block_q: int, block_k: int, like=None):
         """The dense ``mask``'s kind per (block_q × block_k) tile, int8 torch
