@@ -429,7 +429,7 @@ def test_row_ranges_are_the_pattern_exactly():
     for kw in cases:
         B = 1 if "cu_seqlens" in kw else 2
         pat = Pattern(**kw)
-        lo, hi = pat.row_ranges(B, 13, 13)
+        lo, hi = pat.row_ranges(13, 13)
         j = torch.arange(13)
         got = (j >= torch.as_tensor(lo)[..., None]) & (j < torch.as_tensor(hi)[..., None])
         want = torch.as_tensor(pat.allowed(B, 1, 13, 13))[:, 0]

@@ -396,7 +396,7 @@ def test_a_mask_mod_must_be_a_function():
 def test_tile_tables_store_each_partial_tile_once():
     """The native engine's table for a causal mask_mod: diagonal tiles are one tile mask."""
     pt = Pattern(causal=False, mask_mod=lambda b, h, q, kv: kv <= q)
-    lo, hi = Pattern(causal=False).row_ranges(1, 512, 512)
+    lo, hi = Pattern(causal=False).row_ranges(512, 512)
     kinds, tiles = masks_mod.tile_table(pt, 1, 1, 512, 512, 128, 128, lo, hi)
     assert kinds.shape == (1, 1, 4, 4) and tiles.shape == (1, 128, 128)
     k = kinds[0, 0]
@@ -411,7 +411,7 @@ def test_tile_kinds_differ_by_head_only_where_the_rule_reads_h():
     once); one that reads h gets a table per head."""
 
     def table(fn, B=1):
-        lo, hi = Pattern(causal=False).row_ranges(B, 256, 256)
+        lo, hi = Pattern(causal=False).row_ranges(256, 256)
         pt = Pattern(causal=False, mask_mod=fn)
         return masks_mod.tile_table(pt, B, 3, 256, 256, 64, 64, lo, hi)
 

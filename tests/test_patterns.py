@@ -234,7 +234,7 @@ def test_row_ranges_with_key_padding_and_mask_anded_in_are_the_rules_cell_by_cel
     that reads nothing is empty (padding rows at T_k)."""
     B, H, T_q, T_k, kw = case
     pat = Pattern(**kw)
-    lo, hi = pat.row_ranges(B, T_q, T_k)
+    lo, hi = pat.row_ranges(T_q, T_k)
     n = B if (kw.get("lengths") is not None or kw.get("prefix_lengths") is not None) else 1
     assert lo.shape == hi.shape == (n, T_q) and lo.dtype == hi.dtype == np.int64
     j = np.arange(T_k)
@@ -251,11 +251,11 @@ def test_row_ranges_with_key_padding_and_mask_anded_in_are_the_rules_cell_by_cel
 
 def test_row_ranges_of_a_placed_block_are_its_own_key_indices():
     """Ring block pair: queries at global 8..11 against keys at global 4..11."""
-    lo, hi = Pattern(window=3, q_start=8, k_start=4).row_ranges(1, 4, 8)
+    lo, hi = Pattern(window=3, q_start=8, k_start=4).row_ranges(4, 8)
     assert lo.tolist() == [[2, 3, 4, 5]] and hi.tolist() == [[5, 6, 7, 8]]
-    lo, hi = Pattern(chunk=4, q_start=8, k_start=4).row_ranges(1, 4, 8)
+    lo, hi = Pattern(chunk=4, q_start=8, k_start=4).row_ranges(4, 8)
     assert lo.tolist() == [[4, 4, 4, 4]] and hi.tolist() == [[5, 6, 7, 8]]
-    lo, hi = Pattern(prefix_lengths=[10], q_start=8, k_start=4).row_ranges(1, 4, 8)
+    lo, hi = Pattern(prefix_lengths=[10], q_start=8, k_start=4).row_ranges(4, 8)
     assert lo.tolist() == [[0, 0, 0, 0]] and hi.tolist() == [[6, 6, 7, 8]]
 
 
@@ -460,7 +460,7 @@ def test_row_ranges_of_packed_documents_are_the_rules_row_by_row(rule):
     """Documents [0, 3), [3, 3) (empty), [3, 7), [7, 12): each row's interval stays inside
     its own document, chunks counted from the document's start."""
     cu = [0, 3, 3, 7, 12]
-    lo, hi = Pattern(cu_seqlens=cu, **rule).row_ranges(1, 12, 12)
+    lo, hi = Pattern(cu_seqlens=cu, **rule).row_ranges(12, 12)
     rules = {k: v for k, v in rule.items() if k != "causal"}
     want = brute(1, 1, 12, 12, cu=cu, causal=rule.get("causal", True), **rules)[0, 0]
     j = np.arange(12)
@@ -481,7 +481,7 @@ def test_a_block_that_reads_nothing_has_empty_ranges_inside_its_keys(kw, T_q, T_
     never an interval that is empty only by lo >= hi."""
     pat = Pattern(**kw)
     want = np.broadcast_to(pat.allowed(1, 1, T_q, T_k), (1, 1, T_q, T_k))[0, 0]
-    lo, hi = pat.row_ranges(1, T_q, T_k)
+    lo, hi = pat.row_ranges(T_q, T_k)
     assert (0 <= lo).all() and (lo <= hi).all() and (hi <= T_k).all()
     j = np.arange(T_k)
     assert ((j >= lo[0][:, None]) & (j < hi[0][:, None]) == want).all()
@@ -817,3 +817,36 @@ def test_extra_tile_is_the_dense_mask_and_the_mask_mod_alone():
     assert placed.extra_tile(1, 1, 2, 3, 0, 2, 0, 3)[0, 0].tolist() == [[True] * 3, [True] * 3]
     late = Pattern(mask_mod=_causal_mod, q_start=0, k_start=4)
     assert not late.extra_tile(1, 1, 2, 3, 0, 2, 0, 3).any()
+
+
+@pytest.mark.parametrize("xp", ["numpy", "torch"])
+def test_user_modifiers_keep_the_scores_dtype_and_a_bias_its_gradient(xp):
+    """A float64 bias and rel_bias on float32 scores give float32; a torch bias that needs a
+    gradient gets it through modify_scores."""
+    S = np.zeros((1, 1, 2, 3), np.float32)
+    S = torch.from_numpy(S) if xp == "torch" else S
+    for kw in ({"bias": np.ones((1, 1, 2, 3))}, {"rel_bias": np.ones((1, 5))}):
+        assert Pattern(causal=False, **kw).modify_scores(S).dtype == S.dtype
+    if xp == "torch":
+        bias = torch.zeros(1, 1, 2, 3, requires_grad=True)
+        Pattern(causal=False, bias=bias).modify_scores(S).sum().backward()
+        assert bias.grad is not None and bias.grad.tolist() == [[[[1.0] * 3] * 2]]
+
+
+@pytest.mark.parametrize(
+    "shape", [(2, 1, 4, 1), (2, 2, 2, 6), (1, 1, 4, 2), (4, 6), (6,)]
+)  # a batch axis of 2, query or key axes of 1 or 2, fewer than 4 axes
+def test_a_bias_tile_is_its_broadcast_part(shape):
+    B, H, T_q, T_k = 2, 2, 4, 6
+    bias = np.random.default_rng(2).standard_normal(shape)
+    if shape[-2:] == (2, 6):
+        T_q = 2
+    if shape[-1] == 2:
+        T_k = 2
+    pat = Pattern(causal=False, bias=bias)
+    full = np.broadcast_to(bias.reshape((1,) * (4 - bias.ndim) + shape), (B, H, T_q, T_k))
+    S = np.zeros((B, H, T_q, T_k))
+    for rows, q0, k0 in [([1], 1, 1), ([0, 1], 0, 0), ([0], T_q - 1, T_k - 1)]:
+        part = S[rows][:, :, q0:, k0:]
+        got = pat.modify_scores(part, q0, k0, T_q, T_k, batch=rows)
+        assert np.array_equal(np.broadcast_to(got, part.shape), full[rows][:, :, q0:, k0:])

@@ -438,7 +438,7 @@ def counts(
         readable = L * (L + 1) // 2
         return {"readable": readable, "future": L * L - readable, "padding": T * T - L * L}
     # the rules' intervals; real rows' own (i < L) never pass L, and padding rows count 0
-    lo, hi = Pattern(window=window, chunk=chunk).row_ranges(1, T, T)
+    lo, hi = Pattern(window=window, chunk=chunk).row_ranges(T, T)
     real = np.arange(T)[None, :] < L[:, None]  # query rows of real tokens
     width = np.where(real, hi - lo, 0)
     readable = width.sum(axis=1)

@@ -257,10 +257,10 @@ class PatternDense:
         lo, hi = max(lo - ks, 0), min(hi - ks, T_k)  # back to this problem's key indices
         return (lo, hi) if lo < hi else (0, 0)
 
-    def row_ranges(self, B: int, T_q: int, T_k: int) -> tuple[np.ndarray, np.ndarray]:
+    def row_ranges(self, T_q: int, T_k: int) -> tuple[np.ndarray, np.ndarray]:
         """Per query row the keys [lo, hi) that causal, window, chunk, prefix, lengths and
         documents allow, as this problem's key indices: NumPy int64 (B', T_q) each, B' = B
-        when lengths or prefixes differ by batch row, else 1. Row i reads exactly
+        (the rows of lengths and prefix_lengths) when either is given, else 1. Row i reads exactly
         lo <= j < hi AND key_padding_mask AND mask (every rule above leaves one interval
         per row). lo and hi never decrease along i; a row that reads nothing has lo = hi
         (T_k for padding query rows). O(B·T_q), for the kernels."""

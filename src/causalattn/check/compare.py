@@ -277,7 +277,7 @@ def compare_masks(
     cells: dict[str, list] = {}
     rows = B if (expected.per_batch or th.B > 1) else 1
     first = torch.full((rows, H, T_q), T_k, dtype=torch.int64)  # their first read key per row
-    lo, hi = expected.row_ranges(B, T_q, T_k)
+    lo, hi = expected.row_ranges(T_q, T_k)
     cpu = torch.zeros(())
     for b in range(rows):
         for q0 in range(0, T_q, block):

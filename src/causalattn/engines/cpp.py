@@ -197,7 +197,7 @@ def _scalar_intervals(causal, window, chunk, q_start, k_start, T_q, T_k):
     from ..masks import Pattern
 
     pt = Pattern(causal=causal, window=window, chunk=chunk, q_start=q_start, k_start=k_start)
-    lo, hi = pt.row_ranges(1, T_q, T_k)
+    lo, hi = pt.row_ranges(T_q, T_k)
     return (torch.from_numpy(np.ascontiguousarray(lo)), torch.from_numpy(np.ascontiguousarray(hi)))
 
 
@@ -206,7 +206,7 @@ def _intervals(p: Problem):
     B, _, T_q, T_k = p.dims
     if pt.lengths is None and pt.prefix_lengths is None and pt.cu_seqlens is None:
         return _scalar_intervals(pt.causal, pt.window, pt.chunk, pt.q_start, pt.k_start, T_q, T_k)
-    lo, hi = pt.row_ranges(B, T_q, T_k)
+    lo, hi = pt.row_ranges(T_q, T_k)
     return torch.from_numpy(np.ascontiguousarray(lo)), torch.from_numpy(np.ascontiguousarray(hi))
 
 

@@ -59,7 +59,7 @@ class Plan:
             for x in (pat.lengths, pat.cu_seqlens, pat.window, pat.chunk, pat.prefix_lengths)
         )
         if self.host_intervals:
-            lo, hi = pat.row_ranges(B, T_q, T_k)
+            lo, hi = pat.row_ranges(T_q, T_k)
             self.lo64, self.hi64 = (
                 torch.from_numpy(np.array(np.broadcast_to(x, (B, T_q)), order="C")).to(dev)
                 for x in (lo, hi)
@@ -166,7 +166,7 @@ class Plan:
             from ..masks_mod import tile_table
 
             B, H_q, T_q, T_k = self.dims
-            lo, hi = self.pattern.row_ranges(B, T_q, T_k)
+            lo, hi = self.pattern.row_ranges(T_q, T_k)
             kinds, tiles = tile_table(self.pattern, B, H_q, T_q, T_k, block_m, block_n, lo, hi)
             kinds = kinds.to(dev).contiguous()
             mask = tiles.to(dev).view(torch.int8).contiguous()
