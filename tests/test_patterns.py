@@ -850,3 +850,23 @@ def test_a_bias_tile_is_its_broadcast_part(shape):
         part = S[rows][:, :, q0:, k0:]
         got = pat.modify_scores(part, q0, k0, T_q, T_k, batch=rows)
         assert np.array_equal(np.broadcast_to(got, part.shape), full[rows][:, :, q0:, k0:])
+
+
+@pytest.mark.parametrize("rule", [{"chunk": 2}, {"chunk": 3, "causal": False}, {"window": 2}])
+def test_packed_documents_count_chunks_from_each_documents_start(rule):
+    """allowed() of documents [0, 3), [3, 7), [7, 12) against the rules cell by cell."""
+    cu = [0, 3, 7, 12]
+    rules = {k: v for k, v in rule.items() if k != "causal"}
+    want = brute(1, 1, 12, 12, cu=cu, causal=rule.get("causal", True), **rules)
+    got = Pattern(cu_seqlens=cu, **rule).allowed(1, 1, 12, 12)
+    assert np.array_equal(np.broadcast_to(got, want.shape), want)
+
+
+def test_a_tile_of_chosen_batch_rows_reads_their_own_mask_rows_and_keeps_the_array_kind():
+    m = np.zeros((2, 1, 3, 4), bool)
+    m[1] = True
+    pat = Pattern(causal=False, mask=m)
+    assert pat.tile(2, 1, 3, 4, batch=[1]).all() and not pat.tile(2, 1, 3, 4, batch=[0]).any()
+    assert pat.tile(2, 1, 3, 4, batch=[1]).shape == (1, 1, 3, 4)
+    assert isinstance(pat.allowed(2, 1, 3, 4, like=np.zeros(1)), np.ndarray)
+    assert torch.is_tensor(pat.allowed(2, 1, 3, 4, like=torch.zeros(1)))
