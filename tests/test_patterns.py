@@ -755,12 +755,15 @@ def test_a_reasons_name_is_the_mask_mods_own_for_its_code():
         {"mask": np.random.default_rng(3).random((2, 3, 4, 5)) > 0.3},
         {"mask": np.random.default_rng(4).random((3, 4, 5)) > 0.3, "window": 3},
         {"mask_mod": _reads_head_and_row, "lengths": [4, 5]},
+        {"mask": np.random.default_rng(5).random((2, 1, 4, 5)) > 0.3},  # one head for three
+        {"mask": np.random.default_rng(6).random((2, 4, 5)) > 0.3, "H": 2},
     ],
 )
 def test_to_mask_mod_is_the_dense_mask_pointwise(kw):
     """FlexAttention's indices (q_idx 0..T_q-1, queries bottom-right): every cell of
     to_mask_mod's answer is allowed()'s, through rules_at."""
-    B, H, T_q, T_k = 2, 3, 4, 5
+    kw = dict(kw)
+    B, H, T_q, T_k = 2, kw.pop("H", 3), 4, 5
     pat = Pattern(**kw)
     mod = pat.to_mask_mod(T_q, T_k)
     b = torch.arange(B).view(B, 1, 1, 1)
@@ -793,6 +796,8 @@ def test_mask_tile_kinds_are_each_tiles_cells_of_the_dense_mask(shape, blocks):
                 want = np.where(cells.all((2, 3)), 1, np.where(cells.any((2, 3)), 2, 0))
                 assert kinds[:, :, x, y].tolist() == want.tolist(), (x, y)
     assert Pattern(window=2).mask_tile_kinds(2, 2) is None
+    kinds = Pattern(mask=np.ones((3, 4), bool)).mask_tile_kinds(2, 2)  # no like=: the CPU
+    assert kinds.device.type == "cpu" and kinds.tolist() == [[[[1, 1], [1, 1]]]]
 
 
 def test_extra_tile_is_the_dense_mask_and_the_mask_mod_alone():
@@ -817,6 +822,8 @@ def test_extra_tile_is_the_dense_mask_and_the_mask_mod_alone():
     assert placed.extra_tile(1, 1, 2, 3, 0, 2, 0, 3)[0, 0].tolist() == [[True] * 3, [True] * 3]
     late = Pattern(mask_mod=_causal_mod, q_start=0, k_start=4)
     assert not late.extra_tile(1, 1, 2, 3, 0, 2, 0, 3).any()
+    everything = Pattern(mask=np.ones((3, 3), bool))  # causal, but the rules are not its part
+    assert everything.extra_tile(1, 1, 3, 3, 0, 3, 0, 3).all()
 
 
 @pytest.mark.parametrize("xp", ["numpy", "torch"])
