@@ -445,6 +445,7 @@ def test_a_pattern_keeps_its_arguments_in_one_form():
     assert type(pat.softcap) is float and pat.softcap == 2.0
     assert masks.Pattern(softcap=0.5).softcap == 0.5  # any positive cap, below 1 too
     assert masks.Pattern(bias=np.zeros((1, 1, 1, 1))).bias.shape == (1, 1, 1, 1)  # 4 axes fit
+    assert masks.Pattern(bias=np.zeros(2, np.float32)).bias.dtype == np.float32  # any float
     t_mask, t_bias = torch.ones(3, 3, dtype=torch.bool), torch.zeros(1, 1, 3, 3)
     kept = masks.Pattern(
         mask=t_mask, key_padding_mask=torch.ones(1, 3, dtype=torch.bool), bias=t_bias
