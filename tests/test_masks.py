@@ -274,8 +274,7 @@ def test_every_refusal_of_a_pattern_names_its_argument_in_full(kw, msg):
     assert str(err.value) == msg
 
 
-B9 = [0] * 8  # nine batch rows: messages show the first eight values
-ZERO_BIAS = np.zeros((1, 1, 1, 1))
+B9 = [0] * 8  # with one more: nine batch rows, of which messages show the first eight
 
 # every refusal of Pattern.check(B, H, T_q, T_k) in full: (keywords, shapes, the message)
 REFUSED_BY_THE_PROBLEM = [
