@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -10,7 +12,7 @@ from hypothesis.extra import numpy as hnp
 
 import causalattn as ca
 from causalattn import masks
-from causalattn.reference import softmax_last, trace
+from causalattn.reference import softmax_last, stages, trace, weighted_values
 from causalattn.trace import STAGES, Trace
 
 X4 = np.array([[1, 0], [0, 1], [1, 1], [-1, 1]], float)
@@ -414,3 +416,446 @@ def test_bad_input_messages_in_full(args, kwargs, message):
     with pytest.raises(ValueError) as e:
         trace(*args, **kwargs)
     assert str(e.value) == message
+
+
+# -- softmax_last and weighted_values by hand ------------------------------------------
+
+
+def _softmax_by_hand(z, readable, sink=None):
+    """One row: exp over the readable entries, over their sum (+ e^sink); 0 elsewhere."""
+    out = np.zeros(len(z))
+    cols = np.flatnonzero(readable)
+    if cols.size:
+        e = np.exp(z[cols] - z[cols].max())
+        denom = e.sum() + (0.0 if sink is None else np.exp(sink - z[cols].max()))
+        out[cols] = e / denom
+    return out
+
+
+def test_softmax_last_matches_the_row_by_hand_and_ignores_blocked_values():
+    Z = np.array([[1.0, 2.0, 3.0], [0.5, -1.0, 7.0], [4.0, 4.0, 4.0], [1.0, 2.0, 3.0]])
+    allowed = np.array([[1, 0, 1], [1, 1, 0], [0, 0, 0], [0, 1, 0]], bool)
+    A = softmax_last(Z, allowed)
+    for i in range(4):
+        np.testing.assert_allclose(A[i], _softmax_by_hand(Z[i], allowed[i]), rtol=1e-15)
+    # blocked entries: exactly 0, and neither a huge finite value nor NaN there moves a row
+    dirty = np.where(allowed, Z, np.array([[1e300], [np.nan], [-np.inf], [np.inf]]))
+    np.testing.assert_array_equal(softmax_last(dirty, allowed), A)
+    assert np.all(A[~allowed] == 0.0) and np.all(A[2] == 0.0)
+    # a readable NaN poisons its row where it reads, and only there
+    Zn = Z.copy()
+    Zn[0, 0] = np.nan
+    row = softmax_last(Zn, allowed)[0]
+    assert np.isnan(row[[0, 2]]).all() and row[1] == 0.0
+    # the key axis may be empty: no weights at all, not an error
+    assert softmax_last(np.zeros((3, 0)), np.zeros((3, 0), bool)).shape == (3, 0)
+
+
+def test_softmax_last_broadcasts_allowed_over_leading_axes():
+    rng = np.random.default_rng(5)
+    Z = rng.normal(size=(2, 3, 4, 4))
+    A = softmax_last(Z, masks.causal(4))
+    for b, h, i in np.ndindex(2, 3, 4):
+        np.testing.assert_allclose(
+            A[b, h, i], _softmax_by_hand(Z[b, h, i], masks.causal(4)[i]), rtol=1e-14
+        )
+
+
+def test_sinks_join_the_denominator_and_a_sink_above_the_row_is_exact():
+    Z = np.array([[0.0, 1.0, 2.0], [0.0, 1.0, 2.0], [3.0, 0.0, 0.0]])
+    allowed = np.array([[1, 1, 1], [1, 1, 0], [0, 0, 0]], bool)
+    for sink in (-3.0, 0.5, 5.0, 700.0):  # below, inside, above the row's maximum
+        A = softmax_last(Z, allowed, sinks=np.full((3, 1), sink))
+        for i in range(2):
+            np.testing.assert_allclose(
+                A[i], _softmax_by_hand(Z[i], allowed[i], sink), rtol=1e-13, atol=1e-300
+            )
+        assert np.all(A[2] == 0.0)  # no readable key: still a zero row, the sink reads nothing
+        assert np.all(A.sum(axis=-1)[:2] < 1.0)
+    # one sink per row, broadcast as (T_q, 1)
+    sinks = np.array([[0.0], [2.0], [9.0]])
+    A = softmax_last(Z, allowed, sinks=sinks)
+    np.testing.assert_allclose(A[1], _softmax_by_hand(Z[1], allowed[1], 2.0), rtol=1e-14)
+
+
+def test_softmax_last_raises_no_floating_point_warning():
+    # huge logits, a huge sink beside a row with no key, NaN at blocked cells: all quiet
+    Z = np.array([[1e308, -1e308, np.nan], [0.0, 0.0, 0.0]])
+    allowed = np.array([[1, 1, 0], [0, 0, 0]], bool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        A = softmax_last(Z, allowed, sinks=np.full((2, 1), 1000.0))
+        B = softmax_last(Z, allowed)
+    assert A[1].tolist() == [0.0, 0.0, 0.0] and A[0, 2] == 0.0
+    assert B[0].tolist() == [1.0, 0.0, 0.0]
+
+
+def test_weighted_values_keeps_nonfinite_values_out_of_rows_that_cannot_read_them():
+    rng = np.random.default_rng(6)
+    T, d = 5, 3
+    V = rng.normal(size=(2, T, d))
+    allowed = np.broadcast_to(masks.causal(T), (2, T, T)).copy()
+    allowed[1, 4, 2] = False  # head 1's last row may not read key 2
+    A = softmax_last(rng.normal(size=(2, T, T)), allowed)
+    clean = weighted_values(A, V, allowed)
+    np.testing.assert_array_equal(clean, A @ V)  # all finite: the plain product
+    bad = V.copy()
+    bad[:, 2] = [np.nan, np.inf, -np.inf]
+    H = weighted_values(A, bad, allowed)
+    # rows before key 2 (and head 1's last row) cannot read it: bit for bit as before
+    np.testing.assert_array_equal(H[:, :2], clean[:, :2])
+    np.testing.assert_allclose(H[1, 4], A[1, 4, [0, 1, 3, 4]] @ V[1, [0, 1, 3, 4]], rtol=1e-14)
+    # the rows that read it are not finite
+    assert not np.isfinite(H[0, 2:]).any() and not np.isfinite(H[1, 2:4]).any()
+
+
+# -- the modifiers' stages, each by hand ------------------------------------------------
+
+
+def _batched(B=2, T=4, D=4, seed=7):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(B, T, D)), [rng.normal(size=(D, D)) for _ in range(4)]
+
+
+def _distance(T):
+    i, j = np.indices((T, T))
+    return np.abs(i - j).astype(float)
+
+
+def test_softcap_is_its_own_stage_before_the_mask():
+    X, W = _batched()
+    tr = trace(X, *W, n_heads=2, softcap=1.5)
+    assert tr.names[7:11] == ["S", "S_cap", "M", "Z"]
+    np.testing.assert_allclose(tr.S_cap, 1.5 * np.tanh(tr.S / 1.5), rtol=1e-15)
+    np.testing.assert_array_equal(tr.Z, tr.S_cap + tr.M)
+    np.testing.assert_array_equal(tr.A, softmax_last(tr.S_cap, masks.causal(4)))
+
+
+def test_alibi_bias_and_rel_bias_add_up_in_E():
+    X, W = _batched()
+    T = 4
+    slopes = np.array([0.5, 0.25])
+    bias = np.arange(16.0).reshape(4, 4) / 10
+    rel = np.arange(2 * 7, dtype=float).reshape(2, 7) / 7  # (H, 2T - 1): rel[h, T-1 + j-i]
+    tr = trace(X, *W, n_heads=2, alibi_slopes=slopes, bias=bias, rel_bias=rel)
+    assert tr.names[7:11] == ["S", "E", "M", "Z"] and tr.E.ndim == tr.S.ndim
+    i, j = np.indices((T, T))
+    for h in range(2):
+        want = -slopes[h] * _distance(T) + bias + rel[h, T - 1 + j - i]
+        np.testing.assert_allclose(tr.E[0, h], want, rtol=1e-15)
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(tr.Z, tr.S + tr.E + tr.M)
+    np.testing.assert_array_equal(tr.A, softmax_last(tr.S + tr.E, masks.causal(T)))
+    # one slope per sequence and head: (B, H)
+    per = trace(X, *W, n_heads=2, alibi_slopes=[[0.5, 0.25], [1.0, 2.0]])
+    assert per.E.shape == (2, 2, T, T)
+    for b, h in np.ndindex(2, 2):
+        np.testing.assert_allclose(per.E[b, h], -[[0.5, 0.25], [1.0, 2.0]][b][h] * _distance(T))
+    # without heads E is T×T beside a T×T S, and broadcast beside a batch
+    one = trace(X[0], *W, alibi_slopes=[0.5])
+    assert one.E.shape == (T, T) and np.array_equal(one.E, -0.5 * _distance(T))
+    assert trace(X, *W, alibi_slopes=[0.5]).E.shape == (1, T, T)
+
+
+def test_E_keeps_the_axes_of_S_beside_two_batch_axes_and_select_reads_it():
+    rng = np.random.default_rng(8)
+    X = rng.normal(size=(2, 3, 4, 4))
+    W = [rng.normal(size=(4, 4)) for _ in range(4)]
+    tr = trace(X, *W, n_heads=2, alibi_slopes=[0.5, 0.25])
+    assert tr.S.shape == (2, 3, 2, 4, 4) and tr.E.shape == (1, 1, 2, 4, 4)
+    flat = trace(X, *W, bias=np.eye(4))
+    assert flat.E.shape == (1, 1, 4, 4)
+    one = trace(X[1, 2], *W, n_heads=2, alibi_slopes=[0.5, 0.25])
+    sel = tr.select(1, 2)
+    for name in one.names:
+        np.testing.assert_allclose(sel[name], one[name], rtol=1e-12, atol=1e-12)
+    # the batched trace's select reads the broadcast E too
+    two = trace(X[0], *W, n_heads=2, alibi_slopes=[0.5, 0.25])
+    assert two.E.shape == (1, 2, 4, 4)
+    np.testing.assert_array_equal(two.select(2).E, two.E[0])
+    np.testing.assert_array_equal(two.select(2, 1).E, -0.25 * _distance(4))
+    np.testing.assert_array_equal(trace(X[0], *W, alibi_slopes=[0.5]).select(1).E, tr.E[0, 0, 0])
+
+
+def test_score_mod_sees_the_batch_head_and_positions_of_each_cell():
+    X, W = _batched()
+    T = 4
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + 10 * b + h + 0.1 * (q_idx - kv_idx)
+
+    tr = trace(X, *W, n_heads=2, score_mod=score_mod, alibi_slopes=[0.5, 0.25])
+    assert tr.names[7:12] == ["S", "E", "S_mod", "M", "Z"]
+    i, j = np.indices((T, T))
+    for b, h in np.ndindex(2, 2):
+        want = tr.S[b, h] + tr.E[0, h] + 10 * b + h + 0.1 * (i - j)
+        np.testing.assert_allclose(tr.S_mod[b, h], want, rtol=1e-14)
+    np.testing.assert_array_equal(tr.A, softmax_last(tr.S_mod, masks.causal(T)))
+    # one sequence and no heads: b = h = 0, S_mod T×T
+    one = trace(X[0], *W, score_mod=score_mod)
+    assert one.S_mod.shape == (T, T)
+    np.testing.assert_allclose(one.S_mod, one.S + 0.1 * (i - j), rtol=1e-14)
+    # a batch without heads: b counts the sequences
+    bat = trace(X, *W, score_mod=score_mod)
+    np.testing.assert_allclose(bat.S_mod[1], bat.S[1] + 10 + 0.1 * (i - j), rtol=1e-14)
+    with pytest.raises(ValueError) as e:
+        trace(X[None], *W, score_mod=score_mod)
+    assert str(e.value) == "score_mod: X needs at most one batch axis, got leading axes (1, 2)"
+
+
+def test_mask_mod_blocks_its_cells_and_names_them():
+    X, W = _batched()
+    tr = trace(X, *W, n_heads=2, mask_mod=lambda b, h, q, kv: (kv != 1) | (b == 1))
+    want = masks.causal(4) & (np.arange(4) != 1)
+    assert np.all(tr.A[0][:, ~want] == 0.0) and np.all(tr.A[1, :, 1:, 1] > 0)
+    assert tr.reasons[0, 0, 2, 1] == masks.MASK_MOD and tr.reasons[0, 0, 1, 2] == masks.FUTURE
+    assert tr.reasons[1, 0, 2, 1] == masks.READABLE
+
+
+def test_sinks_lower_every_row_sum_one_logit_per_head():
+    X, W = _batched()
+    tr = trace(X, *W, n_heads=2, sinks=[0.5, 3.0])
+    for b, h, i in np.ndindex(2, 2, 4):
+        z = tr.Z[b, h, i]
+        np.testing.assert_allclose(
+            tr.A[b, h, i], _softmax_by_hand(z, z > -np.inf, [0.5, 3.0][h]), rtol=1e-13
+        )
+    one = trace(X[0], *W, sinks=[2.0])
+    for i in range(4):
+        np.testing.assert_allclose(
+            one.A[i], _softmax_by_hand(one.S[i], masks.causal(4)[i], 2.0), rtol=1e-13
+        )
+
+
+# -- what M is made of ------------------------------------------------------------------
+
+_RULES = [  # (keyword, value, X's leading axes): every rule that keeps causal on beside a mask
+    ("window", 2, ()),
+    ("chunk", 2, ()),
+    ("cu_seqlens", [0, 2, 4], ()),
+    ("lengths", [4, 3], (2,)),
+    ("key_padding_mask", np.ones((2, 4), bool), (2,)),
+    ("prefix_lengths", [1, 2], (2,)),
+]
+
+
+@pytest.mark.parametrize("name, value, lead", _RULES, ids=[r[0] for r in _RULES])
+def test_a_mask_beside_any_rule_keeps_the_causal_rule(name, value, lead):
+    rng = np.random.default_rng(9)
+    X = rng.normal(size=(*lead, 4, 2))
+    everything = np.ones((4, 4), bool)
+    tr = trace(X, I2, I2, WV4, mask=everything, **{name: value})
+    assert tr.pattern.causal is True
+    np.testing.assert_array_equal(tr.A, trace(X, I2, I2, WV4, **{name: value}).A)
+    assert np.all(tr.A[..., 0, 3] == 0.0)  # no rule here lets the first query read the last key
+    # the keyword reaches the Pattern as given
+    got = getattr(tr.pattern, name)
+    assert np.array_equal(np.asarray(got), np.asarray(value))
+
+
+def test_a_mask_alone_is_the_whole_M_and_causal_may_be_set_either_way():
+    everything = np.ones((4, 4), bool)
+    alone = trace(X4, I2, I2, WV4, mask=everything)
+    assert alone.pattern.causal is False and np.all(alone.A > 0)
+    np.testing.assert_allclose(alone.A.sum(axis=-1), 1.0)
+    assert trace(X4, I2, I2, WV4).pattern.causal is True
+    both = trace(X4, I2, I2, WV4, mask=everything, causal=True)
+    np.testing.assert_array_equal(both.A, chapter().A)
+    free = trace(X4, I2, I2, WV4, causal=False)
+    assert free.pattern.causal is False and np.all(free.A > 0)
+
+
+def test_the_reasons_name_the_rule_that_blocks_each_cell():
+    lower = masks.causal(4)
+    keep = lower & ~np.eye(4, k=-1, dtype=bool)  # the mask blocks the cells just below the diagonal
+    tr = trace(X4, I2, I2, WV4, mask=keep, causal=True)
+    want = np.where(lower, np.where(keep, masks.READABLE, masks.MASK), masks.FUTURE)
+    np.testing.assert_array_equal(tr.reasons, want)
+    np.testing.assert_array_equal(tr.allowed, keep)
+    assert tr.reasons.dtype == np.uint8
+    # the same for every sequence and head: one T×T table
+    X, W = _batched()
+    assert trace(X, *W, n_heads=2).reasons.shape == (4, 4)
+    padded = trace(X, *W, n_heads=2, lengths=[4, 2])
+    assert padded.reasons.shape == (2, 1, 4, 4)
+    assert padded.reasons[1, 0, 1, 2] == masks.PADDING and padded.reasons[1, 0, 1, 1] == 0
+    assert padded.reasons[0, 0, 1, 2] == masks.FUTURE
+
+
+def test_a_4d_mask_beside_a_batch_and_heads_is_the_patterns_own():
+    X, W = _batched()
+    m = np.ones((2, 2, 4, 4), bool)
+    m[1, 0, :, 0] = False  # sequence 1, head 0 may not read key 0
+    tr = trace(X, *W, n_heads=2, mask=m, causal=True)
+    assert tr.pattern.mask is not None and tr.pattern.per_head
+    assert tr.reasons[1, 0, 2, 0] == masks.MASK and tr.reasons[1, 1, 2, 0] == 0
+    assert np.all(tr.A[1, 0, :, 0] == 0.0) and np.all(tr.A[0, :, :, 0] > 0)
+    # a mask of the same shape broadcast against S otherwise: not the Pattern's
+    rng = np.random.default_rng(10)
+    X2 = rng.normal(size=(2, 2, 4, 4))
+    assert trace(X2, *W, mask=m, causal=True).pattern.mask is None
+    assert trace(X[0], *W, n_heads=2, mask=m[0, :1], causal=True).pattern.mask is None
+
+
+def test_a_general_mask_is_read_per_sequence_and_per_head():
+    X, W = _batched()
+    per_seq = np.ones((2, 4, 4), bool)
+    per_seq[1, :, 0] = False
+    tr = trace(X, *W, n_heads=2, mask=per_seq, causal=True)  # (B, T, T): over the heads
+    assert tr.pattern.mask is None
+    assert np.all(tr.A[1, :, :, 0] == 0.0) and np.all(tr.A[0, :, :, 0] > 0)
+    assert tr.reasons.shape == tr.S.shape and tr.reasons[1, 1, 3, 0] == masks.MASK
+    rng = np.random.default_rng(11)
+    X2 = rng.normal(size=(2, 3, 4, 4))
+    per_head = np.ones((2, 3, 2, 4, 4), bool)  # X's leading axes + (h, T, T)
+    per_head[1, 2, 1, :, 0] = False
+    tr2 = trace(X2, *W, n_heads=2, mask=per_head, causal=True)
+    assert np.all(tr2.A[1, 2, 1, :, 0] == 0.0) and np.all(tr2.A[1, 2, 0, :, 0] > 0)
+    with pytest.raises(ValueError) as e:
+        trace(X, *W, mask=np.ones((3, 4, 4), bool))
+    assert str(e.value) == "mask: shape (3, 4, 4) does not broadcast to S (2, 4, 4)"
+
+
+# -- dropout, C, scale, dtypes ----------------------------------------------------------
+
+
+def _keep(seed, offset, B, H, T, p):
+    """The dropout keep cells of (b, h, i, j), one sequence and head at a time."""
+    import torch
+
+    from causalattn import dropout
+
+    pos = torch.arange(T)
+    return np.stack(
+        [
+            np.stack([dropout.keep_mask(seed, offset, b, h, pos, pos, p).numpy() for h in range(H)])
+            for b in range(B)
+        ]
+    )
+
+
+def test_dropout_drops_the_cells_of_the_seed_and_rescales_the_rest():
+    X, W = _batched(T=6)
+    p = 0.4
+    tr = trace(X, *W, n_heads=2, dropout_p=p, dropout_seed=(5, 3))
+    assert tr.names[tr.names.index("A") + 1] == "A_drop"
+    keep = _keep(5, 3, 2, 2, 6, p)
+    assert 0 < keep.mean() < 1
+    np.testing.assert_array_equal(tr.A_drop, np.where(keep, tr.A / (1 - p), 0.0))
+    np.testing.assert_allclose(tr.H, tr.A_drop @ tr.V, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(tr.C.sum(axis=-2), tr.H, rtol=1e-13, atol=1e-15)
+    # no heads: head 0's cells
+    one = trace(X, *W, dropout_p=p, dropout_seed=(5, 3))
+    np.testing.assert_array_equal(one.A_drop, np.where(keep[:, 0], one.A / (1 - p), 0.0))
+    # p = 1 drops everything: zeros, not a division by zero
+    gone = trace(X, *W, n_heads=2, dropout_p=1.0, dropout_seed=(5, 3))
+    assert np.all(gone.A_drop == 0.0) and np.all(gone.H == 0.0)
+    np.testing.assert_array_equal(gone.A, tr.A)  # A itself is the same
+
+
+def test_dropout_without_a_seed_draws_it_from_torch():
+    import torch
+
+    from causalattn import dropout
+
+    X, W = _batched(T=6)
+    torch.manual_seed(123)
+    a = trace(X, *W, dropout_p=0.5)
+    torch.manual_seed(123)
+    seed = dropout.seed_from()
+    np.testing.assert_array_equal(a.A_drop, trace(X, *W, dropout_p=0.5, dropout_seed=seed).A_drop)
+
+
+def test_C_is_kept_up_to_its_byte_limit(monkeypatch):
+    from causalattn import reference
+
+    X, W = _batched()
+    size = 2 * 2 * 4 * 4 * 2 * 8  # B·h·T·T·d_v float64 bytes
+    monkeypatch.setattr(reference, "C_LIMIT_BYTES", size)
+    assert "C" in trace(X, *W, n_heads=2)
+    monkeypatch.setattr(reference, "C_LIMIT_BYTES", size - 1)
+    assert "C" not in trace(X, *W, n_heads=2)
+
+
+def test_scale_multiplies_the_scores_and_defaults_to_one_over_root_d_k():
+    X, W = _batched()
+    tr = trace(X, *W, n_heads=2)
+    assert tr.scale == 1 / np.sqrt(2) and type(tr.scale) is float
+    np.testing.assert_allclose(tr.S, tr.Q @ np.swapaxes(tr.K, -1, -2) / np.sqrt(2), rtol=1e-15)
+    for scale in (2, np.float32(0.25), 0.0):
+        got = trace(X, *W, n_heads=2, scale=scale)
+        assert got.scale == float(scale)
+        np.testing.assert_array_equal(got.S, (got.Q @ np.swapaxes(got.K, -1, -2)) * scale)
+    with pytest.raises(ValueError) as e:
+        trace(X, *W, scale=np.inf)
+    assert str(e.value) == "scores: scale must be a finite number, got inf"
+
+
+def test_integer_and_boolean_inputs_are_read_as_float64():
+    Xi = np.array([[1, 0], [0, 1], [1, 1]])
+    tr = trace(Xi, np.eye(2, dtype=int), np.eye(2, dtype=int), np.eye(2, dtype=bool))
+    assert all(tr[n].dtype == np.float64 for n in tr.names)
+    ref = trace(Xi.astype(float), I2, I2, I2)
+    for name in ref.names:
+        np.testing.assert_array_equal(tr[name], ref[name])
+
+
+def test_the_trace_keeps_its_tokens_pattern_and_output_weights():
+    rng = np.random.default_rng(12)
+    Wo = rng.normal(size=(2, 3))
+    tr = trace(X4, I2, I2, WV4, Wo, tokens=list("abcd"), window=2)
+    assert tr.tokens == list("abcd") and tr.pattern.window == 2 and tr.n_heads is None
+    np.testing.assert_array_equal(tr.W_o, Wo)
+    np.testing.assert_array_equal(tr.O, tr.H @ Wo)
+    assert tr.names[-2:] == ["W_o", "O"]
+
+
+# -- stages(): from given Q, K, V --------------------------------------------------------
+
+
+def test_stages_from_q_k_v_are_the_traces():
+    X, W = _batched(T=5)
+    pattern = masks.Pattern(window=3, alibi_slopes=[0.5, 0.25], softcap=4.0)
+    tr = trace(X, *W, n_heads=2, window=3, alibi_slopes=[0.5, 0.25], softcap=4.0)
+    arrays, allowed, reasons = stages(tr.Q, tr.K, tr.V, pattern)
+    assert list(arrays) == ["S", "S_cap", "E", "M", "Z", "A", "H", "C"]
+    for name, a in arrays.items():
+        np.testing.assert_array_equal(a, tr[name])
+    np.testing.assert_array_equal(allowed, tr.allowed)
+    np.testing.assert_array_equal(reasons, tr.reasons)
+    small, _, _ = stages(tr.Q, tr.K, tr.V, pattern, with_C=False)
+    assert "C" not in small
+    half, _, _ = stages(tr.Q.tolist(), tr.K, tr.V, masks.Pattern(), scale=0.5)
+    np.testing.assert_array_equal(half["S"], (tr.Q @ np.swapaxes(tr.K, -1, -2)) * 0.5)
+    # one head, a different d_v
+    rng = np.random.default_rng(13)
+    Q, K, V = (
+        rng.normal(size=(1, 1, 3, 2)),
+        rng.normal(size=(1, 1, 3, 2)),
+        rng.normal(size=(1, 1, 3, 5)),
+    )
+    one, _, _ = stages(Q, K, V, masks.Pattern())
+    ref = trace(np.eye(3), Q[0, 0], K[0, 0], V[0, 0])  # X = I: Q, K, V are the weights
+    np.testing.assert_allclose(one["H"][0, 0], ref.H, rtol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        ((2, 3, 4), (2, 3, 4), (2, 3, 4)),
+        ((1, 2, 3, 4), (1, 2, 3, 5), (1, 2, 3, 4)),
+        ((1, 2, 3, 4), (1, 2, 3, 4), (1, 2, 2, 4)),
+        ((1, 1, 2, 3, 4),) * 3,
+    ],
+)
+def test_stages_refuse_q_k_v_not_laid_out_b_h_t_d(shapes):
+    Q, K, V = (np.zeros(s) for s in shapes)
+    with pytest.raises(ValueError) as e:
+        stages(Q, K, V, masks.Pattern())
+    if Q.ndim < 4:
+        assert str(e.value) == "scores: Q must have at least 4 axes, got shape (2, 3, 4)"
+    else:
+        assert str(e.value) == (
+            "scores: Q, K must be (B, H, T, d_k) alike and V (B, H, T, d_v); got Q "
+            f"{shapes[0]}, K {shapes[1]}, V {shapes[2]}"
+        )

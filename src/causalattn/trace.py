@@ -253,7 +253,8 @@ class Trace:
                     continue
                 arrays[name] = a[index]
                 continue
-            arrays[name] = a[index]
+            # a stage that broadcasts over an axis (E is (1, h, T, T) beside a batch) keeps it
+            arrays[name] = a[tuple(0 if a.shape[k] == 1 else i for k, i in enumerate(index))]
         want = (lead if lead is not None else n) + 2
 
         def pick(a):  # index the leading axes of a mask-shaped array, broadcasting 1s
