@@ -556,3 +556,19 @@ def test_check_runs_a_pure_mask_mod_and_score_mod_on_the_problems_first_block():
 )
 def test_what_fits_the_problem_passes_check(kw, shapes):
     masks.Pattern(**kw).check(*shapes)
+
+
+@pytest.mark.parametrize("name", ["lengths", "prefix_lengths"])
+@pytest.mark.parametrize("empty", [[], (), np.array([]), np.array([], np.int32)])
+def test_an_empty_list_of_sequences_is_a_batch_of_none(name, empty):
+    p = masks.Pattern(**{name: empty})
+    assert getattr(p, name).dtype == np.int64 and getattr(p, name).shape == (0,)
+    assert p.reasons(0, 1, 3, 3).shape == (0, 1, 3, 3)
+    with pytest.raises(ValueError) as e:
+        masks.Pattern(**{name: np.zeros((0, 2))})
+    assert str(e.value) == (
+        f"mask: {name} must be a 1-D integer array, got shape (0, 2) and dtype float64"
+    )
+    with pytest.raises(ValueError) as e:
+        masks.Pattern(cu_seqlens=empty)
+    assert str(e.value).startswith("cu_seqlens: must have >= 2 entries")

@@ -48,6 +48,8 @@ def _positive_int(name: str, value) -> int:
 
 def _int_vector(name: str, value) -> np.ndarray:
     arr = _numpy(value)
+    if arr.ndim == 1 and arr.size == 0:  # [] is float64 to NumPy: no sequences, any dtype
+        return arr.astype(np.int64)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_:
         raise ValueError(
             f"mask: {name} must be a 1-D integer array, got shape {arr.shape} and dtype {arr.dtype}"
