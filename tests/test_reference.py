@@ -410,6 +410,16 @@ def test_package_exports():
             "shape (B, T, d_model); got leading axes ()",
         ),
         ((X4, I2, I2, WV4), {"dropout_p": 2.0}, "dropout: dropout_p must lie in [0, 1], got 2.0"),
+        (
+            (X4, np.ones((3, 2)), I2, WV4),
+            {},
+            "projections: X is T×d_model = 4×2 but W_q is 3×2; its rows must be d_model = 2",
+        ),
+        (
+            (np.ones((2, 4, 2)), I2, I2, WV4, np.ones((3, 5))),
+            {},
+            "output projection: H is T×(h·d_v) = 4×2 but W_o is 3×5; its rows must be h·d_v = 2",
+        ),
     ],
 )
 def test_bad_input_messages_in_full(args, kwargs, message):
@@ -770,11 +780,12 @@ def test_C_is_kept_up_to_its_byte_limit(monkeypatch):
     from causalattn import reference
 
     X, W = _batched()
-    size = 2 * 2 * 4 * 4 * 2 * 8  # B·h·T·T·d_v float64 bytes
+    W[2] = np.ones((4, 6))  # d_v = 3 per head
+    size = 2 * 2 * 4 * 4 * 3 * 8  # B·h·T·T·d_v float64 bytes
     monkeypatch.setattr(reference, "C_LIMIT_BYTES", size)
-    assert "C" in trace(X, *W, n_heads=2)
+    assert trace(X, *W[:3], n_heads=2).C.shape == (2, 2, 4, 4, 3)
     monkeypatch.setattr(reference, "C_LIMIT_BYTES", size - 1)
-    assert "C" not in trace(X, *W, n_heads=2)
+    assert "C" not in trace(X, *W[:3], n_heads=2)
 
 
 def test_scale_multiplies_the_scores_and_defaults_to_one_over_root_d_k():
@@ -859,3 +870,112 @@ def test_stages_refuse_q_k_v_not_laid_out_b_h_t_d(shapes):
             "scores: Q, K must be (B, H, T, d_k) alike and V (B, H, T, d_v); got Q "
             f"{shapes[0]}, K {shapes[1]}, V {shapes[2]}"
         )
+
+
+def test_no_floating_point_warning_from_overflowing_or_nonfinite_inputs():
+    X = np.array([[1e200, 1.0], [1.0, -1e200], [np.inf, 0.0], [np.nan, 1.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        tr = trace(X, I2, I2, WV4, causal=False)
+        flat = trace(X, I2, I2, WV4, scale=0.0)  # inf · 0 in S's scaling
+        cap = trace(X, I2, I2, WV4, softcap=2.0, alibi_slopes=[0.5])
+        big = trace(X4, I2, I2, WV4, score_mod=lambda s, b, h, q, kv: s * 1e308 * (q + 1))
+    assert np.isinf(tr.S).any() and np.isnan(tr.S).any()
+    assert np.isnan(flat.S[0, 0])  # inf · 0
+    assert np.isfinite(cap.A[:2]).all()
+    assert np.isinf(big.S_mod).any() and big.A[0, 0] == 1.0
+
+
+def test_per_sequence_rules_without_heads_keep_one_table_per_sequence():
+    X, W = _batched()
+    tr = trace(X, *W, lengths=[4, 2], mask_mod=lambda b, h, q, kv: kv != 0)
+    assert tr.reasons.shape == (2, 4, 4) and tr.A.shape == (2, 4, 4)
+    assert tr.reasons[1, 1, 2] == masks.PADDING and tr.reasons[0, 1, 2] == masks.FUTURE
+    assert tr.reasons[0, 3, 0] == masks.MASK_MOD and tr.reasons[1, 1, 1] == masks.READABLE
+    assert np.all(tr.A[1, :2, 2:] == 0.0) and np.all(tr.A[1, 2:] == 0.0)
+    # a mask_mod alone is no per-sequence rule: a single sequence takes it
+    one = trace(X4, I2, I2, WV4, mask_mod=lambda b, h, q, kv: kv != 0)
+    assert one.reasons.shape == (4, 4) and np.all(one.A[1:, 0] == 0.0) and one.A[0, 0] == 0.0
+
+
+def test_dropout_of_a_single_sequence_is_sequence_0_head_0():
+    p = 0.5
+    tr = trace(X4, I2, I2, WV4, dropout_p=p, dropout_seed=(1, 2))
+    keep = _keep(1, 2, 1, 1, 4, p)[0, 0]
+    assert 0 < keep[np.tril_indices(4)].mean() < 1
+    np.testing.assert_array_equal(tr.A_drop, np.where(keep, tr.A / (1 - p), 0.0))
+    heads = trace(
+        X4, np.eye(2, 4), np.eye(2, 4), np.eye(2, 4), n_heads=2, dropout_p=p, dropout_seed=(1, 2)
+    )
+    keep2 = _keep(1, 2, 1, 2, 4, p)[0]
+    np.testing.assert_array_equal(heads.A_drop, np.where(keep2, heads.A / (1 - p), 0.0))
+
+
+@pytest.mark.parametrize(
+    "which, bad, message",
+    [
+        ("K", np.zeros((1, 3, 2)), "scores: K must have at least 4 axes, got shape (1, 3, 2)"),
+        ("V", np.zeros((1, 3, 2)), "scores: V must have at least 4 axes, got shape (1, 3, 2)"),
+        ("V", np.full((1, 1, 3, 2), "a"), "scores: V must be a real numeric array, got dtype <U1"),
+    ],
+)
+def test_stages_name_the_bad_array(which, bad, message):
+    qkv = dict(Q=np.zeros((1, 1, 3, 2)), K=np.zeros((1, 1, 3, 2)), V=np.zeros((1, 1, 3, 2)))
+    qkv[which] = bad
+    with pytest.raises(ValueError) as e:
+        stages(qkv["Q"], qkv["K"], qkv["V"], masks.Pattern())
+    assert str(e.value) == message
+
+
+def test_a_readable_inf_value_is_not_turned_into_nan_by_an_unreadable_nan():
+    # key 1's value is +inf and readable by query 3; key 3's is NaN, readable by nobody before it
+    V = np.array([[1.0, 0.0], [np.inf, 0.0], [0.5, 1.0], [np.nan, np.nan]])
+    allowed = masks.causal(4) & ~np.eye(4, dtype=bool)  # nobody reads itself: key 3 unread
+    allowed[0, 0] = True
+    A = softmax_last(np.zeros((4, 4)), allowed)
+    H = weighted_values(A, V, allowed)
+    assert H[3].tolist() == [np.inf, 1 / 3] and H[2, 0] == np.inf
+    assert H[0].tolist() == [1.0, 0.0] and H[1].tolist() == [1.0, 0.0]
+
+
+def test_one_head_and_one_token_keep_their_axes():
+    tr = trace(X4, I2, I2, WV4, n_heads=1)
+    assert tr.A.shape == (1, 4, 4) and tr.n_heads == 1
+    np.testing.assert_array_equal(tr.A[0], chapter().A)
+    one = trace(np.array([[0.3, -2.0]]), I2, I2, WV4)
+    assert one.reasons.shape == (1, 1) and one.allowed.shape == (1, 1)
+
+
+def test_a_square_mask_is_read_for_every_sequence_and_head():
+    X, W = _batched()
+    keep = masks.causal(4) & (np.arange(4) != 0)
+    keep[0, 0] = True
+    tr = trace(X, *W, n_heads=2, mask=keep, causal=True)
+    assert np.all(tr.A[:, :, 1:, 0] == 0.0) and np.all(tr.A[:, :, 0, 0] == 1.0)
+    # a stack of masks beside one sequence: one trace per mask
+    stack = np.stack([masks.causal(4), np.ones((4, 4), bool)])
+    both = trace(X4, I2, I2, WV4, mask=stack)
+    assert both.A.shape == (2, 4, 4)
+    for k in range(2):
+        np.testing.assert_array_equal(both.A[k], trace(X4, I2, I2, WV4, mask=stack[k]).A)
+
+
+def test_stages_reasons_are_uint8_codes():
+    X, W = _batched()
+    tr = trace(X, *W, n_heads=2, lengths=[4, 2])
+    _, allowed, reasons = stages(tr.Q, tr.K, tr.V, masks.Pattern(lengths=[4, 2]))
+    assert reasons.dtype == np.uint8 and allowed.dtype == np.bool_
+    np.testing.assert_array_equal(reasons, tr.reasons)
+
+
+def test_no_floating_point_warning_from_huge_modified_scores_or_full_dropout():
+    X = np.array([[1e154, 0.0], [0.0, 1.0], [-1e154, 0.0]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cap = trace(X, I2, I2, I2, softcap=0.1)  # S / c overflows: tanh(inf) = 1
+        biased = trace(X, I2, I2, I2, bias=np.full((3, 3), 1.5e308))  # S + E overflows
+        proj = trace(X, I2 * 1e200, I2, I2)  # X W_q overflows
+        nan = trace(X4, I2, I2, WV4, score_mod=lambda s, b, h, q, kv: s * 1e308 * 4 - s * 1e308 * 4)
+        gone = trace(X4, I2, I2, WV4, dropout_p=1.0, dropout_seed=(0, 0))
+    assert cap.S_cap[0, 0] == 0.1 and np.isinf(biased.Z[0, 0]) and np.isinf(proj.Q[0, 0])
+    assert np.isnan(nan.S_mod[0, 0]) and np.all(gone.A_drop == 0.0)

@@ -53,18 +53,17 @@ def softmax_last(Z: np.ndarray, allowed: np.ndarray, sinks=None) -> np.ndarray:
     ``(..., T_q, 1)``, are logits that join each row's denominator and take no value.
     """
     allowed = np.broadcast_to(allowed, Z.shape)
-    has_key = allowed.any(axis=-1, keepdims=True)
     Zr = np.where(allowed, Z, -np.inf)
-    m = np.where(has_key, Zr.max(axis=-1, keepdims=True, initial=-np.inf), 0.0)
+    m = Zr.max(axis=-1, keepdims=True, initial=-np.inf)  # -inf in a row with no key
     if sinks is not None:
-        m = np.where(has_key, np.maximum(m, sinks), 0.0)
+        m = np.maximum(m, sinks)
+    # a row with no key (and no sink) meets -inf - -inf and 0 / 0 here: NaN, zeroed below
     with np.errstate(invalid="ignore", over="ignore"):
         E = np.where(allowed, np.exp(Zr - m), 0.0)
-    denom = E.sum(axis=-1, keepdims=True)
-    if sinks is not None:
-        denom = denom + np.exp(np.minimum(sinks - m, 0.0))
-    with np.errstate(invalid="ignore"):  # a row that reads NaN is NaN where it reads...
-        A = E / np.where(has_key, denom, 1.0)
+        denom = E.sum(axis=-1, keepdims=True)
+        if sinks is not None:
+            denom = denom + np.exp(sinks - m)
+        A = E / denom  # a row that reads NaN is NaN where it reads...
     return np.where(allowed, A, 0.0)  # ...and exactly 0 where it may not (found by fuzzing)
 
 
@@ -278,7 +277,7 @@ def _stages(
         raise ValueError(f"scores: scale must be a finite number, got {scale!r}")
     with np.errstate(invalid="ignore", over="ignore"):
         S = (Q @ np.swapaxes(K, -1, -2)) * scale
-    reasons, lay = _pattern_cells(pattern, lead, n_heads, T)
+    reasons = _pattern_cells(pattern, lead, n_heads, T)
     while reasons.ndim > 2 and reasons.shape[0] == 1:  # T×T when the same for every sequence/head
         reasons = reasons[0]
 
@@ -298,7 +297,7 @@ def _stages(
                 f"{allowed.shape}"
             )
         try:
-            shape = np.broadcast_shapes(allowed.shape, reasons.shape, S.shape)
+            shape = np.broadcast_shapes(allowed.shape, S.shape)  # reasons are laid out like S
         except ValueError as exc:
             raise ValueError(
                 f"mask: shape {allowed.shape} does not broadcast to S {S.shape}"
@@ -318,7 +317,10 @@ def _stages(
         with np.errstate(invalid="ignore", over="ignore"):
             Sm = stages["S_cap"] = pattern.only("softcap").modify_scores(S)
     if pattern.has_additive:  # ALiBi, rel_bias, bias
-        E = pattern.only("alibi_slopes", "rel_bias", "bias").modify_scores(np.zeros(lay + (T, T)))
+        # (1, h): a per-sequence slope or bias broadcasts its own batch axis in
+        E = pattern.only("alibi_slopes", "rel_bias", "bias").modify_scores(
+            np.zeros((1, n_heads or 1, T, T))
+        )
         stages["E"] = E = E.reshape(_lead_shape(E.shape, lead, n_heads))
         with np.errstate(invalid="ignore", over="ignore"):
             Sm = Sm + E
@@ -332,7 +334,7 @@ def _stages(
     sink_logits = None
     if pattern.sinks is not None:
         sk = _masks._numpy(pattern.sinks).astype(np.float64)
-        sink_logits = sk[:, None, None] if n_heads is not None else sk.reshape(())
+        sink_logits = sk[:, None, None] if n_heads is not None else sk  # (h, 1, 1) or (1,)
     A = stages["A"] = softmax_last(Z, allowed, sinks=sink_logits)
     A_read = A
     if dropout_p:
@@ -368,15 +370,13 @@ def _is_pattern_mask(mask, x_ndim: int, n_heads) -> bool:
 
 def _lead_shape(shape4, lead: tuple, n_heads) -> tuple:
     """(B', H', T, T) from the Pattern -> the layout of S: lead axes, [h,] T, T."""
-    Bp, Hp = shape4[:2]
+    Bp, Hp = shape4[:2]  # Bp is 1 unless X has one batch axis (Pattern.check holds B = 1)
     tail = ((Hp,) if n_heads is not None else ()) + tuple(shape4[2:])
-    if len(lead) == 1:
-        return (Bp,) + tail
-    return (1,) * len(lead) + tail if Bp == 1 else (Bp,) + tail
+    return ((Bp,) if len(lead) == 1 else (1,) * len(lead)) + tail
 
 
-def _pattern_cells(pattern, lead: tuple, n_heads, T: int):
-    """The Pattern's blocked-reason codes laid out like S, and the (B, H) it was built for."""
+def _pattern_cells(pattern, lead: tuple, n_heads, T: int) -> np.ndarray:
+    """The Pattern's blocked-reason codes laid out like S (lead axes, [h,] T, T)."""
     B = lead[0] if len(lead) == 1 else 1
     by_row = dataclasses.replace(pattern, mask_mod=None).per_batch  # a mask_mod may read b
     if by_row and len(lead) != 1:
@@ -386,13 +386,8 @@ def _pattern_cells(pattern, lead: tuple, n_heads, T: int):
         )
     H = n_heads or 1
     pattern.check(B, H, T, T)
-    codes = pattern.reasons(B, H, T, T)
-    if n_heads is None and codes.shape[1] != 1:
-        raise ValueError("mask: a per-head mask needs n_heads")
-    cells = codes if n_heads is not None else codes[:, 0]
-    out = cells.reshape(_lead_shape(codes.shape, lead, n_heads))
-    Bs = B if pattern.alibi_slopes is not None and np.ndim(pattern.alibi_slopes) == 2 else 1
-    return out, (Bs, H)
+    codes = pattern.reasons(B, H, T, T)  # (B|1, H|1, T, T); H is 1 without n_heads
+    return codes.reshape(_lead_shape(codes.shape, lead, n_heads))
 
 
 def _keep_cells(seed, shape, lead: tuple, n_heads, p: float) -> np.ndarray:
@@ -411,6 +406,5 @@ def _keep_cells(seed, shape, lead: tuple, n_heads, p: float) -> np.ndarray:
     h = torch.arange(H)[None, :]
     pos = torch.arange(T)
     keep = _dropout.keep_mask(s, off, b, h, pos, pos, p).numpy()  # (B, H, T, T)
-    cells = keep if n_heads is not None else keep[:, 0]
-    keep = cells.reshape(_lead_shape(keep.shape, lead, n_heads))
+    keep = keep.reshape(_lead_shape(keep.shape, lead, n_heads))
     return np.broadcast_to(keep, shape)
