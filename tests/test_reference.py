@@ -977,5 +977,8 @@ def test_no_floating_point_warning_from_huge_modified_scores_or_full_dropout():
         proj = trace(X, I2 * 1e200, I2, I2)  # X W_q overflows
         nan = trace(X4, I2, I2, WV4, score_mod=lambda s, b, h, q, kv: s * 1e308 * 4 - s * 1e308 * 4)
         gone = trace(X4, I2, I2, WV4, dropout_p=1.0, dropout_seed=(0, 0))
+        # S = +inf at a future cell meets M = -inf there
+        blocked = trace(np.array([[1.0, 0.0], [1e200, 0.0]]), I2 * 1e200, I2, I2)
     assert cap.S_cap[0, 0] == 0.1 and np.isinf(biased.Z[0, 0]) and np.isinf(proj.Q[0, 0])
     assert np.isnan(nan.S_mod[0, 0]) and np.all(gone.A_drop == 0.0)
+    assert np.isinf(blocked.S[0, 1]) and blocked.A[0].tolist() == [1.0, 0.0]
