@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 import types
 
 import pytest
@@ -29,26 +30,44 @@ WAIT_S = 20.0
 
 
 class _Threads:
-    """An in-memory process group of P ranks, one per thread (torch.distributed's calls)."""
+    """An in-memory process group of P ranks, one per thread (torch.distributed's calls).
 
-    def __init__(self, P: int):
-        self.P = P
+    ``group``: the ranks form a subgroup whose rank r is global rank ``offset + r`` (the
+    peers of P2POp are global ranks, as in torch.distributed). ``fail`` = (rank, n): that
+    rank's n-th batch_isend_irecv (from 0) raises, and what it would have sent arrives at
+    its peers as an error, as a backend reports a peer that died."""
+
+    def __init__(self, P: int, group=None, offset: int = 0, fail=None, fail_gather=None, delay=0.0):
+        self.P, self.group, self.offset, self.fail = P, group, offset, fail
+        self.fail_gather, self.delay = fail_gather, delay  # a rank whose all_gather raises
         self.me = threading.local()
         self.boxes: dict = {}  # (to, frm, tag) -> tensors, in order
         self.boxes_lock = threading.Lock()
         self.barrier = threading.Barrier(P, timeout=WAIT_S)
         self.gathered: list = [None] * P
-        self.sent: list = []  # (frm, to, tag, numel), in send order
+        self.sent: list = []  # (frm, to, tag, numel), in send order (group ranks)
+        self.calls = [0] * P  # batch_isend_irecv calls by rank
         self.dist = types.SimpleNamespace(
-            P2POp=lambda op, tensor, peer, group, tag: (op, tensor, peer, tag),
+            P2POp=self.p2p_op,
             isend="isend",
             irecv="irecv",
             batch_isend_irecv=self.batch_isend_irecv,
             all_gather=self.all_gather,
-            get_global_rank=lambda group, r: r,
+            get_global_rank=self.get_global_rank,
         )
 
+    def p2p_op(self, op, tensor, peer, group, tag):
+        assert op in ("isend", "irecv") and group is self.group, (op, group)
+        assert tag in (ring._TAG_KV, ring._TAG_DKV), tag
+        return (op, tensor, peer - self.offset, tag)
+
+    def get_global_rank(self, group, r):
+        assert group is not None and group is self.group, "the default group needs no mapping"
+        assert isinstance(r, int) and 0 <= r < self.P, r
+        return self.offset + r
+
     def rank_and_size(self, group=None):
+        assert group is self.group, group
         return self.me.rank, self.P
 
     def box(self, key) -> queue.Queue:
@@ -58,22 +77,40 @@ class _Threads:
             return self.boxes.setdefault(key, queue.Queue())
 
     def batch_isend_irecv(self, ops):
+        me = self.me.rank
+        n, self.calls[me] = self.calls[me], self.calls[me] + 1
+        if self.fail == (me, n):
+            for op, _, peer, tag in ops:
+                if op == "isend":
+                    self.box((peer, me, tag)).put(ConnectionError())
+            raise RuntimeError("Connection reset by peer\n(a second line, not shown)")
         works = []
         for op, tensor, peer, tag in ops:
             assert 0 <= peer < self.P
             if op == "isend":
-                self.box((peer, self.me.rank, tag)).put(tensor.detach().clone())
-                self.sent.append((self.me.rank, peer, tag, tensor.numel()))
+                self.box((peer, me, tag)).put(tensor.detach().clone())
+                self.sent.append((me, peer, tag, tensor.numel()))
             else:
-                box = self.box((self.me.rank, peer, tag))
                 works.append(
-                    types.SimpleNamespace(
-                        wait=lambda b=box, t=tensor: t.copy_(b.get(timeout=WAIT_S))
-                    )
+                    types.SimpleNamespace(wait=self._receiver(self.box((me, peer, tag)), tensor))
                 )
         return works
 
+    def _receiver(self, box, tensor):
+        def wait():
+            time.sleep(self.delay)
+            got = box.get(timeout=WAIT_S)
+            if isinstance(got, BaseException):
+                raise got
+            tensor.copy_(got)
+
+        return wait
+
     def all_gather(self, every, mine, group=None):
+        assert group is self.group, group
+        if self.fail_gather == self.me.rank:
+            self.barrier.abort()  # the others, waiting for this rank, are told at once
+            raise RuntimeError("gloo: Connection closed by peer\n(a second line)")
         self.gathered[self.me.rank] = mine.clone()
         self.barrier.wait()
         for out, t in zip(every, self.gathered):
@@ -105,8 +142,8 @@ class _Threads:
 
 @pytest.fixture
 def ring_of(monkeypatch):
-    def make(P):
-        g = _Threads(P)
+    def make(P, **kw):
+        g = _Threads(P, **kw)
         monkeypatch.setattr(ring, "dist", g.dist)
         monkeypatch.setattr(ring, "rank_and_size", g.rank_and_size)
         return g
@@ -241,13 +278,15 @@ def test_dropout_in_the_ring_is_one_processs_pattern(ring_of):
         (4, "contiguous", 10, 3),
         (3, "zigzag", 2, 3),
         (1, "zigzag", None, 1),
+        (2, "contiguous", 1, 1),  # each query reads itself: one step, dK, dV already home
     ],
 )
 def test_steps_bytes_kernel_calls_and_flops_are_what_the_plan_says(
     ring_of, P, layout, window, steps
 ):
     """RingStats: the steps a window leaves (every rank the same), the bytes each rank sends
-    (k, v each step but the last, dK, dV every step when P > 1), one kernel call and
+    (k, v each step but the last, dK, dV every step when there are two or more; one step
+    leaves them home), one kernel call and
     score_flops per planned block pair (backward 2.5×), the transfers go to rank + 1 (dK, dV
     home on the last step)."""
     B, H, T, d_k, d_v = 1, 2, 8 * P, 4, 3
@@ -273,7 +312,7 @@ def test_steps_bytes_kernel_calls_and_flops_are_what_the_plan_says(
         assert st.flops == pytest.approx(
             score_flops(B * H * units, d_k, d_v) * (1 + BACKWARD_FACTOR)
         )
-        sent = 2 * (steps - 1) * kv * 8 + (steps * kv * 8 if P > 1 else 0)
+        sent = 2 * (steps - 1) * kv * 8 + (steps * kv * 8 if steps > 1 else 0)
         assert st.bytes_sent == sent
         assert st.wait_s >= 0
     for frm, to, tag, _ in g.sent:
@@ -387,3 +426,355 @@ def test_refusals_before_any_transfer(ring_of):
         assert "diagonal" in layout
         assert "ring_attention" in lengths and "T = P·T/P = 2·4" in lengths
     assert g.sent == []
+
+
+def test_a_ring_over_a_subgroup_sends_to_the_global_ranks_of_its_peers(ring_of):
+    """torch.distributed's P2POp takes global ranks: a subgroup's rank r is mapped through
+    get_global_rank, and the group goes with every operation."""
+    P, layout, shape, kw = CASES["zigzag-3-gqa"]
+    q, k, v, dout = _inputs(*shape, seed=11)
+    sub = object()
+    g = ring_of(P, group=sub, offset=5)
+    got, _, _ = _ring_run(g, q, k, v, dout, layout, group=sub, **kw)
+    want, _ = _one_process(q, k, v, dout, **kw)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    assert {(frm, to) for frm, to, tag, _ in g.sent if tag == ring._TAG_KV} == {
+        (r, (r + 1) % P) for r in range(P)
+    }
+
+
+def _failing_run(g, P, layout="contiguous"):
+    """Every rank's ring_attention (forward and backward) on its shard; its RingError."""
+    q, k, v, dout = _inputs(1, 2, 2, 4 * P, 4, 4, seed=P)
+
+    def rank(r):
+        leaves = [_local(t, r, P, layout).clone().requires_grad_() for t in (q, k, v)]
+        try:
+            out = ring.ring_attention(*leaves, layout=layout)
+            (out * _local(dout, r, P, layout)).sum().backward()
+        except ring.RingError as exc:
+            return exc
+        return None
+
+    return g.run(rank)
+
+
+_TAIL = (
+    ". Most likely another rank raised or died first (its own traceback says why); a silent "
+    "peer is given up on after the process group's timeout (init_process_group(timeout=...))."
+)
+
+
+@pytest.mark.parametrize(
+    "fail, phase, step, what",
+    [
+        (0, "forward", 1, "the k, v block"),  # the first call: forward's first step
+        (1, "backward", 1, "the k, v block"),  # the second: backward's first k, v
+        (2, "backward", 1, "the dk, dv gradients"),
+        (3, "backward", 2, "the dk, dv gradients"),  # the last, sending them home
+    ],
+)
+def test_a_failed_transfer_names_the_phase_step_what_and_both_peers(
+    ring_of, fail, phase, step, what
+):
+    """The rank whose transfer fails says what it was exchanging, when, and with whom (the
+    first line of the backend's message); its peer, left waiting, says the same of its own
+    transfer with the backend's error name."""
+    g = ring_of(2, fail=(1, fail))
+    errors = _failing_run(g, 2)
+    own = f"ring_attention ({phase}, step {step} of 2): rank 1 exchanging {what} "
+    assert str(errors[1]) == (
+        own + "(receiving from rank 0, sending to rank 0) failed: Connection reset by peer" + _TAIL
+    )
+    assert isinstance(errors[1].__cause__, RuntimeError)
+    peer = str(errors[0])
+    assert peer.startswith(f"ring_attention ({phase}, step {step} of 2): rank 0 exchanging ")
+    assert peer.endswith(
+        "(receiving from rank 1, sending to rank 1) failed: ConnectionError" + _TAIL
+    )
+    assert isinstance(errors[0].__cause__, ConnectionError)
+
+
+def test_wait_time_adds_up_over_every_transfer(ring_of):
+    g = ring_of(2, delay=0.02)
+    t0 = time.perf_counter()
+    _, _, stats = _ring_run(g, *_inputs(1, 2, 2, 8, 4, 4), "zigzag")
+    wall = time.perf_counter() - t0
+    for r, st in enumerate(stats):
+        assert g.calls[r] == 4  # forward's k, v; backward's k, v and two dK, dV
+        assert 0.02 * g.calls[r] <= st.wait_s <= wall
+
+
+def test_stats_add_up_over_calls(ring_of):
+    q, k, v, _ = _inputs(1, 2, 2, 8, 4, 4)
+    g = ring_of(2)
+    once, twice = [ring.RingStats() for _ in range(2)], [ring.RingStats() for _ in range(2)]
+
+    def rank(r):
+        x = [_local(t, r, 2, "zigzag") for t in (q, k, v)]
+        ring.ring_attention(*x, stats=once[r])
+        for _ in range(2):
+            ring.ring_attention(*x, stats=twice[r])
+
+    g.run(rank)
+    for a, b in zip(once, twice):
+        assert a.steps == 2 and b.steps == 4
+        assert (b.kernel_calls, b.bytes_sent, b.flops) == (
+            2 * a.kernel_calls,
+            2 * a.bytes_sent,
+            2 * a.flops,
+        )
+
+
+def test_empty_shards_take_one_step_and_give_empty_outputs(ring_of):
+    g = ring_of(2)
+    stats = [ring.RingStats() for _ in range(2)]
+
+    def rank(r):
+        x = torch.zeros(1, 2, 0, 4, dtype=F64)
+        return ring.ring_attention(x, x, x, layout="contiguous", stats=stats[r])
+
+    assert [tuple(o.shape) for o in g.run(rank)] == [(1, 2, 0, 4)] * 2
+    assert [st.steps for st in stats] == [1, 1] and g.sent == []
+
+
+def test_a_bfloat16_ring_returns_bfloat16_close_to_one_process(ring_of):
+    q, k, v, _ = _inputs(1, 2, 2, 16, 4, 4, seed=4)
+    half = [t.to(torch.bfloat16) for t in (q, k, v)]
+
+    def rank(r):
+        return ring.ring_attention(*(_local(t, r, 2, "zigzag") for t in half))
+
+    got = _whole(ring_of(2).run(rank), 2, "zigzag")
+    assert got.dtype == torch.bfloat16
+    want = attention(*half, engine="tiled")
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_mask_mod_that_reads_b_is_planned_for_every_sequence(ring_of):
+    """Sequence 0 reads only its own position, sequence 1 every earlier one: the blocks only
+    sequence 1 reads must still be computed."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (b == 1) | (q_idx == kv_idx)
+
+    q, k, v, dout = _inputs(2, 1, 1, 16, 4, 4, seed=6)
+    got, _, _ = _ring_run(ring_of(2), q, k, v, dout, "contiguous", mask_mod=mask_mod)
+    want, _ = _one_process(q, k, v, dout, mask_mod=mask_mod)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    pattern = Pattern(mask_mod=mask_mod)
+    two = ring.plan(pattern, [(8, 8)], [(0, 8)], B=2)  # rank 1 against rank 0's block
+    assert len(two) == 1 and two[0].units == 8 * 8 / 2  # "partial": the rows disagree
+    assert ring.plan(pattern, [(8, 8)], [(0, 8)]) == []  # one row (b = 0): nothing read
+    assert (
+        ring.plan(Pattern(mask_mod=lambda b, h, q, kv: b == 0), [(8, 8)], [(0, 8)], B=2)[0].units
+        == 8 * 8 / 2
+    )
+
+
+def test_plan_places_chunks_at_their_local_offsets():
+    pairs = ring.plan(Pattern(), [(8, 2), (10, 3), (13, 1)], [(0, 2), (2, 3), (5, 3)])
+    assert [(p.qs, p.ks) for p in pairs] == [
+        (slice(a, b), slice(c, d))
+        for a, b in ((0, 2), (2, 5), (5, 6))
+        for c, d in ((0, 2), (2, 5), (5, 8))
+    ]
+    assert all(p.units == (p.qs.stop - p.qs.start) * (p.ks.stop - p.ks.start) for p in pairs)
+    # a window that reaches the chunk's first key only from its first query: partial
+    (near,) = ring.plan(Pattern(window=7), [(4, 4)], [(0, 4)])
+    assert near.units == 4 * 4 / 2
+
+
+def _readable_pairs(P, layout, T, pattern, B):
+    """Per rank: the planned block pairs (over the ring steps) with any readable cell."""
+    allowed = pattern.allowed(B, 1, T, T)[:, 0]
+    T_local, out = T // P, []
+    for r in range(P):
+        q_segs = segments(r, P, T_local, layout)
+        q_pos = torch.cat([torch.arange(s, s + n) for s, n in q_segs])
+        count = 0
+        for t in range(P):
+            kv_segs = segments((r - t) % P, P, T_local, layout)
+            k_pos = torch.cat([torch.arange(s, s + n) for s, n in kv_segs])
+            for pair in ring.plan(Pattern(), q_segs, kv_segs):
+                cells = allowed[:, q_pos[pair.qs]][:, :, k_pos[pair.ks]]
+                count += bool(cells.any())
+        out.append(count)
+    return out
+
+
+@pytest.mark.parametrize(
+    "P, layout, B, H, lengths",
+    [
+        (2, "zigzag", 2, 1, [6, 10]),
+        (2, "contiguous", 3, 1, [2, 3, 16]),  # more sequences than heads; the last is whole
+        (4, "zigzag", 2, 2, [5, 30]),
+        (3, "contiguous", 2, 1, [0, 7]),
+    ],
+)
+def test_block_pairs_that_padding_leaves_empty_are_not_computed(ring_of, P, layout, B, H, lengths):
+    T = 8 * P
+    q, k, v, dout = _inputs(B, H, H, T, 4, 4, seed=P + B)
+    got, _, stats = _ring_run(ring_of(P), q, k, v, dout, layout, lengths=lengths)
+    want, _ = _one_process(q, k, v, dout, lengths=lengths)
+    for a, b in zip(got[:1] + got[2:], want[:1] + want[2:]):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+    calls = _readable_pairs(P, layout, T, Pattern(lengths=lengths), B)
+    assert [st.kernel_calls for st in stats] == [2 * c for c in calls]  # forward and backward
+
+
+def test_the_cpu_block_kernels_are_the_native_engines_where_it_is_built(monkeypatch):
+    from causalattn.engines import cpp, registry
+
+    cpu = torch.device("cpu")
+    want = "tiled" if cpp.unavailable() else "cpp"
+    assert ring._kernels(cpu) is registry.engine(want).load()
+    monkeypatch.setattr(registry, "refusal", lambda name, f: "no build here")
+    assert ring._kernels(cpu) is registry.engine("tiled").load()
+
+
+def test_cuda_block_kernels_are_the_triton_engines_and_other_devices_are_refused(monkeypatch):
+    import importlib
+
+    cuda = types.SimpleNamespace(type="cuda")
+    kernels = types.SimpleNamespace(fwd=lambda p: None, bwd=lambda *a: None)
+    asked = []
+
+    def fake_import(name, mods={}):  # noqa: B006 - the modules "installed"
+        asked.append(name)
+        if name not in mods:
+            raise ImportError(name)
+        return mods[name]
+
+    monkeypatch.setattr(
+        importlib, "import_module", lambda n: fake_import(n, {"causalattn.engines.triton": kernels})
+    )
+    assert ring._kernels(cuda) is kernels and asked == ["causalattn.engines.triton"]
+    message = (
+        "ring_attention: no block kernels for {} tensors here: the cpp and tiled engines run "
+        "on CPU only, and CUDA tensors need the triton engine (pip install 'causalattn[gpu]')"
+    )
+    for mods in (
+        {},
+        {"causalattn.engines.triton": types.SimpleNamespace(fwd=kernels.fwd)},
+        {"causalattn.engines.triton": types.SimpleNamespace(bwd=kernels.bwd)},
+    ):
+        monkeypatch.setattr(importlib, "import_module", lambda n, m=mods: fake_import(n, m))
+        with pytest.raises(ValueError) as e:
+            ring._kernels(cuda)
+        assert str(e.value) == message.format("cuda")
+    with pytest.raises(ValueError) as e:
+        ring._kernels(torch.device("meta"))
+    assert str(e.value) == message.format("meta")
+
+
+def test_a_failed_all_gather_names_the_rank_and_the_backends_first_line(ring_of):
+    g = ring_of(2, fail_gather=1)
+
+    def rank(r):
+        x = torch.zeros(1, 2, 4, 4, dtype=F64)
+        with pytest.raises(ring.RingError) as e:
+            ring.ring_attention(x, x, x)
+        return str(e.value)
+
+    tail = "). Another rank probably raised before calling ring_attention, or died."
+    mine, peer = g.run(rank)[::-1]
+    assert mine == (
+        "ring_attention: rank 1 could not check its shard against the other ranks "
+        "(all_gather failed: gloo: Connection closed by peer" + tail
+    )
+    assert peer == (
+        "ring_attention: rank 0 could not check its shard against the other ranks "
+        "(all_gather failed: BrokenBarrierError()" + tail
+    )
+
+
+def test_shards_that_disagree_are_refused_with_every_ranks_problem_in_full(ring_of):
+    """Shapes, dtype, layout, the lengths' checksum (order-sensitive, modulo 1,000,003) and
+    the window, every rank's, in the one message every rank raises."""
+    many = [200] * 100  # Σ (i + 1)·200 = 1,010,000: past the modulus
+    kw = [
+        dict(dtype=F64, H_kv=1, d_v=3, layout="contiguous", lengths=[3, 7], window=3),
+        dict(dtype=torch.float32, H_kv=2, d_v=5, layout="zigzag", lengths=None, window=None),
+    ]
+
+    def problem(r, B=2, T=4):
+        a = kw[r]
+        q = torch.zeros(B, 2, T, 4, dtype=a["dtype"])
+        k = torch.zeros(B, a["H_kv"], T, 4, dtype=a["dtype"])
+        v = torch.zeros(B, a["H_kv"], T, a["d_v"], dtype=a["dtype"])
+        return q, k, v
+
+    def rank(r):
+        q, k, v = problem(r)
+        a = kw[r]
+        with pytest.raises(ValueError) as e:
+            ring.ring_attention(
+                q, k, v, layout=a["layout"], lengths=a["lengths"], window=a["window"]
+            )
+        return str(e.value)
+
+    msgs = ring_of(2).run(rank)
+    want = (
+        "ring_attention: the ranks' shards disagree (rank 0: q (2, 2, 4, 4), k (2, 1, 4, 4), "
+        "v (…, 3), torch.float64, layout 'contiguous', lengths checksum 17, window 3; "
+        "rank 1: q (2, 2, 4, 4), k (2, 2, 4, 4), v (…, 5), torch.float32, layout 'zigzag', "
+        "lengths none, window none); every rank must pass its shard (B, H, T/P, d) of the same "
+        "sequence, with the same layout, lengths and window"
+    )
+    assert msgs == [want, want]
+    # the same lengths in another order, and lengths past the modulus
+    kw[:] = [dict(kw[0], lengths=[7, 3]), dict(kw[0], lengths=[3, 7], window=None)]
+    m = ring_of(2).run(rank)[0]
+    assert "rank 0: q (2, 2, 4, 4), k (2, 1, 4, 4), v (…, 3), torch.float64, layout " in m
+    assert "lengths checksum 13, window 3; rank 1:" in m and "checksum 17, window none)" in m
+    kw[:] = [dict(kw[0], lengths=many), dict(kw[0], lengths=many, window=4)]
+
+    def big(r):
+        q = torch.zeros(100, 1, 100, 2, dtype=F64)
+        with pytest.raises(ValueError) as e:
+            ring.ring_attention(q, q, q, layout="contiguous", lengths=many, window=kw[r]["window"])
+        return str(e.value)
+
+    m = ring_of(2).run(big)[0]
+    assert "lengths checksum 9997, window 3; rank 1:" in m and "checksum 9997, window 4)" in m
+    # a window on one rank and none on another disagree too
+    kw[:] = [dict(kw[0], lengths=None, window=1), dict(kw[0], lengths=None, window=None)]
+    assert "window 1; rank 1:" in ring_of(2).run(rank)[0]
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (
+            lambda x, y: ring.ring_attention(x, y, y),
+            "ring_attention: q has T/P = 4 positions but k has 6; ring attention is "
+            "self-attention, every rank holds the same positions of q, k and v",
+        ),
+        (
+            lambda x, y: ring.ring_attention(x, x, x, lengths=[4]),
+            "ring_attention: lengths must be a 1-D integer array (B,) = (2,), got shape (1,) and "
+            "dtype int64",
+        ),
+        (
+            lambda x, y: ring.ring_attention(x, x, x, sinks=torch.zeros(3)),
+            "sinks: expected one logit per head, shape (H,) = (2,), got (3,)",
+        ),
+        (
+            lambda x, y: ring.ring_attention(x, x, x, window=0),
+            "mask: window must be >= 1, got 0",
+        ),
+    ],
+)
+def test_local_refusals_in_full(ring_of, call, message):
+    g = ring_of(2)
+    x, y = torch.zeros(2, 2, 4, 3, dtype=F64), torch.zeros(2, 2, 6, 3, dtype=F64)
+
+    def rank(r):
+        with pytest.raises(ValueError) as e:
+            call(x, y)
+        return str(e.value)
+
+    assert g.run(rank) == [message, message] and g.sent == []
