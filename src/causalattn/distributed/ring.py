@@ -168,7 +168,6 @@ class _Config:
     B: int = 1  # batch rows (a mask_mod's block kinds are asked per row)
 
     def __post_init__(self):
-        self.q_segs = segments(self.rank, self.P, self.T_local, self.layout)
         self._plans: dict[tuple[int, int], list[_Pair]] = {}
         # ring steps that any rank needs: past them every rank's block pairs are skipped
         self.steps = 1 + max(
