@@ -572,3 +572,11 @@ def test_an_empty_list_of_sequences_is_a_batch_of_none(name, empty):
     with pytest.raises(ValueError) as e:
         masks.Pattern(cu_seqlens=empty)
     assert str(e.value).startswith("cu_seqlens: must have >= 2 entries")
+    got = masks.check_lengths(empty, 4, "ring_attention", B=0)
+    assert got.dtype == np.int64 and got.shape == (0,)
+    with pytest.raises(ValueError) as e:
+        masks.check_lengths(empty, 4, "ring_attention", B=1)
+    assert str(e.value) == (
+        "ring_attention: lengths must be a 1-D integer array (B,) = (1,), got shape (0,) and "
+        "dtype int64"
+    )

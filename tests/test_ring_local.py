@@ -47,6 +47,7 @@ class _Threads:
         self.gathered: list = [None] * P
         self.sent: list = []  # (frm, to, tag, numel), in send order (group ranks)
         self.calls = [0] * P  # batch_isend_irecv calls by rank
+        self.gathers = 0  # all_gather calls, all ranks
         self.dist = types.SimpleNamespace(
             P2POp=self.p2p_op,
             isend="isend",
@@ -111,6 +112,7 @@ class _Threads:
         if self.fail_gather == self.me.rank:
             self.barrier.abort()  # the others, waiting for this rank, are told at once
             raise RuntimeError("gloo: Connection closed by peer\n(a second line)")
+        self.gathers += 1
         self.gathered[self.me.rank] = mine.clone()
         self.barrier.wait()
         for out, t in zip(every, self.gathered):
@@ -425,7 +427,7 @@ def test_refusals_before_any_transfer(ring_of):
         assert "q has T/P = 4 positions but k has 6" in differ
         assert "diagonal" in layout
         assert "ring_attention" in lengths and "T = P·T/P = 2·4" in lengths
-    assert g.sent == []
+    assert g.sent == [] and g.gathers == 0
 
 
 def test_a_ring_over_a_subgroup_sends_to_the_global_ranks_of_its_peers(ring_of):
@@ -739,6 +741,17 @@ def test_shards_that_disagree_are_refused_with_every_ranks_problem_in_full(ring_
 
     m = ring_of(2).run(big)[0]
     assert "lengths checksum 9997, window 3; rank 1:" in m and "checksum 9997, window 4)" in m
+
+    # no sequences: lengths [] is a checksum of 0, beside a rank that gives none
+    def empty(r):
+        x = torch.zeros(0, 2, 4, 4, dtype=F64)
+        with pytest.raises(ValueError) as e:
+            ring.ring_attention(x, x, x, lengths=[] if r == 0 else None)
+        return str(e.value)
+
+    m = ring_of(2).run(empty)[0]
+    assert "float64, layout 'zigzag', lengths checksum 0, window none; rank 1:" in m
+    assert m.count("lengths none") == 1
     # a window on one rank and none on another disagree too
     kw[:] = [dict(kw[0], lengths=None, window=1), dict(kw[0], lengths=None, window=None)]
     assert "window 1; rank 1:" in ring_of(2).run(rank)[0]
@@ -776,4 +789,4 @@ def test_local_refusals_in_full(ring_of, call, message):
             call(x, y)
         return str(e.value)
 
-    assert g.run(rank) == [message, message] and g.sent == []
+    assert g.run(rank) == [message, message] and g.sent == [] and g.gathers == 0

@@ -46,10 +46,15 @@ def _positive_int(name: str, value) -> int:
     return int(value)
 
 
-def _int_vector(name: str, value) -> np.ndarray:
+def _ints(value) -> np.ndarray:
+    """``_numpy(value)``, an empty 1-D one as int64: [] is float64 to NumPy, and is no
+    sequences whatever its dtype."""
     arr = _numpy(value)
-    if arr.ndim == 1 and arr.size == 0:  # [] is float64 to NumPy: no sequences, any dtype
-        return arr.astype(np.int64)
+    return arr.astype(np.int64) if arr.ndim == 1 and arr.size == 0 else arr
+
+
+def _int_vector(name: str, value) -> np.ndarray:
+    arr = _ints(value)
     if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_:
         raise ValueError(
             f"mask: {name} must be a 1-D integer array, got shape {arr.shape} and dtype {arr.dtype}"
@@ -91,7 +96,7 @@ def _check_len(name: str, value) -> int:
 def check_lengths(lengths, T: int, what: str, B: int | None = None, note: str = "") -> np.ndarray:
     """``lengths`` as int64 NumPy (B,), each in [0, T]; else a ValueError from ``what``
     naming the shape (B,) = (``B``,) when given. The one lengths check (masks, layer, ring)."""
-    arr = _numpy(lengths)
+    arr = _ints(lengths)
     if (
         arr.ndim != 1
         or not np.issubdtype(arr.dtype, np.integer)
