@@ -299,3 +299,440 @@ def test_the_pool_keeps_its_own_worker_count():
     assert tiled_pool._POOL is pool and tiled_pool._POOL_WORKERS == n
     tiled_pool._parallel(parts, run, n + 1)
     assert tiled_pool._POOL is not pool and tiled_pool._POOL_WORKERS == n + 1
+
+
+# ---- the learned tensors' gradients (bias, rel_bias, ALiBi slopes, a score_mod's tensors) --
+def _learned_case(name, B, H, Tq, Tk, g):
+    """(keywords, leaves) of one learned tensor; the score_mod reads b, h, q_idx, kv_idx."""
+    r = lambda *s: torch.randn(*s, generator=g, dtype=F64).requires_grad_()  # noqa: E731
+    if name.startswith("bias"):
+        shape = {
+            "bias": (B, H, Tq, Tk),
+            "bias-head": (1, H, Tq, Tk),
+            "bias-key": (B, 1, 1, Tk),
+            "bias-query": (1, 1, Tq, 1),
+            "bias-3d": (H, Tq, Tk),
+            "bias-2d": (Tq, Tk),
+        }[name]
+        t = r(*shape)
+        return {"bias": t}, [t]
+    if name == "rel_bias":
+        t = r(H, 2 * Tk - 1)
+        return {"rel_bias": t}, [t]
+    if name == "alibi_slopes":
+        t = torch.rand(H, generator=g, dtype=F64).requires_grad_()
+        return {"alibi_slopes": t}, [t]
+    if name == "alibi_slopes-batch":
+        t = torch.rand(B, H, generator=g, dtype=F64).requires_grad_()
+        return {"alibi_slopes": t}, [t]
+    table, scale, unused = r(H, 2 * Tk - 1), r(B), r(3)
+    on = [True]  # `unused` is captured but never read: its gradient is zeros
+
+    def smod(s, b, h, q_idx, kv_idx):
+        s = s + table[h, q_idx - kv_idx + Tk - 1] + scale[b] * torch.tanh(s)
+        return s if on[0] else s + unused.sum()
+
+    return {"score_mod": smod}, [table, scale, unused]
+
+
+def _grads_of(engine, q, k, v, kw, leaves, dout):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = attention(q, k, v, engine=engine, return_lse=True, **kw)
+    grads = torch.autograd.grad((out * dout).sum(), (q, k, v, *leaves), allow_unused=True)
+    return out.detach(), lse.detach(), grads
+
+
+LEARNED = [
+    "bias", "bias-head", "bias-key", "bias-query", "bias-3d", "bias-2d",
+    "rel_bias", "alibi_slopes", "alibi_slopes-batch", "score_mod",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("blocks", [(3, 4), (8, 16), None], ids=["3x4", "8x16", "auto"])
+@pytest.mark.parametrize("name", LEARNED)
+def test_learned_tensor_gradients_match_the_reference(monkeypatch, name, blocks):
+    """Every learned tensor's gradient, and dq, dk, dv beside it, against the float64
+    reference: grouped-query heads, two batch rows of different lengths (one job each),
+    a window, bottom-right decoding, small and default blocks (masked, partly read tiles)."""
+    monkeypatch.setattr(tiled, "BLOCKS", blocks)
+    for Tq, Tk, extra in ((11, 11, {"lengths": [11, 6]}), (5, 13, {"window": 6})):
+        B, Hq, Hkv = 2, 4, 2
+        g = torch.Generator().manual_seed(len(name) + Tq)
+        q, k, v = _inputs(B, Hq, Hkv, Tq, Tk, 5, 3, seed=Tq)
+        kw, leaves = _learned_case(name, B, Hq, Tq, Tk, g)
+        dout = torch.randn(B, Hq, Tq, 3, generator=g, dtype=F64)
+        got = _grads_of("tiled", q, k, v, {**kw, **extra}, leaves, dout)
+        want = _grads_of("reference", q, k, v, {**kw, **extra}, leaves, dout)
+        torch.testing.assert_close(got[0], want[0], atol=1e-12, rtol=1e-12)
+        fin = torch.isfinite(want[1])
+        assert torch.equal(fin, torch.isfinite(got[1]))
+        torch.testing.assert_close(got[1][fin], want[1][fin], atol=1e-6, rtol=1e-6)
+        for i, (a, b) in enumerate(zip(got[2], want[2])):
+            if b is None:  # the reference's autograd never reached it: zeros here
+                assert a is None or not a.any(), i
+                continue
+            assert a is not None and a.shape == b.shape and a.dtype == b.dtype, i
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=f"grad {i}")
+
+
+def test_learned_gradients_over_many_tiles_parts_and_threads():
+    """Enough work for several workers and dQ lanes (parts summed in order): every learned
+    tensor at once, against the reference; no readable key anywhere: zero gradients."""
+    B, H, T, d = 1, 2, 256, 16
+    g = torch.Generator().manual_seed(7)
+    q, k, v = _inputs(B, H, H, T, T, d, d, seed=7)
+    bias = torch.randn(1, H, T, T, generator=g, dtype=F64).requires_grad_()
+    rel = torch.randn(H, 2 * T - 1, generator=g, dtype=F64).requires_grad_()
+    slopes = torch.rand(H, generator=g, dtype=F64).requires_grad_()
+    table = torch.randn(H, 2 * T - 1, generator=g, dtype=F64).requires_grad_()
+
+    def smod(s, b, h, q_idx, kv_idx):
+        return s + table[h, q_idx - kv_idx + T - 1]
+
+    kw = {"bias": bias, "rel_bias": rel, "alibi_slopes": slopes, "score_mod": smod}
+    leaves = [bias, rel, slopes, table]
+    dout = torch.randn(B, H, T, d, generator=g, dtype=F64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        got = _grads_of("tiled", q, k, v, kw, leaves, dout)
+    finally:
+        torch.set_num_threads(threads)
+    want = _grads_of("reference", q, k, v, kw, leaves, dout)
+    torch.testing.assert_close(got[0], want[0], atol=1e-11, rtol=1e-11)
+    for i, (a, b) in enumerate(zip(got[2], want[2])):
+        torch.testing.assert_close(a, b, atol=1e-9, rtol=1e-9, msg=f"grad {i}")
+    none = _grads_of("tiled", q, k, v, {**kw, "lengths": [0]}, leaves, dout)
+    for i, (t, a) in enumerate(zip([q, k, v, *leaves], none[2])):
+        assert a is not None and a.shape == t.shape and not a.any(), i
+
+
+def test_forward_entry_is_differentiable_and_refuses_another_device():
+    q, k, v = _inputs(1, 2, 1, 7, 7, 4, 3, seed=17)
+    p = make_problem(q.requires_grad_(), k, v, window=3)
+    out, lse = tiled.forward(p, return_lse=True)
+    want_out, want_lse = tiled.fwd(p)
+    assert torch.equal(out, want_out) and lse.dtype == torch.float32  # fp32 lse by contract
+    assert torch.equal(lse, want_lse.float())
+    only = tiled.forward(p)
+    assert torch.equal(only, want_out) and only.requires_grad
+    (dq,) = torch.autograd.grad(only.sum(), q)
+    ref = attention(q, k, v, window=3, engine="reference")
+    torch.testing.assert_close(dq, torch.autograd.grad(ref.sum(), q)[0], atol=1e-12, rtol=0)
+    from dataclasses import replace
+
+    meta = replace(p, q=torch.empty(q.shape, dtype=F64, device="meta"))
+    with pytest.raises(ValueError) as e:
+        tiled.forward(meta)
+    assert str(e.value) == "engine 'tiled': runs on the CPU; q is on meta"
+    assert tiled.refusal(None) == ""
+
+
+# ---- the engine's rules on their own: block sizes, the split of the work, the guards -------
+def test_plan_block_sizes_follow_the_documented_rule(monkeypatch):
+    """Query blocks of 128 rows, key blocks of 256 (512 past d = 128), as many heads as fit
+    TILE_ELEMS = 2^17 scores; decoding widens the key block to fill the tile; the backward
+    takes square blocks (64 past d = 128); a forced BLOCKS is clipped to the shape alone."""
+    P = tiled._plan
+    assert P(8, 1000, 1000, 64) == (4, 128, 256)
+    assert P(8, 1000, 1000, 128) == (4, 128, 256) and P(8, 1000, 1000, 129) == (2, 128, 512)
+    assert P(1, 1000, 1000, 64) == (1, 128, 1000) and P(3, 1000, 5000, 64) == (3, 128, 341)
+    assert P(8, 1000, 1000, 64, bwd=True) == (8, 128, 128)
+    assert P(20, 1000, 1000, 64, bwd=True) == (8, 128, 128)
+    assert P(20, 1000, 1000, 200, bwd=True) == (20, 64, 64)
+    assert P(2, 1000, 1000, 129, bwd=True) == (2, 64, 64)
+    assert P(4, 1, 5000, 64) == (4, 1, 5000) and P(4, 1, 50000, 64) == (4, 1, 32768)
+    assert P(4, 1, 5000, 64, bwd=True) == (4, 1, 128)
+    assert P(2, 0, 0, 8) == (2, 1, 1)  # empty: blocks of one
+    assert P(600, 100, 300, 8) == (5, 100, 262)  # 2^17 // (100·256) = 5 heads
+    monkeypatch.setattr(tiled, "BLOCKS", (3, 5))
+    assert P(8, 1000, 1000, 64) == (8, 3, 5) and P(8, 2, 4, 64, bwd=True) == (8, 2, 4)
+    assert P(9000, 10, 10, 8) == (8738, 3, 5)  # 2^17 // 15 heads
+    assert P(4, 1, 5000, 64) == (4, 1, 5)  # no widening when the blocks are forced
+
+
+def test_job_plan_keeps_a_query_group_in_one_tile():
+    q = torch.zeros(3, 4, 1000, 64)  # N = 3 key/value heads, g = 4 query heads each
+    assert tiled._job_plan(q, 1000) == (1, 128, 256)  # _plan(12, ...) gives 4 query heads
+    assert tiled._job_plan(torch.zeros(3, 1, 1000, 64), 1000) == (3, 128, 341)
+    assert tiled._job_plan(torch.zeros(3, 8, 1000, 64), 1000) == (1, 128, 256)  # at least 1
+    assert tiled._job_plan(q, 1000, bwd=True) == (2, 128, 128)
+
+
+def test_job_views_fold_batch_rows_and_key_heads():
+    x = torch.arange(2 * 4 * 3 * 2).view(2, 4, 3, 2)  # (B, H_q, T, e), H_kv = 2: g = 2
+    v = tiled._job_view(x, 1, 2, 2)
+    assert (
+        v.shape == (2, 2, 3, 2) and torch.equal(v[1, 0], x[1, 2]) and torch.equal(v[0, 1], x[1, 1])
+    )
+    kv = tiled._kv(x, 0, 2)
+    assert kv.shape == (8, 3, 2) and torch.equal(kv[5], x[1, 1])
+
+
+def test_balanced_deals_the_largest_task_to_the_least_loaded_part():
+    from causalattn.engines.tiled_pool import _balanced
+
+    tasks = [(c,) for c in (3, 7, 1, 5, 2, 6, 4)]
+    cost = lambda t: t[0]  # noqa: E731
+    assert _balanced(tasks, cost, 3) == [[(7,), (2,), (1,)], [(6,), (3,)], [(5,), (4,)]]
+    assert _balanced(tasks, cost, 1) == [sorted(tasks, reverse=True)]
+    assert _balanced(tasks, cost, 0) == [sorted(tasks, reverse=True)]
+    assert _balanced(tasks[:2], cost, 5) == [[(7,)], [(3,)]]  # no empty parts
+    assert _balanced([], cost, 4) == []
+    assert _balanced([(2,), (2,), (1,)], cost, 2) == [[(2,), (1,)], [(2,)]]
+
+
+def test_workers_and_lanes_from_the_work_at_2_to_the_22():
+    from causalattn.engines.tiled_pool import LANES, _lanes, _workers
+
+    def prob(Tq, Tk, d, dv, B=1, H=1):
+        return make_problem(
+            torch.zeros(B, H, Tq, d), torch.zeros(B, H, Tk, d), torch.zeros(B, H, Tk, dv)
+        )
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        at = prob(512, 512, 10, 6)  # 512·512·16 = 2^22 exactly
+        below = prob(511, 512, 10, 6)
+        assert _workers(at) == 3 and _lanes(at) == LANES == 4
+        assert _workers(below) == 1 and _lanes(below) == 1
+        assert _workers(prob(256, 512, 10, 6, B=2)) == 3 and _lanes(prob(256, 512, 10, 6, H=2)) == 4
+        assert _workers(prob(256, 1024, 10, 6)) == 3  # T_k counts, not T_q twice
+        assert _workers(prob(512, 512, 6, 10)) == 3 and _lanes(prob(512, 512, 15, 1)) == 4
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_parallel_runs_single_threaded_torch_and_restores_the_count():
+    from causalattn.engines.tiled_pool import _parallel
+
+    seen = []
+
+    def run(part):
+        seen.append((torch.get_num_threads(), torch.is_grad_enabled()))
+        return sum(part)
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert _parallel([[1, 2], [3], [4, 5]], run, 1) == [3, 3, 9]  # in the caller, in order
+        assert _parallel([[1], [2]], run, 4) == [1, 2]
+        assert _parallel([], run, 4) == []
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert seen and all(s == (1, False) for s in seen)
+
+    def boom(part):
+        raise RuntimeError("tile failed")
+
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(RuntimeError, match="tile failed"):
+            _parallel([[1]], boom, 1)
+        assert torch.get_num_threads() == 2  # restored on the way out
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_finite_and_flag_find_the_positions_that_hold_a_non_finite():
+    from causalattn.engines.tiled_tiles import _finite, _flag
+
+    X = torch.ones(2, 5, 3)
+    assert _finite(X)[0] is X and _finite(X)[1] is None
+    big = torch.full((2, 5, 3), 3e38)  # the sum overflows; every entry is finite
+    assert _finite(big)[1] is None
+    assert _finite(torch.zeros(0, 4, 3))[1] is None
+    X[1, 1, 2] = float("nan")
+    X[0, 3, 0] = float("-inf")
+    X0, cum = _finite(X)
+    assert cum.dtype == torch.int64 and cum.tolist() == [0, 0, 1, 1, 2, 2]
+    assert torch.equal(X0, torch.nan_to_num(X, nan=0.0, posinf=0.0, neginf=0.0))
+    assert X0[1, 1, 2] == 0 and X0[0, 3, 0] == 0 and torch.isnan(X[1, 1, 2])  # X kept
+    assert _flag(None, 0, 5) is None
+    assert [_flag(cum, c, c + 1) for c in range(5)] == [False, True, False, True, False]
+    assert _flag(cum, 2, 3) is False and _flag(cum, 0, 5) is True and _flag(cum, 4, 5) is False
+
+
+def test_nonfinite_terms_adds_only_where_a_is_nonzero_in_chunks_of_2_to_the_22(monkeypatch):
+    """out += A @ X over X's non-finite entries alone (an exact 0 in A adds nothing, not
+    0·NaN), in column chunks whose products stay within 2^22 elements."""
+    from causalattn.engines import tiled_tiles
+
+    g = torch.Generator().manual_seed(0)
+    A = torch.randn(2, 3, 6, generator=g, dtype=F64)
+    A[0, 1, 2] = 0.0
+    X = torch.randn(2, 6, 4, generator=g, dtype=F64)
+    X[0, 2, 1] = float("nan")  # read by rows 0 and 2 of head 0, not by row 1 (A = 0)
+    X[1, 4, 3] = float("inf")
+    X[1, 4, 0] = float("nan")
+    out = torch.zeros(2, 3, 4, dtype=F64)
+    tiled_tiles._nonfinite_terms(out, A, X)
+    want = torch.zeros(2, 3, 4, dtype=F64)
+    for n, r, c, e in torch.nonzero(~torch.isfinite(X)[:, None].expand(2, 3, 6, 4)).tolist():
+        if A[n, r, c] != 0:
+            want[n, r, e] += A[n, r, c] * X[n, c, e]
+    assert torch.equal(torch.isnan(out), torch.isnan(want))
+    assert torch.equal(out.nan_to_num(), want.nan_to_num())
+    assert not torch.isnan(out[0, 1]).any() and out[1, :, 1].eq(0).all()  # finite entries: 0
+
+    class Chunks:  # torch as _nonfinite_terms sees it: the column count of each product
+        def __init__(self):
+            self.widths = []
+
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        def where(self, cond, a, b):
+            if cond.dim() == 4:
+                self.widths.append(cond.shape[2])
+            return torch.where(cond, a, b)
+
+    for N, r, e, n_bad, step in (
+        (1, 1024, 1024, 9, 4),
+        (1, 4096, 2048, 3, 1),
+        (2, 4, 4, 5, 131072),
+    ):
+        A = torch.ones(N, r, n_bad)
+        X = torch.full((N, n_bad, e), float("nan"))
+        ch = Chunks()
+        monkeypatch.setattr(tiled_tiles, "torch", ch)
+        tiled_tiles._nonfinite_terms(torch.zeros(N, r, e), A, X)
+        monkeypatch.undo()
+        assert step == max(1, (1 << 22) // (N * r * e))
+        assert ch.widths == [min(step, n_bad - s) for s in range(0, n_bad, step)], ch.widths
+
+
+def test_a_value_row_with_one_non_finite_feature_leaves_the_others_exact():
+    """Masked tiles meet a value row whose feature 0 is NaN and feature 1 is inf: the rows
+    that read it get NaN / inf there and the reference's values in every other feature;
+    the rows that cannot read it get the reference's values in all."""
+    q, k, v = _inputs(1, 2, 1, 12, 12, 4, 3, seed=21)
+    v[0, 0, 5, 0] = float("nan")
+    v[0, 0, 7, 1] = float("inf")
+    for blocks in ((4, 4), (3, 5), None):
+        old, tiled.BLOCKS = tiled.BLOCKS, blocks
+        try:
+            for kw in ({"window": 4}, {}, {"bias": torch.zeros(12, 12, dtype=F64)}):
+                out = attention(q, k, v, engine="tiled", **kw)
+                ref = attention(q, k, v, engine="reference", **kw)
+                torch.testing.assert_close(out, ref, atol=1e-12, rtol=0, equal_nan=True)
+        finally:
+            tiled.BLOCKS = old
+
+
+def test_sinks_gradient_is_computed_in_float64_from_out_lse_dout_and_dlse():
+    """d s_h = -Σ exp(s_h - lse)·(rowsum(dO ∘ O) - dlse), in float64 whatever the inputs'
+    dtype; rows with lse = -inf add nothing, even with a dlse."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = _inputs(2, 2, 2, 6, 6, 4, 3, dtype=torch.float32, seed=3)
+    p = make_problem(q, k, v, lengths=[6, 0], sinks=[0.3, -0.7])
+    out, lse = tiled.fwd(p)
+    dout = torch.randn(out.shape, generator=g)
+    dlse = torch.randn(lse.shape, generator=g)
+    got = tiled.sinks_grad(p, out, lse, dout, dlse)
+    D = (dout.double() * out.double()).sum(-1) - dlse.double()
+    L = lse.double()
+    w = torch.exp(torch.tensor([0.3, -0.7], dtype=F64)[None, :, None] - L)
+    w = torch.where(torch.isneginf(L), 0.0, w)
+    assert got.dtype == F64 and torch.equal(got, -(w * D).sum(dim=(0, 2)))
+    assert torch.isneginf(lse[1]).all()  # batch row 1 reads nothing
+    D0 = (dout.double() * out.double()).sum(-1)
+    assert torch.equal(tiled.sinks_grad(p, out, lse, dout), -(w * D0).sum(dim=(0, 2)))
+
+
+@pytest.mark.parametrize("name", ["rel_bias", "alibi_slopes", "score_mod", "bias-key"])
+def test_placed_blocks_read_the_modifiers_at_their_global_positions(name):
+    """Blocks placed in a longer sequence (q_start, k_start: the ring's blocks): two key
+    halves and a query block whose start is not the bottom-right one. Merged by lse they
+    give the whole problem's out; their backward, given the merged out and lse, sums to the
+    whole problem's gradients, the learned tensor's included."""
+    from causalattn.masks import Pattern
+
+    T, H = 12, 2
+    g = torch.Generator().manual_seed(9)
+    q, k, v = _inputs(1, H, H, T, T, 4, 3, seed=9)
+    kw, leaves = _learned_case(name, 1, H, T, T, g)
+    if name == "bias-key":  # a key bias is sliced by the block's own key range
+        kw = {"bias": leaves[0][..., :]}
+    leaf = leaves[0]
+    dout = torch.randn(1, H, T, 3, generator=g, dtype=F64)
+    ql, kl, vl = (t.clone().requires_grad_() for t in (q, k, v))
+    from causalattn.engines import exact
+
+    o, L = exact.forward(make_problem(ql, kl, vl, **kw), return_lse=True)  # lse: fp32
+    want = torch.autograd.grad((o * dout).sum(), (ql, kl, vl, *leaves), allow_unused=True)
+    want_name = {"bias-key": "bias", "score_mod": "captured"}.get(name, name)
+
+    def placed(qs, ks, qa, ka):
+        bkw = dict(kw)
+        if name == "bias-key":
+            bkw["bias"] = leaf[..., ks]
+        pattern = Pattern(q_start=qa, k_start=ka, **bkw)
+        return make_problem(q[:, :, qs], k[:, :, ks], v[:, :, ks], pattern=pattern)
+
+    halves = [placed(slice(None), slice(0, 6), 0, 0), placed(slice(None), slice(6, 12), 0, 6)]
+    (o1, l1), (o2, l2) = (tiled.fwd(p) for p in halves)
+    Lm = torch.logaddexp(l1, l2)
+    out = o1 * (l1 - Lm).exp()[..., None] + o2 * (l2 - Lm).exp()[..., None]
+    torch.testing.assert_close(out, o.detach(), atol=1e-12, rtol=0)
+    torch.testing.assert_close(Lm.float(), L.detach(), atol=1e-6, rtol=0)
+    parts = [tiled.bwd_grads(p, out, Lm, dout, want=(want_name,)) for p in halves]
+    dq = parts[0][0] + parts[1][0]
+    dk, dv = (torch.cat([parts[0][i], parts[1][i]], 2) for i in (1, 2))
+    for n, a, w in zip("qkv", (dq, dk, dv), want[:3]):
+        torch.testing.assert_close(a, w, atol=1e-10, rtol=0, msg=f"d{n}")
+    if name == "bias-key":
+        dleaf = torch.cat([parts[0][3]["bias"], parts[1][3]["bias"]], -1)
+        torch.testing.assert_close(dleaf, want[3], atol=1e-10, rtol=0)
+    elif name == "score_mod":  # the captured tensors, in captured_of's order
+        from causalattn.engines.registry import captured_of
+
+        order = [
+            next(i for i, t in enumerate(leaves) if t is c) for c in captured_of(kw["score_mod"])
+        ]
+        assert sorted(order) == [0, 1, 2]
+        for i, j in enumerate(order):
+            a = parts[0][3]["captured"][i] + parts[1][3]["captured"][i]
+            w = want[3 + j]
+            torch.testing.assert_close(
+                a, torch.zeros_like(a) if w is None else w, atol=1e-10, rtol=0
+            )
+    else:
+        a = parts[0][3][name] + parts[1][3][name]
+        torch.testing.assert_close(a.reshape(want[3].shape), want[3], atol=1e-10, rtol=0)
+    # a query block that is not bottom-right: rows 0..5 against all 12 keys, q_start = 0
+    top = placed(slice(0, 6), slice(None), 0, 0)
+    o_top, l_top = tiled.fwd(top)
+    torch.testing.assert_close(o_top, o.detach()[:, :, :6], atol=1e-12, rtol=0)
+    torch.testing.assert_close(l_top.float(), L.detach()[:, :, :6], atol=1e-6, rtol=0)
+
+
+def test_a_bias_of_two_rows_or_keys_is_sliced_per_tile(monkeypatch):
+    """A broadcast axis is one of size 1, not of size 2: a (2, 2) bias read by 1×1 tiles."""
+    monkeypatch.setattr(tiled, "BLOCKS", (1, 1))
+    g = torch.Generator().manual_seed(4)
+    for Tq, Tk in ((2, 2), (1, 2), (2, 3)):
+        q, k, v = _inputs(2, 2, 2, Tq, Tk, 3, 2, seed=Tq + Tk)
+        for shape in ((Tq, Tk), (2, 2, Tq, Tk), (2, 1, Tq, 1), (1, 2, 1, Tk)):
+            bias = torch.randn(*shape, generator=g, dtype=F64).requires_grad_()
+            dout = torch.randn(2, 2, Tq, 2, generator=g, dtype=F64)
+            got = _grads_of("tiled", q, k, v, {"bias": bias}, [bias], dout)
+            want = _grads_of("reference", q, k, v, {"bias": bias}, [bias], dout)
+            torch.testing.assert_close(got[0], want[0], atol=1e-12, rtol=0)
+            for a, b in zip(got[2], want[2]):
+                torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_a_bias_enters_in_the_compute_dtype():
+    """A float64 bias beside float32 inputs: the same bits as the bias cast to float32 (the
+    tile adds it in the compute dtype), forward and backward."""
+    q, k, v = _inputs(1, 2, 2, 40, 40, 8, 8, dtype=torch.float32, seed=5)
+    b64 = torch.randn(2, 40, 40, generator=torch.Generator().manual_seed(6), dtype=F64)
+    dout = torch.randn(1, 2, 40, 8, generator=torch.Generator().manual_seed(7))
+    a = _grads_of("tiled", q, k, v, {"bias": b64, "window": 9}, [], dout)
+    b = _grads_of("tiled", q, k, v, {"bias": b64.float(), "window": 9}, [], dout)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    for x, y in zip(a[2], b[2]):
+        assert torch.equal(x, y)
