@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -502,8 +503,10 @@ def test_plain_fp16_row_sums_in_torch_and_in_numpy(monkeypatch):
 
     from causalattn.check.measure import plain_fp16_row_sums
 
-    Z = np.random.default_rng(7).normal(size=(3, 300)) * 4
+    Z = np.random.default_rng(7).normal(size=(24, 500)) * 4
     Z[1, 100:] = -np.inf
+    Z[2] += 60.0  # rows far apart: each is shifted by its own maximum, never overflows
+    Z[3] -= 60.0
     want = torch.softmax(torch.from_numpy(Z).half(), -1).float().sum(-1).double().numpy()
     got = plain_fp16_row_sums(Z)
     assert got.dtype == np.float64 and np.array_equal(got, want)
@@ -553,6 +556,10 @@ def test_linearity_compares_h_with_the_measured_a_v():
     allbad = np.full(H.shape, np.inf)
     lin = _linearity(p, A, {"random": allbad, "zero": np.zeros((1, 1, 0, 2))}, t, 0)
     assert lin.err == np.inf and lin.zero == 0.0
+    with warnings.catch_warnings():  # nothing read is finite: inf, and no NumPy warning
+        warnings.simplefilter("error")
+        nan = np.full(H.shape, np.nan)
+        assert _linearity(p, A, {"random": nan, "zero": np.zeros((1, 1, 0, 2))}, t, 0).err == np.inf
 
 
 def test_width_compares_the_weights_read_back_with_d_v_doubled():
@@ -568,11 +575,27 @@ def test_width_compares_the_weights_read_back_with_d_v_doubled():
     A2 = A + 0.125
     use = read_pattern(A2) & p.allowed() & (A2 > 1e-3 * A2.max())
     assert w.fit == fit_scale(p, A2, use, "rows")
+    # the keys read: above 1e-3 of the largest weight (0.5 here), the boundary left out
+    A2 = expected_weights(p, 0.5) * 0.5
+    assert A2.max() == 0.5
+    A2[0, 0, 3, 0], A2[0, 0, 3, 1] = 1e-3, 5e-4  # off the fit's line; 5e-4 = 1e-3·0.5
+    use = read_pattern(A2) & p.allowed() & (A2 > 1e-3 * A2.max())
+    assert use[0, 0, 3, 0] and not use[0, 0, 3, 1]
+    w = _width(p, A, np.concatenate([A2, np.zeros(A.shape)], -1), t, 0.0)
+    assert w.fit == fit_scale(p, A2, use, "rows")
+    assert w.fit != fit_scale(p, A2, use | (A2 == 5e-4), "rows")
+    assert w.fit != fit_scale(p, A2, use & (A2 != 1e-3), "rows")
     wide[0, 0, 2, 1] = np.nan
     w = _width(p, A, wide, t, 0.0)
     assert w.diff == np.inf and w.fit is None
     w = _width(p, A, np.concatenate([A, A], -1), t, 0.0)
     assert w.diff == 0.0 and w.fit[0] == pytest.approx(0.5, rel=1e-9)
+    Ainf = A.copy()
+    Ainf[0, 0, 1, 0] = np.inf  # inf read back twice: inf - inf, and no NumPy warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        w = _width(p, Ainf, np.concatenate([Ainf, A], -1), t, 0.0)
+    assert w.diff == np.inf and w.fit is None
 
 
 def test_projection_against_h_w_o_h_and_h_w_o_transposed():
@@ -759,3 +782,38 @@ def test_measure_reads_each_optional_output():
     assert f32.dtype == "float32" and f32.noise == pytest.approx(
         1e3 * float(np.finfo(np.float32).eps)
     )
+
+
+def test_measure_reads_in_the_functions_own_precision():
+    """A float32 function: the tolerance, the width's and the projection's bounds are float32's."""
+    from dataclasses import replace
+
+    from causalattn.check.measure import (
+        _noise,
+        _projection,
+        _width,
+        expected_weights,
+        measure,
+        plain_weights,
+        tolerance,
+    )
+    from causalattn.check.observe import Run
+
+    rng = np.random.default_rng(14)
+    p = _probe(4, 4, 3, seed=14)
+    x = rng.normal(size=(1, 4, 3)).astype(np.float32)
+    w_v, w_o = (rng.normal(size=(3, 3)).astype(np.float32) for _ in range(2))
+    p = replace(p, inputs={"x": x}, projection=(w_v, w_o), dtype=np.dtype(np.float32))
+    A = expected_weights(p, 0.5)
+    wide = np.concatenate([A, np.zeros(A.shape)], -1)
+    run = Run(
+        p, outputs={"eye": A, "wide": wide}, dtype=np.dtype(np.float32), O=np.zeros((1, 4, 3))
+    )
+    pm = measure(run, scale=0.5, sig="x-weights")
+    t = np.dtype(np.float32)
+    noise = _noise(A, t, "x-weights")
+    assert pm.tol == tolerance(A, plain_weights(p, 0.5, t), t) + noise
+    assert pm.tol != tolerance(A, plain_weights(p, 0.5, np.float64), np.float64) + noise
+    assert pm.width == _width(p, A, wide, t, noise)
+    assert pm.projection == _projection(p, A, run, t, noise)
+    assert pm.width.tol == 1e3 * float(np.finfo(t).eps) + noise

@@ -221,7 +221,7 @@ def measure(run: Run, *, scale: float | None, sig: str) -> ProbeMeasure:
     ref = expected_weights(p, c0)
     noise = _noise(A, t, sig)
     tol = tolerance(ref, plain_weights(p, c0, t), t) + noise
-    slices = _slices(p, A, ref, tol, noise, c0)
+    slices = _slices(p, A, ref, tol, noise)
     extra = {}
     if "random" in run.outputs:
         extra["linearity"] = _linearity(p, A, run.outputs, t, noise)
@@ -232,7 +232,7 @@ def measure(run: Run, *, scale: float | None, sig: str) -> ProbeMeasure:
     w = run.weights
     if w is not None and np.asarray(w).size == p.B * p.H * p.T_q * p.T_k:
         W = np.asarray(w, np.float64).reshape(p.B, p.H, p.T_q, p.T_k)
-        extra["recorded"] = tuple(_slices(p, W, ref, tol, _noise(W, t, sig), c0))
+        extra["recorded"] = tuple(_slices(p, W, ref, tol, _noise(W, t, sig)))
     return ProbeMeasure(**base, tol=tol, noise=noise, slices=tuple(slices), **extra)
 
 
@@ -251,7 +251,7 @@ def _noise(A: np.ndarray, t: np.dtype, sig: str) -> float:
     return 1e3 * float(np.finfo(t).eps) * max(1.0, float(fin.max()) if fin.size else 1.0)
 
 
-def _slices(p: Probe, A, ref, tol, noise, c0) -> list[SliceMeasure]:
+def _slices(p: Probe, A, ref, tol, noise) -> list[SliceMeasure]:
     out = []
     E = p.allowed()
     with np.errstate(all="ignore"):
