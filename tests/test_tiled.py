@@ -805,3 +805,102 @@ def test_a_score_mods_gradient_under_a_mask_that_differs_by_head(monkeypatch):
             assert a is None or not a.any(), i
         else:
             torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=f"grad {i}")
+
+
+def test_row_blocks_never_straddle_an_edge_and_split_evenly():
+    """Query blocks: equal pieces of at most bq rows between the edges where the readable
+    set changes (documents, chunks of MIN_PIECE keys or more, a row's length or prefix)."""
+    from causalattn.engines.tiled_tiles import MIN_PIECE, _row_blocks
+
+    def blocks(Tq, Tk, bq, b=0, B=1, **kw):
+        q, k = torch.zeros(B, 1, Tq, 2), torch.zeros(B, 1, Tk, 2)
+        return _row_blocks(make_problem(q, k, k, **kw), b, bq)
+
+    assert MIN_PIECE == 32
+    assert blocks(10, 10, 4) == [(0, 3), (3, 6), (6, 10)]
+    assert blocks(8, 8, 4) == [(0, 4), (4, 8)] and blocks(3, 3, 8) == [(0, 3)]
+    assert blocks(10, 10, 4, cu_seqlens=[0, 3, 10]) == [(0, 3), (3, 6), (6, 10)]
+    assert blocks(10, 10, 4, cu_seqlens=[0, 2, 2, 9, 10]) == [(0, 2), (2, 5), (5, 9), (9, 10)]
+    assert blocks(70, 70, 16, chunk=32) == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 70)]
+    assert blocks(70, 70, 40, chunk=31) == [(0, 35), (35, 70)]  # below MIN_PIECE: no edges
+    assert blocks(70, 70, 64, chunk=32, cu_seqlens=[0, 40, 70]) == [
+        (0, 32), (32, 40), (40, 70),
+    ]  # fmt: skip
+    assert blocks(10, 10, 8, B=2, b=1, lengths=[10, 7]) == [(0, 7), (7, 10)]
+    assert blocks(10, 10, 8, B=2, b=0, lengths=[10, 7]) == [(0, 5), (5, 10)]
+    assert blocks(10, 10, 8, B=2, b=1, prefix_lengths=[2, 3]) == [(0, 3), (3, 10)]
+    # decoding: the queries start at T_k - T_q, and edges are key positions
+    assert blocks(4, 10, 8, lengths=[7]) == [(0, 1), (1, 4)]
+    assert blocks(4, 10, 8, lengths=[3]) == [(0, 4)]  # the edge lies before the queries
+    assert blocks(0, 5, 4) == []
+
+
+def test_jobs_split_the_batch_only_for_a_pattern_per_row():
+    from causalattn.engines.tiled_tiles import _jobs
+
+    z = torch.zeros(3, 1, 4, 2)
+    assert _jobs(make_problem(z, z, z)) == [(0, 3)]
+    assert _jobs(make_problem(z, z, z, lengths=[4, 2, 3])) == [(0, 1), (1, 2), (2, 3)]
+    e = torch.zeros(0, 1, 4, 2)
+    assert _jobs(make_problem(e, e, e)) == []
+
+
+def test_tiles_list_only_readable_blocks_and_share_a_diagonals_mask():
+    from causalattn.engines.tiled_tiles import NEG_INF, _Mask, _Tiles
+
+    z = torch.zeros(1, 2, 8, 2)
+    t = _Tiles(make_problem(z, z, z), 0, 4, 4, F64, aligned=False)
+    (a0, b0, r0), (a1, b1, r1) = t.blocks
+    assert (a0, b0, [c[:2] for c in r0]) == (0, 4, [(0, 4)])
+    assert (a1, b1, [c[:2] for c in r1]) == (4, 8, [(0, 4), (4, 8)])
+    assert r1[0][2] is None and isinstance(r0[0][2], _Mask)
+    assert r1[1][2] is r0[0][2]  # the same offset on the diagonal: one mask, computed once
+    m = r0[0][2]
+    assert torch.equal(m.allowed[0], torch.ones(4, 4, dtype=torch.bool).tril())
+    assert m.bias.dtype == F64 and torch.equal(m.bias[0] == NEG_INF, ~m.allowed[0])
+    assert t.work(0) == 16 and t.work(1) == 32
+    # a window: unaligned blocks start at the first readable key, aligned ones at its block
+    w = make_problem(z, z, z, window=2)
+    un = _Tiles(w, 0, 4, 3, F64, aligned=False).blocks
+    al = _Tiles(w, 0, 4, 3, F64, aligned=True).blocks
+    assert [c[:2] for c in un[1][2]] == [(3, 6), (6, 8)]
+    assert [c[:2] for c in al[1][2]] == [(3, 6), (6, 8)]
+    assert [c[:2] for c in _Tiles(w, 0, 4, 5, F64, aligned=True).blocks[1][2]] == [(0, 5), (5, 8)]
+    assert [c[:2] for c in _Tiles(w, 0, 4, 5, F64, aligned=False).blocks[1][2]] == [(3, 8)]
+    # per-row lengths: nothing is shared along the diagonal, and unreadable tiles are skipped
+    lp = make_problem(torch.zeros(2, 1, 8, 2), torch.zeros(2, 1, 8, 2), torch.zeros(2, 1, 8, 2),
+                      lengths=[8, 4])  # fmt: skip
+    t1 = _Tiles(lp, 1, 4, 4, F64, aligned=False)
+    assert [[c[:2] for c in r] for _, _, r in t1.blocks] == [[(0, 4)], []]
+    t0 = _Tiles(lp, 0, 4, 4, F64, aligned=False)
+    assert t0.blocks[1][2][1][2] is not t0.blocks[0][2][0][2]
+    # a mask that differs by head: one row of allowed per head
+    mask = torch.ones(2, 8, 8, dtype=torch.bool).tril()
+    mask[1, 5, 1] = False
+    th = _Tiles(make_problem(z, z, z, mask=mask), 0, 4, 4, F64, aligned=False)
+    m1 = th.blocks[1][2][0][2]
+    assert m1.allowed.shape == (2, 4, 4) and not m1.allowed[1, 1, 1] and m1.allowed[0, 1, 1]
+    heads = torch.tensor([[1], [0]])
+    assert torch.equal(m1.pick(m1.allowed, heads), m1.allowed[heads])
+    assert torch.equal(m1.pick(m1.allowed, None), m1.allowed[0])
+    assert torch.equal(m.pick(m.bias, heads), m.bias[0])  # one head's mask serves all
+
+
+def test_acc_keeps_exact_zeros_from_non_finite_rows():
+    from causalattn.engines.tiled_tiles import _acc, _finite
+
+    A = torch.tensor([[[0.5, 0.0], [0.25, 0.75]]], dtype=F64)
+    X = torch.tensor([[[1.0, 2.0], [float("nan"), 4.0]]], dtype=F64)
+    X0, bad = _finite(X)
+    out = torch.ones(1, 2, 2, dtype=F64)
+    _acc(out, A, X, X0, True, True)  # masked: row 0's 0 never meets the NaN
+    assert out[0, 0].tolist() == [1.5, 2.0] and torch.isnan(out[0, 1, 0]) and out[0, 1, 1] == 4.5
+    out = torch.ones(1, 2, 2, dtype=F64)
+    _acc(out, A, X, X0, True, False)  # not masked: the plain product, 0·NaN = NaN
+    assert torch.isnan(out[0, 0, 0])
+    out = torch.ones(1, 2, 2, dtype=F64)
+    _acc(out, A, X, X0, None, True)  # the caller says X is finite: the plain product
+    assert torch.isnan(out[0, 0, 0])
+    out = torch.ones(1, 2, 2, dtype=F64)
+    _acc(out, A, X, X0, False, True)  # this block of X is finite: X0 alone
+    assert out[0].tolist() == [[1.5, 2.0], [1.25, 4.5]]
