@@ -817,3 +817,48 @@ def test_measure_reads_in_the_functions_own_precision():
     assert pm.width == _width(p, A, wide, t, noise)
     assert pm.projection == _projection(p, A, run, t, noise)
     assert pm.width.tol == 1e3 * float(np.finfo(t).eps) + noise
+
+
+def test_recorded_weights_are_read_in_float64_with_the_signatures_noise():
+    """Weights the function returned (or the recorder saw) are measured as float64 slices,
+    with the read-back noise of the calling convention (none for fn(q, k, v))."""
+    from causalattn.check.measure import _noise, expected_weights, measure
+
+    p = _probe(4, 4, 3, seed=15)
+    A = expected_weights(p, 0.5)
+    W = A.astype(np.float32)
+    W[0, 0, 3, 1] = 1e-14  # read, but under the read-back noise of pinv(x)·V
+    for sig in ("qkv", "x-weights"):
+        pm = measure(_eye_run(p, A, weights=W), scale=0.5, sig=sig)
+        (rec,) = pm.recorded
+        assert rec.A.dtype == np.float64 and np.array_equal(rec.A, W.astype(np.float64)[0, 0])
+        assert bool(rec.read[3, 1]) == (sig == "qkv")
+    run = _eye_run(p, A, weights=W)
+    run.dtype = np.dtype(np.float32)
+    pm = measure(run, scale=0.5, sig="x-weights")
+    noise = _noise(W.astype(np.float64), np.dtype(np.float32), "x-weights")
+    W2 = W.copy()
+    W2[0, 0, 3, 1] = noise * 0.5  # under float32's read-back noise, above float64's
+    run.weights = W2
+    (rec,) = measure(run, scale=0.5, sig="x-weights").recorded
+    assert not rec.read[3, 1] and noise > 1e3 * 2.3e-16 * 10
+
+
+def test_slices_fit_only_the_weights_above_a_thousandth_of_the_largest():
+    from causalattn.check.measure import _slices, expected_weights, fit_scale
+
+    p = _probe(5, 5, 3, seed=16)
+    A = expected_weights(p, 0.5)
+    A[0, 0, 4, 1] = 1e-5  # off the line, under 1e-3 of the largest weight (1.0)
+    (s,) = _slices(p, A, A, 0.0, 0.0)
+    E = p.allowed()
+    use = (A != 0) & E & (np.abs(A) > 1e-3 * np.abs(A).max())
+    assert s.fit == fit_scale(p.slice(0, 0), A, use, "rows")
+    assert s.fit != fit_scale(p.slice(0, 0), A, (A != 0) & E, "rows")
+    nan = np.full(A.shape, np.nan)  # nothing finite: no fit, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (s,) = _slices(p, nan, A, 0.0, 0.0)
+        (s2,) = _slices(p, np.where(E, np.inf, 0.0), A, 0.0, 0.0)
+    assert s.fit is None and s.full_err is None and s.mode == "none"
+    assert s2.fit is None and s2.value_map is None
