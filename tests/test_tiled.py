@@ -904,3 +904,15 @@ def test_acc_keeps_exact_zeros_from_non_finite_rows():
     out = torch.ones(1, 2, 2, dtype=F64)
     _acc(out, A, X, X0, False, True)  # this block of X is finite: X0 alone
     assert out[0].tolist() == [[1.5, 2.0], [1.25, 4.5]]
+
+
+@pytest.mark.parametrize("kw", [{}, {"window": 3, "sinks": [0.5, 0.1]}], ids=["causal", "window"])
+def test_dropout_1_gives_zeros_and_zero_gradients(monkeypatch, kw):
+    """p = 1 drops every weight: a zero output and zero gradients (no 1/(1 - p) = 1/0), the
+    lse of the weights before dropout."""
+    monkeypatch.setattr(tiled, "BLOCKS", (3, 4))
+    q, k, v = _inputs(1, 2, 2, 9, 9, 4, 3, seed=19)
+    out, lse, grads = _run("tiled", q, k, v, dropout_p=1.0, **kw)
+    assert not out.any() and all(not g.any() for g in grads)
+    _, want_lse, _ = _run("tiled", q, k, v, **kw)
+    assert torch.equal(lse, want_lse)
