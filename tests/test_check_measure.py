@@ -285,6 +285,7 @@ def test_read_pattern_and_tolerance():
     assert tolerance(ref, plain, np.float32) == pytest.approx(2e-4 + 8 * eps32)
     assert tolerance(ref * 10, plain * 10, np.float64) == pytest.approx(2e-3 + 8 * 2.2e-16 * 5)
     assert tolerance(ref, ref, np.int64) == pytest.approx(8 * 2.2e-16)
+    assert tolerance(ref * 10, ref * 10, np.float32) == 8 * eps32 * 5.0  # the floor · |ref|
     assert STAGES == ("S", "M", "A", "H", "O")
     keys = [Finding(s, None, "").key() for s in ("S", "M", "A", "H", "O", "heads")]
     assert keys == [0, 1, 2, 3, 4, 5]
@@ -320,6 +321,7 @@ def test_work_dtype_is_the_lower_of_the_inputs_and_the_output():
     assert _work_dtype(p64, np.dtype(np.int64)) == np.float64  # not a float: the inputs'
     assert _work_dtype(p64, np.dtype(np.float32)) == np.float32
     assert _work_dtype(p64, np.dtype(np.float16)) == np.float16
+    assert _work_dtype(p32, np.dtype(np.float16)) == np.float16
     assert _work_dtype(p32, np.dtype(np.float64)) == np.float32  # more digits out: the inputs'
     assert _work_dtype(p32, np.dtype(np.float32)) == np.float32
 
@@ -492,6 +494,11 @@ def test_plain_weights_is_torch_softmax_in_the_dtype_then_numpy_without_torch(dt
     got = plain_weights(p, 0.6, dtype)
     assert got.dtype == np.float64
     assert np.array_equal(got, np.where(E.any(-1, keepdims=True), np.nan_to_num(want), 0.0))
+    empty = _probe(3, 3, 2, B=2, seed=6, lengths=[3, 0])  # no key, no sink: 0 / 0, quietly
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = plain_weights(empty, 1.0, dtype)
+    assert not got[1].any() and np.isfinite(got).all()
     q = _probe(3, 3, 2, seed=6)  # no sinks: nothing appended
     Zq = np.where(q.allowed(), q.G(), -np.inf).astype(dtype)
     ex = np.exp(Zq - Zq.max(-1, keepdims=True))
@@ -658,6 +665,10 @@ def test_value_map_only_for_a_square_invertible_reference():
     assert _value_map(ref, nan, E) == (None, None)
     flat = np.array([[1.0, 0, 0], [1.0, 0, 0], [0.2, 0.3, 0.5]])  # singular
     assert _value_map(flat, flat, E) == (None, None)
+    at = np.diag([1.0, 1e-8])  # condition number 1e8 exactly: still solved
+    assert np.linalg.cond(at) == 1e8 and _value_map(at, at, at > 0)[0] is not None
+    over = np.diag([1.0, 1 / (1e8 + 0.5)])  # just over 1e8: refused
+    assert 1e8 < np.linalg.cond(over) < 1e8 + 1 and _value_map(over, over, over > 0) == (None, None)
 
 
 def test_slice_measure_properties():
@@ -849,12 +860,26 @@ def test_slices_fit_only_the_weights_above_a_thousandth_of_the_largest():
 
     p = _probe(5, 5, 3, seed=16)
     A = expected_weights(p, 0.5)
-    A[0, 0, 4, 1] = 1e-5  # off the line, under 1e-3 of the largest weight (1.0)
+    A[0, 0, 4, 1], A[0, 0, 3, 1] = 1e-5, 1e-3  # off the line: under, at 1e-3 of the top (1.0)
     (s,) = _slices(p, A, A, 0.0, 0.0)
     E = p.allowed()
     use = (A != 0) & E & (np.abs(A) > 1e-3 * np.abs(A).max())
+    assert not use[0, 0, 3, 1]
     assert s.fit == fit_scale(p.slice(0, 0), A, use, "rows")
     assert s.fit != fit_scale(p.slice(0, 0), A, (A != 0) & E, "rows")
+    B = expected_weights(p, 0.5) * 0.5  # the largest weight 0.5: the bound is 5e-4
+    assert np.abs(B).max() == 0.5
+    for (i, j), w in zip(((4, 0), (4, 1), (3, 0), (3, 1)), (5e-4, 7e-4, 1.5e-3, 1e-5)):
+        B[0, 0, i, j] = w  # each off the line: at the bound, and on either side of 1e-3
+    (s,) = _slices(p, B, B, 0.0, 0.0)
+    use = (B != 0) & E & (np.abs(B) > 5e-4)
+    assert s.fit == fit_scale(p.slice(0, 0), B, use, "rows")
+    for other in (use | (B == 5e-4), use & (B != 7e-4), use & (B != 1.5e-3)):
+        assert s.fit != fit_scale(p.slice(0, 0), B, other, "rows")
+    N = A.copy()
+    N[0, 0, 4, 2] = np.nan  # a read NaN: the softmax over all keys is off by inf there
+    (s,) = _slices(p, N, A, 0.0, 0.0)
+    assert s.fit is not None and s.full_err == np.inf
     nan = np.full(A.shape, np.nan)  # nothing finite: no fit, no warning
     with warnings.catch_warnings():
         warnings.simplefilter("error")
