@@ -445,6 +445,18 @@ def test_fit_scale_takes_alibi_and_softcap_out():
     assert lo[0] == pytest.approx(2e-4, rel=1e-3)  # the grid's low end, bracketed by its first
     hi = fit_scale(s, np.where(E, np.exp(s.pattern.modify_scores(s.G() * 90.0)), 0.0), use, "rows")
     assert hi[0] == pytest.approx(90.0, rel=1e-3)
+    # the search's ends, 1e-4 and 100, are found (a cap that keeps c·Q Kᵀ/cap near 0.3)
+    for c, cap in ((1e-4, 1e-3), (100.0, 1e3)):
+        e = _probe(6, 6, 3, seed=3, softcap=cap)
+        A = np.where(E, np.exp(e.pattern.modify_scores(e.G() * c)), 0.0)
+        assert fit_scale(e, A, use, "rows")[0] == pytest.approx(c, rel=1e-9)
+    # zeros and negative weights among the used ones are dropped quietly (log 0, log -x)
+    Z = np.where(E, np.exp(s.pattern.modify_scores(s.G() * 1.3)), 0.0)
+    Z[0, 0, 5, 0], Z[0, 0, 5, 1] = 0.0, -0.25
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fit = fit_scale(s, Z, use, "rows")
+    assert fit[0] == pytest.approx(1.3, rel=1e-6)
 
 
 def test_expected_weights_with_and_without_sinks():

@@ -401,8 +401,8 @@ def plain_weights(p: Probe, scale: float, dtype) -> np.ndarray:
         with np.errstate(invalid="ignore"):
             E = np.exp(Zt - Zt.max(-1, keepdims=True))
             A = (E / E.sum(-1, keepdims=True)).astype(np.float64)
-    A = A[..., : allowed.shape[-1]]
-    return np.where(allowed.any(-1, keepdims=True), np.nan_to_num(A), 0.0)
+    # a row with no key (and no sink) is 0 / 0 = NaN in the softmax: its weights are 0
+    return np.nan_to_num(A[..., : allowed.shape[-1]])
 
 
 def tolerance(ref: np.ndarray, plain: np.ndarray, dtype) -> float:
