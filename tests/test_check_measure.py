@@ -375,6 +375,8 @@ def test_centered_subtracts_each_groups_mean_over_the_used_entries():
     mean = (1 + 2 + 4 + 8 + 0) / 5
     want = np.where(use, X - mean, 0.0)
     np.testing.assert_allclose(_centered(X, use, "all"), want, rtol=0, atol=1e-15)
+    X4, use4 = X[None, None], use[None, None]  # (1, 1, T_q, T_k), as fit_scale passes it
+    np.testing.assert_allclose(_centered(X4, use4, "all"), want[None, None], rtol=0, atol=1e-15)
     none = np.zeros((2, 3), bool)
     assert _centered(X, none, "rows").tolist() == [[0.0] * 3] * 2  # no entry: no 0/0
 
@@ -899,3 +901,11 @@ def test_slices_fit_only_the_weights_above_a_thousandth_of_the_largest():
         (s2,) = _slices(p, np.where(E, np.inf, 0.0), A, 0.0, 0.0)
     assert s.fit is None and s.full_err is None and s.mode == "none"
     assert s2.fit is None and s2.value_map is None
+    big = _probe(5, 5, 3, seed=16)
+    big.Q[...] *= 300  # scores of ±1e5: weights that underflow to 0, a singular reference
+    R = expected_weights(big, 0.5)
+    assert np.linalg.matrix_rank(R[0, 0]) < 5
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        (s,) = _slices(big, R, R, 0.0, 0.0)
+    assert s.value_map is None
