@@ -916,3 +916,36 @@ def test_dropout_1_gives_zeros_and_zero_gradients(monkeypatch, kw):
     assert not out.any() and all(not g.any() for g in grads)
     _, want_lse, _ = _run("tiled", q, k, v, **kw)
     assert torch.equal(lse, want_lse)
+
+
+def test_forward_and_backward_plan_their_own_blocks(monkeypatch):
+    """The forward plans (query, key) blocks for T_k keys; the backward plans its square
+    ones (bwd=True) for the same T_k."""
+    seen = []
+    plan = tiled._plan
+
+    def spy(N, m, n, d, bwd=False):
+        seen.append((m, n, bwd))
+        return plan(N, m, n, d, bwd)
+
+    monkeypatch.setattr(tiled, "_plan", spy)
+    q, k, v = _inputs(1, 2, 2, 5, 9, 4, 3, seed=2)
+    p = make_problem(q, k, v)
+    out, lse = tiled.fwd(p)
+    assert seen == [(5, 9, False)]
+    tiled.bwd(p, out, lse, torch.ones_like(out))
+    assert seen[1:] == [(5, 9, True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_raw_passes_return_the_inputs_dtypes(dtype):
+    """fwd: out in q's dtype, lse in fp32; bwd: dq, dk, dv in q's, k's and v's dtypes (the
+    ring calls them without autograd, which would cast)."""
+    q, k, v = _inputs(1, 2, 1, 6, 6, 4, 3, dtype=dtype, seed=8)
+    p = make_problem(q, k, v, window=3)
+    out, lse = tiled.fwd(p)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    dq, dk, dv = tiled.bwd(p, out, lse, torch.ones_like(out))
+    assert (dq.dtype, dk.dtype, dv.dtype) == (dtype, dtype, dtype)
+    dq, dk, dv, extra = tiled.bwd_grads(p, out, lse, torch.ones_like(out))
+    assert (dq.dtype, dk.dtype, dv.dtype, extra) == (dtype, dtype, dtype, {})
