@@ -339,3 +339,31 @@ def test_a_stale_build_lock_is_cleared_in_the_folder_the_build_uses(tmp_path, mo
     assert not lock.exists() and seen["build_directory"] == str(folder)
     lock.touch()  # a fresh lock (a build running now) is left alone
     assert cpp._build() == "" and lock.exists()
+
+
+@pytest.mark.parametrize("engine", ["cpp", "tiled"])
+@pytest.mark.parametrize("where", ["q", "k"])
+def test_softcap_keeps_a_nan_row_from_the_keys_and_rows_it_cannot_read(engine, where):
+    """With softcap the backward multiplies dS by 1 - tanh²(S/c), and tanh of a NaN score
+    is NaN at blocked cells too: those cells must stay exactly 0. A NaN query row 6 leaves
+    the gradients of keys 7.. as they were; a NaN key 6 leaves the rows before it."""
+    g = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(1, 2, 13, 4, generator=g, dtype=torch.float64) for _ in range(3))
+
+    def grads(q, k):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attention(*leaves, engine=engine, softcap=4.0, window=9)
+        return torch.autograd.grad((out * out).sum(), leaves)
+
+    clean = grads(q, k)
+    if where == "q":
+        qn = q.clone()
+        qn[:, :, 6] = float("nan")
+        got, keep, n = grads(qn, k), slice(7, None), (1, 2)  # dk, dv of unread keys
+    else:
+        kn = k.clone()
+        kn[:, :, 6] = float("nan")
+        got, keep, n = grads(q, kn), slice(0, 6), (0,)  # dq of the rows before key 6
+    for i in n:
+        assert torch.isfinite(got[i][:, :, keep]).all(), (engine, where, i)
+        torch.testing.assert_close(got[i][:, :, keep], clean[i][:, :, keep], atol=1e-12, rtol=0)

@@ -140,6 +140,8 @@ def _bwd_job(
                 if soft:  # through the cap: d tanh = 1 - tanh²
                     T.mul_(T).neg_().add_(1.0)
                     dS.view(shape).mul_(T)
+                    if masked and (kflag or rows[ai].q_flag):  # tanh(NaN) at blocked cells too
+                        dS.view(shape).masked_fill_(~mask.pick(mask.allowed, heads), 0.0)
                 if drop:  # the values saw P ∘ Z (and dO is scaled)
                     P.view(shape).mul_(keep)
                 Pt, dSt = P.transpose(1, 2), dS.transpose(1, 2)

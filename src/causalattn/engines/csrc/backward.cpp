@@ -306,9 +306,10 @@ struct Backward {
             V ds = pr * (vload(y + hh * N) - Dv[hh]);
             ds = blocked ? V{} : ds;
             if (want) vstore(gz + hh * N, ds);
-            if (CAP) {
+            if (CAP) {  // tanh of a NaN score (a NaN q or k row) is NaN at blocked cells too
               const V tv = vload(t + hh * N);
               ds *= T(1) - tv * tv;
+              ds = blocked ? V{} : ds;
             }
             vstore(x + hh * N, pr);
             vstore(y + hh * N, ds);
