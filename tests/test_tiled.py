@@ -802,6 +802,8 @@ def test_non_finite_inputs_reach_only_the_rows_and_keys_that_read_them(
     ):
         assert torch.isfinite(a[keep]).all(), f"{what}: a non-finite value leaked"
         torch.testing.assert_close(a[keep], c[keep], atol=1e-12, rtol=0, msg=what)
+    if val != val:  # a NaN reaches every row that reads it, and so each of their dq rows
+        assert (~torch.isfinite(got[2][0])).any(-1)[R].all()
 
 
 def test_a_score_mods_gradient_under_a_mask_that_differs_by_head(monkeypatch):
@@ -967,3 +969,38 @@ def test_raw_passes_return_the_inputs_dtypes(dtype):
     assert (dq.dtype, dk.dtype, dv.dtype) == (dtype, dtype, dtype)
     dq, dk, dv, extra = tiled.bwd_grads(p, out, lse, torch.ones_like(out))
     assert (dq.dtype, dk.dtype, dv.dtype, extra) == (dtype, dtype, dtype, {})
+
+
+@pytest.mark.parametrize("blocks", [(3, 4), (8, 16)], ids=["3x4", "8x16"])
+@pytest.mark.parametrize("feature", list(NONFINITE_FEATURES))
+@pytest.mark.parametrize("val", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_non_finite_upstream_gradient_row_reaches_only_what_that_row_read(
+    monkeypatch, feature, blocks, val
+):
+    """dO with a NaN or inf in query row 6: the gradients of the other rows' queries and of
+    the keys row 6 does not read are the clean ones, finite (a blocked P or dS of row 6 is
+    an exact 0 that never meets its dO); dV's feature 1 is non-finite at the keys it read."""
+    monkeypatch.setattr(tiled, "BLOCKS", blocks)
+    q, k, v = _inputs(2, 2, 2, 13, 13, 4, 3, seed=13)
+    kw = dict(NONFINITE_FEATURES[feature])
+    if kw.get("bias") == "bias":
+        kw["bias"] = torch.randn(2, 13, 13, generator=torch.Generator().manual_seed(2), dtype=F64)
+    dout = torch.randn(2, 2, 13, 3, generator=torch.Generator().manual_seed(3), dtype=F64)
+    clean = _run("tiled", q, k, v, dout=dout, **kw)
+    bad = dout.clone()
+    bad[0, :, 6, 1] = val
+    got = _run("tiled", q, k, v, dout=bad, **kw)
+    E = torch.as_tensor(make_problem(q, k, v, **kw).allowed()).expand(2, 2, 13, 13)
+    R = torch.zeros(2, 2, 13, dtype=torch.bool)
+    R[0, :, 6] = True
+    KR = (R[..., None] & E).any(-2)
+    for what, a, c, keep in (
+        ("dq", got[2][0], clean[2][0], ~R),
+        ("dk", got[2][1], clean[2][1], ~KR),
+        ("dv", got[2][2], clean[2][2], ~KR),
+    ):
+        assert torch.isfinite(a[keep]).all(), f"{what}: a non-finite value leaked"
+        torch.testing.assert_close(a[keep], c[keep], atol=1e-12, rtol=0, msg=what)
+    # and it reaches what row 6 read: dV's feature 1 there (P > 0 times dO's non-finite)
+    assert not torch.isfinite(got[2][2][..., 1][KR]).any()
+    assert torch.isfinite(got[2][2][..., 0]).all() and torch.isfinite(got[2][2][..., 2]).all()
