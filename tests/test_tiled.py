@@ -756,6 +756,7 @@ POISON = {  # (tensor, batch, key/query position, feature, value)
     "k-inf": ("k", 1, 5, 0, float("inf")),
     "v-nan": ("v", 0, 3, 1, float("nan")),
     "v-ninf": ("v", 1, 8, None, float("-inf")),
+    "q-inf": ("q", 1, 7, 2, float("inf")),
 }
 
 
@@ -1004,3 +1005,55 @@ def test_a_non_finite_upstream_gradient_row_reaches_only_what_that_row_read(
     # and it reaches what row 6 read: dV's feature 1 there (P > 0 times dO's non-finite)
     assert not torch.isfinite(got[2][2][..., 1][KR]).any()
     assert torch.isfinite(got[2][2][..., 0]).all() and torch.isfinite(got[2][2][..., 2]).all()
+
+
+@pytest.mark.parametrize("fill", [float("inf"), float("-inf"), float("nan")], ids=str)
+def test_a_bias_at_blocked_cells_never_matters(monkeypatch, fill):
+    """A bias of inf, -inf or NaN at the cells the pattern blocks gives the same output,
+    lse and gradients as a finite one there: masks are filled, never added to such scores."""
+    monkeypatch.setattr(tiled, "BLOCKS", (3, 4))
+    q, k, v = _inputs(1, 2, 2, 11, 11, 4, 3, seed=23)
+    g = torch.Generator().manual_seed(24)
+    bias = torch.randn(2, 11, 11, generator=g, dtype=F64)
+    blocked = ~torch.as_tensor(make_problem(q, k, v, window=4).allowed())[0]
+    other = bias.masked_fill(blocked, fill)
+    a = _run("tiled", q, k, v, window=4, bias=bias)
+    b = _run("tiled", q, k, v, window=4, bias=other)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    for x, y in zip(a[2], b[2]):
+        assert torch.equal(x, y)
+
+
+def test_heads_split_into_chunks_read_their_own_modifiers(monkeypatch):
+    """Tiles of two heads out of four (TILE_ELEMS small): each chunk reads its own heads'
+    slopes, rel_bias rows, bias rows, score_mod indices, mask and dropout, forward and
+    backward, with every learned tensor's gradient, against the reference."""
+    monkeypatch.setattr(tiled, "BLOCKS", (3, 4))
+    monkeypatch.setattr(tiled, "TILE_ELEMS", 24)  # 24 // 12 = 2 heads a tile
+    B, H, T = 2, 4, 9
+    g = torch.Generator().manual_seed(31)
+    q, k, v = _inputs(B, H, H, T, T, 4, 3, seed=31)
+    bias = torch.randn(B, H, T, T, generator=g, dtype=F64).requires_grad_()
+    rel = torch.randn(H, 2 * T - 1, generator=g, dtype=F64).requires_grad_()
+    slopes = torch.rand(B, H, generator=g, dtype=F64).requires_grad_()
+    table = torch.randn(H, 2 * T - 1, generator=g, dtype=F64).requires_grad_()
+    mask = torch.rand(H, T, T, generator=g) > 0.3
+    mask |= torch.eye(T, dtype=torch.bool)
+
+    def smod(s, b, h, q_idx, kv_idx):
+        return s + table[h, q_idx - kv_idx + T - 1] * (b + 1)
+
+    leaves = [bias, rel, slopes, table]
+    dout = torch.randn(B, H, T, 3, generator=g, dtype=F64)
+    for extra in ({}, {"dropout_p": 0.3}):
+        kw = dict(bias=bias, rel_bias=rel, alibi_slopes=slopes, score_mod=smod, mask=mask,
+                  sinks=[0.2, -0.1, 0.4, 0.0], **extra)  # fmt: skip
+
+        def gen():
+            return {"generator": torch.Generator().manual_seed(7)} if extra else {}
+
+        got = _grads_of("tiled", q, k, v, {**kw, **gen()}, leaves, dout)
+        want = _grads_of("reference", q, k, v, {**kw, **gen()}, leaves, dout)
+        torch.testing.assert_close(got[0], want[0], atol=1e-12, rtol=0)
+        for i, (a, b) in enumerate(zip(got[2], want[2])):
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=f"grad {i}")
