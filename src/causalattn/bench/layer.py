@@ -104,7 +104,7 @@ def run(
                     "dtype": str(dtype).replace("torch.", ""),
                     "pass": pass_,
                     "engine": eng,
-                    "ms": round(ms, 1),
+                    "ms": round(ms, 3),  # a small layer runs in tens of µs: 0.1 ms would read 0
                     "gflops": round(flops / (ms / 1000) / 1e9, 1),
                     "vs_sdpa": round(median_ratio(times["sdpa"], ts), 3),
                     "peak_extra_mib": None if mem[eng] is None else round(mem[eng], 1),
@@ -141,7 +141,7 @@ def render(rows: list[dict], console=None) -> None:
             r["dtype"],
             r["pass"],
             r["engine"],
-            f"{r['ms']:.1f}",
+            f"{r['ms']:.3f}",
             f"{r['gflops']:.1f}",
             f"{r['vs_sdpa']:.2f}",
             "-" if r["peak_extra_mib"] is None else f"{r['peak_extra_mib']:.1f}",
