@@ -1049,11 +1049,53 @@ def test_heads_split_into_chunks_read_their_own_modifiers(monkeypatch):
         kw = dict(bias=bias, rel_bias=rel, alibi_slopes=slopes, score_mod=smod, mask=mask,
                   sinks=[0.2, -0.1, 0.4, 0.0], **extra)  # fmt: skip
 
-        def gen():
-            return {"generator": torch.Generator().manual_seed(7)} if extra else {}
-
-        got = _grads_of("tiled", q, k, v, {**kw, **gen()}, leaves, dout)
-        want = _grads_of("reference", q, k, v, {**kw, **gen()}, leaves, dout)
+        got, want = (
+            _grads_of(
+                engine,
+                q,
+                k,
+                v,
+                {**kw, "generator": torch.Generator().manual_seed(7)} if extra else kw,
+                leaves,
+                dout,
+            )
+            for engine in ("tiled", "reference")
+        )
         torch.testing.assert_close(got[0], want[0], atol=1e-12, rtol=0)
         for i, (a, b) in enumerate(zip(got[2], want[2])):
             torch.testing.assert_close(a, b, atol=1e-10, rtol=0, msg=f"grad {i}")
+
+
+def test_a_score_mod_that_blocks_whole_key_blocks_leaves_later_blocks_exact(monkeypatch):
+    """A score_mod returning -inf over the first two key blocks of a row (a mask written as
+    a score_mod): the row max stays -inf across fully readable tiles, and the next block
+    starts the online softmax afresh (no -inf - -inf)."""
+    monkeypatch.setattr(tiled, "BLOCKS", (3, 4))
+    q, k, v = _inputs(1, 2, 2, 13, 13, 4, 3, seed=29)
+
+    def smod(s, b, h, q_idx, kv_idx):
+        return torch.where(kv_idx < 8, float("-inf"), s)
+
+    out, lse, grads = _run("tiled", q, k, v, score_mod=smod)
+    rout, rlse, rgrads = _run("reference", q, k, v, score_mod=smod)
+    torch.testing.assert_close(out, rout, atol=1e-12, rtol=0)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(rlse))
+    for a, b in zip(grads, rgrads):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+def test_softcap_beside_a_mask_per_head_keeps_a_nan_key_from_rows_that_cannot_read_it(
+    monkeypatch,
+):
+    monkeypatch.setattr(tiled, "BLOCKS", (3, 4))
+    q, k, v = _inputs(1, 2, 2, 13, 13, 4, 3, seed=30)
+    mask = torch.ones(2, 13, 13, dtype=torch.bool).tril()
+    mask[1, :, 4] = False  # head 1 reads key 4 nowhere, head 0 from row 4 on
+    clean = _run("tiled", q, k, v, softcap=3.0, mask=mask)
+    kn = k.clone()
+    kn[:, :, 4] = float("nan")
+    got = _run("tiled", q, kn, v, softcap=3.0, mask=mask)
+    dq, clean_dq = got[2][0], clean[2][0]
+    assert torch.isfinite(dq[:, 1]).all() and torch.isfinite(dq[:, 0, :4]).all()
+    torch.testing.assert_close(dq[:, 1], clean_dq[:, 1], atol=1e-12, rtol=0)
+    torch.testing.assert_close(dq[:, 0, :4], clean_dq[:, 0, :4], atol=1e-12, rtol=0)
