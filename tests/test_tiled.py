@@ -439,6 +439,7 @@ def test_plan_block_sizes_follow_the_documented_rule(monkeypatch):
     assert P(8, 1000, 1000, 128) == (4, 128, 256) and P(8, 1000, 1000, 129) == (2, 128, 512)
     assert P(1, 1000, 1000, 64) == (1, 128, 1000) and P(3, 1000, 5000, 64) == (3, 128, 341)
     assert P(8, 1000, 1000, 64, bwd=True) == (8, 128, 128)
+    assert P(8, 1000, 1000, 128, bwd=True) == (8, 128, 128)  # up to d = 128
     assert P(20, 1000, 1000, 64, bwd=True) == (8, 128, 128)
     assert P(20, 1000, 1000, 200, bwd=True) == (20, 64, 64)
     assert P(2, 1000, 1000, 129, bwd=True) == (2, 64, 64)
@@ -481,6 +482,8 @@ def test_balanced_deals_the_largest_task_to_the_least_loaded_part():
     assert _balanced(tasks[:2], cost, 5) == [[(7,)], [(3,)]]  # no empty parts
     assert _balanced([], cost, 4) == []
     assert _balanced([(2,), (2,), (1,)], cost, 2) == [[(2,), (1,)], [(2,)]]
+    by_cost = lambda t: t[1]  # noqa: E731  (the largest cost first, not the largest tuple)
+    assert _balanced([(0, 5), (1, 9), (2, 1)], by_cost, 2) == [[(1, 9)], [(0, 5), (2, 1)]]
 
 
 def test_workers_and_lanes_from_the_work_at_2_to_the_22():
@@ -500,6 +503,7 @@ def test_workers_and_lanes_from_the_work_at_2_to_the_22():
         assert _workers(below) == 1 and _lanes(below) == 1
         assert _workers(prob(256, 512, 10, 6, B=2)) == 3 and _lanes(prob(256, 512, 10, 6, H=2)) == 4
         assert _workers(prob(256, 1024, 10, 6)) == 3  # T_k counts, not T_q twice
+        assert _workers(prob(256, 512, 10, 6, H=2)) == 3 and _workers(prob(511, 512, 10, 6)) == 1
         assert _workers(prob(512, 512, 6, 10)) == 3 and _lanes(prob(512, 512, 15, 1)) == 4
     finally:
         torch.set_num_threads(threads)
@@ -1099,3 +1103,20 @@ def test_softcap_beside_a_mask_per_head_keeps_a_nan_key_from_rows_that_cannot_re
     assert torch.isfinite(dq[:, 1]).all() and torch.isfinite(dq[:, 0, :4]).all()
     torch.testing.assert_close(dq[:, 1], clean_dq[:, 1], atol=1e-12, rtol=0)
     torch.testing.assert_close(dq[:, 0, :4], clean_dq[:, 0, :4], atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"cu_seqlens": [0, 5, 13]},
+        {"prefix_lengths": [5]},
+        {"mask_mod": lambda b, h, q_idx, kv_idx: ((q_idx + kv_idx) % 3 != 1) | (q_idx == kv_idx)},
+        {"chunk": 5},
+    ],
+    ids=["documents", "prefix", "mask_mod", "chunk"],
+)
+def test_tiles_of_patterns_that_change_along_a_diagonal_are_not_shared(monkeypatch, kw):
+    """Documents, prefixes, chunks and a mask_mod are not the same along a diagonal: each
+    small tile gets its own mask (forward and backward against the reference)."""
+    monkeypatch.setattr(tiled, "BLOCKS", (3, 4))
+    _assert_matches_reference(*_inputs(1, 2, 2, 13, 13, 4, 3, seed=41), **kw)
