@@ -764,6 +764,25 @@ POISON = {  # (tensor, batch, key/query position, feature, value)
 }
 
 
+def _feature_kw(feature: str) -> dict:
+    """NONFINITE_FEATURES' keywords, the bias built here (no tensor at import: conftest)."""
+    kw = dict(NONFINITE_FEATURES[feature])
+    if kw.get("bias") == "bias":
+        kw["bias"] = torch.randn(2, 13, 13, generator=torch.Generator().manual_seed(2), dtype=F64)
+    return kw
+
+
+def _assert_clean_outside_the_reach(got, clean, R, KR, out: bool) -> None:
+    """Rows outside R keep their (out and) dq, keys outside KR their dk, dv: finite and the
+    clean run's. got, clean: _run's (out, lse, (dq, dk, dv)); R (B, H, T_q), KR (B, H, T_k)."""
+    checks = [("dq", 0, ~R), ("dk", 1, ~KR), ("dv", 2, ~KR)]
+    pairs = [("out", got[0], clean[0], ~R)] if out else []
+    pairs += [(what, got[2][i], clean[2][i], keep) for what, i, keep in checks]
+    for what, a, c, keep in pairs:
+        assert torch.isfinite(a[keep]).all(), f"{what}: a non-finite value leaked"
+        torch.testing.assert_close(a[keep], c[keep], atol=1e-12, rtol=0, msg=what)
+
+
 @pytest.mark.parametrize("blocks", [(3, 4), (8, 16)], ids=["3x4", "8x16"])
 @pytest.mark.parametrize("poison", list(POISON))
 @pytest.mark.parametrize("feature", list(NONFINITE_FEATURES))
@@ -778,9 +797,7 @@ def test_non_finite_inputs_reach_only_the_rows_and_keys_that_read_them(
     monkeypatch.setattr(tiled, "BLOCKS", blocks)
     q, k, v = _inputs(2, 2, 2, 13, 13, 4, 3, seed=11)
     name, b, pos, feat, val = POISON[poison]
-    kw = dict(NONFINITE_FEATURES[feature])
-    if kw.get("bias") == "bias":
-        kw["bias"] = torch.randn(2, 13, 13, generator=torch.Generator().manual_seed(2), dtype=F64)
+    kw = _feature_kw(feature)
     clean = _run("tiled", q, k, v, **kw)
     bad = {"q": q.clone(), "k": k.clone(), "v": v.clone()}
     bad[name][b, :, pos, slice(None) if feat is None else feat] = val
@@ -799,14 +816,7 @@ def test_non_finite_inputs_reach_only_the_rows_and_keys_that_read_them(
     KR = (R[..., None] & E).any(-2)  # the keys those rows read
     if name != "q":
         KR[b, :, pos] = True
-    for what, a, c, keep in (
-        ("out", got[0], clean[0], ~R),
-        ("dq", got[2][0], clean[2][0], ~R),
-        ("dk", got[2][1], clean[2][1], ~KR),
-        ("dv", got[2][2], clean[2][2], ~KR),
-    ):
-        assert torch.isfinite(a[keep]).all(), f"{what}: a non-finite value leaked"
-        torch.testing.assert_close(a[keep], c[keep], atol=1e-12, rtol=0, msg=what)
+    _assert_clean_outside_the_reach(got, clean, R, KR, out=True)
     if val != val:  # a NaN reaches every row that reads it, and so each of their dq rows
         assert (~torch.isfinite(got[2][0])).any(-1)[R].all()
 
@@ -987,9 +997,7 @@ def test_a_non_finite_upstream_gradient_row_reaches_only_what_that_row_read(
     an exact 0 that never meets its dO); dV's feature 1 is non-finite at the keys it read."""
     monkeypatch.setattr(tiled, "BLOCKS", blocks)
     q, k, v = _inputs(2, 2, 2, 13, 13, 4, 3, seed=13)
-    kw = dict(NONFINITE_FEATURES[feature])
-    if kw.get("bias") == "bias":
-        kw["bias"] = torch.randn(2, 13, 13, generator=torch.Generator().manual_seed(2), dtype=F64)
+    kw = _feature_kw(feature)
     dout = torch.randn(2, 2, 13, 3, generator=torch.Generator().manual_seed(3), dtype=F64)
     clean = _run("tiled", q, k, v, dout=dout, **kw)
     bad = dout.clone()
@@ -999,13 +1007,7 @@ def test_a_non_finite_upstream_gradient_row_reaches_only_what_that_row_read(
     R = torch.zeros(2, 2, 13, dtype=torch.bool)
     R[0, :, 6] = True
     KR = (R[..., None] & E).any(-2)
-    for what, a, c, keep in (
-        ("dq", got[2][0], clean[2][0], ~R),
-        ("dk", got[2][1], clean[2][1], ~KR),
-        ("dv", got[2][2], clean[2][2], ~KR),
-    ):
-        assert torch.isfinite(a[keep]).all(), f"{what}: a non-finite value leaked"
-        torch.testing.assert_close(a[keep], c[keep], atol=1e-12, rtol=0, msg=what)
+    _assert_clean_outside_the_reach(got, clean, R, KR, out=False)
     # and it reaches what row 6 read: dV's feature 1 there (P > 0 times dO's non-finite)
     assert not torch.isfinite(got[2][2][..., 1][KR]).any()
     assert torch.isfinite(got[2][2][..., 0]).all() and torch.isfinite(got[2][2][..., 2]).all()
