@@ -256,12 +256,16 @@ def attention(
     tensors = {n: _tensor(n, x, q.device) for n, x in given.items()}
     for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
         check_callable(name, fn)
-    grad = torch.is_grad_enabled() and any(
-        isinstance(t, torch.Tensor) and t.requires_grad
-        for t in (q, k, v, *(tensors[n] for n in LEARNED))
+    # a score_mod's captured tensors need a gradient even when q, k, v and the pattern
+    # tensors need none (a learned bias over frozen projections)
+    captured = captured_of(score_mod) if torch.is_grad_enabled() else []
+    grad = bool(captured) or (
+        torch.is_grad_enabled()
+        and any(
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for t in (q, k, v, *(tensors[n] for n in LEARNED))
+        )
     )
-    captured = captured_of(score_mod) if grad else []
-    grad = grad or bool(captured)
     values = feature_values(
         q,
         k,
@@ -279,9 +283,19 @@ def attention(
         captured=captured,
     )
     name = _choose(engine, values, k.shape[2])
-    if name == "sdpa" and _eager(q):
-        # eagerly, SDPA keeps PyTorch's own autograd: through the operator its backward would
-        # recompute the forward (fwd+bwd 1.4x slower at GPT-2 small in one bench run)
+    # eagerly, SDPA keeps PyTorch's own autograd: through the operator its backward would
+    # recompute the forward (fwd+bwd 1.4x slower at GPT-2 small in one bench run).
+    # Under a torch.func transform, a tensor that a score_mod captures is wrapped at the
+    # transform's level, which no operator can differentiate through: the reference's
+    # differentiable torch math runs at the user's level instead, so the transform sees it.
+    direct = (
+        "sdpa"
+        if name == "sdpa" and _eager(q)
+        else "reference"
+        if captured and transforms_active()
+        else None
+    )
+    if direct:
         p = make_problem(
             q,
             k,
@@ -297,7 +311,7 @@ def attention(
             score_mod=score_mod,
             **given,
         )
-        return _ops.engine_module(name).forward(p, False)
+        return _ops.engine_module(direct).forward(p, return_lse)
     # the dropout seed stays a tensor: a compiled graph draws it anew on every call
     seed = _dropout.seed_tensor(generator) if dropout_p else None
     args = _ops.OpArgs(
@@ -318,7 +332,7 @@ def attention(
         return_lse=return_lse,
     )
     if transforms_active():  # torch.func.grad, vmap, ...
-        out, lse = _ops.FuncAttention.apply(*args)
+        out, lse = _ops.FuncAttention.apply(*_ops.FuncAttention.flat(args))
     else:
         out, lse = torch.ops.causalattn.fwd(*args)
     return (out, lse.float()) if return_lse else out

@@ -416,7 +416,10 @@ def _asks(flag) -> bool:
     return any(flag) if isinstance(flag, (list, tuple)) else bool(flag)
 
 
-def _backward(ctx, dout, dlse):
+def _backward(ctx, dout, dlse, needs=None):
+    """The forward operator's gradients, one per OpArgs field; ``needs``: needs_input_grad
+    per field (the context's own by default)."""
+    needs = ctx.needs_input_grad if needs is None else needs
     q, k, v, out, lse, *rest = ctx.saved_tensors
     n = len(TENSORS)
     tensors, seed, captured = rest[:n], rest[n], list(rest[n + 1 :])
@@ -425,11 +428,9 @@ def _backward(ctx, dout, dlse):
     fields = OpArgs._fields
     want = 0
     for i, name in enumerate(LEARNED):
-        if tensors[TENSORS.index(name)] is not None and _asks(
-            ctx.needs_input_grad[fields.index(name)]
-        ):
+        if tensors[TENSORS.index(name)] is not None and _asks(needs[fields.index(name)]):
             want |= 1 << i
-    if captured and _asks(ctx.needs_input_grad[fields.index("captured")]):
+    if captured and _asks(needs[fields.index("captured")]):
         want |= 1 << CAPTURED
     with torch.no_grad():  # the backward is not differentiable again (no double backward)
         res = bwd(
@@ -449,24 +450,37 @@ fwd.register_autograd(_backward, setup_context=_setup_context)
 class FuncAttention(torch.autograd.Function):
     """The forward operator with the same backward, for torch.func transforms (grad, vjp,
     vmap), which need an autograd.Function with setup_context (an operator's registered
-    autograd does not compose with them). A score_mod's captured tensors get no gradient
-    here (an autograd.Function's list argument has none)."""
+    autograd does not compose with them). Called as ``apply(*flat(args))``: an
+    autograd.Function gives no gradient to a list argument, so the captured tensors go in
+    one by one after the other fields."""
 
     generate_vmap_rule = True  # both operators have vmap rules (below)
 
     @staticmethod
-    def forward(*args):
-        return fwd(*args)
+    def flat(a: OpArgs) -> tuple:
+        """``a``'s fields with ``captured`` as its count, then the captured tensors."""
+        return (*a._replace(captured=len(a.captured)), *a.captured)
+
+    @staticmethod
+    def _args(flat: tuple) -> OpArgs:
+        n = len(OpArgs._fields)
+        return OpArgs(*flat[:n])._replace(captured=list(flat[n:]))
+
+    @staticmethod
+    def forward(*flat):
+        return fwd(*FuncAttention._args(flat))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _setup_context(ctx, inputs, output)
+        _setup_context(ctx, FuncAttention._args(inputs), output)
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        grads = list(_backward(ctx, dout, dlse))
-        grads[OpArgs._fields.index("captured")] = None  # a list argument: no gradient here
-        return tuple(grads)
+        n, i = len(OpArgs._fields), OpArgs._fields.index("captured")
+        needs = list(ctx.needs_input_grad[:n])
+        needs[i] = tuple(ctx.needs_input_grad[n:])
+        g = OpArgs(*_backward(ctx, dout, dlse, needs))
+        return (*g._replace(captured=None), *g.captured)
 
 
 def _select(a, d, i):

@@ -229,9 +229,12 @@ def of_problem(p, return_lse: bool = False, grad: bool | None = None) -> Feature
     """The Features of a built :class:`~causalattn.engines.problem.Problem`."""
     pt = p.pattern
     if grad is None:
-        grad = torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad
-            for t in (p.q, p.k, p.v, *(getattr(pt, n) for n in LEARNED))
+        grad = torch.is_grad_enabled() and (
+            bool(captured_of(pt.score_mod))
+            or any(
+                isinstance(t, torch.Tensor) and t.requires_grad
+                for t in (p.q, p.k, p.v, *(getattr(pt, n) for n in LEARNED))
+            )
         )
     captured = captured_of(pt.score_mod) if grad else ()
     return features(
