@@ -144,3 +144,26 @@ def test_nothing_needs_a_gradient_gives_no_graph():
         leaf = _leaf("score_mod").requires_grad_(True)
         out = ca.attention(q, k, v, engine="tiled", **_keywords("score_mod", leaf))
     assert out.grad_fn is None
+
+
+SLOPE = torch.tensor(0.25, dtype=F64, requires_grad=True)  # a module-level learned slope
+
+
+def test_a_score_mod_made_inside_the_compiled_region_keeps_its_link():
+    """An inline function reading a learned global: compiled, the gradient is eager's."""
+    torch._dynamo.reset()
+    q, k, v = _qkv()
+
+    def f(q, k, v):
+        return ca.attention(
+            q, k, v, engine="tiled", score_mod=lambda s, b, h, i, j: s - SLOPE * (i - j).abs()
+        )
+
+    (want,) = torch.autograd.grad(f(q, k, v).square().sum(), SLOPE)
+    out = torch.compile(f, fullgraph=True)(q, k, v)
+    assert out.grad_fn is not None
+    (got,) = torch.autograd.grad(out.square().sum(), SLOPE)
+    assert want != 0
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    with torch.no_grad():  # and with nothing to learn, it compiles as before
+        torch.testing.assert_close(torch.compile(f, fullgraph=True)(q, k, v), f(q, k, v))

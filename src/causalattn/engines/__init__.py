@@ -258,7 +258,10 @@ def attention(
         check_callable(name, fn)
     # a score_mod's captured tensors need a gradient even when q, k, v and the pattern
     # tensors need none (a learned bias over frozen projections)
-    captured = captured_of(score_mod) if torch.is_grad_enabled() else []
+    # (looked up on the function held by number: a function made inside a compiled region
+    # is Dynamo's, which does not show its globals; the held one is the real function)
+    mods = _ops.mods_id(mask_mod, score_mod)
+    captured = captured_of(_ops.mods_of(mods)[1]) if torch.is_grad_enabled() else []
     grad = bool(captured) or (
         torch.is_grad_enabled()
         and any(
@@ -327,7 +330,7 @@ def attention(
         softcap=None if softcap is None else float(softcap),
         scale=float(scale),
         dropout_p=float(dropout_p),
-        mods=_ops.mods_id(mask_mod, score_mod),
+        mods=mods,
         engine=name,
         return_lse=return_lse,
     )
