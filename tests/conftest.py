@@ -60,6 +60,14 @@ MUTATION_TESTS = {
     "causalattn.text.": ("test_text.py",),
     "causalattn.reference.": ("test_reference.py",),
     "causalattn.check.measure.": ("test_check_measure.py", "test_diagnose.py"),
+    "causalattn.check.judge.": ("test_judge.py", "test_diagnose.py", "test_promises_check.py"),
+    "causalattn.check.files.": (
+        "test_check_hostile.py",
+        "test_hostile.py",
+        "test_promises_check.py",
+    ),
+    "causalattn.check.runner.": ("test_runner.py", "test_promises_check.py"),
+    "causalattn.check.compare.": ("test_compare_masks.py", "test_promises_check.py"),
     "causalattn.check.": (
         "test_audit.py",
         "test_check_audit.py",
@@ -71,6 +79,13 @@ MUTATION_TESTS = {
     "causalattn.distributed.ring.": ("test_ring_local.py", "test_ring.py"),
     "causalattn.integrations.hf_pattern.": ("test_hf.py",),
     "causalattn.engines.cache.": ("test_cache.py",),
+    "causalattn.engines.cpp.": ("test_cpp.py", "test_promises_cpp.py"),
+    "causalattn.engines.auto.": ("test_auto.py", "test_promises_auto_cli.py"),
+    "causalattn.masks_mod.": ("test_mask_mod.py", "test_promises_cpp.py"),
+    "causalattn.inspect.": ("test_inspect.py", "test_induction.py", "test_promises_heads.py"),
+    "causalattn.integrations.hf_edit.": ("test_hf_edit.py", "test_promises_heads.py"),
+    "causalattn.integrations.hf_heads.": ("test_hf_heads.py", "test_promises_heads.py"),
+    "causalattn.cli.": ("test_cli_basic.py", "test_promises_auto_cli.py"),
     "causalattn.engines.": (  # tiled and the modules it was split into (tiled_*) too
         "test_engine_contract.py",
         "test_engines.py",

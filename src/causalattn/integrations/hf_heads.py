@@ -6,7 +6,8 @@ tokens, and what ablating it costs. What ``causalattn heads --model DIR`` prints
     table.rows()               # the same as dicts (what --json prints)
 
 The probe: ``sequences`` sequences of ``length`` distinct random tokens (the tokenizer's
-vocabulary without its special tokens) repeated twice, after the tokenizer's BOS token when
+vocabulary without its special tokens, nor the pad, eos and bos ids the model's config
+names) repeated twice, after the tokenizer's BOS token when
 it has one (:func:`causalattn.inspect.repeated_tokens`). The scores are
 :func:`causalattn.inspect.head_roles` of a capture of that batch. The losses are the mean
 next-token cross-entropy over the first repeat's targets (its 2nd to last token: the 1st
@@ -35,7 +36,7 @@ def probe_ids(
 ) -> tuple[torch.Tensor, bool]:
     """(ids ``(sequences, [1 +] 2·length)``, whether a BOS token leads) for this model."""
     n_vocab = model.get_input_embeddings().num_embeddings
-    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    special = set(getattr(tokenizer, "all_special_ids", []) or []) | _named_ids(model, tokenizer)
     size = len(tokenizer) if tokenizer is not None else n_vocab
     vocab = [i for i in range(min(size, n_vocab)) if i not in special]
     bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
@@ -48,6 +49,19 @@ def probe_ids(
         )
     ids = repeated_tokens(vocab, sequences, length, seed=seed, first=bos)
     return torch.from_numpy(ids), bos is not None
+
+
+def _named_ids(model, tokenizer) -> set[int]:
+    """The pad, eos and bos ids the tokenizer or the model's config names (a config's eos may
+    be a list): never probe tokens, with a tokenizer or without one."""
+    out: set[int] = set()
+    for src in (tokenizer, getattr(model, "config", None)):
+        for name in ("pad_token_id", "eos_token_id", "bos_token_id"):
+            v = getattr(src, name, None) if src is not None else None
+            for i in v if isinstance(v, (list, tuple)) else [v]:
+                if isinstance(i, int) and not isinstance(i, bool):
+                    out.add(i)
+    return out
 
 
 def repeat_losses(model, ids: torch.Tensor, length: int, bos: bool) -> tuple[float, float]:
