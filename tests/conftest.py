@@ -85,7 +85,7 @@ MUTATION_TESTS = {
 MUTATION_SKIP = {"causalattn.engines.tiled": ("test_gradcheck_float64",)}
 
 if WORKER is not None:
-    # subprocesses (CLI, README blocks, the Triton interpreter) inherit the share too
+    # subprocesses (CLI, docs blocks, the Triton interpreter) inherit the share too
     os.environ.setdefault("OMP_NUM_THREADS", str(SHARE))
     os.environ.setdefault("MKL_NUM_THREADS", str(SHARE))
 

@@ -34,33 +34,48 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _ratio_key(rows: list[dict]) -> str | None:
-    keys = [k for r in rows for k in r if k.startswith("vs_") and isinstance(r[k], int | float)]
-    return max(set(keys), key=keys.count) if keys else None
+def flat(row: dict) -> dict:
+    """A row with its nested ratios (``"vs": {"tiled": 2.0}``) as columns (``vs_tiled``)."""
+    out = {}
+    for key, value in row.items():
+        if isinstance(value, dict):
+            out.update({f"{key}_{sub}": v for sub, v in value.items()})
+        else:
+            out[key] = value
+    return out
+
+
+def _ratio(row: dict) -> tuple[str, float] | None:
+    """The row's ratio to its peer: ``vs_sdpa`` where it has one, else its first ``vs_*``."""
+    ratios = {k: v for k, v in row.items() if k.startswith("vs_") and isinstance(v, int | float)}
+    if not ratios:
+        return None
+    key = "vs_sdpa" if "vs_sdpa" in ratios else next(iter(ratios))
+    return key[3:], float(ratios[key])
 
 
 def plot(rows: list[dict], title: str) -> bytes | None:
-    """PNG bytes: each row's ratio to its peer (its most common ``vs_*`` column), by case."""
-    key = _ratio_key(rows)
-    if key is None:
+    """PNG bytes: each row's ratio to its peer (the peer's time over the row's), a bar each."""
+    shown = [(r, _ratio(r)) for r in rows if _ratio(r) is not None]
+    if not shown:
         return None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shown = [r for r in rows if isinstance(r.get(key), int | float)]
     labels = [
         " · ".join(str(r[k]) for k in ("case", "pass", "engine") if r.get(k) not in (None, ""))
-        for r in shown
+        + f" (vs {peer})"
+        for r, (peer, _) in shown
     ]
     fig, ax = plt.subplots(figsize=(8, 0.28 * len(shown) + 1.2), dpi=90)
-    ax.barh(range(len(shown)), [r[key] for r in shown], color="#4c72b0")
+    ax.barh(range(len(shown)), [x for _, (_, x) in shown], color="#4c72b0")
     ax.axvline(1.0, color="#333", linewidth=0.8)
     ax.set_yticks(range(len(shown)), labels, fontsize=7)
     ax.invert_yaxis()
     ax.set_xscale("log")
-    ax.set_xlabel(f"{key}: its peer's time / this row's time (> 1: faster than the peer)")
+    ax.set_xlabel("the peer's time / this row's time (> 1: faster than the peer)")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
     buf = io.BytesIO()
@@ -80,7 +95,7 @@ def page(bench: Path = BENCH) -> tuple[str, dict[str, bytes]]:
     ]
     images = {}
     for path in sorted(p for p in bench.glob("*.json") if p.name != "machine.json"):
-        rows = json.loads(path.read_text())
+        rows = [flat(r) for r in json.loads(path.read_text())]
         mode = path.stem
         parts += [f"## `causalattn bench {mode} --quick --json`", ""]
         png = plot(rows, f"causalattn bench {mode} --quick")
