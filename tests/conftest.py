@@ -40,6 +40,7 @@ SERIAL = {  # module -> the unit of work it belongs to (modules in one unit shar
     "tests/test_ring.py": "gloo",
     "tests/test_explorer_browser.py": "chromium",
     "tests/test_hf_browser.py": "chromium",
+    "tests/test_docs_site.py": "chromium",
 }
 # queued first (a name here only changes the order; a missing one changes nothing)
 LONGEST = (
