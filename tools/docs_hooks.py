@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import pkgutil
+import re
 import sys
 from pathlib import Path
 
@@ -69,14 +70,15 @@ def _package_page() -> str:
         anchor = "" if inspect.ismodule(obj) else f"#{module}.{name}"
         rows.append(f"| `causalattn.{name}` | [`{module}`]({module}.md{anchor}) |")
     return (
-        "# `causalattn`\n\n::: causalattn\n    options:\n      members: false\n\n"
+        "::: causalattn\n    options:\n      members: false\n      heading_level: 1\n\n"
         "## Public names (`causalattn.__all__`)\n\n" + "\n".join(rows) + "\n"
     )
 
 
 def on_files(files, config):
     for name in public_modules():
-        text = _package_page() if name == "causalattn" else f"# `{name}`\n\n::: {name}\n"
+        module_page = f"::: {name}\n    options:\n      heading_level: 1\n"
+        text = _package_page() if name == "causalattn" else module_page
         files.append(File.generated(config, api_path(name), content=text))
     files.append(File.generated(config, "reference/cli.md", content=cli_reference.page()))
     _IMAGES.clear()
@@ -85,6 +87,14 @@ def on_files(files, config):
     for path, data in images.items():
         files.append(File.generated(config, path, content=data))
     return files
+
+
+# the docstrings' Sphinx roles (:mod:`x`, :class:`~x.Y`), rendered as plain code
+_ROLE = re.compile(r":(?:mod|class|func|meth|attr|data|exc|obj):(<code>)~?")
+
+
+def on_page_content(html, page, config, files):
+    return _ROLE.sub(r"\1", html)
 
 
 def on_page_markdown(markdown, page, config, files):
