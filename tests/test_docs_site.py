@@ -108,6 +108,18 @@ def test_no_page_loads_anything_from_another_host(site):
         assert not CSS_URL.search(css.read_text(encoding="utf-8")), css.relative_to(site)
 
 
+def test_the_resource_check_sees_other_hosts():
+    html = (
+        '<link rel="stylesheet" href="https://fonts.example/x.css">'
+        '<script src="//cdn.example/x.js"></script><img alt="" src="../patterns.png">'
+        '<a href="https://example.org/">a link is no resource</a>'
+    )
+    urls = [next(g for g in groups if g) for groups in RESOURCE.findall(html)]
+    assert urls == ["https://fonts.example/x.css", "//cdn.example/x.js", "../patterns.png"]
+    assert CSS_URL.search("@font-face{src:url('https://fonts.example/a.woff2')}")
+    assert not CSS_URL.search("a{background:url(../img/x.svg)}")
+
+
 @pytest.fixture(scope="module")
 def server(site):
     handler = functools.partial(_Quiet, directory=str(site))
