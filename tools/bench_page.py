@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[1] / "docs" / "bench"
-SKIP = {"reps"}  # columns the tables leave out
+SKIP = {"reps", "note"}  # columns the tables leave out (the notes go below, once a case)
 
 
 def _fmt(value) -> str:
@@ -103,6 +103,8 @@ def page(bench: Path = BENCH) -> tuple[str, dict[str, bytes]]:
             images[f"bench/{mode}.png"] = png
             parts += [f"![bench {mode}: each row's ratio to its peer](bench/{mode}.png)", ""]
         parts += [table(rows), ""]
+        notes = dict.fromkeys((r.get("case", ""), r["note"]) for r in rows if r.get("note"))
+        parts += [f"- {case}: {note}" for case, note in notes] + [""]
     return "\n".join(parts), images
 
 
