@@ -40,6 +40,7 @@ SERIAL = {  # module -> the unit of work it belongs to (modules in one unit shar
     "tests/test_ring.py": "gloo",
     "tests/test_explorer_browser.py": "chromium",
     "tests/test_hf_browser.py": "chromium",
+    "tests/test_docs_site.py": "chromium",
 }
 # queued first (a name here only changes the order; a missing one changes nothing)
 LONGEST = (
@@ -100,7 +101,7 @@ MUTATION_TESTS = {
 MUTATION_SKIP = {"causalattn.engines.tiled": ("test_gradcheck_float64",)}
 
 if WORKER is not None:
-    # subprocesses (CLI, README blocks, the Triton interpreter) inherit the share too
+    # subprocesses (CLI, docs blocks, the Triton interpreter) inherit the share too
     os.environ.setdefault("OMP_NUM_THREADS", str(SHARE))
     os.environ.setdefault("MKL_NUM_THREADS", str(SHARE))
 

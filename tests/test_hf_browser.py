@@ -55,7 +55,7 @@ def test_model_view_of_a_saved_model(page, tmp_path):  # noqa: F811
 
 def test_model_view_of_the_trained_induction_model(page, tmp_path):  # noqa: F811
     """The roles read off the trained model's heads, the induction head opened, the tokens
-    it generated marked: the README's picture."""
+    it generated marked: the heads guide's picture."""
     html = tmp_path / "induction.html"
     args = ["explore", "--model", str(INDUCTION), WORDS_TEXT, "--generate", "8", "-o", str(html)]
     res = CliRunner().invoke(app, args)

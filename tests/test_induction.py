@@ -113,10 +113,10 @@ def test_bar_ablating_the_induction_heads_breaks_the_copy_and_a_control_does_not
     assert np.isfinite([base, broken, kept]).all()
 
 
-def test_the_readme_prints_the_heads_table_as_it_comes_out(shipped):
-    """README's transcript of `causalattn heads --model examples/induction --ablate` is what
-    the command prints (the CLI echoes this table's format())."""
-    text = (SHIPPED.parents[1] / "README.md").read_text(encoding="utf-8")
+def test_the_docs_print_the_heads_table_as_it_comes_out(shipped):
+    """The heads guide's transcript of `causalattn heads --model examples/induction
+    --ablate` is what the command prints (the CLI echoes this table's format())."""
+    text = (SHIPPED.parents[1] / "docs" / "guides" / "heads-models.md").read_text(encoding="utf-8")
     cmd = "$ causalattn heads --model examples/induction --ablate\n"
     assert cmd in text
     shown = text.split(cmd, 1)[1].split("\n```", 1)[0]

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,6 +28,11 @@ from . import masks as _masks
 from . import masks_mod as _masks_mod
 from .engines import KVCache, attention
 from .masks import shape_str as _shape_str
+
+if TYPE_CHECKING:
+    from .arrays import ArrayLike, MaskMod, ScoreMod
+    from .shapes import Row
+    from .trace import Trace
 
 __all__ = ["CausalSelfAttention", "from_gpt2_attention", "from_nanogpt_state_dict"]
 
@@ -72,11 +79,11 @@ class CausalSelfAttention(nn.Module):
         alibi: bool = False,
         softcap: float | None = None,
         sinks: bool = False,
-        mask_mod=None,
-        score_mod=None,
+        mask_mod: MaskMod | None = None,
+        score_mod: ScoreMod | None = None,
         attn_dropout: float = 0.0,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ):
         super().__init__()
         self.d_model = _positive("d_model", d_model)
@@ -310,7 +317,14 @@ class CausalSelfAttention(nn.Module):
 
     # --- inspection --------------------------------------------------------------------
 
-    def trace(self, x, *, lengths=None, key_padding_mask=None, tokens: list[str] | None = None):
+    def trace(
+        self,
+        x: ArrayLike,
+        *,
+        lengths: ArrayLike | None = None,
+        key_padding_mask: ArrayLike | None = None,
+        tokens: list[str] | None = None,
+    ) -> Trace:
         """The float64 reference :class:`~causalattn.Trace` of this layer on x, head by head.
 
         x: ``T×d_model`` or ``(B, T, d_model)`` (tensor or array). Every stage is
@@ -390,7 +404,7 @@ class CausalSelfAttention(nn.Module):
             tokens=tokens,
         )
 
-    def shape_table(self, T: int):
+    def shape_table(self, T: int) -> list[Row]:
         """The seed's dimension table for this layer at sequence length T
         (:mod:`causalattn.shapes`)."""
         from .shapes import shape_table
@@ -400,7 +414,7 @@ class CausalSelfAttention(nn.Module):
     # --- loading -----------------------------------------------------------------------
 
     @classmethod
-    def from_gpt2_attention(cls, module, *, engine: str = "auto") -> CausalSelfAttention:
+    def from_gpt2_attention(cls, module: nn.Module, *, engine: str = "auto") -> CausalSelfAttention:
         """A layer with the weights of a transformers ``GPT2Attention`` (self-attention).
 
         GPT-2's ``c_attn`` is a ``Conv1D`` whose weight is d_model×(3·d_model) in the
@@ -434,7 +448,12 @@ class CausalSelfAttention(nn.Module):
 
     @classmethod
     def from_nanogpt_state_dict(
-        cls, state_dict, n_heads: int, *, prefix: str = "", engine: str = "auto"
+        cls,
+        state_dict: Mapping[str, torch.Tensor],
+        n_heads: int,
+        *,
+        prefix: str = "",
+        engine: str = "auto",
     ) -> CausalSelfAttention:
         """A layer from a nanoGPT ``CausalSelfAttention`` state dict (``c_attn``/``c_proj``).
 

@@ -12,11 +12,15 @@ readable output.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from . import masks as _masks
 from .trace import Trace
+
+if TYPE_CHECKING:
+    from .arrays import ArrayLike, MaskMod, ScoreMod
 
 __all__ = ["trace", "stages", "softmax_last", "weighted_values"]
 
@@ -110,27 +114,27 @@ def merge_heads(Y: np.ndarray) -> np.ndarray:
 
 
 def trace(
-    X,
-    W_q,
-    W_k,
-    W_v,
-    W_o=None,
+    X: ArrayLike,
+    W_q: ArrayLike,
+    W_k: ArrayLike,
+    W_v: ArrayLike,
+    W_o: ArrayLike | None = None,
     *,
     causal: bool | None = None,
     window: int | None = None,
-    lengths=None,
-    key_padding_mask=None,
-    cu_seqlens=None,
-    prefix_lengths=None,
+    lengths: ArrayLike | None = None,
+    key_padding_mask: ArrayLike | None = None,
+    cu_seqlens: ArrayLike | None = None,
+    prefix_lengths: ArrayLike | None = None,
     chunk: int | None = None,
-    mask=None,
-    alibi_slopes=None,
+    mask: ArrayLike | None = None,
+    alibi_slopes: ArrayLike | None = None,
     softcap: float | None = None,
-    sinks=None,
-    mask_mod=None,
-    score_mod=None,
-    bias=None,
-    rel_bias=None,
+    sinks: ArrayLike | None = None,
+    mask_mod: MaskMod | None = None,
+    score_mod: ScoreMod | None = None,
+    bias: ArrayLike | None = None,
+    rel_bias: ArrayLike | None = None,
     scale: float | None = None,
     n_heads: int | None = None,
     fill: str = "-inf",

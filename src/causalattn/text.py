@@ -64,6 +64,7 @@ class Vocabulary:
 
     @classmethod
     def from_sentences(cls, sentences: Iterable[str]) -> Vocabulary:
+        """The vocabulary of ``sentences``' tokens, ids by first appearance after the specials."""
         vocab = cls()
         for s in sentences:
             for t in tokenize(s):
@@ -107,9 +108,11 @@ class Vocabulary:
         return [self._ids.get(t, 1) for t in tokens]
 
     def decode(self, ids: Iterable[int]) -> list[str]:
+        """The tokens of ``ids`` (a row of ``Batch.ids``, shape ``(N,)``)."""
         return [self[int(i)] for i in ids]
 
     def to_dict(self) -> dict[str, int]:
+        """Token -> id, specials included."""
         return dict(self._ids)
 
     def __eq__(self, other: object) -> bool:
@@ -193,10 +196,12 @@ class Batch:
 
     @property
     def B(self) -> int:
+        """The number of sentences B (``ids`` is ``(B, N)``)."""
         return int(self.ids.shape[0])
 
     @property
     def N(self) -> int:
+        """The padded length N (``ids`` is ``(B, N)``)."""
         return int(self.ids.shape[1])
 
     def _dense(self, what: str, cells: int) -> None:
@@ -291,7 +296,7 @@ def _sentences(sentences) -> list[str]:
 
 
 def encode(
-    sentences,
+    sentences: str | Iterable[str],
     max_len: int | None = None,
     vocab: Vocabulary | None = None,
     *,

@@ -14,8 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .masks import Pattern
 
 __all__ = ["Stage", "Trace", "Explanation", "STAGES"]
 
@@ -175,7 +179,7 @@ class Trace:
         scale: float | None = None,
         n_heads: int | None = None,
         tokens: list[str] | None = None,
-        pattern=None,
+        pattern: Pattern | None = None,
         reasons: np.ndarray | None = None,
     ):
         unknown = set(arrays) - set(STAGES)
@@ -217,6 +221,8 @@ class Trace:
         raise AttributeError(f"trace has no stage {name!r}; it has {list(arrays)}")
 
     def stage(self, name: str) -> Stage:
+        """The stage ``name`` (``"A"``, ...): its symbol, formula and array (``(..., T, T)``
+        for S, M, Z, A)."""
         symbol, formula, notation = STAGES[name]
         return Stage(name, symbol, formula, notation, self[name])
 
@@ -225,6 +231,7 @@ class Trace:
 
     @property
     def names(self) -> list[str]:
+        """The names of the stages this trace holds, in dependency order."""
         return list(self._arrays)
 
     def __repr__(self) -> str:

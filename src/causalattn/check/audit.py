@@ -28,8 +28,10 @@ Choices where names are ambiguous:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -39,28 +41,31 @@ from .inputs import DEFAULT_MAX_BYTES, _from_mapping, _from_trace, load_arrays
 from .report import AuditInputError, Report, check_declared_scale
 from .stages import run as _run_stages
 
+if TYPE_CHECKING:
+    from ..arrays import ArrayLike, MaskMod, ScoreMod
+
 __all__ = ["audit"]
 
 
 def audit(
-    obj,
+    obj: Trace | Mapping[str, ArrayLike] | str | os.PathLike[str],
     *,
     max_bytes: int = DEFAULT_MAX_BYTES,
     scale: float | None = None,
     causal: bool = True,
     window: int | None = None,
     chunk: int | None = None,
-    lengths=None,
-    key_padding_mask=None,
-    cu_seqlens=None,
-    prefix_lengths=None,
-    alibi_slopes=None,
+    lengths: ArrayLike | None = None,
+    key_padding_mask: ArrayLike | None = None,
+    cu_seqlens: ArrayLike | None = None,
+    prefix_lengths: ArrayLike | None = None,
+    alibi_slopes: ArrayLike | None = None,
     softcap: float | None = None,
-    sinks=None,
-    mask_mod=None,
-    score_mod=None,
-    bias=None,
-    rel_bias=None,
+    sinks: ArrayLike | None = None,
+    mask_mod: MaskMod | None = None,
+    score_mod: ScoreMod | None = None,
+    bias: ArrayLike | None = None,
+    rel_bias: ArrayLike | None = None,
 ) -> Report:
     """Check an attention computation in dependency order (see the module docstring).
 
@@ -69,6 +74,9 @@ def audit(
     .safetensors file (``max_bytes``: the budget for all its arrays together). The
     pattern keywords and ``scale`` declare what was meant, as for
     :func:`causalattn.attention` (default: plain causal, 1/√d_k; a Trace brings its own).
+    Shapes: one sequence's arrays are T×d (Q, K: T×d_k, V: T×d_v, S and A: T×T), with
+    any batch and head axes leading (``(B, H, T, d)``); the pattern arrays are
+    :func:`causalattn.attention`'s (``lengths`` (B,), ``key_padding_mask`` (B, T_k)).
     Unusable input raises :class:`AuditInputError` (a ValueError).
     """
     declared = {

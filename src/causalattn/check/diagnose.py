@@ -32,8 +32,10 @@ user files, and executed there). ``isolate=False`` runs a callable in this proce
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -58,6 +60,9 @@ from .observe import observe, observe_further
 from .probes import Plan
 from .report import Diagnosis, Status, check_declared_scale, verdict
 
+if TYPE_CHECKING:
+    from ..arrays import ArrayLike, MaskMod, ScoreMod
+
 __all__ = ["diagnose", "PATTERN_KEYWORDS"]
 
 # the declared pattern: the keywords of causalattn.attention / masks.Pattern
@@ -65,7 +70,7 @@ PATTERN_KEYWORDS = masks.PATTERN_KEYWORDS
 
 
 def diagnose(
-    fn,
+    fn: Callable[..., Any] | str,
     *,
     signature: str | None = None,
     timeout: float = 60.0,
@@ -74,16 +79,16 @@ def diagnose(
     causal: bool = True,
     window: int | None = None,
     chunk: int | None = None,
-    lengths=None,
-    key_padding_mask=None,
-    cu_seqlens=None,
-    prefix_lengths=None,
-    mask=None,
-    alibi_slopes=None,
+    lengths: ArrayLike | None = None,
+    key_padding_mask: ArrayLike | None = None,
+    cu_seqlens: ArrayLike | None = None,
+    prefix_lengths: ArrayLike | None = None,
+    mask: ArrayLike | None = None,
+    alibi_slopes: ArrayLike | None = None,
     softcap: float | None = None,
-    sinks=None,
-    mask_mod=None,
-    score_mod=None,
+    sinks: ArrayLike | None = None,
+    mask_mod: MaskMod | None = None,
+    score_mod: ScoreMod | None = None,
     max_memory: int = runner.DEFAULT_MAX_MEMORY,
 ) -> Diagnosis:
     """Measure ``fn``'s attention and name the first stage that differs from the declared one.
@@ -93,7 +98,8 @@ def diagnose(
     arguments returning one). ``signature``: ``"qkv"``, ``"x-weights"`` or ``"module"``
     (discovered when None). The pattern keywords and ``scale`` (default 1/√d_k) declare what
     ``fn`` should compute, as for :func:`causalattn.attention` (``mask_mod`` and
-    ``score_mod`` too: evaluated on every probe's shape). ``timeout`` (seconds) and
+    ``score_mod`` too: evaluated on every probe's shape; ``lengths`` (B,) and
+    ``key_padding_mask`` (B, T_k) as there). ``timeout`` (seconds) and
     ``max_memory`` (bytes) bound the worker process (:mod:`.runner`); ``isolate=False``
     runs a callable here.
     """

@@ -1,6 +1,6 @@
 """The one catalogue of faults: what the audit hints at, what diagnose names, what the CLI
-prints and what the README's table lists (tests/test_check_measure.py's
-``test_readme_fault_table_is_the_catalogue`` keeps that table true).
+prints and what the docs' table lists (tests/test_check_measure.py's
+``test_docs_fault_table_is_the_catalogue`` keeps that table true).
 
 Each fault has an ``id``, the ``stage`` of the seed's dependency order where it shows
 (S, M, A, H, O; ``heads`` for a fault that only some heads carry: its stage is theirs),
@@ -25,7 +25,7 @@ class Fault:
     lesson: str
 
 
-# In dependency order (the README's table lists them so); diagnose names every one it measures.
+# In dependency order (the docs' table lists them so); diagnose names every one it measures.
 CATALOGUE: tuple[Fault, ...] = (
     Fault(
         "k-not-transposed",
@@ -214,7 +214,7 @@ def get(fault_id: str) -> Fault:
 
 
 def table_markdown() -> str:
-    """The README's table of faults."""
+    """The table of faults in docs/guides/audit-diagnose.md."""
     rows = ["| id | stage | the bug |", "|---|---|---|"]
     rows += [f"| `{f.id}` | {f.stage} | {f.description} |" for f in CATALOGUE]
     return "\n".join(rows)

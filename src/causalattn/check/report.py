@@ -71,18 +71,22 @@ class Report:
 
     @property
     def ok(self) -> bool:
+        """True when every check passed."""
         return all(c.ok for c in self.checks)
 
     @property
     def failures(self) -> list[Check]:
+        """The checks that failed, in the order they ran."""
         return [c for c in self.checks if not c.ok]
 
     @property
     def first_failure(self) -> Check | None:
+        """The failed check earliest in dependency order (S, M, A, H, O), or None."""
         f = self.failures
         return min(f, key=lambda c: STAGE_ORDER.index(c.stage)) if f else None
 
     def to_dict(self) -> dict:
+        """The report as JSON-ready data (``ok``, ``first_failure``, ``checks``, ...)."""
         ff = self.first_failure
         return {
             "ok": self.ok,
@@ -94,7 +98,8 @@ class Report:
             "notes": self.notes,
         }
 
-    def to_json(self, **kw) -> str:
+    def to_json(self, **kw: Any) -> str:
+        """:meth:`to_dict` as JSON text; ``kw`` goes to :func:`json.dumps`."""
         return json.dumps(self.to_dict(), **kw)
 
     def __str__(self) -> str:
@@ -291,6 +296,7 @@ class Diagnosis:
 
     @property
     def ok(self) -> bool:
+        """True when the function was measured and found clean."""
         return self.status == Status.CLEAN
 
     @property
@@ -299,6 +305,7 @@ class Diagnosis:
         return self.status in (Status.ERROR, Status.TIMEOUT, Status.CRASHED)
 
     def to_dict(self) -> dict:
+        """The diagnosis as JSON-ready data (what ``diagnose --json`` prints)."""
         return {
             "fault": self.fault,
             "stage": self.stage,
@@ -317,6 +324,7 @@ class Diagnosis:
 
     @classmethod
     def from_dict(cls, d: dict) -> Diagnosis:
+        """The diagnosis back from :meth:`to_dict`'s data (as the isolated worker sends it)."""
         d = dict(d)
         wb = d.get("details", {}).get("whitebox")
         if isinstance(wb, dict):  # JSON made the recorded axes lists; they are tuples

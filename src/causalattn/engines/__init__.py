@@ -17,6 +17,7 @@ registry's (:mod:`causalattn.engines.registry`); "auto" is :mod:`causalattn.engi
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,9 @@ from .registry import (
     refusal,
     refusal_of,
 )
+
+if TYPE_CHECKING:
+    from ..arrays import MaskMod, ScoreMod, Tensor
 
 _default_scale = constant_result(default_scale)
 
@@ -170,31 +174,31 @@ def _plain_engine(q, k, v, causal, window, chunk, name, grad):
 
 
 def attention(
-    q,
-    k,
-    v,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
     *,
     causal: bool = True,
     window: int | None = None,
-    lengths=None,
-    key_padding_mask=None,
-    cu_seqlens=None,
-    prefix_lengths=None,
+    lengths: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    prefix_lengths: Tensor | None = None,
     chunk: int | None = None,
-    mask=None,
-    alibi_slopes=None,
+    mask: Tensor | None = None,
+    alibi_slopes: Tensor | None = None,
     softcap: float | None = None,
-    sinks=None,
+    sinks: Tensor | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
-    generator=None,
+    generator: torch.Generator | None = None,
     engine: str = "auto",
     return_lse: bool = False,
-    mask_mod=None,
-    score_mod=None,
-    bias=None,
-    rel_bias=None,
-):
+    mask_mod: MaskMod | None = None,
+    score_mod: ScoreMod | None = None,
+    bias: Tensor | None = None,
+    rel_bias: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Causal self-attention ``dropout(softmax_last(modify(q kᵀ·scale) + M)) v`` on one of
     the engines. ``sinks`` may be a learned Parameter (gradients flow to it).
 

@@ -46,12 +46,14 @@ class KVCache:
 
     @property
     def k(self) -> torch.Tensor:
+        """The cached keys ``(B, H_kv, T, d_k)``, T the tokens appended so far (a view)."""
         if self._k is None:
             raise ValueError("KVCache: empty; append keys and values first")
         return self._k[:, :, : self._len]
 
     @property
     def v(self) -> torch.Tensor:
+        """The cached values ``(B, H_kv, T, d_v)`` (a view)."""
         if self._v is None:
             raise ValueError("KVCache: empty; append keys and values first")
         return self._v[:, :, : self._len]

@@ -14,8 +14,9 @@ plain causal problem, else HF's boolean ``sdpa_mask``, True = may read) and keyw
 (``sliding_window``, ``softcap``, ``s_aux`` sinks, ``dropout``). :mod:`.hf_pattern` turns
 them into one :class:`causalattn.masks.Pattern` — causal, window, chunk, packed documents,
 key padding, or HF's dense mask itself where nothing structured reproduces it exactly —
-and the engines run it. Refused with a ValueError: additive score biases (values other
-than 0 / -inf in a float mask, ``position_bias``). A query row with no readable key
+and the engines run it. Additive score biases (the finite entries of a float mask,
+``position_bias``) run as the pattern's ``bias``; a model's ``alibi`` tensor and an
+``attn_bias`` keyword are refused with a ValueError. A query row with no readable key
 (left padding) gives zeros, never NaN.
 """
 
