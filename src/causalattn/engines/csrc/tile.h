@@ -120,6 +120,8 @@ struct PanelMods {
   V lo[2], hi[2], pos[2], slope[2];
   const T* bt;  // the bias of keys [bc, ...) for these columns, [j - bc][NR] (bias_block)
   int64_t bc;
+  SmodState<T>* sm = nullptr;  // the score_mod's registers for this panel (thread's own)
+  uint64_t real = 0;  // lanes that are real columns
 
   PanelMods(const Problem& P_, const Cols<T>& cols_, const TileKinds& tk_, int64_t b_,
             int64_t p, bool need_intervals, T cap2_, const T* bt_ = nullptr, int64_t bc_ = 0)
@@ -132,6 +134,77 @@ struct PanelMods {
       pos[h] = vload(cols.pos.data() + c0 + h * N);
       slope[h] = vload(cols.slope.data() + c0 + h * N);
     }
+    if (P.smod.on()) smod_setup();
+  }
+
+  static SmodState<T>& smod_state() {
+    thread_local SmodState<T> s;
+    return s;
+  }
+
+  // the panel's registers: b, h, q_idx per lane, then the invariant instructions
+  __attribute__((noinline)) void smod_setup() {
+    const ScoreProg& S = P.smod;
+    constexpr int nr = NR<T>;
+    sm = &smod_state();
+    sm->r.assign(size_t(S.regs * nr), T(0));
+    sm->g.assign(size_t(S.regs * nr), T(0));
+    sm->ga.assign(size_t(S.regs * nr), T(0));
+    sm->varies.assign(size_t(S.regs), 0);
+    sm->varies[0] = sm->varies[4] = 1;
+    for (int64_t k = 0; k < S.n; ++k) sm->varies[S.code[k * SMOD_COLS + 1]] = uint8_t(S.code[k * SMOD_COLS + 7]);
+    T* r = sm->r.data();
+    for (int l = 0; l < nr; ++l) {
+      const int64_t c = c0 + l;
+      const bool ok = c < cols.n;
+      if (ok) real |= uint64_t(1) << l;
+      r[1 * nr + l] = T(b);
+      r[2 * nr + l] = ok ? T(cols.head[c]) : T(0);
+      r[3 * nr + l] = cols.pos[c];
+    }
+    smod_run<T>(S, r, 0, real);
+  }
+
+  // the score_mod on key row j's NR base-2 scores x, in place (natural units inside)
+  __attribute__((noinline)) void smod_cells(int64_t j, T* x) const {
+    const ScoreProg& S = P.smod;
+    constexpr int nr = NR<T>;
+    T* r = sm->r.data();
+    const T kv = T(P.k_start + j), jf = T(j);
+    uint64_t valid = 0;
+    for (int l = 0; l < nr; ++l) {
+      r[l] = x[l] * T(LN2);
+      r[4 * nr + l] = kv;
+      if (jf >= cols.lo[c0 + l] && jf < cols.hi[c0 + l]) valid |= uint64_t(1) << l;
+    }
+    smod_run<T>(S, r, 1, valid & real);
+    const T* o = r + S.out * nr;
+    for (int l = 0; l < nr; ++l) x[l] = o[l] * T(LOG2E);
+  }
+
+  // d score of key row j in place from ds = d output (natural units), right after apply(j):
+  // the registers still hold row j's values; the captured tensors' gradients into capg
+  __attribute__((noinline)) void smod_vjp(T* ds, T* capg) const {
+    const ScoreProg& S = P.smod;
+    constexpr int nr = NR<T>;
+    bool live[nr];
+    for (int64_t i = 0; i < S.regs; ++i)
+      if (sm->varies[i]) std::fill_n(sm->g.data() + i * nr, nr, T(0));
+    for (int l = 0; l < nr; ++l) live[l] = ds[l] != T(0);
+    if (sm->varies[S.out]) {
+      std::copy_n(ds, nr, sm->g.data() + S.out * nr);
+    } else {
+      for (int l = 0; l < nr; ++l)
+        if (live[l]) sm->ga[S.out * nr + l] += ds[l];
+    }
+    smod_reverse<T>(S, *sm, 1, live, capg);
+    for (int l = 0; l < nr; ++l) ds[l] = live[l] ? sm->g[l] : T(0);
+  }
+
+  // after the panel's keys: the invariant instructions' reverse sweep (their adjoints
+  // summed over the keys)
+  void smod_finish(T* capg) const {
+    if (sm) smod_reverse<T>(P.smod, *sm, 0, nullptr, capg);
   }
 
   // fn.template operator()<CAP, ALIBI, INTERVALS>() for this panel's combination
@@ -161,6 +234,7 @@ struct PanelMods {
   __attribute__((always_inline)) inline void apply(int64_t j, T* x, T* th) const {
     if constexpr (!CAP && !ALIBI && !INTERVALS) {  // a full tile without modifiers
       if (adds) add_cells(j, x);
+      if (sm) smod_cells(j, x);
       if (tk.partial) mask_cells(j, x);
       return;
     }
@@ -184,6 +258,13 @@ struct PanelMods {
       vstore(x, s[0]);
       vstore(x + N, s[1]);
       add_cells(j, x);
+      s[0] = vload(x);
+      s[1] = vload(x + N);
+    }
+    if (sm) {  // the score_mod: through memory (its own, not inlined)
+      vstore(x, s[0]);
+      vstore(x + N, s[1]);
+      smod_cells(j, x);
       s[0] = vload(x);
       s[1] = vload(x + N);
     }
