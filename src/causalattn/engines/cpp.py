@@ -473,7 +473,7 @@ def _table_grads(p: Problem, caps: list, dtab: torch.Tensor) -> list:
         n += t.numel()
     for c in caps:
         if id(c) in off and dtab.numel():
-            out.append(dtab[off[id(c)] : off[id(c)] + c.numel()].reshape(c.shape))
+            out.append(dtab[off[id(c)] : off[id(c)] + c.numel()].reshape(c.shape).clone())
         else:  # reachable, never read
             out.append(torch.zeros(c.shape, dtype=dtab.dtype))
     return out
