@@ -30,7 +30,7 @@ struct Packed {
 
 template <typename T>
 struct BWork {  // a thread's buffers, reused across tasks and calls
-  std::vector<T> qp_b, qn_b, dop_b, don_b, kr_b, vr_b, kn_b, st, dpt, th, dk, dv, dq, slc, bt, gzt;
+  std::vector<T> qp_b, qn_b, dop_b, don_b, kr_b, vr_b, kn_b, st, dpt, th, dk, dv, dq, slc, bt, gzt, xs;
   std::vector<uint8_t> qbad_b, dobad_b, kbad_b;
   Packed<T> pk;  // the task's head (thread-local buffers, or the call's shared ones)
   std::vector<Cols<T>> chunks;
@@ -286,6 +286,13 @@ struct Backward {
       const V Dv[2] = {vload(Drow + p * nr), vload(Drow + p * nr + N)};
       const uint32_t* rk = cols.rk.data() + p * nr;
       alignas(64) T gz[nr];  // the key row's dZ, for the learned tensors' gradients
+      T* xs = nullptr;  // the block path's score_mod input, [j - j_lo][NR]
+      if (mods.block && j_lo < j_hi) {
+        xs = scratch(w.xs, size_t((j_hi - j_lo) * nr));
+        for (int64_t j = j_lo; j < j_hi; ++j)
+          std::copy_n(st + (j - c) * ld + p * nr, nr, xs + (j - j_lo) * nr);
+        mods.smod_block(st + (j_lo - c) * ld + p * nr, ld, j_lo, j_hi);
+      }
       mods.dispatch([&]<bool CAP, bool ALIBI, bool INTERVALS>() {
         for (int64_t j = c; j < ce; ++j) {
           T* x = st + (j - c) * ld + p * nr;
@@ -310,7 +317,7 @@ struct Backward {
             dsv[hh] = blocked ? V{} : ds;
             prv[hh] = pr;
           }
-          if (mods.sm) {  // d score_mod: d its input (and its tables') from d its output
+          if (mods.sm && !mods.block) {  // d score_mod: d its input (its tables') from d output
             alignas(64) T db[nr];
             vstore(db, dsv[0]);
             vstore(db + N, dsv[1]);
@@ -336,6 +343,8 @@ struct Backward {
           if (want) grad_cells(hkv, p, j - c, j, gz, cols, w);
         }
       });
+      if (xs)
+        mods.smod_block(xs, nr, j_lo, j_hi, dpt + (j_lo - c) * ld + p * nr, ld, w.capacc);
       mods.smod_finish(w.capacc);
       if (want & WANT_BIAS) {  // each column's dZ row, contiguous
         const int64_t c0 = p * nr;

@@ -35,23 +35,26 @@ struct ScoreProg {
   bool on() const { return code != nullptr; }
 };
 
-// One panel's registers and adjoints (NR lanes each), and which registers vary per key.
+// One panel's registers and adjoints: r, g per lane (NR wide, the per-key path and the
+// invariant instructions), rb, gb per block of CH key rows (CH·NR wide: the block path, the
+// invariant registers copied to every row); ga the invariant adjoints summed over the keys.
 template <typename T>
 struct SmodState {
   static constexpr int nr = NR<T>;
-  std::vector<T> r, g, ga;  // values; per-key adjoints; invariant adjoints (panel sums)
-  std::vector<uint8_t> varies;
-  T* reg(int64_t i) { return r.data() + i * nr; }
+  static constexpr int CH = 8;  // key rows per block
+  std::vector<T> r, g, ga, rb, gb;
+  std::vector<uint8_t> varies, live;
 };
 
 template <typename T>
-inline int64_t smod_flat(const ScoreProg& S, const int64_t* c, const T* r, int l, bool& oob) {
+inline int64_t smod_flat(const ScoreProg& S, const int64_t* c, const T* r, int64_t W, int64_t e,
+                         bool& oob) {
   const int64_t* m = S.meta + c[6] * SMOD_META;
   int64_t flat = m[0];
   for (int64_t d = 0; d < m[1]; ++d) {
-    int64_t ix = int64_t(std::nearbyint(double(r[c[2 + d] * NR<T> + l])));
+    int64_t ix = int64_t(r[c[2 + d] * W + e]);  // exact integers: index arithmetic
     if (ix < 0) ix += m[2 + d];  // torch's negative indices
-    if (ix < 0 || ix >= m[2 + d]) {
+    if (uint64_t(ix) >= uint64_t(m[2 + d])) {
       oob = true;
       ix = 0;
     }
@@ -61,66 +64,103 @@ inline int64_t smod_flat(const ScoreProg& S, const int64_t* c, const T* r, int l
 }
 
 // Run the instructions whose `varies` flag is `which` (0: once per panel, 1: per key) on
-// lanes r; `valid` (bits per lane) says which lanes are read cells (index errors count there).
-template <typename T>
-inline void smod_run(const ScoreProg& S, T* r, int64_t which, uint64_t valid) {
-  constexpr int nr = NR<T>;
+// registers of width W (register i at r + i·W); read(e) says whether element e is a read
+// cell (an index out of range counts only there).
+template <typename T, typename Read>
+inline void smod_run(const ScoreProg& S, T* r, int64_t W, int64_t which, Read&& read) {
   const T* tab = static_cast<const T*>(S.data);
   for (int64_t k = 0; k < S.n; ++k) {
     const int64_t* c = S.code + k * SMOD_COLS;
     if (c[7] != which) continue;
-    T* d = r + c[1] * nr;
-    const T* a = c[2] >= 0 ? r + c[2] * nr : nullptr;
-    const T* b = c[3] >= 0 ? r + c[3] * nr : nullptr;
-    const T* e = c[4] >= 0 ? r + c[4] * nr : nullptr;
+    T* __restrict d = r + c[1] * W;
+    const T* __restrict a = c[2] >= 0 ? r + c[2] * W : nullptr;
+    const T* __restrict b = c[3] >= 0 ? r + c[3] * W : nullptr;
+    const T* __restrict e = c[4] >= 0 ? r + c[4] * W : nullptr;
     switch (c[0]) {
-      case OP_CONST: for (int l = 0; l < nr; ++l) d[l] = T(S.consts[c[6]]); break;
-      case OP_ADD: for (int l = 0; l < nr; ++l) d[l] = a[l] + b[l]; break;
-      case OP_SUB: for (int l = 0; l < nr; ++l) d[l] = a[l] - b[l]; break;
-      case OP_MUL: for (int l = 0; l < nr; ++l) d[l] = a[l] * b[l]; break;
-      case OP_DIV: for (int l = 0; l < nr; ++l) d[l] = a[l] / b[l]; break;
-      case OP_NEG: for (int l = 0; l < nr; ++l) d[l] = -a[l]; break;
+      case OP_CONST: std::fill_n(d, W, T(S.consts[c[6]])); break;
+      case OP_ADD: for (int64_t l = 0; l < W; ++l) d[l] = a[l] + b[l]; break;
+      case OP_SUB: for (int64_t l = 0; l < W; ++l) d[l] = a[l] - b[l]; break;
+      case OP_MUL: for (int64_t l = 0; l < W; ++l) d[l] = a[l] * b[l]; break;
+      case OP_DIV: for (int64_t l = 0; l < W; ++l) d[l] = a[l] / b[l]; break;
+      case OP_NEG: for (int64_t l = 0; l < W; ++l) d[l] = -a[l]; break;
       case OP_TANH:
-        for (int l = 0; l < nr; l += Vec<T>::N) vstore(d + l, tanhv(vload(a + l)));
+        for (int64_t l = 0; l < W; l += Vec<T>::N) vstore(d + l, tanhv(vload(a + l)));
         break;
       case OP_EXP:
-        for (int l = 0; l < nr; l += Vec<T>::N) vstore(d + l, exp2v(vload(a + l) * T(1.4426950408889634)));
+        for (int64_t l = 0; l < W; l += Vec<T>::N)
+          vstore(d + l, exp2v(vload(a + l) * T(1.4426950408889634)));
         break;
-      case OP_LOG: for (int l = 0; l < nr; ++l) d[l] = std::log(a[l]); break;
-      case OP_ABS: for (int l = 0; l < nr; ++l) d[l] = a[l] < T(0) ? -a[l] : a[l]; break;
-      case OP_SQRT: for (int l = 0; l < nr; ++l) d[l] = std::sqrt(a[l]); break;
+      case OP_LOG: for (int64_t l = 0; l < W; ++l) d[l] = std::log(a[l]); break;
+      case OP_ABS: for (int64_t l = 0; l < W; ++l) d[l] = a[l] < T(0) ? -a[l] : a[l]; break;
+      case OP_SQRT: for (int64_t l = 0; l < W; ++l) d[l] = std::sqrt(a[l]); break;
       case OP_POW: {
         const T p = T(S.consts[c[6]]);
         if (p == T(2))
-          for (int l = 0; l < nr; ++l) d[l] = a[l] * a[l];
+          for (int64_t l = 0; l < W; ++l) d[l] = a[l] * a[l];
         else
-          for (int l = 0; l < nr; ++l) d[l] = std::pow(a[l], p);
+          for (int64_t l = 0; l < W; ++l) d[l] = std::pow(a[l], p);
         break;
       }
-      case OP_SIN: for (int l = 0; l < nr; ++l) d[l] = std::sin(a[l]); break;
-      case OP_COS: for (int l = 0; l < nr; ++l) d[l] = std::cos(a[l]); break;
-      case OP_WHERE: for (int l = 0; l < nr; ++l) d[l] = a[l] != T(0) ? b[l] : e[l]; break;
-      case OP_LT: for (int l = 0; l < nr; ++l) d[l] = T(a[l] < b[l]); break;
-      case OP_LE: for (int l = 0; l < nr; ++l) d[l] = T(a[l] <= b[l]); break;
-      case OP_GT: for (int l = 0; l < nr; ++l) d[l] = T(a[l] > b[l]); break;
-      case OP_GE: for (int l = 0; l < nr; ++l) d[l] = T(a[l] >= b[l]); break;
-      case OP_EQ: for (int l = 0; l < nr; ++l) d[l] = T(a[l] == b[l]); break;
-      case OP_NE: for (int l = 0; l < nr; ++l) d[l] = T(a[l] != b[l]); break;
-      case OP_AND: for (int l = 0; l < nr; ++l) d[l] = T(a[l] != T(0) && b[l] != T(0)); break;
-      case OP_OR: for (int l = 0; l < nr; ++l) d[l] = T(a[l] != T(0) || b[l] != T(0)); break;
-      case OP_NOT: for (int l = 0; l < nr; ++l) d[l] = T(a[l] == T(0)); break;
-      case OP_SIGMOID: for (int l = 0; l < nr; ++l) d[l] = T(1) / (T(1) + std::exp(-a[l])); break;
-      case OP_MAX: for (int l = 0; l < nr; ++l) d[l] = a[l] > b[l] ? a[l] : b[l]; break;
-      case OP_MIN: for (int l = 0; l < nr; ++l) d[l] = a[l] < b[l] ? a[l] : b[l]; break;
-      case OP_FLOORDIV: for (int l = 0; l < nr; ++l) d[l] = std::floor(a[l] / b[l]); break;
+      case OP_SIN: for (int64_t l = 0; l < W; ++l) d[l] = std::sin(a[l]); break;
+      case OP_COS: for (int64_t l = 0; l < W; ++l) d[l] = std::cos(a[l]); break;
+      case OP_WHERE: for (int64_t l = 0; l < W; ++l) d[l] = a[l] != T(0) ? b[l] : e[l]; break;
+      case OP_LT: for (int64_t l = 0; l < W; ++l) d[l] = a[l] < b[l] ? T(1) : T(0); break;
+      case OP_LE: for (int64_t l = 0; l < W; ++l) d[l] = a[l] <= b[l] ? T(1) : T(0); break;
+      case OP_GT: for (int64_t l = 0; l < W; ++l) d[l] = a[l] > b[l] ? T(1) : T(0); break;
+      case OP_GE: for (int64_t l = 0; l < W; ++l) d[l] = a[l] >= b[l] ? T(1) : T(0); break;
+      case OP_EQ: for (int64_t l = 0; l < W; ++l) d[l] = a[l] == b[l] ? T(1) : T(0); break;
+      case OP_NE: for (int64_t l = 0; l < W; ++l) d[l] = a[l] != b[l] ? T(1) : T(0); break;
+      case OP_AND:
+        for (int64_t l = 0; l < W; ++l) d[l] = (a[l] != T(0) && b[l] != T(0)) ? T(1) : T(0);
+        break;
+      case OP_OR:
+        for (int64_t l = 0; l < W; ++l) d[l] = (a[l] != T(0) || b[l] != T(0)) ? T(1) : T(0);
+        break;
+      case OP_NOT: for (int64_t l = 0; l < W; ++l) d[l] = a[l] == T(0) ? T(1) : T(0); break;
+      case OP_SIGMOID:
+        for (int64_t l = 0; l < W; ++l) d[l] = T(1) / (T(1) + std::exp(-a[l]));
+        break;
+      case OP_MAX: for (int64_t l = 0; l < W; ++l) d[l] = a[l] > b[l] ? a[l] : b[l]; break;
+      case OP_MIN: for (int64_t l = 0; l < W; ++l) d[l] = a[l] < b[l] ? a[l] : b[l]; break;
+      case OP_FLOORDIV: for (int64_t l = 0; l < W; ++l) d[l] = std::floor(a[l] / b[l]); break;
       case OP_MOD:
-        for (int l = 0; l < nr; ++l) d[l] = a[l] - std::floor(a[l] / b[l]) * b[l];
+        for (int64_t l = 0; l < W; ++l) d[l] = a[l] - std::floor(a[l] / b[l]) * b[l];
         break;
       case OP_GATHER: {
-        for (int l = 0; l < nr; ++l) {
+        const int64_t* m = S.meta + c[6] * SMOD_META;
+        if (m[1] == 1) {  // the common case, without the loop over axes
+          const T* t = tab + m[0];
+          const int64_t n = m[2], st = m[6];
+          for (int64_t l = 0; l < W; ++l) {
+            int64_t ix = int64_t(a[l]);
+            ix += ix < 0 ? n : 0;
+            if (uint64_t(ix) >= uint64_t(n)) {
+              if (read(l)) __atomic_store_n(S.bad, 1, __ATOMIC_RELAXED);
+              ix = 0;
+            }
+            d[l] = t[ix * st];
+          }
+          break;
+        }
+        if (m[1] == 2) {
+          const T* t = tab + m[0];
+          const int64_t n0 = m[2], n1 = m[3], s0 = m[6], s1 = m[7];
+          for (int64_t l = 0; l < W; ++l) {
+            int64_t i0 = int64_t(a[l]), i1 = int64_t(b[l]);
+            i0 += i0 < 0 ? n0 : 0;
+            i1 += i1 < 0 ? n1 : 0;
+            if (uint64_t(i0) >= uint64_t(n0) || uint64_t(i1) >= uint64_t(n1)) {
+              if (read(l)) __atomic_store_n(S.bad, 1, __ATOMIC_RELAXED);
+              i0 = i1 = 0;
+            }
+            d[l] = t[i0 * s0 + i1 * s1];
+          }
+          break;
+        }
+        for (int64_t l = 0; l < W; ++l) {
           bool oob = false;
-          const int64_t f = smod_flat<T>(S, c, r, l, oob);
-          if (oob && ((valid >> l) & 1)) __atomic_store_n(S.bad, 1, __ATOMIC_RELAXED);
+          const int64_t f = smod_flat<T>(S, c, r, W, l, oob);
+          if (oob && read(l)) __atomic_store_n(S.bad, 1, __ATOMIC_RELAXED);
           d[l] = tab[f];
         }
         break;
@@ -130,76 +170,75 @@ inline void smod_run(const ScoreProg& S, T* r, int64_t which, uint64_t valid) {
   }
 }
 
-// The reverse sweep over the instructions whose `varies` is `which`, adjoints g (per-key
-// registers) and ga (invariant registers: summed over the panel's keys); live: lanes whose
-// seed is not 0 (only they add to the invariant sums and the tables' gradients, so that a
-// blocked cell's 0 never meets an infinite derivative).
+// The reverse sweep over the instructions whose `varies` is `which`, on width W: adjoints g
+// (per-key registers, width W) and ga (invariant registers, width NR: summed over the keys);
+// live[e]: element e's seed is not 0 (only those add to the invariant sums and the tables'
+// gradients, so that a blocked cell's 0 never meets an infinite derivative).
 template <typename T>
-inline void smod_reverse(const ScoreProg& S, SmodState<T>& st, int64_t which, const bool* live,
-                         T* capg) {
+inline void smod_reverse(const ScoreProg& S, const T* r, T* g, T* ga, const uint8_t* varies,
+                         int64_t W, int64_t which, const uint8_t* live, T* capg) {
   constexpr int nr = NR<T>;
-  T* r = st.r.data();
   for (int64_t k = S.n - 1; k >= 0; --k) {
     const int64_t* c = S.code + k * SMOD_COLS;
     if (c[7] != which) continue;
     const int64_t dst = c[1];
-    const T* gd = (st.varies[dst] ? st.g.data() : st.ga.data()) + dst * nr;
-    const T* rd = r + dst * nr;
-    const T* a = c[2] >= 0 ? r + c[2] * nr : nullptr;
-    const T* b = c[3] >= 0 ? r + c[3] * nr : nullptr;
-    // adjoint of register i: the per-key one, or the invariant sum (live lanes only)
-    auto add = [&](int64_t i, int l, T v) {
+    const T* gd = varies[dst] ? g + dst * W : ga + dst * nr;
+    const T* rd = r + dst * W;
+    const T* a = c[2] >= 0 ? r + c[2] * W : nullptr;
+    const T* b = c[3] >= 0 ? r + c[3] * W : nullptr;
+    // adjoint of register i: the per-key one, or the invariant sum (live elements only)
+    auto add = [&](int64_t i, int64_t l, T v) {
       if (i < 0) return;
-      if (st.varies[i])
-        st.g[i * nr + l] += v;
+      if (varies[i])
+        g[i * W + l] += v;
       else if (which == 0 || live[l])
-        st.ga[i * nr + l] += v;
+        ga[i * nr + l % nr] += v;
     };
-    for (int l = 0; l < nr; ++l) {
-      const T g = gd[l];
-      if (g == T(0)) continue;
+    for (int64_t l = 0; l < W; ++l) {
+      const T gv = gd[which == 1 && !varies[dst] ? l % nr : l];
+      if (gv == T(0)) continue;
       switch (c[0]) {
-        case OP_ADD: add(c[2], l, g); add(c[3], l, g); break;
-        case OP_SUB: add(c[2], l, g); add(c[3], l, -g); break;
-        case OP_MUL: add(c[2], l, g * b[l]); add(c[3], l, g * a[l]); break;
-        case OP_DIV: add(c[2], l, g / b[l]); add(c[3], l, -g * rd[l] / b[l]); break;
-        case OP_NEG: add(c[2], l, -g); break;
-        case OP_TANH: add(c[2], l, g * (T(1) - rd[l] * rd[l])); break;
-        case OP_EXP: add(c[2], l, g * rd[l]); break;
-        case OP_LOG: add(c[2], l, g / a[l]); break;
-        case OP_ABS: add(c[2], l, a[l] > T(0) ? g : (a[l] < T(0) ? -g : T(0))); break;
-        case OP_SQRT: add(c[2], l, g * T(0.5) / rd[l]); break;
+        case OP_ADD: add(c[2], l, gv); add(c[3], l, gv); break;
+        case OP_SUB: add(c[2], l, gv); add(c[3], l, -gv); break;
+        case OP_MUL: add(c[2], l, gv * b[l]); add(c[3], l, gv * a[l]); break;
+        case OP_DIV: add(c[2], l, gv / b[l]); add(c[3], l, -gv * rd[l] / b[l]); break;
+        case OP_NEG: add(c[2], l, -gv); break;
+        case OP_TANH: add(c[2], l, gv * (T(1) - rd[l] * rd[l])); break;
+        case OP_EXP: add(c[2], l, gv * rd[l]); break;
+        case OP_LOG: add(c[2], l, gv / a[l]); break;
+        case OP_ABS: add(c[2], l, a[l] > T(0) ? gv : (a[l] < T(0) ? -gv : T(0))); break;
+        case OP_SQRT: add(c[2], l, gv * T(0.5) / rd[l]); break;
         case OP_POW: {
           const T p = T(S.consts[c[6]]);
-          if (p != T(0)) add(c[2], l, g * p * std::pow(a[l], p - T(1)));
+          if (p != T(0)) add(c[2], l, gv * p * std::pow(a[l], p - T(1)));
           break;
         }
-        case OP_SIN: add(c[2], l, g * std::cos(a[l])); break;
-        case OP_COS: add(c[2], l, -g * std::sin(a[l])); break;
+        case OP_SIN: add(c[2], l, gv * std::cos(a[l])); break;
+        case OP_COS: add(c[2], l, -gv * std::sin(a[l])); break;
         case OP_WHERE:
           if (a[l] != T(0))
-            add(c[3], l, g);
+            add(c[3], l, gv);
           else
-            add(c[4], l, g);
+            add(c[4], l, gv);
           break;
-        case OP_SIGMOID: add(c[2], l, g * rd[l] * (T(1) - rd[l])); break;
+        case OP_SIGMOID: add(c[2], l, gv * rd[l] * (T(1) - rd[l])); break;
         case OP_MAX:
         case OP_MIN: {
           const bool first = c[0] == OP_MAX ? a[l] > b[l] : a[l] < b[l];
           if (a[l] == b[l]) {
-            add(c[2], l, g * T(0.5));
-            add(c[3], l, g * T(0.5));
+            add(c[2], l, gv * T(0.5));
+            add(c[3], l, gv * T(0.5));
           } else {
-            add(first ? c[2] : c[3], l, g);
+            add(first ? c[2] : c[3], l, gv);
           }
           break;
         }
-        case OP_MOD: add(c[2], l, g); add(c[3], l, -g * std::floor(a[l] / b[l])); break;
+        case OP_MOD: add(c[2], l, gv); add(c[3], l, -gv * std::floor(a[l] / b[l])); break;
         case OP_GATHER:
           if (capg && ((S.grad >> c[6]) & 1) && (which == 0 || live[l])) {
             bool oob = false;
-            const int64_t f = smod_flat<T>(S, c, r, l, oob);
-            if (!oob) capg[f] += g;
+            const int64_t f = smod_flat<T>(S, c, r, W, l, oob);
+            if (!oob) capg[f] += gv;
           }
           break;
         default: break;  // constants, comparisons, floor division: no gradient
