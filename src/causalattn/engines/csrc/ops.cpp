@@ -38,6 +38,7 @@ void set_smod(Problem& P, const std::optional<at::Tensor>& code,
         "score_mod constants must be contiguous float64");
   check(data && data->scalar_type() == ct && data->is_contiguous(),
         "score_mod tables must be contiguous in the compute type");
+  check(data->numel() < (int64_t(1) << 31), "score_mod tables: fewer than 2^31 elements");
   check(meta && meta->scalar_type() == at::kLong && meta->is_contiguous() && meta->dim() == 2 &&
             meta->size(1) == SMOD_META,
         "score_mod table data must be int64 (tables, 10)");

@@ -63,6 +63,24 @@ inline int64_t smod_flat(const ScoreProg& S, const int64_t* c, const T* r, int64
   return flat;
 }
 
+// d[l] = t[i0·s0 + i1·s1] for indices a[l], b[l] (negative ones from the end); out of
+// range reads t[0] and is counted in the result (branch-free: the loop vectorizes)
+template <bool TWO, typename T>
+inline int32_t gather2(const T* __restrict t, const T* __restrict a, const T* __restrict b,
+                       int32_t n0, int32_t n1, int32_t s0, int32_t s1, T* __restrict d,
+                       int64_t W) {
+  int32_t any = 0;
+  for (int64_t l = 0; l < W; ++l) {
+    int32_t i0 = int32_t(a[l]), i1 = TWO ? int32_t(b[l]) : 0;
+    i0 += i0 < 0 ? n0 : 0;
+    i1 += i1 < 0 ? n1 : 0;
+    const int32_t out = (uint32_t(i0) >= uint32_t(n0)) | (uint32_t(i1) >= uint32_t(n1));
+    any |= out;
+    d[l] = t[out ? 0 : i0 * s0 + i1 * s1];
+  }
+  return any;
+}
+
 // Run the instructions whose `varies` flag is `which` (0: once per panel, 1: per key) on
 // registers of width W (register i at r + i·W); read(e) says whether element e is a read
 // cell (an index out of range counts only there).
@@ -128,32 +146,24 @@ inline void smod_run(const ScoreProg& S, T* r, int64_t W, int64_t which, Read&& 
         break;
       case OP_GATHER: {
         const int64_t* m = S.meta + c[6] * SMOD_META;
-        if (m[1] == 1) {  // the common case, without the loop over axes
+        if (m[1] == 1 || m[1] == 2) {  // the common cases: branch-free, 32-bit (vectorized)
           const T* t = tab + m[0];
-          const int64_t n = m[2], st = m[6];
-          for (int64_t l = 0; l < W; ++l) {
-            int64_t ix = int64_t(a[l]);
-            ix += ix < 0 ? n : 0;
-            if (uint64_t(ix) >= uint64_t(n)) {
-              if (read(l)) __atomic_store_n(S.bad, 1, __ATOMIC_RELAXED);
-              ix = 0;
+          const bool two = m[1] == 2;
+          const int32_t n0 = int32_t(m[2]), n1 = two ? int32_t(m[3]) : 1;
+          const int32_t s0 = int32_t(m[6]), s1 = two ? int32_t(m[7]) : 0;
+          int32_t any = 0;
+          if (two)
+            any = gather2<true, T>(t, a, b, n0, n1, s0, s1, d, W);
+          else
+            any = gather2<false, T>(t, a, a, n0, 1, s0, 0, d, W);
+          if (any) {  // which were read cells (a rare path)
+            for (int64_t l = 0; l < W; ++l) {
+              int32_t i0 = int32_t(a[l]), i1 = two ? int32_t(b[l]) : 0;
+              i0 += i0 < 0 ? n0 : 0;
+              i1 += i1 < 0 ? n1 : 0;
+              if ((uint32_t(i0) >= uint32_t(n0) || uint32_t(i1) >= uint32_t(n1)) && read(l))
+                __atomic_store_n(S.bad, 1, __ATOMIC_RELAXED);
             }
-            d[l] = t[ix * st];
-          }
-          break;
-        }
-        if (m[1] == 2) {
-          const T* t = tab + m[0];
-          const int64_t n0 = m[2], n1 = m[3], s0 = m[6], s1 = m[7];
-          for (int64_t l = 0; l < W; ++l) {
-            int64_t i0 = int64_t(a[l]), i1 = int64_t(b[l]);
-            i0 += i0 < 0 ? n0 : 0;
-            i1 += i1 < 0 ? n1 : 0;
-            if (uint64_t(i0) >= uint64_t(n0) || uint64_t(i1) >= uint64_t(n1)) {
-              if (read(l)) __atomic_store_n(S.bad, 1, __ATOMIC_RELAXED);
-              i0 = i1 = 0;
-            }
-            d[l] = t[i0 * s0 + i1 * s1];
           }
           break;
         }
