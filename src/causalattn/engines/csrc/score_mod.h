@@ -42,7 +42,7 @@ template <typename T>
 struct SmodState {
   static constexpr int nr = NR<T>;
   static constexpr int CH = 8;  // key rows per block
-  std::vector<T> r, g, ga, rb, gb;
+  std::vector<T> r, g, ga, rb, gb, tmp;
   std::vector<uint8_t> varies, live;
 };
 
@@ -183,77 +183,90 @@ inline void smod_run(const ScoreProg& S, T* r, int64_t W, int64_t which, Read&& 
 // The reverse sweep over the instructions whose `varies` is `which`, on width W: adjoints g
 // (per-key registers, width W) and ga (invariant registers, width NR: summed over the keys);
 // live[e]: element e's seed is not 0 (only those add to the invariant sums and the tables'
-// gradients, so that a blocked cell's 0 never meets an infinite derivative).
+// gradients, so that a blocked cell's 0 never meets an infinite derivative; the caller
+// zeroes d score where the seed was 0). Each operand's share is one vectorizable loop.
 template <typename T>
 inline void smod_reverse(const ScoreProg& S, const T* r, T* g, T* ga, const uint8_t* varies,
-                         int64_t W, int64_t which, const uint8_t* live, T* capg) {
+                         int64_t W, int64_t which, const uint8_t* live, T* capg, T* tmp) {
   constexpr int nr = NR<T>;
+  // tmp (the share of operand i) into i's adjoint
+  auto acc = [&](int64_t i) {
+    if (i < 0) return;
+    if (varies[i]) {
+      T* __restrict gi = g + i * W;
+      for (int64_t l = 0; l < W; ++l) gi[l] += tmp[l];
+    } else {
+      T* gi = ga + i * nr;
+      for (int64_t l = 0; l < W; ++l)
+        if (which == 0 || live[l]) gi[l % nr] += tmp[l];
+    }
+  };
   for (int64_t k = S.n - 1; k >= 0; --k) {
     const int64_t* c = S.code + k * SMOD_COLS;
     if (c[7] != which) continue;
     const int64_t dst = c[1];
-    const T* gd = varies[dst] ? g + dst * W : ga + dst * nr;
-    const T* rd = r + dst * W;
-    const T* a = c[2] >= 0 ? r + c[2] * W : nullptr;
-    const T* b = c[3] >= 0 ? r + c[3] * W : nullptr;
-    // adjoint of register i: the per-key one, or the invariant sum (live elements only)
-    auto add = [&](int64_t i, int64_t l, T v) {
-      if (i < 0) return;
-      if (varies[i])
-        g[i * W + l] += v;
-      else if (which == 0 || live[l])
-        ga[i * nr + l % nr] += v;
-    };
-    for (int64_t l = 0; l < W; ++l) {
-      const T gv = gd[which == 1 && !varies[dst] ? l % nr : l];
-      if (gv == T(0)) continue;
-      switch (c[0]) {
-        case OP_ADD: add(c[2], l, gv); add(c[3], l, gv); break;
-        case OP_SUB: add(c[2], l, gv); add(c[3], l, -gv); break;
-        case OP_MUL: add(c[2], l, gv * b[l]); add(c[3], l, gv * a[l]); break;
-        case OP_DIV: add(c[2], l, gv / b[l]); add(c[3], l, -gv * rd[l] / b[l]); break;
-        case OP_NEG: add(c[2], l, -gv); break;
-        case OP_TANH: add(c[2], l, gv * (T(1) - rd[l] * rd[l])); break;
-        case OP_EXP: add(c[2], l, gv * rd[l]); break;
-        case OP_LOG: add(c[2], l, gv / a[l]); break;
-        case OP_ABS: add(c[2], l, a[l] > T(0) ? gv : (a[l] < T(0) ? -gv : T(0))); break;
-        case OP_SQRT: add(c[2], l, gv * T(0.5) / rd[l]); break;
-        case OP_POW: {
-          const T p = T(S.consts[c[6]]);
-          if (p != T(0)) add(c[2], l, gv * p * std::pow(a[l], p - T(1)));
-          break;
-        }
-        case OP_SIN: add(c[2], l, gv * std::cos(a[l])); break;
-        case OP_COS: add(c[2], l, -gv * std::sin(a[l])); break;
-        case OP_WHERE:
-          if (a[l] != T(0))
-            add(c[3], l, gv);
-          else
-            add(c[4], l, gv);
-          break;
-        case OP_SIGMOID: add(c[2], l, gv * rd[l] * (T(1) - rd[l])); break;
-        case OP_MAX:
-        case OP_MIN: {
-          const bool first = c[0] == OP_MAX ? a[l] > b[l] : a[l] < b[l];
-          if (a[l] == b[l]) {
-            add(c[2], l, gv * T(0.5));
-            add(c[3], l, gv * T(0.5));
-          } else {
-            add(first ? c[2] : c[3], l, gv);
-          }
-          break;
-        }
-        case OP_MOD: add(c[2], l, gv); add(c[3], l, -gv * std::floor(a[l] / b[l])); break;
-        case OP_GATHER:
-          if (capg && ((S.grad >> c[6]) & 1) && (which == 0 || live[l])) {
+    const T* __restrict gd = varies[dst] ? g + dst * W : ga + dst * nr;
+    const T* __restrict rd = r + dst * W;
+    const T* __restrict a = c[2] >= 0 ? r + c[2] * W : nullptr;
+    const T* __restrict b = c[3] >= 0 ? r + c[3] * W : nullptr;
+    T* __restrict t = tmp;
+#define CA_SHARE(I, EXPR)                                   \
+  do {                                                      \
+    for (int64_t l = 0; l < W; ++l) t[l] = (EXPR);          \
+    acc(I);                                                 \
+  } while (0)
+    switch (c[0]) {
+      case OP_ADD: CA_SHARE(c[2], gd[l]); CA_SHARE(c[3], gd[l]); break;
+      case OP_SUB: CA_SHARE(c[2], gd[l]); CA_SHARE(c[3], -gd[l]); break;
+      case OP_MUL: CA_SHARE(c[2], gd[l] * b[l]); CA_SHARE(c[3], gd[l] * a[l]); break;
+      case OP_DIV: CA_SHARE(c[2], gd[l] / b[l]); CA_SHARE(c[3], -gd[l] * rd[l] / b[l]); break;
+      case OP_NEG: CA_SHARE(c[2], -gd[l]); break;
+      case OP_TANH: CA_SHARE(c[2], gd[l] * (T(1) - rd[l] * rd[l])); break;
+      case OP_EXP: CA_SHARE(c[2], gd[l] * rd[l]); break;
+      case OP_LOG: CA_SHARE(c[2], gd[l] / a[l]); break;
+      case OP_ABS:
+        CA_SHARE(c[2], a[l] > T(0) ? gd[l] : (a[l] < T(0) ? -gd[l] : T(0)));
+        break;
+      case OP_SQRT: CA_SHARE(c[2], gd[l] * T(0.5) / rd[l]); break;
+      case OP_POW: {
+        const T p = T(S.consts[c[6]]);
+        if (p == T(2))
+          CA_SHARE(c[2], gd[l] * T(2) * a[l]);
+        else if (p != T(0))
+          CA_SHARE(c[2], gd[l] * p * std::pow(a[l], p - T(1)));
+        break;
+      }
+      case OP_SIN: CA_SHARE(c[2], gd[l] * std::cos(a[l])); break;
+      case OP_COS: CA_SHARE(c[2], -gd[l] * std::sin(a[l])); break;
+      case OP_WHERE:
+        CA_SHARE(c[3], a[l] != T(0) ? gd[l] : T(0));
+        CA_SHARE(c[4], a[l] != T(0) ? T(0) : gd[l]);
+        break;
+      case OP_SIGMOID: CA_SHARE(c[2], gd[l] * rd[l] * (T(1) - rd[l])); break;
+      case OP_MAX:
+        CA_SHARE(c[2], a[l] > b[l] ? gd[l] : (a[l] == b[l] ? gd[l] * T(0.5) : T(0)));
+        CA_SHARE(c[3], b[l] > a[l] ? gd[l] : (a[l] == b[l] ? gd[l] * T(0.5) : T(0)));
+        break;
+      case OP_MIN:
+        CA_SHARE(c[2], a[l] < b[l] ? gd[l] : (a[l] == b[l] ? gd[l] * T(0.5) : T(0)));
+        CA_SHARE(c[3], b[l] < a[l] ? gd[l] : (a[l] == b[l] ? gd[l] * T(0.5) : T(0)));
+        break;
+      case OP_MOD:
+        CA_SHARE(c[2], gd[l]);
+        CA_SHARE(c[3], -gd[l] * std::floor(a[l] / b[l]));
+        break;
+      case OP_GATHER:
+        if (capg && ((S.grad >> c[6]) & 1))
+          for (int64_t l = 0; l < W; ++l) {
+            if (!(which == 0 || live[l]) || gd[l] == T(0)) continue;
             bool oob = false;
             const int64_t f = smod_flat<T>(S, c, r, W, l, oob);
-            if (!oob) capg[f] += gv;
+            if (!oob) capg[f] += gd[l];
           }
-          break;
-        default: break;  // constants, comparisons, floor division: no gradient
-      }
+        break;
+      default: break;  // constants, comparisons, floor division: no gradient
     }
+#undef CA_SHARE
   }
 }
 

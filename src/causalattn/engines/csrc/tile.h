@@ -151,6 +151,7 @@ struct PanelMods {
     sm->r.assign(size_t(S.regs * nr), T(0));
     sm->g.assign(size_t(S.regs * nr), T(0));
     sm->ga.assign(size_t(S.regs * nr), T(0));
+    sm->tmp.assign(size_t(SmodState<T>::CH * nr), T(0));
     sm->varies.assign(size_t(S.regs), 0);
     sm->varies[0] = sm->varies[4] = 1;
     for (int64_t k = 0; k < S.n; ++k)
@@ -241,7 +242,8 @@ struct PanelMods {
           else if (v != T(0))
             sm->ga[S.out * nr + l] += v;
         }
-      smod_reverse<T>(S, r, g, sm->ga.data(), sm->varies.data(), W, 1, live, capg);
+      smod_reverse<T>(S, r, g, sm->ga.data(), sm->varies.data(), W, 1, live, capg,
+                      sm->tmp.data());
       for (int64_t row = 0; row < rows; ++row)
         for (int l = 0; l < nr; ++l)
           ds[(a + row - j0) * ldd + l] = live[row * nr + l] ? g[row * nr + l] : T(0);
@@ -264,7 +266,7 @@ struct PanelMods {
         if (live[l]) sm->ga[S.out * nr + l] += ds[l];
     }
     smod_reverse<T>(S, sm->r.data(), sm->g.data(), sm->ga.data(), sm->varies.data(), nr, 1,
-                    live, capg);
+                    live, capg, sm->tmp.data());
     for (int l = 0; l < nr; ++l) ds[l] = live[l] ? sm->g[l] : T(0);
   }
 
@@ -273,7 +275,7 @@ struct PanelMods {
   void smod_finish(T* capg) const {
     if (sm)
       smod_reverse<T>(P.smod, sm->r.data(), sm->g.data(), sm->ga.data(), sm->varies.data(),
-                      NR<T>, 0, nullptr, capg);
+                      NR<T>, 0, nullptr, capg, sm->tmp.data());
   }
 
   // fn.template operator()<CAP, ALIBI, INTERVALS>() for this panel's combination
