@@ -256,7 +256,20 @@ inline void smod_reverse(const ScoreProg& S, const T* r, T* g, T* ga, const uint
         CA_SHARE(c[3], -gd[l] * std::floor(a[l] / b[l]));
         break;
       case OP_GATHER:
-        if (capg && ((S.grad >> c[6]) & 1))
+        if (capg && ((S.grad >> c[6]) & 1) && S.meta[c[6] * SMOD_META + 1] == 2) {
+          const int64_t* m = S.meta + c[6] * SMOD_META;  // the two-axis case, 32-bit
+          const int32_t n0 = int32_t(m[2]), n1 = int32_t(m[3]);
+          const int32_t s0 = int32_t(m[6]), s1 = int32_t(m[7]);
+          T* tg = capg + m[0];
+          for (int64_t l = 0; l < W; ++l) {
+            if (!(which == 0 || live[l]) || gd[l] == T(0)) continue;
+            int32_t i0 = int32_t(a[l]), i1 = int32_t(b[l]);
+            i0 += i0 < 0 ? n0 : 0;
+            i1 += i1 < 0 ? n1 : 0;
+            if (uint32_t(i0) < uint32_t(n0) && uint32_t(i1) < uint32_t(n1))
+              tg[i0 * s0 + i1 * s1] += gd[l];
+          }
+        } else if (capg && ((S.grad >> c[6]) & 1))
           for (int64_t l = 0; l < W; ++l) {
             if (!(which == 0 || live[l]) || gd[l] == T(0)) continue;
             bool oob = false;
