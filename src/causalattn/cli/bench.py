@@ -133,14 +133,9 @@ def _run_layer(quick: bool, as_json: bool) -> None:
 
 
 def _run_patterns(quick: bool, as_json: bool) -> None:
-    from ..bench import patterns, score_mods  # at call time: imports torch
+    from ..bench import patterns  # at call time: imports torch
 
-    rows, smod = patterns.run(quick=quick), score_mods.run(quick=quick)
-    if as_json:
-        _print_json(rows + smod)
-        return
-    patterns.render(rows, _console())
-    score_mods.render(smod, _console())
+    _show(patterns, patterns.run(quick=quick), as_json)
 
 
 def _run_tune(out: Path | None, as_json: bool) -> None:

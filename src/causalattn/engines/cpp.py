@@ -390,7 +390,9 @@ def plain(q, k, v, prep: tuple, scale: float):
     if type(prep) is not tuple:
         return forward(Problem(q, k, v, scale, prep))
     lo, hi, q_start, bq, bk, splits, decode = prep
-    return _STATE["ext"].fwd(
+    return _STATE[
+        "ext"
+    ].fwd(
         q,
         k,
         v,

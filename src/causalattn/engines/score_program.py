@@ -74,7 +74,6 @@ class Program:
     why: str = ""
     error: str = ""
 
-
     def arrays(self, dtype) -> tuple:
         """(code int64 (n, 8) with each instruction's ``varies`` flag — it reads the score or
         kv_idx, directly or not —, consts float64, the tables flat in ``dtype``, their meta
@@ -157,9 +156,7 @@ def _example(dtype, T=7, H=1):
 
 def _example_error(fn) -> str:
     """The function's own fault on a float32 example tile ("" when none)."""
-    from ..masks_mod import apply_score_mod, name_of
-
-    from ..masks_mod import captured_tensors
+    from ..masks_mod import apply_score_mod, captured_tensors, name_of
 
     floats = [t.dtype for t in captured_tensors(fn) if t.is_floating_point()]
     for dt in (torch.float32, torch.float64):
