@@ -296,7 +296,9 @@ def run(quick: bool = False, show_progress: bool = True) -> list[dict]:
             prog.update(task, description=f"{gr.case} {list(gr.shape)} {gr.pass_}")
             rows.extend(_rows(gr))
             prog.advance(task)
-    return rows
+    from . import score_mods  # its own rows (case "score_mod"), its own table
+
+    return rows + score_mods.run(quick, show_progress)
 
 
 def _find(rows, case, engine, pass_, T=None):
@@ -398,7 +400,11 @@ def targets(rows: list[dict]) -> list[tuple[str, bool | None, str]]:
 
 
 def render(rows: list[dict], console=None) -> None:
-    """Print the table and the targets with rich."""
+    """Print the table and the targets with rich (the score_mod rows: their own table)."""
+    from . import score_mods
+
+    smod = [r for r in rows if r["case"] == "score_mod"]
+    rows = [r for r in rows if r["case"] != "score_mod"]
     columns = ("case", "shape", "pass", "engine", "ms", "vs peers (peer time / this)")
     t = show.table(
         f"causalattn pattern benchmark ({torch.get_num_threads()} threads, "
@@ -416,3 +422,5 @@ def render(rows: list[dict], console=None) -> None:
     for case, note in sorted({(r["case"], r["note"]) for r in rows if r["note"]}):
         console.print(f"  {case}: {note}")
     show.print_targets(console, TARGETS_FROM, targets(rows))
+    if smod:
+        score_mods.render(smod, console)

@@ -42,6 +42,7 @@ import torch
 from .. import dropout as _dropout
 from . import autograd as _autograd
 from .problem import LOG2E, Problem, compute_dtype
+from .registry import captured_of
 
 SOURCES = ("ops.cpp", "forward.cpp", "backward.cpp")
 CSRC = Path(__file__).with_name("csrc")
@@ -324,7 +325,51 @@ def fwd(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = (t.detach() for t in (p.q, p.k, p.v))  # any strides
     B, H, T_q, T_k = p.dims
     bq, bk, splits, decode = _plan(B, k.shape[1], T_q, T_k)
-    return _ops().fwd(q, k, v, *_pattern_args(p, bq, bk), splits, decode)
+    smod = _smod_args(p)
+    if smod[0] is not None:  # a score_mod runs on blocks (the decoding path has none)
+        bq, bk = blocks(B, k.shape[1], T_q)
+        splits, decode = 1, False
+    with _index_errors():
+        return _ops().fwd(q, k, v, *_pattern_args(p, bq, bk), splits, decode, *smod[:6])
+
+
+# ---- the score_mod as a program (causalattn.engines.score_program) --------------------------
+NO_SMOD = (None, None, None, None, 0, 0, 0)
+
+
+def _smod_args(p: Problem, grad: tuple = ()) -> tuple:
+    """(code, consts, data, meta, out, regs, grad bits) of the pattern's score_mod for the
+    kernels (:data:`NO_SMOD` without one); ``grad``: the tensors whose gradients are wanted.
+    A score_mod that returned the wrong shape or dtype, or no tensor, is named here."""
+    fn = p.pattern.score_mod
+    if fn is None:
+        return NO_SMOD
+    from .score_program import program
+
+    prog = program(fn)
+    if prog.error:
+        raise ValueError(f"{prog.error} (engine 'cpp')")
+    if prog.why:  # refusal() said so before a Problem was built; a direct call lands here
+        raise ValueError(f"engine 'cpp': {prog.why}; engines that run it: 'tiled', 'reference'")
+    if not prog.code and prog.out == 0:
+        return NO_SMOD  # the identity
+    code, consts, data, meta = prog.arrays(compute_dtype(p.q.dtype))
+    bits = sum(1 << i for i, t in enumerate(prog.tables) if any(t is g for g in grad))
+    return (code, consts, data, meta, prog.out, prog.regs, bits)
+
+
+class _index_errors:
+    """The kernels' out-of-range index of a captured tensor as a ValueError (their one
+    runtime error that is the user's)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, exc, tb):
+        if kind is RuntimeError and "score_mod:" in str(exc):
+            msg = str(exc)[str(exc).index("score_mod:") :].splitlines()[0]
+            raise ValueError(f"{msg} (engine 'cpp')") from None
+        return False
 
 
 def prepare(q, k, causal: bool, window, chunk, grad: bool):
@@ -345,7 +390,9 @@ def plain(q, k, v, prep: tuple, scale: float):
     if type(prep) is not tuple:
         return forward(Problem(q, k, v, scale, prep))
     lo, hi, q_start, bq, bk, splits, decode = prep
-    return _STATE["ext"].fwd(
+    return _STATE[
+        "ext"
+    ].fwd(
         q,
         k,
         v,
@@ -371,6 +418,7 @@ def plain(q, k, v, prep: tuple, scale: float):
         bk,
         splits,
         decode,
+        *NO_SMOD[:6],
     )[0]
 
 
@@ -400,9 +448,12 @@ def bwd_grads(p: Problem, out, lse, dout, dlse, want: tuple[str, ...]):
     position r, d slopes = −Σ dZ·|pos(i) − j|. Each task adds in its fixed order, tasks that
     share cells run as one or into separate parts summed in part order: the same bits
     whatever the thread count."""
-    bits = sum(getattr(_ops(), WANTS[n]) for n in want)
-    dq, dk, dv, dsl, dz, drel = _bwd(p, out, lse, dout, dlse, bits)
+    bits = sum(getattr(_ops(), WANTS[n]) for n in want if n in WANTS)
+    caps = captured_of(p.pattern.score_mod) if "captured" in want else []
+    dq, dk, dv, dsl, dz, drel, dtab = _bwd(p, out, lse, dout, dlse, bits, caps)
     pt, grads = p.pattern, {}
+    if "captured" in want:
+        grads["captured"] = _table_grads(p, caps, dtab)
     if "bias" in want:  # summed over its broadcast axes in the kernel (its 4-D form)
         grads["bias"] = dz.reshape(tuple(pt.bias.shape))
     if "rel_bias" in want:
@@ -412,7 +463,25 @@ def bwd_grads(p: Problem, out, lse, dout, dlse, want: tuple[str, ...]):
     return dq, dk, dv, grads
 
 
-def _bwd(p: Problem, out, lse, dout, dlse, want: int) -> list:
+def _table_grads(p: Problem, caps: list, dtab: torch.Tensor) -> list:
+    """The gradient of each captured tensor (in order) from the kernels' flat table sums."""
+    from .score_program import program
+
+    tables = program(p.pattern.score_mod).tables
+    out, off = [], {}
+    n = 0
+    for t in tables:
+        off[id(t)] = n
+        n += t.numel()
+    for c in caps:
+        if id(c) in off and dtab.numel():
+            out.append(dtab[off[id(c)] : off[id(c)] + c.numel()].reshape(c.shape).clone())
+        else:  # reachable, never read
+            out.append(torch.zeros(c.shape, dtype=dtab.dtype))
+    return out
+
+
+def _bwd(p: Problem, out, lse, dout, dlse, want: int, caps: tuple = ()) -> list:
     q, k, v = (t.detach() for t in (p.q, p.k, p.v))  # any strides
     B, H, T_q, T_k = p.dims
     bq, bk, _, _ = _plan(B, k.shape[1], T_q, T_k)
@@ -423,6 +492,12 @@ def _bwd(p: Problem, out, lse, dout, dlse, want: int) -> list:
     if dlse is not None:
         dlse = dlse.detach().to(compute_dtype(dt)).contiguous()
     lanes = _lanes(B, k.shape[1], T_q, T_k, q.shape[-1], p.group, bk)
+    smod = _smod_args(p, tuple(caps))
+    with _index_errors():
+        return _bwd_call(p, q, k, v, out, dout, lse, dlse, bq, bk, lanes, want, smod)
+
+
+def _bwd_call(p, q, k, v, out, dout, lse, dlse, bq, bk, lanes, want, smod) -> list:
     return _ops().bwd(
         q,
         k,
@@ -436,6 +511,7 @@ def _bwd(p: Problem, out, lse, dout, dlse, want: int) -> list:
         BWD_BLOCKS[1],
         lanes,
         want,
+        *smod,
     )
 
 
@@ -448,8 +524,9 @@ def sinks_grad(p: Problem, out, lse, dout, dlse=None) -> torch.Tensor:
 
 def not_yet(f) -> str:
     """What the native kernels do not compute, as a phrase ("" when nothing): the one place
-    that says so. A score_mod is a Python function, which the kernels cannot call per tile."""
-    return "score_mod" if f.score_mod else ""
+    that says so. A score_mod runs as its traced program (:mod:`.score_program`); one the
+    tracer cannot express is named with the reason."""
+    return f.score_mod_why if f.score_mod and f.score_mod_why else ""
 
 
 def refusal(f) -> str:
@@ -460,7 +537,7 @@ def refusal(f) -> str:
     missing = not_yet(f)
     if missing:
         return (
-            f"engine 'cpp': {missing} (a Python function) cannot run in the native kernels; "
+            f"engine 'cpp': {missing}, so it cannot run in the native kernels; "
             "engines that run it: 'tiled' and 'reference' (engine='auto' picks one)"
         )
     return unavailable() if f.device == "cpu" else ""

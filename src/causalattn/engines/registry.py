@@ -55,6 +55,8 @@ class Features:
     score_mod: bool = False  # a user's function of the scores (Pattern.score_mod)
     learned: tuple[str, ...] = ()  # LEARNED tensors that require a gradient ("captured":
     # tensors a score_mod reads)
+    score_mod_why: str = ""  # why the score_mod has no traced program ("" when it has one,
+    # causalattn.engines.score_program): the native kernels run only a traced one
 
     @property
     def kind(self) -> str:
@@ -203,7 +205,19 @@ def feature_values(
         mask_mod is not None,
         score_mod is not None,
         _learned(tensors, captured) if grad else (),
+        _program_why(score_mod, tracing),
     )
+
+
+def _program_why(score_mod, tracing: bool) -> str:
+    """Why ``score_mod`` has no program the native kernels run ("" when it has, or none)."""
+    if score_mod is None:
+        return ""
+    if tracing:  # inside torch.compile the function is not traced again: the tiled engine
+        return "a score_mod under torch.compile"
+    from .score_program import refused
+
+    return refused(score_mod)
 
 
 def _learned(tensors: dict, captured) -> tuple[str, ...]:

@@ -30,7 +30,7 @@ struct Packed {
 
 template <typename T>
 struct BWork {  // a thread's buffers, reused across tasks and calls
-  std::vector<T> qp_b, qn_b, dop_b, don_b, kr_b, vr_b, kn_b, st, dpt, th, dk, dv, dq, slc, bt, gzt;
+  std::vector<T> qp_b, qn_b, dop_b, don_b, kr_b, vr_b, kn_b, st, dpt, th, dk, dv, dq, slc, bt, gzt, xs;
   std::vector<uint8_t> qbad_b, dobad_b, kbad_b;
   Packed<T> pk;  // the task's head (thread-local buffers, or the call's shared ones)
   std::vector<Cols<T>> chunks;
@@ -38,6 +38,7 @@ struct BWork {  // a thread's buffers, reused across tasks and calls
   TileKinds tk;
   T *racc = nullptr, *sacc = nullptr;  // the task's d rel_bias (g, rel_ld), d slopes (g)
   T* dz = nullptr;                     // the task's part of d bias
+  T* capacc = nullptr;  // the task's gradients of the score_mod's tables (null: none wanted)
 };
 
 template <typename I, typename T>
@@ -66,6 +67,7 @@ struct Backward {
   bool zsplit_h = false, zsplit_l = false;  // a part per kv head, per lane
   T* racc_all = nullptr;  // (tasks, g, rel_ld) d rel_bias per task, reversed rows
   T* sacc_all = nullptr;  // (tasks, g) d slopes per task
+  T* cap_all = nullptr;   // (tasks, tables' elements) the score_mod's table gradients
   uint8_t* shared_flags = nullptr;
 
   Backward(const Problem& p, int64_t bkb_, int64_t bqb_, int64_t lanes_, const at::Tensor& dout,
@@ -284,6 +286,13 @@ struct Backward {
       const V Dv[2] = {vload(Drow + p * nr), vload(Drow + p * nr + N)};
       const uint32_t* rk = cols.rk.data() + p * nr;
       alignas(64) T gz[nr];  // the key row's dZ, for the learned tensors' gradients
+      T* xs = nullptr;  // the block path's score_mod input, [j - j_lo][NR]
+      if (mods.block && j_lo < j_hi) {
+        xs = scratch(w.xs, size_t((j_hi - j_lo) * nr));
+        for (int64_t j = j_lo; j < j_hi; ++j)
+          std::copy_n(st + (j - c) * ld + p * nr, nr, xs + (j - j_lo) * nr);
+        mods.smod_block(st + (j_lo - c) * ld + p * nr, ld, j_lo, j_hi);
+      }
       mods.dispatch([&]<bool CAP, bool ALIBI, bool INTERVALS>() {
         for (int64_t j = c; j < ce; ++j) {
           T* x = st + (j - c) * ld + p * nr;
@@ -298,13 +307,29 @@ struct Backward {
           T* t = CAP ? th + (j - c) * ld + p * nr : nullptr;
           mods.template apply<CAP, ALIBI, INTERVALS>(j, x, t);
           if (P.dropout) drop_cols(y, rk, colkeys[j], P.drop_thr);
+          V dsv[2], prv[2];
           for (int hh = 0; hh < 2; ++hh) {
             const V s = vload(x + hh * N);
             const auto blocked = s == ninf;  // exactly 0 there, whatever lse, dP and D are
             V pr = exp2v(s - L[hh]);
             pr = blocked ? V{} : pr;
             V ds = pr * (vload(y + hh * N) - Dv[hh]);
-            ds = blocked ? V{} : ds;
+            dsv[hh] = blocked ? V{} : ds;
+            prv[hh] = pr;
+          }
+          if (mods.sm && !mods.block) {  // d score_mod: d its input (its tables') from d output
+            alignas(64) T db[nr];
+            vstore(db, dsv[0]);
+            vstore(db + N, dsv[1]);
+            mods.smod_vjp(db, w.capacc);
+            dsv[0] = vload(db);
+            dsv[1] = vload(db + N);
+          }
+          for (int hh = 0; hh < 2; ++hh) {
+            const V s = vload(x + hh * N);
+            const auto blocked = s == ninf;
+            const V pr = prv[hh];
+            V ds = dsv[hh];
             if (want) vstore(gz + hh * N, ds);
             if (CAP) {  // tanh of a NaN score (a NaN q or k row) is NaN at blocked cells too
               const V tv = vload(t + hh * N);
@@ -318,6 +343,9 @@ struct Backward {
           if (want) grad_cells(hkv, p, j - c, j, gz, cols, w);
         }
       });
+      if (xs)
+        mods.smod_block(xs, nr, j_lo, j_hi, dpt + (j_lo - c) * ld + p * nr, ld, w.capacc);
+      mods.smod_finish(w.capacc);
       if (want & WANT_BIAS) {  // each column's dZ row, contiguous
         const int64_t c0 = p * nr;
         for (int64_t lane = 0; lane < std::min<int64_t>(nr, n - c0); ++lane) {
@@ -467,6 +495,7 @@ struct Backward {
     const int64_t task_id = (b * P.Hkv + hkv) * lanes + lane;
     if (want & WANT_REL) w.racc = racc_all + task_id * P.g * P.rel_ld;
     if (want & WANT_SLOPES) w.sacc = sacc_all + task_id * P.g;
+    w.capacc = cap_all ? cap_all + task_id * P.smod.numel : nullptr;
     if (want & WANT_BIAS)
       w.dz = dz_out + ((zsplit_h ? hkv : 0) * (zsplit_l ? lanes : 1) + (zsplit_l ? lane : 0)) *
                           zpart;
@@ -588,6 +617,11 @@ void run(const Problem& P, const Options& o, const at::Tensor& out, const at::Te
     sacc = at::zeros({ntasks, P.g}, opts);
     bw.sacc_all = sacc.data_ptr<T>();
   }
+  at::Tensor capg;
+  if (P.smod.on() && P.smod.grad) {
+    capg = at::zeros({ntasks, P.smod.numel}, opts);
+    bw.cap_all = capg.data_ptr<T>();
+  }
   at::Tensor lane_buf;
   if (o.lanes > 1) {
     lane_buf = at::empty({P.B * P.Hkv * o.lanes * bw.Rq * bw.dkp}, opts);
@@ -669,6 +703,17 @@ void run(const Problem& P, const Options& o, const at::Tensor& out, const at::Te
       }
     }
   }
+  if (bw.cap_all) {  // the tables' gradients: the tasks' sums in task order
+    T* dst = g[6].data_ptr<T>();
+    const int64_t m = P.smod.numel;
+    at::parallel_for(0, m, 4096, [&](int64_t e0, int64_t e1) {
+      for (int64_t e = e0; e < e1; ++e) {
+        T s = 0;
+        for (int64_t t = 0; t < ntasks; ++t) s += bw.cap_all[t * m + e];
+        dst[e] = s;
+      }
+    });
+  }
   if (o.want & WANT_SLOPES) {
     T* ds = g[3].data_ptr<T>();
     for (int64_t t = 0; t < ntasks; ++t) {
@@ -691,7 +736,8 @@ std::vector<at::Tensor> backward(const Problem& P, const Options& o, const at::T
       at::zeros({P.B, P.Hkv, P.Tk, P.dv}, P.q.options()),
       at::zeros({(o.want & WANT_SLOPES) ? (P.slopes_b ? P.B : 1) : 0, P.Hq}, ct),
       at::zeros((o.want & WANT_BIAS) ? P.bias_sizes : std::vector<int64_t>{0}, ct),
-      at::zeros({P.Hq, (o.want & WANT_REL) ? P.rel_ld - 2 * REL_PAD : 0}, ct)};
+      at::zeros({P.Hq, (o.want & WANT_REL) ? P.rel_ld - 2 * REL_PAD : 0}, ct),
+      at::zeros({P.smod.on() && P.smod.grad ? P.smod.numel : 0}, ct)};
   if (P.B == 0 || P.Tq == 0 || P.Tk == 0) return g;
   switch (P.dtype) {
     case at::kFloat: run<float, float>(P, o, out, dout, lse, dlse, g); break;

@@ -289,6 +289,7 @@ struct Forward {
                             cap2, bt, j_lo);
     const bool* kp = P.key_padding ? P.key_padding + b * P.Tk : nullptr;
     V mt0 = vset<T>(NEG_INF<T>), mt1 = mt0;
+    if (mods.block) mods.smod_block(st + (j_lo - c) * ld + x0, ld, j_lo, j_hi);
     mods.dispatch([&]<bool CAP, bool ALIBI, bool INTERVALS>() {
       for (int64_t j = j_lo; j < j_hi; ++j) {
         if (kp && !kp[j]) continue;

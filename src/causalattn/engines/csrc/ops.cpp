@@ -24,6 +24,59 @@ int64_t bstride(const at::Tensor& t, int64_t d) { return t.size(d) > 1 ? t.strid
 
 void check(bool ok, const char* what) { TORCH_CHECK(ok, "causalattn cpp: ", what); }
 
+// The score_mod's program (causalattn/engines/score_program.py) onto P; code null: none.
+void set_smod(Problem& P, const std::optional<at::Tensor>& code,
+              const std::optional<at::Tensor>& consts, const std::optional<at::Tensor>& data,
+              const std::optional<at::Tensor>& meta, int64_t out, int64_t regs, int64_t grad,
+              int* bad) {
+  if (!code) return;
+  const at::ScalarType ct = P.dtype == at::kDouble ? at::kDouble : at::kFloat;
+  check(code->scalar_type() == at::kLong && code->is_contiguous() && code->dim() == 2 &&
+            code->size(1) == SMOD_COLS,
+        "score_mod code must be contiguous int64 (n, 8)");
+  check(consts && consts->scalar_type() == at::kDouble && consts->is_contiguous(),
+        "score_mod constants must be contiguous float64");
+  check(data && data->scalar_type() == ct && data->is_contiguous(),
+        "score_mod tables must be contiguous in the compute type");
+  check(data->numel() < (int64_t(1) << 31), "score_mod tables: fewer than 2^31 elements");
+  check(meta && meta->scalar_type() == at::kLong && meta->is_contiguous() && meta->dim() == 2 &&
+            meta->size(1) == SMOD_META,
+        "score_mod table data must be int64 (tables, 10)");
+  check(regs > 4 && regs <= 64 && out >= 0 && out < regs, "score_mod registers");
+  const int64_t* c = code->data_ptr<int64_t>();
+  const int64_t n = code->size(0), ntab = meta->size(0);
+  const int64_t* m = meta->data_ptr<int64_t>();
+  for (int64_t t = 0; t < ntab; ++t) {  // every element a table's index can reach is inside
+    const int64_t* mt = m + t * SMOD_META;
+    int64_t last = mt[0];
+    check(mt[1] >= 0 && mt[1] <= 4, "score_mod table dims");
+    for (int64_t d = 0; d < mt[1]; ++d) last += (mt[2 + d] - 1) * mt[6 + d];
+    check(mt[0] >= 0 && last < data->numel() && (mt[1] > 0 || mt[0] < data->numel()),
+          "score_mod table bounds");
+  }
+  for (int64_t k = 0; k < n; ++k) {
+    const int64_t* r = c + k * SMOD_COLS;
+    check(r[0] >= OP_CONST && r[0] <= OP_MOD && r[1] >= 5 && r[1] < regs, "score_mod op");
+    for (int a = 2; a < 6; ++a) check(r[a] >= -1 && r[a] < regs, "score_mod operand");
+    if (r[0] == OP_CONST || r[0] == OP_POW) check(r[6] >= 0 && r[6] < consts->numel(), "const");
+    if (r[0] == OP_GATHER) {
+      check(r[6] >= 0 && r[6] < ntab, "score_mod table");
+      for (int64_t d = 0; d < m[r[6] * SMOD_META + 1]; ++d) check(r[2 + d] >= 0, "index");
+    }
+  }
+  P.smod.code = c;
+  P.smod.n = n;
+  P.smod.regs = regs;
+  P.smod.out = out;
+  P.smod.consts = consts->data_ptr<double>();
+  P.smod.data = data->data_ptr();
+  P.smod.meta = m;
+  P.smod.ntab = ntab;
+  P.smod.numel = data->numel();
+  P.smod.grad = grad;
+  P.smod.bad = bad;
+}
+
 }  // namespace
 
 Problem make_problem(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -164,14 +217,22 @@ std::tuple<at::Tensor, at::Tensor> fwd(
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& rel, double scale, double softcap, int64_t q_start,
     int64_t k_start, int64_t drop_thr, double drop_scale, int64_t seed, int64_t offset,
-    int64_t bq, int64_t bk, int64_t splits, bool decode) {
+    int64_t bq, int64_t bk, int64_t splits, bool decode,
+    const std::optional<at::Tensor>& smod_code, const std::optional<at::Tensor>& smod_consts,
+    const std::optional<at::Tensor>& smod_data, const std::optional<at::Tensor>& smod_meta,
+    int64_t smod_out, int64_t smod_regs) {
   Problem P = make_problem(q, k, v, lo, hi, key_padding, kinds, mask, tile_masks, slopes, sinks,
                            bias, rel, scale, softcap, q_start, k_start, drop_thr, drop_scale, seed, offset,
                            bq, bk);
+  int bad = 0;
+  set_smod(P, smod_code, smod_consts, smod_data, smod_meta, smod_out, smod_regs, 0, &bad);
+  check(!(decode && P.smod.on()), "a score_mod runs on blocks, not the decoding path");
   check(!decode || P.Tq <= bq, "decoding needs T_q <= bq");
   check(splits >= 1, "splits");
   Options o{bq, bk, splits, 1, decode};
-  return forward(P, o);
+  auto res = forward(P, o);
+  TORCH_CHECK(!bad, "score_mod: a captured tensor was indexed out of range at a readable cell");
+  return res;
 }
 
 std::vector<at::Tensor> bwd(
@@ -183,10 +244,15 @@ std::vector<at::Tensor> bwd(
     const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& bias,
     const std::optional<at::Tensor>& rel, double scale, double softcap, int64_t q_start,
     int64_t k_start, int64_t drop_thr, double drop_scale, int64_t seed, int64_t offset,
-    int64_t bq, int64_t bk, int64_t bwd_q, int64_t bwd_k, int64_t lanes, int64_t want) {
+    int64_t bq, int64_t bk, int64_t bwd_q, int64_t bwd_k, int64_t lanes, int64_t want,
+    const std::optional<at::Tensor>& smod_code, const std::optional<at::Tensor>& smod_consts,
+    const std::optional<at::Tensor>& smod_data, const std::optional<at::Tensor>& smod_meta,
+    int64_t smod_out, int64_t smod_regs, int64_t smod_grad) {
   Problem P = make_problem(q, k, v, lo, hi, key_padding, kinds, mask, tile_masks, slopes, sinks,
                            bias, rel, scale, softcap, q_start, k_start, drop_thr, drop_scale, seed, offset,
                            bq, bk);
+  int bad = 0;
+  set_smod(P, smod_code, smod_consts, smod_data, smod_meta, smod_out, smod_regs, smod_grad, &bad);
   check(out.sizes() == dout.sizes() && out.dim() == 4 && out.size(0) == P.B &&
             out.size(1) == P.Hq && out.size(2) == P.Tq && out.size(3) == P.dv,
         "out, dout must be (B, H_q, T_q, d_v)");
@@ -198,7 +264,9 @@ std::vector<at::Tensor> bwd(
   check(!(want & WANT_SLOPES) || P.slopes, "slope gradients need slopes");
   check(!(want & WANT_REL) || P.rel, "rel_bias gradients need rel_bias");
   Options o{bwd_q, bwd_k, 1, lanes, false, want};
-  return backward(P, o, out, dout, lse.reshape({P.B, P.Hq, P.Tq}), dlse);
+  auto res = backward(P, o, out, dout, lse.reshape({P.B, P.Hq, P.Tq}), dlse);
+  TORCH_CHECK(!bad, "score_mod: a captured tensor was indexed out of range at a readable cell");
+  return res;
 }
 
 }  // namespace causalattn
@@ -206,12 +274,13 @@ std::vector<at::Tensor> bwd(
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fwd", &causalattn::fwd,
         "fwd(q, k, v, lo, hi, key_padding, kinds, mask, tile_masks, slopes, sinks, bias, rel, scale, "
-        "softcap, q_start, k_start, drop_thr, drop_scale, seed, offset, bq, bk, splits, decode) "
-        "-> (out, lse)");
+        "softcap, q_start, k_start, drop_thr, drop_scale, seed, offset, bq, bk, splits, decode, "
+        "smod_code, smod_consts, smod_data, smod_meta, smod_out, smod_regs) -> (out, lse)");
   m.def("bwd", &causalattn::bwd,
         "bwd(q, k, v, out, dout, lse, dlse, lo, hi, key_padding, kinds, mask, tile_masks, "
         "slopes, sinks, bias, rel, scale, softcap, q_start, k_start, drop_thr, drop_scale, seed, "
-        "offset, bq, bk, bwd_q, bwd_k, lanes, want) -> [dq, dk, dv, dslopes, dz, drel]");
+        "offset, bq, bk, bwd_q, bwd_k, lanes, want, smod_code, smod_consts, smod_data, smod_meta, "
+        "smod_out, smod_regs, smod_grad) -> [dq, dk, dv, dslopes, dz, drel, dtables]");
   // the layout constants Python builds arguments by (problem.h is their one source)
   m.attr("REL_PAD") = causalattn::REL_PAD;
   m.attr("WANT_SLOPES") = static_cast<int64_t>(causalattn::WANT_SLOPES);

@@ -14,6 +14,7 @@
 #include <optional>
 #include <vector>
 
+#include "score_mod.h"
 #include "simd.h"
 
 namespace causalattn {
@@ -107,6 +108,7 @@ struct Problem {
   double drop_scale = 1;  // 1 / (1 - p), 0 for p = 1
   uint32_t seed = 0, offset = 0;
   bool dropout = false;
+  ScoreProg smod;  // the score_mod's program (score_mod.h); off: none
 
   const int64_t* lo_row(int64_t b) const { return lo + b * lo_b; }
   const int64_t* hi_row(int64_t b) const { return hi + b * lo_b; }

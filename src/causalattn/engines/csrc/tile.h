@@ -120,6 +120,9 @@ struct PanelMods {
   V lo[2], hi[2], pos[2], slope[2];
   const T* bt;  // the bias of keys [bc, ...) for these columns, [j - bc][NR] (bias_block)
   int64_t bc;
+  SmodState<T>* sm = nullptr;  // the score_mod's registers for this panel (thread's own)
+  uint64_t real = 0;  // lanes that are real columns
+  bool block = false;  // the score_mod runs on key blocks (smod_block), not in apply
 
   PanelMods(const Problem& P_, const Cols<T>& cols_, const TileKinds& tk_, int64_t b_,
             int64_t p, bool need_intervals, T cap2_, const T* bt_ = nullptr, int64_t bc_ = 0)
@@ -132,6 +135,147 @@ struct PanelMods {
       pos[h] = vload(cols.pos.data() + c0 + h * N);
       slope[h] = vload(cols.slope.data() + c0 + h * N);
     }
+    if (P.smod.on()) smod_setup();
+  }
+
+  static SmodState<T>& smod_state() {
+    thread_local SmodState<T> s;
+    return s;
+  }
+
+  // the panel's registers: b, h, q_idx per lane, then the invariant instructions
+  __attribute__((noinline)) void smod_setup() {
+    const ScoreProg& S = P.smod;
+    constexpr int nr = NR<T>;
+    sm = &smod_state();
+    sm->r.assign(size_t(S.regs * nr), T(0));
+    sm->g.assign(size_t(S.regs * nr), T(0));
+    sm->ga.assign(size_t(S.regs * nr), T(0));
+    sm->tmp.assign(size_t(SmodState<T>::CH * nr), T(0));
+    sm->varies.assign(size_t(S.regs), 0);
+    sm->varies[0] = sm->varies[4] = 1;
+    for (int64_t k = 0; k < S.n; ++k)
+      sm->varies[S.code[k * SMOD_COLS + 1]] = uint8_t(S.code[k * SMOD_COLS + 7]);
+    T* r = sm->r.data();
+    for (int l = 0; l < nr; ++l) {
+      const int64_t c = c0 + l;
+      const bool ok = c < cols.n;
+      if (ok) real |= uint64_t(1) << l;
+      r[1 * nr + l] = T(b);
+      r[2 * nr + l] = ok ? T(cols.head[c]) : T(0);
+      r[3 * nr + l] = cols.pos[c];
+    }
+    smod_run<T>(S, r, nr, 0, [&](int64_t l) { return bool((real >> l) & 1); });
+    block = !(cap2 != T(0)) && !alibi && !adds;  // nothing before it: whole key blocks
+    if (block) {  // the invariant registers copied to every row of a key block
+      constexpr int64_t W = SmodState<T>::CH * nr;
+      sm->rb.assign(size_t(S.regs * W), T(0));
+      sm->gb.assign(size_t(S.regs * W), T(0));
+      sm->live.assign(size_t(W), 0);
+      for (int64_t i = 0; i < S.regs; ++i)
+        if (!sm->varies[i])
+          for (int64_t row = 0; row < SmodState<T>::CH; ++row)
+            std::copy_n(r + i * nr, nr, sm->rb.data() + i * W + row * nr);
+    }
+  }
+
+  // whether lane l of key row j is a read cell (a real column, j inside its interval)
+  bool reads_cell(int64_t l, int64_t j) const {
+    return ((real >> l) & 1) && T(j) >= cols.lo[c0 + l] && T(j) < cols.hi[c0 + l];
+  }
+
+  // the score_mod on key row j's NR base-2 scores x, in place (natural units inside)
+  __attribute__((noinline)) void smod_cells(int64_t j, T* x) const {
+    const ScoreProg& S = P.smod;
+    constexpr int nr = NR<T>;
+    T* r = sm->r.data();
+    const T kv = T(P.k_start + j);
+    for (int l = 0; l < nr; ++l) {
+      r[l] = x[l] * T(LN2);
+      r[4 * nr + l] = kv;
+    }
+    smod_run<T>(S, r, nr, 1, [&](int64_t l) { return reads_cell(l, j); });
+    const T* o = r + S.out * nr;
+    for (int l = 0; l < nr; ++l) x[l] = o[l] * T(LOG2E);
+  }
+
+  // The block path (no modifier before the score_mod): rows [j0, j1) of the panel's base-2
+  // scores x (row stride ld), CH rows at a time; with ds (row stride ldd), the reverse
+  // sweep: ds (d output) becomes d score in place, the tables' gradients into capg.
+  __attribute__((noinline)) void smod_block(T* x, int64_t ld, int64_t j0, int64_t j1,
+                                            T* ds = nullptr, int64_t ldd = 0,
+                                            T* capg = nullptr) const {
+    const ScoreProg& S = P.smod;
+    constexpr int nr = NR<T>, CH = SmodState<T>::CH;
+    constexpr int64_t W = CH * nr;
+    T* r = sm->rb.data();
+    for (int64_t a = j0; a < j1; a += CH) {
+      const int64_t rows = std::min<int64_t>(CH, j1 - a);
+      for (int64_t row = 0; row < CH; ++row) {  // rows past j1 repeat the last one
+        const int64_t jr = a + std::min<int64_t>(row, rows - 1);
+        const T* xr = x + (jr - j0) * ld;
+        const T kv = T(P.k_start + jr);
+        for (int l = 0; l < nr; ++l) {
+          r[row * nr + l] = xr[l] * T(LN2);
+          r[4 * W + row * nr + l] = kv;
+        }
+      }
+      smod_run<T>(S, r, W, 1, [&](int64_t e) {
+        return e / nr < rows && reads_cell(e % nr, a + e / nr);
+      });
+      if (!ds) {
+        const T* o = r + S.out * W;
+        for (int64_t row = 0; row < rows; ++row)
+          for (int l = 0; l < nr; ++l) x[(a + row - j0) * ld + l] = o[row * nr + l] * T(LOG2E);
+        continue;
+      }
+      T* g = sm->gb.data();
+      uint8_t* live = sm->live.data();
+      for (int64_t i = 0; i < S.regs; ++i)
+        if (sm->varies[i]) std::fill_n(g + i * W, W, T(0));
+      for (int64_t row = 0; row < CH; ++row)
+        for (int l = 0; l < nr; ++l) {
+          const T v = row < rows ? ds[(a + row - j0) * ldd + l] : T(0);
+          live[row * nr + l] = v != T(0);
+          if (sm->varies[S.out])
+            g[S.out * W + row * nr + l] = v;
+          else if (v != T(0))
+            sm->ga[S.out * nr + l] += v;
+        }
+      smod_reverse<T>(S, r, g, sm->ga.data(), sm->varies.data(), W, 1, live, capg,
+                      sm->tmp.data());
+      for (int64_t row = 0; row < rows; ++row)
+        for (int l = 0; l < nr; ++l)
+          ds[(a + row - j0) * ldd + l] = live[row * nr + l] ? g[row * nr + l] : T(0);
+    }
+  }
+
+  // d score of key row j in place from ds = d output (natural units), right after apply(j):
+  // the registers still hold row j's values; the captured tensors' gradients into capg
+  __attribute__((noinline)) void smod_vjp(T* ds, T* capg) const {
+    const ScoreProg& S = P.smod;
+    constexpr int nr = NR<T>;
+    uint8_t live[nr];
+    for (int64_t i = 0; i < S.regs; ++i)
+      if (sm->varies[i]) std::fill_n(sm->g.data() + i * nr, nr, T(0));
+    for (int l = 0; l < nr; ++l) live[l] = ds[l] != T(0);
+    if (sm->varies[S.out]) {
+      std::copy_n(ds, nr, sm->g.data() + S.out * nr);
+    } else {
+      for (int l = 0; l < nr; ++l)
+        if (live[l]) sm->ga[S.out * nr + l] += ds[l];
+    }
+    smod_reverse<T>(S, sm->r.data(), sm->g.data(), sm->ga.data(), sm->varies.data(), nr, 1,
+                    live, capg, sm->tmp.data());
+    for (int l = 0; l < nr; ++l) ds[l] = live[l] ? sm->g[l] : T(0);
+  }
+
+  // after the panel's keys: the invariant instructions' reverse sweep (their adjoints
+  // summed over the keys)
+  void smod_finish(T* capg) const {
+    if (sm)
+      smod_reverse<T>(P.smod, sm->r.data(), sm->g.data(), sm->ga.data(), sm->varies.data(),
+                      NR<T>, 0, nullptr, capg, sm->tmp.data());
   }
 
   // fn.template operator()<CAP, ALIBI, INTERVALS>() for this panel's combination
@@ -161,6 +305,7 @@ struct PanelMods {
   __attribute__((always_inline)) inline void apply(int64_t j, T* x, T* th) const {
     if constexpr (!CAP && !ALIBI && !INTERVALS) {  // a full tile without modifiers
       if (adds) add_cells(j, x);
+      if (sm && !block) smod_cells(j, x);
       if (tk.partial) mask_cells(j, x);
       return;
     }
@@ -184,6 +329,13 @@ struct PanelMods {
       vstore(x, s[0]);
       vstore(x + N, s[1]);
       add_cells(j, x);
+      s[0] = vload(x);
+      s[1] = vload(x + N);
+    }
+    if (sm && !block) {  // the score_mod: through memory (its own, not inlined)
+      vstore(x, s[0]);
+      vstore(x + N, s[1]);
+      smod_cells(j, x);
       s[0] = vload(x);
       s[1] = vload(x + N);
     }
