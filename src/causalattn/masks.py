@@ -74,6 +74,7 @@ __all__ = [
     "default_scale",
     "check_lengths",
     "PATTERN_KEYWORDS",
+    "create_block_mask",
 ]
 
 # The keywords that say who reads whom and with what bias, in Pattern's field order: those of
@@ -312,10 +313,37 @@ class Pattern(PatternChecks, PatternDense):
         (``B=``, ``H=``, ``device=`` as create_block_mask's)."""
         return _mod.to_block_mask(self, T_q, T_k, block_size, **kw)
 
+    def block_table(self, T_q: int, T_k: int, *, B: int = 1, H: int = 1, block_size=128):
+        """The kept block table of this M's mask_mod (ANDed with the dense mask) for a
+        (B, H, T_q, T_k) problem on (block_size × block_size) tiles, as the kernels read it:
+        a dict with ``kinds`` int32 (B'|1, H'|1, ceil(T_q/bq), ceil(T_k/bk)) — 0 skipped,
+        1 fully readable, 3 + n partly readable through ``tile_masks[n]`` — ``tile_masks``
+        bool (n, bq, bk), ``block_size``, ``seq_lengths`` and ``nbytes``. The keyword rules
+        are the kernels' row intervals: a tile no row's interval reaches is 0, unevaluated.
+        Made once and kept (:mod:`causalattn.masks_table`): a second call, another Pattern
+        of the same mask_mod, or a longer T_k reuses it."""
+        from . import masks_table
+
+        return masks_table.problem_table(self, T_q, T_k, B, H, block_size)
+
     @staticmethod
     def from_block_mask(bm) -> Pattern:
         """The Pattern of a FlexAttention ``BlockMask`` (for its own (T_q, T_k) only)."""
         return Pattern(causal=False, mask_mod=_mod.block_mask_mod(bm))
+
+
+def create_block_mask(
+    mask_mod, B, H, Q_LEN: int, KV_LEN: int, device=None, BLOCK_SIZE=128, _compile=False
+):
+    """FlexAttention's ``create_block_mask``, same signature and indices, made from the kept
+    block table of ``mask_mod`` (:func:`causalattn.masks_table.create_block_mask`): a
+    ``BlockMask`` for ``flex_attention``, and for causalattn as
+    ``pattern=Pattern.from_block_mask(bm)``."""
+    from . import masks_table
+
+    return masks_table.create_block_mask(
+        mask_mod, B, H, Q_LEN, KV_LEN, device=device, BLOCK_SIZE=BLOCK_SIZE, _compile=_compile
+    )
 
 
 def alibi_slopes(n_heads: int) -> np.ndarray:

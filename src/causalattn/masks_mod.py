@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import types
+import weakref
 
 import numpy as np
 
@@ -86,9 +87,12 @@ def _fits(shape: tuple, target: tuple) -> bool:
     return all(s in (1, t) for s, t in zip(shape[::-1], target[::-1]))
 
 
-def indices(xp, b_rows, H: int, pos, j, dev=None):
+def indices(xp, b_rows, H: int, pos, j, dev=None, dtype=None):
     """(b, h, q_idx, kv_idx) index tensors shaped (nb,1,1,1), (1,H,1,1), (1,1,rows,1),
-    (1,1,1,cols), int64, in ``xp`` (NumPy or torch on ``dev``)."""
+    (1,1,1,cols), int64 (or torch ``dtype``: int32, FlexAttention's, for the block tables),
+    in ``xp`` (NumPy or torch on ``dev``)."""
+    if dtype is not None:
+        return tuple(t.to(dtype) for t in indices(xp, b_rows, H, pos, j, dev))
     if xp is np:
         return (
             np.asarray(b_rows, dtype=np.int64).reshape(-1, 1, 1, 1),
@@ -134,11 +138,12 @@ _ARG_NAMES = {
 }
 
 
-def evaluate_mask(fn, xp, b_rows, H: int, pos, j, dev=None):
+def evaluate_mask(fn, xp, b_rows, H: int, pos, j, dev=None, dtype=None):
     """``fn``'s booleans for batch rows ``b_rows``, heads 0..H-1, query positions ``pos`` and
-    key positions ``j``: a 4-D bool array (nb|1, H|1, rows|1, cols|1) in ``xp`` (on ``dev``).
-    A ValueError names what came back when it is not booleans of a broadcastable shape."""
-    args = indices(xp, b_rows, H, pos, j, dev)
+    key positions ``j`` (index tensors of ``dtype``, see :func:`indices`): a 4-D bool array
+    (nb|1, H|1, rows|1, cols|1) in ``xp`` (on ``dev``). A ValueError names what came back
+    when it is not booleans of a broadcastable shape."""
+    args = indices(xp, b_rows, H, pos, j, dev, dtype)
     target = (len(np.atleast_1d(b_rows)), H, args[2].shape[2], args[3].shape[3])
     out = _call(fn, "mask_mod", args, xp)
     if xp is np and str(getattr(out, "dtype", "")) not in ("bool", "torch.bool"):
@@ -509,4 +514,14 @@ def block_mask_mod(bm) -> BlockMaskMod:
             f"from_block_mask: expected a torch.nn.attention.flex_attention.BlockMask, got "
             f"{type(bm).__name__}"
         )
-    return BlockMaskMod(bm)
+    # one per BlockMask while it lives: its kept block tables are found again on each call
+    try:
+        mod = _BLOCK_MASK_MODS.get(bm)
+    except TypeError:  # pragma: no cover - a BlockMask that takes no weak reference
+        return BlockMaskMod(bm)
+    if mod is None:
+        mod = _BLOCK_MASK_MODS[bm] = BlockMaskMod(bm)
+    return mod
+
+
+_BLOCK_MASK_MODS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -303,22 +303,23 @@ def attention(
         else None
     )
     if direct:
-        p = make_problem(
-            q,
-            k,
-            v,
-            causal=causal,
-            window=window,
-            chunk=chunk,
-            softcap=softcap,
-            scale=scale,
-            dropout_p=dropout_p,
-            generator=generator,
-            mask_mod=mask_mod,
-            score_mod=score_mod,
-            **given,
-        )
-        return _ops.engine_module(direct).forward(p, return_lse)
+        with _ops.naming(direct):
+            p = make_problem(
+                q,
+                k,
+                v,
+                causal=causal,
+                window=window,
+                chunk=chunk,
+                softcap=softcap,
+                scale=scale,
+                dropout_p=dropout_p,
+                generator=generator,
+                mask_mod=mask_mod,
+                score_mod=score_mod,
+                **given,
+            )
+            return _ops.engine_module(direct).forward(p, return_lse)
     # the dropout seed stays a tensor: a compiled graph draws it anew on every call
     seed = _dropout.seed_tensor(generator) if dropout_p else None
     args = _ops.OpArgs(
@@ -365,4 +366,5 @@ def run(p: Problem, engine: str = "auto", return_lse: bool = False):
     why = _ops.refusal(name, p, return_lse)
     if why:
         raise ValueError(why)
-    return _ops.engine_module(name).forward(p, return_lse)
+    with _ops.naming(name):
+        return _ops.engine_module(name).forward(p, return_lse)

@@ -280,16 +280,16 @@ def _additive(p: Problem):
 
 
 def _tiles(p: Problem, bq: int, bk: int, lo, hi):
-    """(kinds, tile_masks) of the dense mask AND the mask_mod on the (bq, bk) grid
-    (:func:`causalattn.masks_mod.tile_table`), made once per pattern and grid: the eager
-    backward reuses the forward's."""
-    from ..masks_mod import tile_table
+    """(kinds, tile_masks) of the dense mask AND the mask_mod on the (bq, bk) grid: a
+    mask_mod's from its kept table (:func:`causalattn.masks_table.kept_tiles`: made once,
+    across calls, forward and backward), kept on the pattern per grid too."""
+    from ..masks_table import kept_tiles
 
     B, H, T_q, T_k = p.dims
     cache = p.pattern.__dict__.setdefault("_tile_tables", {})
     key = (B, H, T_q, T_k, bq, bk)
     if key not in cache:
-        cache[key] = tile_table(p.pattern, B, H, T_q, T_k, bq, bk, lo.numpy(), hi.numpy())
+        cache[key] = kept_tiles(p.pattern, B, H, T_q, T_k, bq, bk, lo.numpy(), hi.numpy())
     return cache[key]
 
 

@@ -154,6 +154,19 @@ def refusal(name: str, p, return_lse: bool) -> str:
     return engine(name).refusal(of_problem(p, return_lse))
 
 
+@contextlib.contextmanager
+def naming(engine_name: str):
+    """A user's mask_mod or score_mod refused inside (its ValueError, which names the
+    argument) says which engine was running it."""
+    try:
+        yield
+    except ValueError as exc:
+        msg = str(exc)
+        if msg.startswith(("mask_mod:", "score_mod:")) and " (engine '" not in msg:
+            raise ValueError(f"{msg} (engine {engine_name!r})") from exc
+        raise
+
+
 def _problem(tensors, seed, q, k, v, causal, window, chunk, softcap, scale, dropout_p, mods):
     """The checked :class:`Problem` of the operators' arguments (this is where data is read)."""
     given = {n: t for n, t in zip(TENSORS, tensors) if t is not None}
@@ -308,8 +321,9 @@ def fwd(
         engine,
         return_lse,
     )
-    p = _problem(a.tensors(), a.dropout_seed, q, k, v, *a.scalars()[:-1])
-    out, lse = _run_fwd(engine, p, return_lse)
+    with naming(engine):
+        p = _problem(a.tensors(), a.dropout_seed, q, k, v, *a.scalars()[:-1])
+        out, lse = _run_fwd(engine, p, return_lse)
     # outputs are contiguous (as the fake ones) and never alias an input
     out = out.contiguous()
     return out.clone() if out is q else out, lse.contiguous()
@@ -370,9 +384,10 @@ def bwd(
         rel_bias,
     )
     scalars = (causal, window, chunk, softcap, scale, dropout_p, mods)
-    p = _problem(tensors, dropout_seed, q, k, v, *scalars)
-    names = _wanted(p, want)
-    dq, dk, dv, grads = _run_bwd(engine, p, out, lse, dout, dlse, names)
+    with naming(engine):
+        p = _problem(tensors, dropout_seed, q, k, v, *scalars)
+        names = _wanted(p, want)
+        dq, dk, dv, grads = _run_bwd(engine, p, out, lse, dout, dlse, names)
     named = {n: g for n, g in zip(names, grads) if n != "captured"}
     caps = [g for n, g in zip(names, grads) if n == "captured"]
     res = [dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()]

@@ -111,6 +111,15 @@ class _Tiles:
             or pt.prefix_lengths is not None
             or pt.mask_mod is not None
         )
+        self.table = self.rest = None
+        if pt.mask_mod is not None:  # its cells from the kept table (evaluated once, kept)
+            from dataclasses import replace
+
+            from ..masks_table import kept
+
+            qs, ks = pt.query_start(T_q, T_k), pt.k_start
+            self.table = kept(pt.mask_mod, B, H, bq, bk, qs, ks)
+            self.rest, self.qs, self.ks = replace(pt, mask_mod=None), qs, ks
         cache: dict = {}
         self.blocks = []  # per query block: (a, a2, [(c, c2, _Mask | None), ...])
         for a, a2 in _row_blocks(p, b, bq):
@@ -133,7 +142,11 @@ class _Tiles:
 
     def _kind(self, a, a2, c, c2):
         p = self.p
-        t = p.pattern.tile(*p.dims, a, a2, c, c2, like=_CPU, batch=[self.b])[0]  # (H'|1, r, c)
+        if self.table is None:
+            t = p.pattern.tile(*p.dims, a, a2, c, c2, like=_CPU, batch=[self.b])[0]  # (H'|1, r, c)
+        else:
+            t = self.rest.tile(*p.dims, a, a2, c, c2, like=_CPU, batch=[self.b])[0]
+            t = t & self.table.cells(self.b, self.qs + a, self.qs + a2, self.ks + c, self.ks + c2)
         if bool(t.all()):
             return None
         if not bool(t.any()):

@@ -154,8 +154,8 @@ class Plan:
         """(kinds, their (batch, head, row-block) strides, the mask the kernels read, its
         strides) for (BLOCK_M × BLOCK_N) tiles: the dense mask's kinds, int8 (B', H', n_m,
         n_n) (:meth:`causalattn.masks.Pattern.mask_tile_kinds`) with the mask itself; with a
-        mask_mod, :func:`causalattn.masks_mod.tile_table`'s int32 kinds with its tile masks
-        (n, BLOCK_M, BLOCK_N), made on the host block by block."""
+        mask_mod, the int32 kinds of its kept table (:func:`causalattn.masks_table.kept_tiles`)
+        with its tile masks (n, BLOCK_M, BLOCK_N), made on the host block by block."""
         if not self.has_dense_mask:
             return self.dense_mask, (0, 0, 0), self.dense_mask, (0, 0, 0)
         key = (block_m, block_n)
@@ -163,11 +163,11 @@ class Plan:
             return self._tile_kinds[key]
         dev = self.dense_mask.device
         if self.has_mask_mod:
-            from ..masks_mod import tile_table
+            from ..masks_table import kept_tiles
 
             B, H_q, T_q, T_k = self.dims
             lo, hi = self.pattern.row_ranges(T_q, T_k)
-            kinds, tiles = tile_table(self.pattern, B, H_q, T_q, T_k, block_m, block_n, lo, hi)
+            kinds, tiles = kept_tiles(self.pattern, B, H_q, T_q, T_k, block_m, block_n, lo, hi)
             kinds = kinds.to(dev).contiguous()
             mask = tiles.to(dev).view(torch.int8).contiguous()
             entry = (kinds, _broadcast_strides(kinds), mask, (0, 0, block_n))
