@@ -10,8 +10,9 @@ softmax over all keys masked after (mask after softmax), and the value map R wit
 (which value rows each key's weight multiplies). Per probe (:class:`ProbeMeasure`): the
 tolerance of the accuracy rule in the function's own dtype, the read-back noise, and on
 the main probe whether it is deterministic (V = I twice), linearity (H for random V
-against the measured A V), the weights with d_v doubled, the output projection; the largest score on the stability probes; the long fp16
-rows' sums. :mod:`.judge` turns the records into findings.
+against the measured A V), the weights with d_v doubled, the output projection; the largest
+score on the stability probes; the long fp16 rows' sums (of the last rows that read a key).
+:mod:`.judge` turns the records into findings.
 
 Tolerances follow the accuracy rule: twice what plain math in the function's own dtype
 makes on the same probe, plus a floor.
