@@ -183,7 +183,9 @@ _HEAD_ATTRS = ("n_heads", "n_head", "num_heads", "heads", "h", "nhead")
 class _ModuleAdapter:
     """Find an nn.Module's W_Q/W_K/W_V/W_O, and run it with probe weights on a copy."""
 
-    def __init__(self, module):
+    def __init__(self, module, heads: int | None = None):
+        """``heads``: the head count a declared per-head pattern fixes, for a module that
+        names none of its own."""
         import torch
 
         self.torch = torch
@@ -212,20 +214,33 @@ class _ModuleAdapter:
             (getattr(module, a) for a in _HEAD_ATTRS if isinstance(getattr(module, a, None), int)),
             None,
         )
+        h = h or heads
         self.heads = h if h and h > 1 else None
         shapes = {r: self._ours(r).shape for r in found}
         if "qkv" in found:
             dm, three = shapes["qkv"]
-            hk = hv = three // 3
+            hk = kv_k = kv_v = three // 3
         else:
             dm, hk = shapes["q"]
-            hv = shapes["v"][1]
+            kv_k, kv_v = shapes["k"][1], shapes["v"][1]
+        n = self.heads or 1
+        d_k = hk // n
+        # grouped-query attention: fewer key/value heads, each read by n / kv query heads
+        kv = kv_k // d_k if d_k and kv_k % d_k == 0 else 0
+        if not kv or n % kv or kv_v % kv:
+            raise ValueError(
+                f"diagnose: the module's key projection is {kv_k} wide, its query projection "
+                f"{hk} = {n} heads × d_k = {d_k}: the key/value heads do not divide the "
+                "query heads"
+            )
         self.dims = {
             "d_model": dm,
             "hd_k": hk,
-            "hd_v": hv,
+            "hd_v": n * (kv_v // kv),  # what W_O reads: every query head's d_v
+            "d_v": kv_v // kv,
             "heads": self.heads,
-            "d_k": hk // (self.heads or 1),
+            "kv_heads": kv,
+            "d_k": d_k,
             "w_o": "o" in found,
             "d_out": shapes["o"][1] if "o" in found else None,
         }
@@ -412,14 +427,14 @@ class Subject:
 
     def _module(self, p: Probe, V):
         d = self.adapter.dims
-        h, dv, d_out = d["heads"] or 1, d["hd_v"] // (d["heads"] or 1), d["d_out"]
+        h, g, dv, d_out = d["heads"] or 1, d["kv_heads"], d["d_v"], d["d_out"]
         x0 = p.inputs["x"][0].astype(np.float64)
         pinv = np.linalg.pinv(x0)
-        V = np.asarray(V, np.float64)[0]  # (H, T_k, n)
+        V = np.asarray(V, np.float64)[0][:: h // g]  # (kv heads, T_k, n): one per group
         n = V.shape[-1]
         cols, dtype = [], None
         for c0 in range(0, n, dv):
-            chunk = np.zeros((h, V.shape[1], dv))
+            chunk = np.zeros((g, V.shape[1], dv))
             chunk[..., : min(dv, n - c0)] = V[..., c0 : c0 + dv]
             w_v = merge_heads(pinv @ chunk)  # (d_model, h·d_v)
             w_o = np.eye(h * dv, d_out) if d["w_o"] else None

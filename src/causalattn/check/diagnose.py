@@ -196,10 +196,18 @@ def _plain(v):
     return np.asarray(v) if isinstance(v, (list, tuple)) else v
 
 
+def _declared_heads(declared: dict) -> int | None:
+    """The head count declared sinks or ALiBi slopes fix (None when neither is declared)."""
+    for k in ("sinks", "alibi_slopes"):
+        if k in declared:
+            return int(np.asarray(declared[k]).shape[-1])
+    return None
+
+
 def diagnose_here(fn, sig, declared, scale) -> Diagnosis:
     """The diagnosis, in this process: probe, measure, judge, report."""
     fw = framework(fn)
-    adapter = _ModuleAdapter(fn) if sig == "module" else None
+    adapter = _ModuleAdapter(fn, heads=_declared_heads(declared)) if sig == "module" else None
     dims = adapter.dims if adapter else {}
     if adapter and dims["w_o"] and dims["d_out"] < dims["hd_v"]:
         raise ValueError(
@@ -231,6 +239,20 @@ def diagnose_here(fn, sig, declared, scale) -> Diagnosis:
             details=details,
             d_k=p.d_k,
         )
+    try:
+        return _judged(subject, plan, obs, scale, declared, details)
+    except MemoryError:
+        raise
+    except Exception as exc:  # past the probes, a failure is diagnose's own: say so
+        raise RuntimeError(
+            f"diagnose failed after the function ran on its probes ({type(exc).__name__}: "
+            f"{exc}): a fault in causalattn's diagnose, not in the function"
+        ) from exc
+
+
+def _judged(subject, plan, obs, scale, declared, details) -> Diagnosis:
+    """Steps 2 to 4 on the main probe's run: measure, probe further, judge, report."""
+    sig, has_wo, pad_kind = subject.sig, subject.has_wo, plan.pad_kind
     main = measure(obs.main, scale=scale, sig=sig)  # 2. measuring
     observe_further(subject, plan, obs, further_kinds(main))  # (what can still show more)
     measures = [main, *(measure(r, scale=scale, sig=sig) for r in obs.further)]

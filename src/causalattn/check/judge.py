@@ -7,11 +7,15 @@ main probe does not already explain (the same fault; an unnamed difference at a 
 main probe already flags; anything S, M or A when the main probe found its weights cannot
 be read back as A, at stage H), each once.
 
-Per slice of a probe's weights: NaN or inf in rows that can read a key (A); rows with no
-readable key that come out NaN (A: nan-on-empty-rows); values taken from the wrong rows with
-the weights right (H); the read pattern against the reference's (M, the catalogue's forms
+A function that returns different outputs for the same input is not deterministic (H), and
+nothing else is judged. Per slice of a probe's weights: NaN or inf in rows that can read a
+key (A); rows with no readable key that come out NaN (A: nan-on-empty-rows); values taken
+from the wrong rows with the weights right, or through the transposed weights (H); the read
+pattern against the reference's (M, the catalogue's forms
 matched on every row but a patched first row or a patched row with no readable key); the
-scale (S); the normalization (A); weights right in shape but off beyond the accuracy rule
+scale (S: named by the one size it equals, a coincidence of sizes names none; none
+measured when the weights are impossible for any softmax: negative, or rows that do not sum
+as a softmax's); the normalization (A); weights right in shape but off beyond the accuracy rule
 for the function's own dtype (A: lost precision). Per probe: linearity in V and the d_v
 dependence of the scale (main), overflow and leaks at large scores, the long fp16 rows' sums,
 the output projection (O). A fault in some heads only of a multi-head probe becomes
@@ -56,6 +60,9 @@ def judge(measures: Sequence[ProbeMeasure], *, d_model: int | None = None) -> li
     if not measures:
         return []
     main, further = measures[0], list(measures[1:])
+    random = _nondeterministic(main)
+    if random is not None:  # two calls disagree: no record of one call says what it computes
+        return [random]
     nonlinear = _nonlinear(main)
     if nonlinear is not None:  # V = I does not give A: only the weights it computed say more
         rec = _slice_findings(main, main.recorded or (), d_model)
@@ -85,7 +92,7 @@ def further_kinds(main: ProbeMeasure) -> tuple[str, ...]:
 
 def reads_back(main: ProbeMeasure) -> bool:
     """Whether V = I reads the main probe's weights back (the function is linear in V)."""
-    return _nonlinear(main) is None
+    return _nondeterministic(main) is None and _nonlinear(main) is None
 
 
 def probe_findings(pm: ProbeMeasure, main: ProbeMeasure, d_model=None) -> list[Finding]:
@@ -124,7 +131,7 @@ def _one_slice(pm: ProbeMeasure, s: SliceMeasure, d_model) -> list[Finding]:
     out = []
     on = f"on {pm.probe}"
     bad = s.nonfinite_rows
-    values = _values_from_wrong_rows(pm, s)
+    values = _values_from_wrong_rows(pm, s) or _transposed_weights(pm, s)
     if values is not None:  # the weights are right: everything else follows from it
         return [values]
     m = _pattern(pm, s)
@@ -142,9 +149,37 @@ def _one_slice(pm: ProbeMeasure, s: SliceMeasure, d_model) -> list[Finding]:
         lost = _lost_precision(pm, s)  # (a scale that fits tightly but differs is S's)
         if lost is not None:
             return out + [lost]
-    out += _scale(pm, s, fit_ok, d_model)
+    if fit_ok or not _not_a_softmax(pm, s):  # (no scale to measure in what no softmax gives)
+        out += _scale(pm, s, fit_ok, d_model)
     out += _normalization(pm, s, s.fit if fit_ok else None)
     return out
+
+
+def _negative(pm: ProbeMeasure, s: SliceMeasure) -> np.ndarray:
+    """T_q×T_k: finite weights below zero by more than the tolerance."""
+    with np.errstate(invalid="ignore"):
+        return np.isfinite(s.A) & (s.A < -pm.tol)
+
+
+def _not_a_softmax(pm: ProbeMeasure, s: SliceMeasure) -> bool:
+    """No softmax of any scores gives these weights: some are negative, or rows that read
+    keys do not sum as the reference's (nor sum to 1 down the columns or over all)."""
+    return bool(_negative(pm, s).any()) or s.mode == "none"
+
+
+def _transposed_weights(pm: ProbeMeasure, s: SliceMeasure) -> Finding | None:
+    """H: A V with A transposed (Aᵀ V): V = I reads back exactly the reference's weights,
+    transposed."""
+    if pm.T_q != pm.T_k or not np.isfinite(s.A).all() or s.err <= pm.tol:
+        return None
+    if float(np.abs(s.A - s.ref.T).max()) > pm.tol:
+        return None
+    msg = (
+        "H: the output is Aᵀ V: V = I reads back the reference's weights A = softmax(S + M) "
+        f"transposed (query row i gets column i of A): the values are read through the "
+        f"transposed weights (on {pm.probe})"
+    )
+    return _finding(pm, s, "H", None, msg, transposed=True)
 
 
 def _values_from_wrong_rows(pm: ProbeMeasure, s: SliceMeasure) -> Finding | None:
@@ -186,6 +221,10 @@ def _pattern(pm: ProbeMeasure, s: SliceMeasure) -> Finding | None:
         msg += f"; every row but {rows_text(patched)} has {fault}'s form ({_it(patched)} patched)"
     rows = np.flatnonzero((P != E).any(-1))
     return _finding(pm, s, "M", fault, msg, rows, patched_rows=list(patched))
+
+
+def _verb(rows, one: str, many: str) -> str:
+    return one if len(rows) == 1 else many
 
 
 def _it(rows) -> str:
@@ -295,24 +334,10 @@ def _scale(pm: ProbeMeasure, s: SliceMeasure, fit_ok: bool, d_model) -> list[Fin
         c = s.fit[0]
         if abs(c / c0 - 1) <= SCALE_RTOL:
             return []
-        cands = [
-            ("missing-scale", 1.0),
-            ("scale-by-dk", 1.0 / dk),
-            ("scale-by-sqrt-dv", 1.0 / math.sqrt(pm.T_k)),
-        ]
-        if d_model is not None:
-            cands.append(("scale-by-sqrt-dmodel", 1.0 / math.sqrt(d_model)))
-        name = next(
-            (
-                fid
-                for fid, want in cands
-                if abs(c / want - 1) <= SCALE_RTOL and abs(want / c0 - 1) > SCALE_RTOL
-            ),
-            None,
-        )
+        name, said = _scale_name(pm, c, d_model)
         msg = (
             f"S: the weights are the softmax of Q Kᵀ · {c:.4g}; expected · {c0:.4g} "
-            f"(1/√d_k, d_k = {dk}) ({on})"
+            f"(1/√d_k, d_k = {dk}){said} ({on})"
         )
         return [_finding(pm, s, "S", name, msg, scale=c, expected=c0)]
     kt = s.fit_kt
@@ -329,11 +354,56 @@ def _scale(pm: ProbeMeasure, s: SliceMeasure, fit_ok: bool, d_model) -> list[Fin
     return [_finding(pm, s, "S", None, msg, misfit=s.fit[1])]
 
 
+def _scale_name(pm: ProbeMeasure, c: float, d_model) -> tuple[str | None, str]:
+    """(catalogue id or None, words): the sizes of the probe the factor ``c`` equals. An id
+    only when one size fits and holds where the sizes move: 1/√d_v only when the run with
+    d_v doubled follows it (with V = I, d_v = T_k); two sizes that fit name neither."""
+    dk, dv, T, H = pm.d_k, pm.d_v or pm.T_k, pm.T_k, pm.H
+    exprs = [
+        ("1", 1.0, "missing-scale"),
+        (f"1/d_k (d_k = {dk})", 1.0 / dk, "scale-by-dk"),
+        (f"1/√d_v (d_v = {dv})", dv**-0.5, "scale-by-sqrt-dv"),
+        (f"1/√T_k (T_k = {T})", T**-0.5, None),
+    ]
+    if d_model is not None:
+        exprs.append((f"1/√d_model (d_model = {d_model})", d_model**-0.5, "scale-by-sqrt-dmodel"))
+    if H > 1 and H * dk != d_model:  # (= d_model: the model's width, named as such)
+        exprs.append((f"1/√(H·d_k) (H·d_k = {H * dk})", (H * dk) ** -0.5, None))
+    fits = [(w, fid) for w, want, fid in exprs if abs(c / want - 1) <= SCALE_RTOL]
+    note = ""
+    w = pm.width
+    if w is not None and any(fid == "scale-by-sqrt-dv" for _, fid in fits):
+        follows = w.fit is not None and abs(w.fit[0] * math.sqrt(2 * dv) - 1) <= SCALE_RTOL
+        if follows:  # the factor moved with d_v, not with T_k
+            fits = [f for f in fits if not f[0].startswith("1/√T_k")]
+        else:
+            fits = [f for f in fits if f[1] != "scale-by-sqrt-dv"]
+            if w.diff <= w.tol:
+                note = f"; with d_v = {2 * dv} the weights do not change"
+    if not fits:
+        return None, note
+    words = " or ".join(f[0] for f in fits)
+    name = fits[0][1] if len(fits) == 1 else None
+    return name, f"; the factor is {words}{note}"
+
+
 def _normalization(pm: ProbeMeasure, s: SliceMeasure, fit) -> list[Finding]:
     mode, a, r, tol = s.mode, s.A, s.ref, pm.tol
+    on = f"on {pm.probe}"
+    neg = _negative(pm, s)
+    if neg.any():
+        rows = np.flatnonzero(neg.any(-1))
+        low = float(a[neg].min())
+        msg = (
+            f"A: {rows_text(rows)} {_verb(rows, 'holds', 'hold')} negative weights (down to "
+            f"{low:.3g}): no softmax gives a negative weight, so the normalization is not "
+            f"a softmax (is the exp missing?) ({on})"
+        )
+        return [_finding(pm, s, "A", None, msg, rows, min_weight=low)]
     if mode == "rows":
         return []
-    has, sums, on = s.has_key, s.sums, f"on {pm.probe}"
+    # a row that reads no key sums to 0: M already says why (it reads nothing)
+    has, sums = s.has_key & s.read.any(-1), s.sums
     k = float(np.median(sums[has] / r.sum(-1)[has])) if has.any() else 1.0
     if mode == "none" and k > 0 and np.abs(a - k * r).max() <= tol * max(1.0, k):
         msg = (
@@ -362,22 +432,43 @@ def _normalization(pm: ProbeMeasure, s: SliceMeasure, fit) -> list[Finding]:
             rows = np.flatnonzero(has & (sums < 1 - tol))
             return [_finding(pm, s, "A", "mask-after-softmax", msg, rows, row_sums=sums.tolist())]
     off = has & (np.abs(sums - r.sum(-1)) > tol)
+    if not off.any():
+        return []
+    rows = np.flatnonzero(off)
+    over = " (more than 1: no softmax sums so)" if (sums[off] > 1 + tol).any() else ""
     msg = (
-        f"A: {rows_text(np.flatnonzero(off))} sum to {few(sums[off])} instead of "
-        f"{few(r.sum(-1)[off])} ({on})"
+        f"A: {rows_text(rows)} {_verb(rows, 'sums', 'sum')} to {few(sums[off])} instead of "
+        f"{few(r.sum(-1)[off])}{over} ({on})"
     )
-    return [_finding(pm, s, "A", None, msg, np.flatnonzero(off), row_sums=sums.tolist())]
+    return [_finding(pm, s, "A", None, msg, rows, row_sums=sums.tolist())]
 
 
 # -- per probe ---------------------------------------------------------------------------------
+def _nondeterministic(main: ProbeMeasure) -> Finding | None:
+    """H: two calls with the same input (V = I) return different outputs."""
+    if main.repeat is None or main.repeat <= main.tol:
+        return None
+    msg = (
+        f"H: the function is not deterministic: called twice on the same input ({main.probe}, "
+        f"V = I) its outputs differ by up to {main.repeat:.3g} (the accuracy rule allows "
+        f"{main.tol:.2g}); something random runs in it (dropout left on in eval?)"
+    )
+    return Finding("H", None, msg, probe=main.probe, measurement={"repeat": main.repeat})
+
+
 def _nonlinear(main: ProbeMeasure) -> Finding | None:
     lin = main.linearity
     if lin is None or lin.err <= lin.tol or any(s.nonfinite_rows.size for s in main.slices):
         return None  # (NaN weights: stage A says it)
+    zero = (
+        f"; with V = 0 the output is up to {lin.zero:.3g}, not 0"
+        if lin.zero > lin.tol
+        else "; with V = 0 it is 0"
+    )
     msg = (
         f"H: the output is not A V: with random values it differs from (its weights measured "
-        f"with V = I) · V by up to {lin.err:.3g} (the accuracy rule allows {lin.tol:.2g}); "
-        f"with V = 0 the output is up to {lin.zero:.3g}, not 0"
+        f"with V = I) · V by up to {lin.err:.3g} (the accuracy rule allows {lin.tol:.2g})"
+        f"{zero}"
     )
     return Finding("H", None, msg, probe=main.probe, measurement={"err": lin.err, "zero": lin.zero})
 
@@ -521,8 +612,8 @@ def _explained(f: Finding, main: list[Finding]) -> bool:
         return True
     if f.stage not in ("S", "M", "A"):
         return False
-    # the values come from other rows: the weights later probes read back are permuted
-    if any("value_rows" in m.measurement for m in main):
+    # the values come from other rows (or through Aᵀ): what later probes read back is not A
+    if any("value_rows" in m.measurement or "transposed" in m.measurement for m in main):
         return True
     # the weights read back through V = I are not A there: unnamed S, M, A follow
     return f.fault is None and any(m.stage == "H" for m in main)

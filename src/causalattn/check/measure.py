@@ -9,9 +9,10 @@ against Q K where T = d_k), the weights against the reference (error, relative e
 softmax over all keys masked after (mask after softmax), and the value map R with A = A_ref R
 (which value rows each key's weight multiplies). Per probe (:class:`ProbeMeasure`): the
 tolerance of the accuracy rule in the function's own dtype, the read-back noise, and on
-the main probe linearity (H for random V against the measured A V), the weights with d_v
-doubled, the output projection; the largest score on the stability probes; the long fp16
-rows' sums. :mod:`.judge` turns the records into findings.
+the main probe whether it is deterministic (V = I twice), linearity (H for random V
+against the measured A V), the weights with d_v doubled, the output projection; the largest
+score on the stability probes; the long fp16 rows' sums (of the last rows that read a key).
+:mod:`.judge` turns the records into findings.
 
 Tolerances follow the accuracy rule: twice what plain math in the function's own dtype
 makes on the same probe, plus a floor.
@@ -158,7 +159,10 @@ class ProbeMeasure:
     ``dtype``: the function's working precision on it; ``scale0``: the declared scale;
     ``tol``: the accuracy rule's bound on the weights; ``noise``: the read-back error of
     weights measured through W_V = pinv(x)·V (0 for fn(q, k, v)); ``pattern``: the
-    reference's; ``S_max``: the largest |scaled score|; the rest as the records say."""
+    reference's; ``S_max``: the largest |scaled score|; ``d_v``: the value width the
+    function saw with V = I (0: T_k); ``repeat``: max |H - H'| of two calls with the same input
+    (main probe; NaN where one is NaN and the other not counts as inf); the rest as the
+    records say."""
 
     probe: str
     kind: str
@@ -173,6 +177,8 @@ class ProbeMeasure:
     tol: float = 0.0
     noise: float = 0.0
     S_max: float = 0.0
+    d_v: int = 0
+    repeat: float | None = None
     slices: tuple = ()
     linearity: Linearity | None = None
     width: Width | None = None
@@ -214,6 +220,7 @@ def measure(run: Run, *, scale: float | None, sig: str) -> ProbeMeasure:
         scale0=c0,
         pattern=p.pattern,
         S_max=float(np.abs(p.G() * c0).max()) if p.G().size else 0.0,
+        d_v=p.d_v or p.T_k,
     )
     if "ones" in run.outputs:
         return ProbeMeasure(**base, sums=_row_sums(p, run.outputs["ones"], c0))
@@ -223,6 +230,8 @@ def measure(run: Run, *, scale: float | None, sig: str) -> ProbeMeasure:
     tol = tolerance(ref, plain_weights(p, c0, t), t) + noise
     slices = _slices(p, A, ref, tol, noise)
     extra = {}
+    if "again" in run.outputs:
+        extra["repeat"] = _repeat(A, run.outputs["again"])
     if "random" in run.outputs:
         extra["linearity"] = _linearity(p, A, run.outputs, t, noise)
     if "wide" in run.outputs:
@@ -289,6 +298,14 @@ def _value_map(ref: np.ndarray, a: np.ndarray, e: np.ndarray):
     return R, float(np.abs(R - np.rint(R)).max())
 
 
+def _repeat(first: np.ndarray, second: np.ndarray) -> float:
+    """max |first - second| (NaN in the same places is equal; NaN against a number: inf)."""
+    same_nan = np.isnan(first) & np.isnan(second)
+    with np.errstate(invalid="ignore"):
+        d = np.where(same_nan, 0.0, np.abs(first - second))
+    return float(np.nan_to_num(d, nan=np.inf).max()) if d.size else 0.0
+
+
 def _linearity(p: Probe, A, outputs: dict, t, noise) -> Linearity:
     V = p.values["random"]
     ref = A @ V
@@ -319,7 +336,9 @@ def _projection(p: Probe, A, run: Run, t, noise) -> Projection:
     if run.O_error is not None:
         return Projection(error=run.O_error)
     w_v, w_o = p.projection
-    Vh = split_heads(p.inputs["x"].astype(np.float64) @ w_v.astype(np.float64), p.H)
+    kv = w_v.shape[1] // (w_o.shape[0] // p.H)  # key/value heads, each read by H / kv heads
+    Vh = split_heads(p.inputs["x"].astype(np.float64) @ w_v.astype(np.float64), kv)
+    Vh = np.repeat(Vh, p.H // kv, axis=1)
     Hm = merge_heads(A @ Vh)
     ref = Hm @ w_o.astype(np.float64)
     plain = (merge_heads(A.astype(t) @ Vh.astype(t)) @ w_o.astype(t)).astype(np.float64)
@@ -336,13 +355,15 @@ def _projection(p: Probe, A, run: Run, t, noise) -> Projection:
 
 
 def _row_sums(p: Probe, ones: np.ndarray, c0: float) -> RowSums:
-    rows = np.arange(p.T_q - min(4, p.T_q), p.T_q)  # the longest rows
-    E = p.allowed()[0, 0, rows]
-    S = (p.Q[0, 0, rows] @ p.K[0, 0].T) * c0
+    E = p.allowed()[0, 0]
+    rows = np.flatnonzero(E.any(-1))[-4:]  # the last rows that read a key (a row of none sums 0)
+    E = E[rows]
+    S = p.pattern.modify_scores(p.G() * c0)[0, 0, rows]  # (ALiBi, softcap: as the reference)
     plain = plain_fp16_row_sums(np.where(E, S, -np.inf))
     eps = float(np.finfo(np.float16).eps)
-    plain_err = float(np.abs(plain - 1).max())
-    return RowSums(ones[0, 0, rows, 0], int(E[-1].sum()), plain_err, 2 * plain_err + 8 * eps)
+    plain_err = float(np.abs(plain - 1).max()) if rows.size else 0.0
+    keys = int(E[-1].sum()) if rows.size else 0
+    return RowSums(ones[0, 0, rows, 0], keys, plain_err, 2 * plain_err + 8 * eps)
 
 
 def plain_fp16_row_sums(Z: np.ndarray) -> np.ndarray:

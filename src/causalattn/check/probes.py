@@ -7,7 +7,12 @@ with (``values``: V = I gives A itself; random V, V = 0 and a wider V on the mai
 ones for the long fp16 rows), and for code with an output projection the W_V, W_O to run
 it with (``projection``). For the ``x-weights`` and ``module`` signatures Q and K come
 from x (T×d_model, the same in every batch row) and random W_Q, W_K, and values are
-reached through W_V = pinv(x)·V, which needs T <= d_model.
+reached through W_V = pinv(x)·V, which needs T <= d_model; a module with fewer key/value
+heads than query heads (grouped-query attention) gets W_K, W_V of its own width, query
+head i reading key/value head i // (H / H_kv).
+
+The sizes are chosen apart (T, d_k, d_v, H·d_k and d_model differ where the function lets
+them) so that a measured scale factor names one size, not a coincidence of two.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ class Probe:
     kind: str = "main"  # one of KINDS
     values: dict = field(default_factory=dict)  # name -> V (1|B, H, T_k, n) it is run with
     projection: tuple | None = None  # (W_V, W_O) to run code with an output projection
+    d_v: int | None = None  # the value width the function sees with V = I (None: T_k)
 
     @property
     def B(self):
@@ -142,23 +148,37 @@ def qkv_probe(
     )
 
 
-def x_probe(name, rng, *, B=1, T, d_model, heads, d_k, mag, dtype, pattern, kwargs=None):
-    """x (B, T, d_model) with the same T×d_model rows in every batch row; W_Q, W_K random."""
+def x_probe(
+    name, rng, *, B=1, T, d_model, heads, d_k, mag, dtype, pattern, kwargs=None, kv_heads=None
+):
+    """x (B, T, d_model) with the same T×d_model rows in every batch row; W_Q, W_K random
+    (W_K for ``kv_heads`` heads, each read by heads / kv_heads query heads; K per query head)."""
+    kv = kv_heads or heads
     x0 = rng.normal(size=(T, d_model))
     x = _cast(np.broadcast_to(x0, (B, T, d_model)), dtype)
     w_q = _cast(rng.normal(size=(d_model, heads * d_k)) * mag / np.sqrt(d_model), dtype)
-    w_k = _cast(rng.normal(size=(d_model, heads * d_k)) * mag / np.sqrt(d_model), dtype)
+    w_k = _cast(rng.normal(size=(d_model, kv * d_k)) * mag / np.sqrt(d_model), dtype)
     x64, wq, wk = (a.astype(np.float64) for a in (x, w_q, w_k))
     Q = split_heads(x64 @ wq, heads)
-    K = split_heads(x64 @ wk, heads)
+    K = np.repeat(split_heads(x64 @ wk, kv), heads // kv, axis=1)
     return Probe(
         name, Q, K, np.dtype(dtype), pattern, {"x": x, "w_q": w_q, "w_k": w_k}, kwargs or {}
     )
 
 
+def apart(T: int, H: int, first: int = 3) -> int:
+    """A d_k for a T-key probe with H heads, ``first`` if it will do: d_k, H·d_k and T
+    (= d_v with V = I) all differ, so that no scale factor fits two of them."""
+    for d_k in (first, 3, 4, 5, 2, 7):
+        if d_k != T and (H == 1 or H * d_k != T):
+            return d_k
+    return first
+
+
 class Plan:
     """The probes for one function: its signature (``"qkv"``, ``"x-weights"``,
-    ``"module"``), its sizes (``dims``: d_model, d_k, heads, hd_v, d_out), the padding
+    ``"module"``), its sizes (``dims``: d_model, d_k, heads, kv_heads, d_v, hd_v = h·d_v,
+    d_out), the padding
     keyword it takes, the declared pattern keywords, its dtype and whether it applies W_O.
     ``main_probes()`` first (the first that runs is the main probe), then ``further(main)``:
     groups of alternatives (the first of a group that runs counts)."""
@@ -166,7 +186,15 @@ class Plan:
     def __init__(self, sig, dims, pad_kind, declared, dtype, has_wo):
         self.sig, self.pad_kind, self.declared = sig, pad_kind, declared
         self.dtype, self.has_wo = dtype, has_wo
-        self.dims = dims or {"d_model": 8, "d_k": 3, "heads": None, "hd_v": 6, "d_out": 6}
+        self.dims = dims or {
+            "d_model": 8,
+            "d_k": 3,
+            "heads": None,
+            "kv_heads": None,
+            "d_v": 6,
+            "hd_v": 6,
+            "d_out": 6,
+        }
         self.rng = np.random.default_rng(1234)
         fixed = [k for k in ("lengths", "key_padding_mask", "prefix_lengths") if k in declared]
         self.B = len(declared[fixed[0]]) if fixed else 1
@@ -182,6 +210,14 @@ class Plan:
             self.H = np.asarray(declared["alibi_slopes"]).shape[-1]
         else:
             self.H = 1
+        per_head = "sinks" in declared or "alibi_slopes" in declared
+        if sig != "qkv" and per_head and self.H != (self.dims["heads"] or 1):
+            what = "sinks" if "sinks" in declared else "alibi_slopes"
+            raise ValueError(
+                f"diagnose: the declared {what} are for {self.H} heads, but the "
+                f"{'module has' if sig == 'module' else 'x-weights signature has'} "
+                f"{self.dims['heads'] or 1}"
+            )
 
     def pattern(self, **extra) -> masks.Pattern:
         return masks.Pattern(**{**self.declared, **extra})
@@ -237,30 +273,37 @@ class Plan:
                 dtype=dtype,
                 pattern=pat,
                 kwargs=kwargs,
+                kv_heads=d.get("kv_heads"),
             )
-        return replace(p, kind=kind, values={"eye": eye(p.T_k)})
+        d_v = self.dims["d_v"] if self.sig == "module" else None
+        return replace(p, kind=kind, values={"eye": eye(p.T_k)}, d_v=d_v)
 
     def main_probes(self) -> list[Probe]:
         """The main probe (T ≠ d_k), and T = d_k for code that only runs there; each with
         the values that measure linearity (random, zero) and the d_v dependence (wide)."""
         if self.sig == "module":
-            d_k, dm = self.dims["d_k"], self.dims["d_model"]
-            T = min(6, dm)
-            T = T - 1 if T == d_k and T > 2 else T
+            d = self.dims
+            d_k, dm, h = d["d_k"], d["d_model"], d["heads"] or 1
+            taken = {d_k, d["d_v"], h * d_k, h * d["d_v"], dm}  # T = pinv(x)'s rank: <= d_model
+            T = next((t for t in (6, 5, 7, 4, 3) if t < dm and t not in taken), min(6, dm))
             probes = [self.make("main probe", "main", T=T, d_k=d_k)]
         else:
             T = self.T_fixed or 6
-            d_k = 3 if T != 3 else 4
+            d_k = apart(T, self.H)
             probes = [
                 self.make("main probe", "main", T=T, d_k=d_k),
                 self.make("T = d_k probe", "T = d_k", T=T, d_k=T),
             ]
         out = []
+        g = self.dims.get("kv_heads") or 1 if self.sig == "module" else None
         for p in probes:
             n, H = p.T_k, p.H
+            kv = g or H  # one random V per key/value head, shared by its query heads
+            rand = np.repeat(np.random.default_rng(7).normal(size=(1, kv, n, n)), H // kv, 1)
             values = {
                 **p.values,
-                "random": np.random.default_rng(7).normal(size=(1, H, n, n)),
+                "again": p.values["eye"],  # the same input twice: is it deterministic?
+                "random": rand,
                 "zero": np.zeros((1, H, n, n)),
             }
             if self.sig != "module":  # with d_v doubled: does the scale follow d_v?
@@ -272,7 +315,8 @@ class Plan:
         if not self.has_wo:
             return None
         rng, d = np.random.default_rng(11), self.dims
-        w_v = (rng.normal(size=(d["d_model"], d["hd_v"])) / 2).astype(p.dtype)
+        kv_width = (d.get("kv_heads") or 1) * d["d_v"] if self.sig == "module" else d["hd_v"]
+        w_v = (rng.normal(size=(d["d_model"], kv_width)) / 2).astype(p.dtype)
         w_o = (rng.normal(size=(d["hd_v"], d["d_out"])) / 2).astype(p.dtype)
         return w_v, w_o
 
@@ -282,7 +326,8 @@ class Plan:
         per_head = "sinks" in self.declared or "alibi_slopes" in self.declared
         qkv = self.sig == "qkv"
         if qkv and main.H == 1 and not per_head and not self.per_batch:
-            out.append([self.make("two-head probe", "two-head", T=main.T_k, d_k=main.d_k, H=2)])
+            d_k = main.d_k if main.kind == "T = d_k" else apart(main.T_k, 2, main.d_k)
+            out.append([self.make("two-head probe", "two-head", T=main.T_k, d_k=d_k, H=2)])
         if qkv and not self.per_batch and not self.T_fixed:
             out.append(
                 [self.make("decoding probe (T_q < T_k)", "decoding", T_q=3, T=7, d_k=main.d_k)]
@@ -326,7 +371,7 @@ class Plan:
                 d_k=3,
                 mag=0.1,
                 dtype=np.float16,
-                H=1,
+                H=self.H,  # (declared slopes or sinks fix it)
             )
             long_rows.append(replace(p, values={"ones": np.ones((1, 1, LONG_T, 1))}))
         out.append(long_rows)

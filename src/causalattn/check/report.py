@@ -178,7 +178,8 @@ class Status(str, Enum):
     CLEAN = "clean"  # matches the reference on every probe
     FAULT = "fault"  # differs; a catalogued fault is named
     UNKNOWN = "unknown"  # differs; the stage is named, no catalogued fault fits
-    ERROR = "error"  # the function raised on the first probe (or could not be loaded)
+    ERROR = "error"  # the function raised on the first probe, could not be loaded, or diagnose
+    # itself failed after the probes ran (the message says which)
     TIMEOUT = "timeout"  # stopped at the deadline
     CRASHED = "crashed"  # the worker process died (exit, signal, out of memory)
 
@@ -413,10 +414,12 @@ def verdict(
     top = findings[0] if findings else None
     index = top.slice if top is not None and top.probe == main.probe and top.slice else (0, 0)
     s = next((x for x in main.slices if tuple(x.index) == tuple(index)), None)
+    top_m = top.measurement if top is not None else {}
     base = dict(
         untested=untested,
         details=details,
-        pattern=None if s is None or not reads_back else s.read,
+        # (read back through Aᵀ, the pattern is not the one the queries read)
+        pattern=None if s is None or not reads_back or "transposed" in top_m else s.read,
         expected=None if s is None else s.allowed,
         scale=None if s is None else main.fitted_scale(s),
         d_k=main.d_k,
