@@ -130,7 +130,8 @@ def test_the_user_table_and_the_variable_override(tmp_path, monkeypatch, without
         assert pick_engine(make_problem(q, q, q)) == "reference"
         out = ca.attention(q, q, q)  # runs what the variable names
         torch.testing.assert_close(out, ca.attention(q, q, q, engine="reference"), rtol=0, atol=0)
-    finally:
+    finally:  # the user's cache folder back first: the reload must not keep this table
+        monkeypatch.undo()
         auto.table(reload=True)
 
 
@@ -148,5 +149,6 @@ def test_tune_writes_the_table_auto_then_reads(tmp_path, monkeypatch):
         assert e["best"] in e["ms"] and ("cpp" in e["ms"]) == (not cpp.unavailable())
         q = torch.randn(1, 2, 32, 8)
         assert pick_engine(make_problem(q, q, q)) == e["best"]  # a table that timed cpp
-    finally:
+    finally:  # the user's cache folder back first: the reload must not keep this table
+        monkeypatch.undo()
         auto.table(reload=True)
