@@ -404,3 +404,24 @@ def test_build_progress_only_on_a_terminal():
         pass
     assert pipe.getvalue() == ""
     assert cpp.BUILDING in tty.getvalue() and "done in" in tty.getvalue()
+
+
+def test_build_command_reports_compiler_flags_and_folder():
+    """`causalattn build --json` (a real subprocess, not a terminal): the compiler, flags,
+    key and folder of this build, and no progress line on the pipe."""
+    import json
+    import subprocess
+
+    from causalattn.engines import cpp
+
+    res = subprocess.run(
+        [sys.executable, "-m", "causalattn", "build", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    info = json.loads(res.stdout)
+    assert res.returncode == (0 if info["built"] else 1)
+    assert info["flags"] == list(cpp.FLAGS) and info["cache_key"] == cpp.cache_key()
+    assert info["folder"].endswith(cpp.extension_name())
+    assert cpp.BUILDING not in res.stderr
