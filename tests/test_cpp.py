@@ -322,7 +322,7 @@ def test_a_stale_build_lock_is_cleared_in_the_folder_the_build_uses(tmp_path, mo
     seen = {}
     monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.update(kw) or object())
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
-    name = f"causalattn_cpp_{cpp._machine_tag()}"
+    name = cpp.extension_name()
     folder = cpp.build_folder(cpp_extension, name)
     want = (
         tmp_path
@@ -367,3 +367,61 @@ def test_softcap_keeps_a_nan_row_from_the_keys_and_rows_it_cannot_read(engine, w
     for i in n:
         assert torch.isfinite(got[i][:, :, keep]).all(), (engine, where, i)
         torch.testing.assert_close(got[i][:, :, keep], clean[i][:, :, keep], atol=1e-12, rtol=0)
+
+
+def test_cache_key_changes_with_what_changes_the_binary(monkeypatch):
+    """The build's key (and so its folder) follows the flags and torch's path: two venvs'
+    torches, or two flag sets, get two folders that coexist."""
+    from causalattn.engines import cpp
+
+    base = cpp.extension_name()
+    assert base == cpp.extension_name()  # stable between calls
+    monkeypatch.setattr(cpp, "FLAGS", (*cpp.FLAGS, "-DOTHER"))
+    flagged = cpp.extension_name()
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/torch/__init__.py")
+    moved = cpp.extension_name()
+    assert len({base, flagged, moved}) == 3
+
+
+def test_build_progress_only_on_a_terminal():
+    """The first build's line and spinner go to a terminal only; a pipe or log gets nothing."""
+    import io
+    import time
+
+    from causalattn.engines import cpp
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    pipe, tty = io.StringIO(), Tty()
+    with cpp._showing_build(True, pipe):
+        pass
+    with cpp._showing_build(True, tty):
+        time.sleep(0.3)
+    with cpp._showing_build(False, Tty()) as _:
+        pass
+    assert pipe.getvalue() == ""
+    assert cpp.BUILDING in tty.getvalue() and "done in" in tty.getvalue()
+
+
+def test_build_command_reports_compiler_flags_and_folder():
+    """`causalattn build --json` (a real subprocess, not a terminal): the compiler, flags,
+    key and folder of this build, and no progress line on the pipe."""
+    import json
+    import subprocess
+
+    from causalattn.engines import cpp
+
+    res = subprocess.run(
+        [sys.executable, "-m", "causalattn", "build", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    info = json.loads(res.stdout)
+    assert res.returncode == (0 if info["built"] else 1)
+    assert info["flags"] == list(cpp.FLAGS) and info["cache_key"] == cpp.cache_key()
+    assert info["folder"].endswith(cpp.extension_name())
+    assert cpp.BUILDING not in res.stderr

@@ -8,7 +8,7 @@ Commands that would build large arrays refuse past ``--max-bytes`` (1 GiB by def
 with the size they would need.
 
 One module per command (``shapes``, ``masks``, ``trace``, ``demo``, ``audit``,
-``diagnose``, ``learn``, ``heads``, ``explore``, ``bench``), each with its own typer app
+``diagnose``, ``learn``, ``heads``, ``explore``, ``bench``, ``build``), each with its own typer app
 (``command``); what they share is in ``_app`` (the one-line errors, modes as
 sub-commands), ``_output`` (JSON, console, sizes, output paths), ``_present`` (mask
 tables), ``_inputs`` (sentences, trace inputs, models) and ``_options``. A command's module
@@ -39,6 +39,7 @@ COMMANDS = {
     "heads": "heads",
     "explore": "explore",
     "bench": "bench",
+    "build": "build",
 }
 
 

@@ -26,12 +26,15 @@ inputs, so gradcheck runs on the native code); bf16 and fp16 are converted while
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import itertools
 import os
 import platform
 import shutil
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -47,6 +50,7 @@ from .registry import captured_of
 SOURCES = ("ops.cpp", "forward.cpp", "backward.cpp")
 CSRC = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 DTYPE_NAMES = "fp64, fp32, bf16 or fp16"
 DTYPE_NAMES_OF = tuple(str(t).replace("torch.", "") for t in DTYPES)
@@ -58,8 +62,7 @@ _STATE: dict = {}
 
 
 def _machine_tag() -> str:
-    """The build's cache key beyond torch's own (sources, flags): this CPU (-march=native),
-    torch's version and Python's, so a shared home folder never runs another machine's code."""
+    """This CPU (-march=native builds for it): its architecture, model and flags, hashed."""
     cpu = platform.machine()
     try:
         with open("/proc/cpuinfo") as fh:
@@ -67,8 +70,28 @@ def _machine_tag() -> str:
         cpu += "".join(ln for ln in info.splitlines() if ln.startswith(("flags", "model name")))
     except OSError:
         cpu += platform.processor()
-    key = f"{cpu}|{torch.__version__}|{platform.python_version()}"
-    return hashlib.sha1(key.encode()).hexdigest()[:12]
+    return hashlib.sha1(cpu.encode()).hexdigest()[:12]
+
+
+def cache_key() -> str:
+    """The build's cache key: a hash of everything that changes the binary, the sources'
+    bytes (headers too), the flags, the torch built against (version AND path: two venvs'
+    torches of one version are different libraries), Python's version and this CPU. Builds
+    of different keys get different folders, so two checkouts or venvs never rebuild over
+    each other (torch's own key, within one folder, replaces the older build)."""
+    h = hashlib.sha1()
+    for src in sorted(CSRC.iterdir()):
+        if src.suffix in (".cpp", ".h"):
+            h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
+    h.update("|".join((*FLAGS, *LDFLAGS)).encode())
+    h.update(f"|{torch.__version__}|{os.path.realpath(torch.__file__)}".encode())
+    h.update(f"|{platform.python_version()}|{_machine_tag()}".encode())
+    return h.hexdigest()[:16]
+
+
+def extension_name() -> str:
+    """The extension's module (and build folder) name: its cache key in it."""
+    return f"causalattn_cpp_{cache_key()}"
 
 
 def _first_error(text: str) -> str:
@@ -100,21 +123,74 @@ def _build() -> str:
 
     if not cpp_extension.is_ninja_available():
         return "engine 'cpp': the ninja build tool is not installed (pip install ninja)"
-    name = f"causalattn_cpp_{_machine_tag()}"
+    name = extension_name()
     folder = build_folder(cpp_extension, name)
     _clear_stale_lock(folder / "lock")
-    try:
-        _STATE["ext"] = cpp_extension.load(
-            name=name,
-            sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=list(FLAGS),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(folder),
-            verbose=False,
-        )
-    except Exception as exc:  # noqa: BLE001 - any build failure leaves the engine unavailable
-        return f"engine 'cpp': the C++ extension did not build: {_first_error(str(exc))}"
+    built = any(folder.glob(f"{name}*.so"))  # loading a built one takes a second
+    with _showing_build(not built):
+        try:
+            _STATE["ext"] = cpp_extension.load(
+                name=name,
+                sources=[str(CSRC / s) for s in SOURCES],
+                extra_cflags=list(FLAGS),
+                extra_ldflags=list(LDFLAGS),
+                build_directory=str(folder),
+                verbose=False,
+            )
+        except Exception as exc:  # noqa: BLE001 - any build failure leaves the engine unavailable
+            return f"engine 'cpp': the C++ extension did not build: {_first_error(str(exc))}"
     return ""
+
+
+BUILDING = "building the native engine (first use, about 1-2 minutes)"
+
+
+@contextlib.contextmanager
+def _showing_build(compiling: bool, stream=None):
+    """While the extension compiles: on a terminal, one line and a spinner with the seconds
+    so far on ``stream`` (stderr), then the time it took; nothing when it is not a terminal
+    (logs, pipes, tests) or when nothing compiles."""
+    stream = stream if stream is not None else sys.stderr
+    if not compiling or not stream.isatty():
+        yield
+        return
+    done = threading.Event()
+    t0 = time.perf_counter()
+
+    def spin() -> None:
+        for ch in itertools.cycle("|/-\\"):
+            stream.write(f"\r{BUILDING}… {ch} {time.perf_counter() - t0:.0f} s")
+            stream.flush()
+            if done.wait(0.25):
+                return
+
+    th = threading.Thread(target=spin, daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        done.set()
+        th.join()
+        stream.write(f"\r{BUILDING}: done in {time.perf_counter() - t0:.0f} s\n")
+        stream.flush()
+
+
+def build_info() -> dict:
+    """What a build uses and where it goes: the compiler (its path), the flags, torch's
+    version and path, the cache key and the build folder (made, not built)."""
+    from torch.utils import cpp_extension
+
+    cxx = os.environ.get("CXX", "c++")
+    name = extension_name()
+    return {
+        "compiler": shutil.which(cxx) or f"{cxx} (not on PATH)",
+        "ninja": bool(cpp_extension.is_ninja_available()),
+        "flags": list(FLAGS),
+        "ldflags": list(LDFLAGS),
+        "torch": f"{torch.__version__} ({os.path.dirname(os.path.realpath(torch.__file__))})",
+        "cache_key": cache_key(),
+        "folder": str(build_folder(cpp_extension, name)),
+    }
 
 
 STALE_LOCK_S = 900.0  # a build takes minutes; a lock this old was left by a killed one
