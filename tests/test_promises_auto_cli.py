@@ -119,6 +119,7 @@ ORDER = [
     "heads",
     "explore",
     "bench",
+    "build",
 ]
 
 
