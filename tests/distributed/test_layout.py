@@ -1,6 +1,6 @@
 """The ring's sequence layout (distributed/layout.py), in this process.
 
-tests/distributed/test_ring.py runs shard/unshard/positions inside spawned gloo workers, where only their
+test_ring.py runs shard/unshard/positions inside spawned gloo workers, where only their
 agreement with each other is visible (and where mutation testing sees no coverage). Here each
 rank's view is taken in turn by standing in for the process group: ``rank_and_size`` says
 which rank we are, and ``all_gather`` hands over the shards every rank would hold. The
