@@ -17,7 +17,10 @@ import pytest
 
 from causalattn.check import diagnose
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+# this checkout's src, however deep the test file sits (subprocesses import it first)
+SRC = str(
+    next(p for p in Path(__file__).resolve().parents if (p / "src" / "causalattn").is_dir()) / "src"
+)
 TAKEN = "fn(q, k, v), fn(q, k, v, mask), fn(x, w_q, w_k, w_v[, w_o]) or an nn.Module"
 
 SOURCE = textwrap.dedent(

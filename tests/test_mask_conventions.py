@@ -19,7 +19,10 @@ import pytest
 from causalattn.check import AuditInputError, audit, compare_masks
 from causalattn.check.conventions import AmbiguousMask, decide, encode, read
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+# this checkout's src, however deep the test file sits (subprocesses import it first)
+SRC = str(
+    next(p for p in Path(__file__).resolve().parents if (p / "src" / "causalattn").is_dir()) / "src"
+)
 T = 6
 TRIL = np.tril(np.ones((T, T), bool))
 OFF_BY_ONE = np.tril(np.ones((T, T), bool), 1)  # each query also reads the next key
