@@ -68,6 +68,8 @@ MUTATION_TESTS = {
     ),
     "causalattn.check.runner.": ("test_runner.py", "test_promises_check.py"),
     "causalattn.check.compare.": ("test_compare_masks.py", "test_promises_check.py"),
+    "causalattn.check.conventions.": ("test_mask_conventions.py", "test_check_audit.py"),
+    "causalattn.check.mask_arg.": ("test_diagnose_mask_arg.py",),
     "causalattn.check.": (
         "test_audit.py",
         "test_check_audit.py",

@@ -200,7 +200,8 @@ def test_evidence_names_the_first_failing_slice_its_rows_and_columns():
 
 
 def test_additive_masks_are_read_with_a_blocking_threshold():
-    from causalattn.check.numerics import BLOCKED_BELOW, _looks_masked, _mask_from_additive
+    from causalattn.check.conventions import additive_allowed as _mask_from_additive
+    from causalattn.check.numerics import BLOCKED_BELOW, _looks_masked
 
     assert BLOCKED_BELOW == -1e4
     M = np.array([0.0, -np.inf, -1e4, -1e4 + 1, -1e9, 0.5, np.nan])

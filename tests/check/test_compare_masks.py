@@ -118,8 +118,11 @@ def test_bad_arguments_are_refused():
         compare_masks(lambda b, h, q, k: q >= k, Pattern())
     with pytest.raises(ValueError, match="dense mask needs 2 to 4 axes"):
         compare_masks(torch.ones(4, dtype=torch.bool), Pattern())
-    with pytest.raises(ValueError, match="boolean .* or additive float"):
-        compare_masks(torch.ones(4, 4, dtype=torch.int64), Pattern())
+    # an integer 1/0 mask is read (1 = may read); values that fit no convention are not
+    with pytest.raises(ValueError, match="ambiguous mask convention.*first at \\[0, 0\\] = 0.5"):
+        compare_masks(torch.full((4, 4), 0.5), Pattern())
+    with pytest.raises(ValueError, match="must be boolean .*, additive .* or 1/0"):
+        compare_masks(torch.ones(4, 4, dtype=torch.complex64), Pattern())
 
 
 def test_the_report_as_data_and_one_based_text():

@@ -109,7 +109,7 @@ def test_module_and_whitebox_location():
 
 
 def test_bad_signature():
-    with pytest.raises(ValueError, match="required arguments"):
+    with pytest.raises(ValueError, match="is not a signature diagnose takes"):
         diagnose(lambda a, b: a)
     with pytest.raises(ValueError, match="signature must be"):
         diagnose(numpy_qkv.correct, signature="qk")
