@@ -29,6 +29,7 @@ import hashlib
 import numpy as np
 import torch
 
+from . import masks_bounds as _bounds
 from . import masks_mod as _mod
 from . import masks_table as _table
 
@@ -53,7 +54,12 @@ def row_form(pattern, B: int, H: int, T_q: int, T_k: int, bq: int, bk: int, lo, 
     key = (qs, ks, T_q, T_k, lo.shape, digest)
     form = table.forms.get(key)
     if form is None:
-        form = table.forms[key] = _make(table, qs, ks, T_q, T_k, lo, hi)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # small ops: a parallel region costs more than it saves
+        try:
+            form = table.forms[key] = _make(table, qs, ks, T_q, T_k, lo, hi)
+        finally:
+            torch.set_num_threads(threads)
         while len(table.forms) > FORMS:
             table.forms.popitem(last=False)
     else:
@@ -68,10 +74,13 @@ def _make(table, qs: int, ks: int, T_q: int, T_k: int, lo: np.ndarray, hi: np.nd
     masks: list = []
     index: dict[bytes, int] = {}
     per_cell = 1  # B'·H' of the rule's answers (known after the first chunk)
+    verdicts = _bounds.tile_verdicts(table.fn, table.B, table.H, qs, ks, T_q, T_k, bq, bk)
     r0 = 0
     while r0 < T_q:
         r1 = min(T_q, r0 + bq)
-        while r0 and r1 < T_q:  # more row blocks while their cells fit (not the first)
+        while (
+            r0 and r1 < T_q and verdicts is None
+        ):  # more row blocks while their cells fit (not the first)
             n1 = min(T_q, r1 + bq)
             if per_cell * (n1 - r0) * (_width(lo[:, r0:n1], hi[:, r0:n1]) + bk) > ROW_CELLS:
                 break
@@ -82,14 +91,17 @@ def _make(table, qs: int, ks: int, T_q: int, T_k: int, lo: np.ndarray, hi: np.nd
             his.append(cl)
             r0 = r1
             continue
-        parts, kA, rlo, rhi, exact = _evaluate(table, qs, ks, r0, r1, cl, ch, T_k)
-        per_cell = max(per_cell, max(t.shape[0] * t.shape[1] for t in parts))
+        v = None if verdicts is None else _verdicts_of(verdicts, r0 // bq, cl, ch, bk)
+        pieces, kA, rlo, rhi, exact, full = _evaluate(table, qs, ks, r0, r1, cl, ch, T_k, v)
+        per_cell = max([per_cell] + [t.shape[0] * t.shape[1] for _, _, t in pieces])
         los.append((rlo + kA).numpy())
         his.append((rhi + kA).numpy())
         if not exact:
-            t = _side_by_side(parts)
+            W = min(T_k, -(-int(ch.max()) // bk) * bk) - kA
+            c_lo, c_hi = torch.from_numpy(cl)[..., None], torch.from_numpy(ch)[..., None]
+            t = _cells(pieces, full, kA, W, bk, c_lo, c_hi)
             kind_parts.append((r0 // bq, _classify(t, rlo, rhi, kA, bq, bk, nk, masks, index)))
-        del parts
+        del pieces
         r0 = r1
     lo_t = _stack(los, T_q)
     hi_t = _stack(his, T_q)
@@ -112,46 +124,104 @@ def _width(cl: np.ndarray, ch: np.ndarray) -> int:
     return int(ch[some].max() - cl[some].min()) if some.any() else 0
 
 
-def _evaluate(table, qs, ks, r0, r1, cl, ch, T_k):
+def _evaluate(table, qs, ks, r0, r1, cl, ch, T_k, v=None):
     """The rule AND the keyword intervals on rows r0:r1 over the keys kA:kB the intervals
-    reach (on whole tiles), in parts of at most ``ROW_CELLS`` cells each reduced as it comes
-    (a part's temporaries are all there is at once): ``(parts, kA, rlo, rhi, exact)`` with
-    the parts bool (B'|1, H'|1, R, w) side by side, and :func:`_hull`'s per-row hull."""
+    reach (on whole tiles), reduced per row: ``(pieces, kA, rlo, rhi, exact, full)``.
+    ``v``: the row block's tile verdicts (:func:`causalattn.masks_bounds.tile_verdicts`,
+    (B'|1, H'|1, tiles from kA's)) or None: then only the runs of tiles with an UNKNOWN
+    verdict are evaluated, the FULL ones (``full``, bool (B'|1, H'|1, tiles)) counted from
+    the intervals alone. Evaluated in pieces (a, b, bool (B'|1, H'|1, R, b - a)) of at most
+    ``ROW_CELLS`` cells, each reduced as it comes; :func:`_hull`'s per-row hull."""
     bk = table.bk
     kA = int(cl[ch > cl].min()) // bk * bk
     kB = min(T_k, -(-int(ch.max()) // bk) * bk)
     R, W = r1 - r0, kB - kA
-    step = max(bk, ROW_CELLS // max(1, R) // bk * bk)  # keys per call of the rule
-    pos, rows = np.arange(qs + r0, qs + r1), np.arange(table.B)
+    n_t = -(-W // bk)
     c_lo, c_hi = torch.from_numpy(cl)[..., None], torch.from_numpy(ch)[..., None]
-    parts, first, last, cnt = [], None, None, None
-    for a in range(kA, kB, step):
-        b = min(kB, a + step)
-        j = np.arange(ks + a, ks + b)
-        t = _mod.evaluate_mask(table.fn, torch, rows, table.H, pos, j, _CPU, torch.int32)
-        if not table.checked:  # a pure rule answers the same twice
-            table.checked = True
-            again = _mod.evaluate_mask(table.fn, torch, rows, table.H, pos, j, _CPU, torch.int32)
-            if tuple(again.shape) != tuple(t.shape) or not bool((again == t).all()):
-                raise ValueError(
-                    f"mask_mod: {_mod.name_of(table.fn)} answered differently on a second "
-                    f"evaluation of the same cells (q_idx {pos[0]}..{pos[-1]}, kv_idx "
-                    f"{j[0]}..{j[-1]}); it must be a pure function of b, h, q_idx, kv_idx "
-                    "and the tensors it reads"
-                )
-        jj = torch.arange(a, b)
-        t = t & ((jj >= c_lo) & (jj < c_hi))[:, None]  # (B'|1, H'|1, R, b - a), its own
-        table.evaluated += R * (b - a)
-        n = t.sum(-1)
-        u = t.view(torch.uint8)
-        f = torch.where(n > 0, u.argmax(-1) + (a - kA), W)
-        g = torch.where(n > 0, (b - kA - 1) - u.flip(-1).argmax(-1), -1)
-        first = f if first is None else torch.minimum(first, f)
-        last = g if last is None else torch.maximum(last, g)
-        cnt = n if cnt is None else cnt + n
-        parts.append(t)
+    first, last, cnt, full = torch.tensor(W), torch.tensor(-1), torch.tensor(0), None
+    if v is None:
+        runs = [(kA, kB)]
+    else:
+        unknown = (v == _bounds.UNKNOWN).flatten(0, 1).any(0).tolist()
+        full = (v == _bounds.FULL) & ~torch.tensor(unknown)
+        runs, i = [], 0
+        while i < n_t:
+            if unknown[i]:
+                e = i
+                while e < n_t and unknown[e]:
+                    e += 1
+                runs.append((kA + i * bk, min(kB, kA + e * bk)))
+                i = e
+            else:
+                i += 1
+        first, last, cnt = _counted(full, kA, kB, bk, c_lo, c_hi)
+    step = max(bk, ROW_CELLS // max(1, R) // bk * bk)  # keys per call of the rule
+    pieces = []
+    for a0, b0 in runs:
+        for a in range(a0, b0, step):
+            b = min(b0, a + step)
+            t = _piece(table, qs, ks, r0, r1, a, b, c_lo, c_hi)
+            n = t.sum(-1)
+            u = t.view(torch.uint8)
+            f = torch.where(n > 0, u.argmax(-1) + (a - kA), W)
+            g = torch.where(n > 0, (b - kA - 1) - u.flip(-1).argmax(-1), -1)
+            first, last, cnt = torch.minimum(first, f), torch.maximum(last, g), cnt + n
+            pieces.append((a, b, t))
     rlo, rhi, exact = _hull(first, last, cnt)
-    return parts, kA, rlo, rhi, exact
+    return pieces, kA, rlo, rhi, exact, full
+
+
+def _counted(full, kA: int, kB: int, bk: int, c_lo, c_hi):
+    """Per (b', h', row): the first and last key (chunk offsets; W and -1 where none) and
+    the count of keys in the tiles the rule surely reads all of, within the intervals."""
+    k0 = kA + torch.arange(full.shape[-1]) * bk
+    start = torch.maximum(k0, c_lo)  # (B|1, R, tiles)
+    end = torch.minimum(torch.clamp(k0 + bk, max=kB), c_hi)
+    n = torch.clamp(end - start, min=0)[:, None]
+    ok = full[:, :, None, :] & (n > 0)
+    W = kB - kA
+    first = torch.where(ok, start[:, None] - kA, W).amin(-1)
+    last = torch.where(ok, end[:, None] - 1 - kA, -1).amax(-1)
+    return first, last, (n * ok).sum(-1)
+
+
+def _piece(table, qs, ks, r0, r1, a, b, c_lo, c_hi):
+    """The rule AND the keyword intervals on rows r0:r1, keys a:b: bool (B'|1, H'|1, R, b-a)
+    (the table's first one evaluated twice: a pure rule answers the same)."""
+    pos, j, rows = np.arange(qs + r0, qs + r1), np.arange(ks + a, ks + b), np.arange(table.B)
+    t = _mod.evaluate_mask(table.fn, torch, rows, table.H, pos, j, _CPU, torch.int32)
+    if not table.checked:
+        table.checked = True
+        again = _mod.evaluate_mask(table.fn, torch, rows, table.H, pos, j, _CPU, torch.int32)
+        if tuple(again.shape) != tuple(t.shape) or not bool((again == t).all()):
+            raise ValueError(
+                f"mask_mod: {_mod.name_of(table.fn)} answered differently on a second "
+                f"evaluation of the same cells (q_idx {pos[0]}..{pos[-1]}, kv_idx "
+                f"{j[0]}..{j[-1]}); it must be a pure function of b, h, q_idx, kv_idx "
+                "and the tensors it reads"
+            )
+    table.evaluated += (r1 - r0) * (b - a)
+    jj = torch.arange(a, b)
+    return t & ((jj >= c_lo) & (jj < c_hi))[:, None]  # its own tensor
+
+
+def _cells(pieces, full, kA: int, W: int, bk: int, c_lo, c_hi) -> torch.Tensor:
+    """The chunk's cells, bool (B'|1, H'|1, R, W): the evaluated pieces, and the tiles the
+    rule surely reads all of within the intervals (for :func:`_classify`)."""
+    Bx = max(
+        [p.shape[0] for _, _, p in pieces]
+        + ([full.shape[0], c_lo.shape[0]] if full is not None else [])
+    )
+    Hx = max([p.shape[1] for _, _, p in pieces] + ([full.shape[1]] if full is not None else []))
+    R = c_lo.shape[1]
+    t = torch.zeros((Bx, Hx, R, W), dtype=torch.bool)
+    if full is not None:
+        jj = kA + torch.arange(W)
+        inside = ((jj >= c_lo) & (jj < c_hi))[:, None]
+        t |= inside & full.repeat_interleave(bk, -1)[:, :, None, :W]
+    for a, b, p in pieces:
+        t[:, :, :, a - kA : b - kA] = p
+    return t
 
 
 def _hull(first, last, cnt):
@@ -166,11 +236,10 @@ def _hull(first, last, cnt):
     return rlo, rhi, exact
 
 
-def _side_by_side(parts: list) -> torch.Tensor:
-    """Rows' answers over their key parts as one bool (B'|1, H'|1, R, W)."""
-    Bx = max(p.shape[0] for p in parts)
-    Hx = max(p.shape[1] for p in parts)
-    return torch.cat([p.expand(Bx, Hx, *p.shape[2:]) for p in parts], dim=3)
+def _verdicts_of(verdicts, qb: int, cl, ch, bk: int) -> torch.Tensor:
+    """Row block qb's tile verdicts from the tile of key kA on (B'|1, H'|1, tiles)."""
+    kA = int(cl[ch > cl].min()) // bk
+    return verdicts[:, :, qb, kA:]
 
 
 def _classify(t, rlo, rhi, kA: int, bq: int, bk: int, nk: int, masks: list, index: dict):
