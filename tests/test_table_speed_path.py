@@ -50,6 +50,8 @@ def test_an_interval_rule_runs_the_keyword_path_bit_for_bit():
     g2 = torch.autograd.grad(theirs, (q, k, v), dout)
     assert all(torch.equal(a, b) for a, b in zip(g1, g2))
     ((lo, hi, kinds, tile_masks, nbytes),) = _forms(fn)  # one form, forward and backward
+    (table,) = [t for t, _ in masks_table._KEPT[fn].values()]
+    assert 0 < table.evaluated < T * T / 2  # the bounded tiles were not evaluated
     want_lo, want_hi = Pattern(**kw).row_ranges(T, T)
     readable = want_hi > want_lo
     assert kinds is None and tile_masks is None and nbytes == 16 * T
@@ -57,12 +59,16 @@ def test_an_interval_rule_runs_the_keyword_path_bit_for_bit():
     assert np.array_equal(hi.numpy()[readable], want_hi[readable])
 
 
-def test_a_rule_with_holes_reads_bits_only_in_tiles_with_holes():
+@pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "every-cell"])
+def test_a_rule_with_holes_reads_bits_only_in_tiles_with_holes(bounded):
     """A window OR every 50th key (several intervals per row), another key for head 1:
-    B = 2, GQA, T_q < T_k, T not a multiple of any block; forward and gradients."""
+    B = 2, GQA, T_q < T_k, T not a multiple of any block; forward and gradients. Bounded
+    tile by tile (causalattn.masks_bounds) or not (a float: every cell evaluated)."""
 
     def strided(b, h, q_idx, kv_idx):
         near = (kv_idx <= q_idx) & (q_idx - kv_idx < 40)
+        if not bounded:
+            near = near & (q_idx.float() >= 0)
         return near | ((kv_idx % 50 == 0) & (kv_idx <= q_idx)) | ((h == 1) & (kv_idx == 3))
 
     q, k, v = _qkv(grad=True)

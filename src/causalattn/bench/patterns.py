@@ -295,8 +295,10 @@ def _rows(gr: Group) -> list[dict]:
     import time
 
     fns, info = _calls(gr)
+    for fn in fns.values():  # warm-up: compiles, the tables made once
+        fn()
     t0 = time.perf_counter()
-    for fn in fns.values():  # warm-up, and the cost of one round
+    for fn in fns.values():  # the cost of one round, warm
         fn()
     reps = reps_for(time.perf_counter() - t0, gr.budget_s, lo=gr.min_reps, hi=9)
     times = paired_times(fns, reps=reps, warmup=0)
