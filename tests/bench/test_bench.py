@@ -1,5 +1,9 @@
 """The pattern benchmark's rows and targets on tiny shapes (no timing claims: shapes only)."""
 
+import numpy as np
+import torch
+
+from causalattn import masks
 from causalattn.bench import patterns as bench
 
 
@@ -51,3 +55,31 @@ def test_bias_rows_time_learned_biases_against_the_plain_native_engine():
     names = [b[0] for b in bench.targets(rows)]
     assert "bias fwd+bwd: cpp <= 1.5x without" in names
     assert "rel_bias fwd+bwd: cpp <= 1.2x without" in names
+
+
+def test_the_first_call_memory_and_flex_backward_rows_name_their_bars():
+    """cpp's first call (a new rule each call) beside the keywords, the kept table's bytes
+    on the mask_mod row, and the fwd+bwd row Flex cannot run (cpp vs its keywords)."""
+    from causalattn.engines import cpp
+
+    if cpp.unavailable():
+        return
+    gr = bench.Group("mask_mod", (1, 2, 512, 8), "fwd", bench._mod_peers(), budget_s=0.01)
+    rows = bench._rows(gr)
+    first = next(r for r in rows if r["engine"] == "cpp (mask_mod, first call)")
+    assert "cpp (keywords)" in first["vs"]
+    steady = next(r for r in rows if r["engine"] == "cpp (mask_mod)")
+    assert 0 < steady["table_mib"] < 1  # intervals: 16 bytes a row
+    for rule in bench.FLEX_RULES:
+        kw, fn = bench._flex_rule(rule, 64)
+        i = torch.arange(64)
+        want = masks.Pattern(**kw).allowed(1, 1, 64, 64)[0, 0]
+        assert np.array_equal(fn(0, 0, i[:, None], i[None, :]).numpy(), want)
+        gr = bench.Group("flex", (1, 2, 256, 8), "fwd+bwd", (f"cpp (keywords {rule})",), 0.01)
+        gr.extra["rule"] = rule
+        rows += bench._rows(gr)
+    assert any(r["ms"] is None and r["engine"] == "flex causal (compiled, CPU)" for r in rows)
+    names = [b[0] for b in bench.targets(rows)]
+    assert "mask_mod window+documents T=8192 cpp fwd: first call <= 3x keywords" in names
+    assert any(n.startswith("mask_mod cpp fwd: peak extra memory") for n in names)
+    assert any(n.startswith("flex T=4096 fwd+bwd 8 documents as mask_mod") for n in names)
