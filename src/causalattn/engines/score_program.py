@@ -64,7 +64,8 @@ _UNARY = {
 class Program:
     """A traced score_mod: ``code`` int64 (n, 7), ``consts`` float64, ``tables`` the tensors
     it reads (the captured objects themselves), ``out`` the result register; ``why`` why it
-    could not be traced ("" when it was), ``error`` what the function did wrong ("")."""
+    could not be traced ("" when it was), ``error`` what the function did wrong (""),
+    ``dtype_faults`` what it does wrong at one compute dtype only (raised by :meth:`arrays`)."""
 
     code: list = field(default_factory=list)
     consts: list = field(default_factory=list)
@@ -73,11 +74,15 @@ class Program:
     regs: int = N_INPUTS
     why: str = ""
     error: str = ""
+    dtype_faults: dict = field(default_factory=dict)  # compute dtype -> the dtype it returned
 
     def arrays(self, dtype) -> tuple:
         """(code int64 (n, 8) with each instruction's ``varies`` flag — it reads the score or
         kv_idx, directly or not —, consts float64, the tables flat in ``dtype``, their meta
-        int64 (tables, 10): offset, dims, sizes, strides), as the kernels read them."""
+        int64 (tables, 10): offset, dims, sizes, strides), as the kernels read them. A
+        function that changes scores of this dtype to another is refused (never cast back)."""
+        if dtype in self.dtype_faults:
+            raise ValueError(self.dtype_faults[dtype])
         varies = {0, 4}
         code = []
         for op, d, a0, a1, a2, a3, aux in self.code:
@@ -129,7 +134,7 @@ def refused(fn) -> str:
 def _make(fn) -> Program:
     from ..masks_mod import name_of
 
-    error = _example_error(fn)
+    error, dtype_faults = _example_error(fn)
     if error:
         return Program(error=error)
     try:
@@ -141,6 +146,7 @@ def _make(fn) -> Program:
         return Program(why=f"score_mod {name_of(fn)} could not be traced ({type(exc).__name__})")
     if not _agrees(fn, prog):
         return Program(why=f"score_mod {name_of(fn)}: its traced program differs from it")
+    prog.dtype_faults = dtype_faults
     return prog
 
 
@@ -154,30 +160,28 @@ def _example(dtype, T=7, H=1):
     return s, b, h, q, kv
 
 
-def _example_error(fn) -> str:
-    """The function's own fault on a float32 example tile ("" when none)."""
-    from ..masks_mod import apply_score_mod, captured_tensors, name_of
+def _example_error(fn) -> tuple[str, dict]:
+    """The function's own fault on float32 and float64 example tiles ("" when none), and the
+    dtype it changes the scores to where it does so at one compute dtype only (a captured
+    tensor of a wider dtype promotes float32 scores): {compute dtype: the fault there}."""
+    from ..masks_mod import apply_score_mod
 
-    floats = [t.dtype for t in captured_tensors(fn) if t.is_floating_point()]
+    faults = {}
     for dt in (torch.float32, torch.float64):
-        args = _example(dt)
         try:
             with torch.no_grad():
-                apply_score_mod(fn, *args)
-                out = fn(*args)
+                apply_score_mod(fn, *_example(dt))
         except ValueError as exc:
-            return "" if " raised " in str(exc) else str(exc)  # its fault only on any tile
+            if " raised " in str(exc):
+                return "", {}  # its fault only on some tiles (an index error on the example)
+            if " returned dtype " not in str(exc):
+                return str(exc), {}
+            faults[dt] = str(exc)
         except Exception:  # noqa: BLE001 - an index error on the example: not its fault
-            return ""
-        promoted = dt
-        for t in floats:  # what a captured tensor's dtype explains (torch's promotion)
-            promoted = torch.promote_types(promoted, t)
-        if isinstance(out, torch.Tensor) and out.dtype not in (dt, promoted):
-            return (
-                f"score_mod: {name_of(fn)} returned dtype {out.dtype} for scores of dtype "
-                f"{dt}; it must keep the scores' dtype"
-            )
-    return ""
+            return "", {}
+    if len(faults) == 2:  # it changes the dtype whatever the scores': its fault everywhere
+        return faults[torch.float32], {}
+    return "", faults
 
 
 def _compile(gm) -> Program:
