@@ -372,7 +372,7 @@ def test_flex_compiled_on_the_cpu_gives_causalattns_output():
             lambda b, h, q, kv: torch.rand(q.shape[2], kv.shape[3]) > 0.5,
             "mask_mod: lambda answered differently on a second evaluation of the same cells",
         ),
-        (lambda b, h, q, kv: True, "mask_mod: lambda returned bool  of dtype bool"),
+        (lambda b, h, q, kv: True, "mask_mod: lambda returned bool of dtype bool"),
     ],
     ids=["float", "shape", "raises", "impure", "python-bool"],
 )

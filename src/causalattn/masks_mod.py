@@ -148,16 +148,20 @@ def evaluate_mask(fn, xp, b_rows, H: int, pos, j, dev=None, dtype=None):
     args = indices(xp, b_rows, H, pos, j, dev, dtype)
     target = (len(np.atleast_1d(b_rows)), H, args[2].shape[2], args[3].shape[3])
     out = _answer(fn, args, target, xp, dev)
-    if _recheck(fn):  # a pure rule answers the same twice (a sample of its evaluations)
+    if _recheck(fn, int(np.prod(target))):  # a pure rule answers the same twice (sampled)
         again = _answer(fn, args, target, xp, dev)
         if tuple(again.shape) != tuple(out.shape) or not bool((again == out).all()):
             raise ValueError(
                 f"mask_mod: {name_of(fn)} answered differently on a second evaluation of the "
-                f"same cells (index tensors b {_shape(args[0])}, h {_shape(args[1])}, q_idx "
-                f"{_shape(args[2])} = {_span(pos)}, kv_idx {_shape(args[3])} = {_span(j)}); it "
-                "must be a pure function of b, h, q_idx, kv_idx and the tensors it reads"
+                f"same cells (index tensors {_index_shapes(args)}; q_idx {_span(pos)}, kv_idx "
+                f"{_span(j)}); it must be a pure function of b, h, q_idx, kv_idx and the "
+                "tensors it reads"
             )
     return out
+
+
+def _index_shapes(args) -> str:
+    return ", ".join(f"{n} {_shape(a)}" for n, a in zip(_ARG_NAMES["mask_mod"], args))
 
 
 def _span(x) -> str:
@@ -165,21 +169,22 @@ def _span(x) -> str:
     return f"{int(a[0])}..{int(a[-1])}" if a.size else "none"
 
 
-# How often each mask_mod has been evaluated: calls 1, 2, 4, 8, ... are evaluated twice (an
-# impure rule is caught on its first block and again later, at a cost logarithmic in the
-# calls; a kept block table stops the calls altogether). Keyed weakly on the function (a
-# bound method on its function: a new method object is made at every attribute read).
+# How often each mask_mod has been evaluated, and its largest block: its 1st, 2nd, 4th, 8th,
+# ... evaluation, and any block at least twice as large as all before, is made twice. So an
+# impure rule is caught on the Pattern's own first block and on the first block an engine
+# asks for, at a cost logarithmic in the calls (a kept block table stops them altogether).
+# Keyed weakly on the function (a bound method on its function: one is made per read).
 _EVALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _recheck(fn) -> bool:
+def _recheck(fn, cells: int) -> bool:
     key = getattr(fn, "__func__", fn)
     try:
-        n = _EVALS.get(key, 0) + 1
-        _EVALS[key] = n
+        n, most = _EVALS.get(key, (0, 0))
+        _EVALS[key] = (n + 1, max(most, cells))
     except TypeError:  # takes no weak reference: every evaluation is checked
         return True
-    return n & (n - 1) == 0
+    return (n + 1) & n == 0 or cells >= 2 * most
 
 
 def _answer(fn, args, target, xp, dev):
@@ -196,15 +201,14 @@ def _answer(fn, args, target, xp, dev):
     dtype = str(getattr(out, "dtype", type(out).__name__))
     if dtype not in ("bool", "torch.bool") or not hasattr(out, "shape"):  # a Python bool too
         raise ValueError(
-            f"mask_mod: {name_of(fn)} returned {type(out).__name__} {what} of dtype {dtype}; "
-            f"it must return booleans (True = may read) of the indices' shape, e.g. "
-            "q_idx >= kv_idx"
+            f"mask_mod: {name_of(fn)} returned {type(out).__name__}{' ' + what if what else ''}"
+            f" of dtype {dtype} for index tensors {_index_shapes(args)}; it must return "
+            "booleans (True = may read) of the indices' shape, e.g. q_idx >= kv_idx"
         )
     if not _fits(tuple(out.shape), target):
         raise ValueError(
-            f"mask_mod: {name_of(fn)} returned shape {what} for index tensors b "
-            f"{_shape(args[0])}, h {_shape(args[1])}, q_idx {_shape(args[2])}, kv_idx "
-            f"{_shape(args[3])}; it must broadcast to (nb, H, rows, cols) = {target}: "
+            f"mask_mod: {name_of(fn)} returned shape {what} for index tensors "
+            f"{_index_shapes(args)}; it must broadcast to (nb, H, rows, cols) = {target}: "
             "combine the index tensors elementwise"
         )
     if xp is np:

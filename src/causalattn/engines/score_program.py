@@ -172,8 +172,8 @@ def _example_error(fn) -> tuple[str, dict]:
             with torch.no_grad():
                 apply_score_mod(fn, *_example(dt))
         except ValueError as exc:
-            if " raised " in str(exc):
-                return "", {}  # its fault only on some tiles (an index error on the example)
+            if " raised " in str(exc):  # on the example's indices: its fault on every cell?
+                return _raises_on_one_cell(fn), {}
             if " returned dtype " not in str(exc):
                 return str(exc), {}
             faults[dt] = str(exc)
@@ -182,6 +182,21 @@ def _example_error(fn) -> tuple[str, dict]:
     if len(faults) == 2:  # it changes the dtype whatever the scores': its fault everywhere
         return faults[torch.float32], {}
     return "", faults
+
+
+def _raises_on_one_cell(fn) -> str:
+    """Its error on one cell of index 0 ("" when none): a function that raises there raises
+    on any tile (an index past a small table's end on the example tile does not count)."""
+    from ..masks_mod import apply_score_mod
+
+    one = torch.zeros((1, 1, 1, 1), dtype=torch.float32)
+    zero = torch.zeros((1, 1, 1, 1), dtype=torch.int64)
+    try:
+        with torch.no_grad():
+            apply_score_mod(fn, one, zero, zero, zero, zero)
+    except ValueError as exc:
+        return str(exc) if " raised " in str(exc) else ""
+    return ""
 
 
 def _compile(gm) -> Program:
