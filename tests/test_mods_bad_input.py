@@ -69,7 +69,7 @@ def _late_random(b, h, q, kv):  # pure on the first 16 positions (the pattern's 
 IMPURE = {
     "random": lambda b, h, q, kv: torch.rand(q.shape[2], kv.shape[3]) > 0.5,
     "stateful": _stateful,
-    "late": lambda: _late_random,
+    "late": lambda: _late_random,  # (the same function on every engine: counts carry over)
 }
 
 

@@ -259,8 +259,8 @@ class PatternChecks:
 
     def _check_user(self, B: int, H: int, T_q: int, T_k: int) -> None:
         """bias, rel_bias, mask_mod and score_mod against the shapes: the mask_mod and
-        score_mod are called on one small block (the mask_mod's purity checked by
-        :func:`causalattn.masks_mod.evaluate_mask`)."""
+        score_mod are called on one small block (the mask_mod twice: a pure function answers
+        the same)."""
         b = self.bias
         if b is not None and not _mod._fits(tuple(b.shape), (B, H, T_q, T_k)):
             raise ValueError(
@@ -289,7 +289,7 @@ class PatternChecks:
         if fn is not None:
             import torch
 
-            _mod.evaluate_mask(fn, torch, rows, H, pos, j)  # its purity is checked there
+            _mod.evaluate_mask(fn, torch, rows, H, pos, j, twice=True)  # pure: the same twice
         if self.score_mod is not None:
             import torch
 

@@ -140,22 +140,23 @@ _ARG_NAMES = {
 }
 
 
-def evaluate_mask(fn, xp, b_rows, H: int, pos, j, dev=None, dtype=None):
+def evaluate_mask(fn, xp, b_rows, H: int, pos, j, dev=None, dtype=None, twice=False):
     """``fn``'s booleans for batch rows ``b_rows``, heads 0..H-1, query positions ``pos`` and
     key positions ``j`` (index tensors of ``dtype``, see :func:`indices`): a 4-D bool array
     (nb|1, H|1, rows|1, cols|1) in ``xp`` (on ``dev``). A ValueError names what came back
-    when it is not booleans of a broadcastable shape."""
+    when it is not booleans of a broadcastable shape, or when a second evaluation answers
+    otherwise (made when ``twice``, else on a sample of the evaluations: :func:`_recheck`)."""
     args = indices(xp, b_rows, H, pos, j, dev, dtype)
     target = (len(np.atleast_1d(b_rows)), H, args[2].shape[2], args[3].shape[3])
     out = _answer(fn, args, target, xp, dev)
-    if _recheck(fn, int(np.prod(target))):  # a pure rule answers the same twice (sampled)
+    if twice or _recheck(fn, int(np.prod(target))):  # a pure rule answers the same twice
         again = _answer(fn, args, target, xp, dev)
         if tuple(again.shape) != tuple(out.shape) or not bool((again == out).all()):
             raise ValueError(
                 f"mask_mod: {name_of(fn)} answered differently on a second evaluation of the "
-                f"same cells (index tensors {_index_shapes(args)}; q_idx {_span(pos)}, kv_idx "
-                f"{_span(j)}); it must be a pure function of b, h, q_idx, kv_idx and the "
-                "tensors it reads"
+                f"same cells (index tensors {_index_shapes(args)}: b {_span(b_rows)}, q_idx "
+                f"{_span(pos)}, kv_idx {_span(j)}); it must be a pure function of b, h, q_idx, "
+                "kv_idx and the tensors it reads"
             )
     return out
 
@@ -165,14 +166,15 @@ def _index_shapes(args) -> str:
 
 
 def _span(x) -> str:
-    a = np.asarray(x.cpu() if _is_torch(x) else x).reshape(-1)
+    a = np.atleast_1d(np.asarray(x.cpu() if _is_torch(x) else x)).reshape(-1)
     return f"{int(a[0])}..{int(a[-1])}" if a.size else "none"
 
 
 # How often each mask_mod has been evaluated, and its largest block: its 1st, 2nd, 4th, 8th,
 # ... evaluation, and any block at least twice as large as all before, is made twice. So an
-# impure rule is caught on the Pattern's own first block and on the first block an engine
-# asks for, at a cost logarithmic in the calls (a kept block table stops them altogether).
+# impure rule is caught on the first block an engine asks for (the Pattern's own small check
+# block is evaluated twice always), at a cost logarithmic in the calls (a kept block table
+# stops them altogether).
 # Keyed weakly on the function (a bound method on its function: one is made per read).
 _EVALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

@@ -9,8 +9,9 @@ and key positions modulo the block, so a problem's tiles are the table's tiles).
 
 - Made lazily, tile by tile: a call asks for the tiles its row intervals reach; those not
   yet evaluated are evaluated a run of tiles at a time (at most ``TILE_CELLS`` cells per
-  call of the mask_mod), never T_q×T_k at once. A sample of the runs is evaluated twice
-  (:func:`causalattn.masks_mod.evaluate_mask`): a rule that answers differently is refused.
+  call of the mask_mod), never T_q×T_k at once. The first run, and a sample of the rest
+  (:func:`causalattn.masks_mod.evaluate_mask`), is evaluated twice: a rule that answers
+  differently is refused (an impure mask_mod).
 - Kept: :func:`kept` holds the tables per rule (weakly, keyed on the function: a table dies
   with its function) and per (B, H, bq, bk, origin), so the keyword form
   ``attention(q, k, v, mask_mod=fn)``, which makes a new Pattern per call, finds the table
@@ -133,7 +134,8 @@ class BlockTable:
         j0, j1 = run[0][1], run[-1][2]
         pos, j = np.arange(a0, a1), np.arange(j0, j1)
         rows = np.arange(self.B)
-        t = _mod.evaluate_mask(self.fn, torch, rows, self.H, pos, j, _CPU, torch.int32)
+        first = self.evaluated == 0  # a new table's first run is evaluated twice (pure?)
+        t = _mod.evaluate_mask(self.fn, torch, rows, self.H, pos, j, _CPU, torch.int32, first)
         # a rule that ignores q_idx or kv_idx answers with a broadcast axis: make it whole,
         # or a slice of its columns below would be empty (read as "every cell readable")
         t = t.expand(t.shape[0], t.shape[1], a1 - a0, j1 - j0)
