@@ -39,9 +39,8 @@ fx = pytest.importorskip("torch.nn.attention.flex_attention")
 B, H, H_KV, T_Q, T_K, D = 2, 4, 2, 70, 101, 16
 OFF = T_K - T_Q  # the keyword door's first query position
 ENGINES = ("reference", "tiled", "cpp")
-DOORS = ("keywords", "pattern")
 NEG_INF = float("-inf")
-DIRS = 2  # random directions per q, k, v along which Flex's forward is differentiated
+DIRS = 1  # random directions per q, k, v along which Flex's forward is differentiated
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -287,9 +286,14 @@ def _flex_mask_mod(case: Case, door: str):
     return _shift(case.mask_mod, door, score=False)
 
 
+@functools.cache
+def _flex_block_mask(name: str, door: str):
+    mm = _flex_mask_mod(BY_NAME[name], door)
+    return None if mm is None else fx.create_block_mask(mm, B, H, T_Q, T_K, device="cpu")
+
+
 def _flex(case: Case, door: str, q, k, v):
-    mm = _flex_mask_mod(case, door)
-    bm = None if mm is None else fx.create_block_mask(mm, B, H, T_Q, T_K, device="cpu")
+    bm = _flex_block_mask(case.name, door)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager flex_attention warns that it is unfused
         return fx.flex_attention(
@@ -361,9 +365,26 @@ def test_flex_on_the_cpu_refuses_a_backward_through_q_k_v():
         fx.flex_attention(q.requires_grad_(), k, v, enable_gqa=True)
 
 
+# the placed Pattern's door on the cases whose indices matter (tables and rules read by
+# position; one refusal): Flex's indices unmoved
+PLACED = (
+    "trig",
+    "relative_bias",
+    "alibi_table",
+    "buffers_every_axis",
+    "relative_table",
+    "causal",
+    "inverse_causal_strict",
+    "prefix_lm",
+    "documents",
+    "or_masks",
+    "window_alibi_table",
+)
+CALLS = [(c.name, "keywords") for c in CASES] + [(n, "pattern") for n in PLACED]
+
+
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("door", DOORS)
-@pytest.mark.parametrize("name", [c.name for c in CASES])
+@pytest.mark.parametrize("name,door", CALLS)
 def test_the_catalogue_matches_flex_attention(name, door, engine):
     case = BY_NAME[name]
     q, k, v, d_out = _inputs()
