@@ -148,7 +148,7 @@ def inverse_causal_strict(b, h, q, kv):  # the keyword door's last query reads n
     return q < kv
 
 
-def far_future(b, h, q, kv):  # every query from position 81 on reads nothing
+def far_future(b, h, q, kv):  # every query from position 80 on reads nothing
     return kv > q + 20
 
 
@@ -414,17 +414,27 @@ def test_the_catalogue_matches_flex_attention(name, door, engine):
 
 
 def test_fully_masked_rows_are_zero_as_in_flex():
-    """Rows that read nothing (the keyword door's queries from position 81 on, under
-    far_future): Flex gives zeros there, and so do we, with zero gradients."""
+    """Rows that read nothing (the keyword door's queries from position 80 on, under
+    far_future): Flex gives zeros there and a log-sum-exp of -inf, and so do we, with zero
+    gradients."""
     q, k, v, _ = _inputs()
-    rows = (torch.arange(T_Q) + OFF) >= T_K - 20
+    rows = (torch.arange(T_Q) + OFF) >= T_K - 21  # kv > pos + 20 finds no key
     assert rows.any()
     want, _, _ = _flex_truth("far_future", "keywords")
     assert bool((want[:, :, rows] == 0).all())
+    bm = _flex_block_mask("far_future", "keywords")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _, flex_lse = fx.flex_attention(q, k, v, block_mask=bm, enable_gqa=True, return_lse=True)
+    assert bool((flex_lse[:, :, rows] == NEG_INF).all())
     for engine in ENGINES:
         qg = q.clone().requires_grad_()
-        out = ca.attention(qg, k, v, causal=False, mask_mod=far_future, engine=engine)
+        out, lse = ca.attention(
+            qg, k, v, causal=False, mask_mod=far_future, engine=engine, return_lse=True
+        )
         assert bool((out[:, :, rows] == 0).all()), engine
+        assert bool((lse[:, :, rows] == NEG_INF).all()), engine  # Flex's -inf, as ours
+        torch.testing.assert_close(lse[:, :, ~rows], flex_lse[:, :, ~rows].float())
         (dq,) = torch.autograd.grad(out.sum(), [qg])
         assert bool((dq[:, :, rows] == 0).all()), engine
 
