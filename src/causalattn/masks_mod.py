@@ -10,10 +10,11 @@ signatures), the additive biases, and FlexAttention's ``BlockMask`` both ways.
   rules read them: query i at ``pos(i)`` (bottom-right by default, ``q_start + i`` when
   placed), key j at ``k_start + j``; for T_q = T_k, unplaced, they are FlexAttention's
   indices. It is ANDed with the keyword rules and ``mask``. It is only ever evaluated on
-  one block of cells at a time (:func:`evaluate_mask`), never on the whole T×T.
+  one block of cells at a time (:func:`evaluate_mask`), never on the whole T×T; some blocks
+  twice, so an impure rule is refused. :func:`and_masks` / :func:`or_masks` combine rules.
 - ``score_mod(score, b, h, q_idx, kv_idx) -> score``: the same indices, the scores (after
   the scale, softcap, ALiBi, ``rel_bias`` and ``bias``, before M) in natural units; it
-  must return the scores' shape.
+  must return the scores' shape and dtype (none is cast back).
 - ``bias``: an additive float tensor broadcastable to (B, H, T_q, T_k), indexed by this
   problem's query and key indices (like ``mask``). ``rel_bias`` (H, 2·T−1): the bias of a
   relative position, ``rel_bias[h, c + (j − pos(i))]`` with c = (R−1)/2 the centre of its

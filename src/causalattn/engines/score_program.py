@@ -14,7 +14,9 @@ cache). What the tracer cannot express (Python control flow on the arguments, ot
 tensors of more than four axes) is named in ``why``: the call then runs on "tiled". The
 program is checked against the function itself on a small example tile (float64), so a
 wrong translation never runs; a score_mod that returns another shape or dtype, or not a
-tensor, is recorded in ``error`` (a ValueError at the call, naming the engine).
+tensor, is recorded in ``error`` (a ValueError at the call, naming the engine); one that
+changes the dtype at one compute dtype only (a float64 table over float32 scores) in
+``dtype_faults``, raised for that dtype alone (nothing is cast back).
 """
 
 from __future__ import annotations
