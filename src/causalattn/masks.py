@@ -59,6 +59,10 @@ from .masks_dense import MASK_MOD, READABLE, REASONS, PatternDense
 from .masks_dense import PADDING as PADDING
 from .masks_dense import WINDOW as WINDOW
 
+# FlexAttention's combinators of mask_mods, by their names
+from .masks_mod import and_masks as and_masks
+from .masks_mod import or_masks as or_masks
+
 __all__ = [
     "Pattern",
     "REASONS",
@@ -75,6 +79,8 @@ __all__ = [
     "check_lengths",
     "PATTERN_KEYWORDS",
     "create_block_mask",
+    "and_masks",
+    "or_masks",
 ]
 
 # The keywords that say who reads whom and with what bias, in Pattern's field order: those of

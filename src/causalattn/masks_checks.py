@@ -259,7 +259,8 @@ class PatternChecks:
 
     def _check_user(self, B: int, H: int, T_q: int, T_k: int) -> None:
         """bias, rel_bias, mask_mod and score_mod against the shapes: the mask_mod and
-        score_mod are called on one small block (twice: a pure function answers the same)."""
+        score_mod are called on one small block (the mask_mod twice: a pure function answers
+        the same)."""
         b = self.bias
         if b is not None and not _mod._fits(tuple(b.shape), (B, H, T_q, T_k)):
             raise ValueError(
@@ -288,15 +289,7 @@ class PatternChecks:
         if fn is not None:
             import torch
 
-            first = _mod.evaluate_mask(fn, torch, rows, H, pos, j)
-            again = _mod.evaluate_mask(fn, torch, rows, H, pos, j)
-            if tuple(first.shape) != tuple(again.shape) or not bool((first == again).all()):
-                raise ValueError(
-                    f"mask_mod: {_mod.name_of(fn)} is not a pure function of its indices: two "
-                    f"calls on the same block (b 0..{B - 1}, q_idx {pos[0]}..{pos[-1]}, kv_idx "
-                    f"{j[0]}..{j[-1]}) answered differently; compute the mask from b, h, "
-                    "q_idx and kv_idx only"
-                )
+            _mod.evaluate_mask(fn, torch, rows, H, pos, j, twice=True)  # pure: the same twice
         if self.score_mod is not None:
             import torch
 

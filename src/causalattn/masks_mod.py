@@ -10,10 +10,11 @@ signatures), the additive biases, and FlexAttention's ``BlockMask`` both ways.
   rules read them: query i at ``pos(i)`` (bottom-right by default, ``q_start + i`` when
   placed), key j at ``k_start + j``; for T_q = T_k, unplaced, they are FlexAttention's
   indices. It is ANDed with the keyword rules and ``mask``. It is only ever evaluated on
-  one block of cells at a time (:func:`evaluate_mask`), never on the whole T×T.
+  one block of cells at a time (:func:`evaluate_mask`), never on the whole T×T; some blocks
+  twice, so an impure rule is refused. :func:`and_masks` / :func:`or_masks` combine rules.
 - ``score_mod(score, b, h, q_idx, kv_idx) -> score``: the same indices, the scores (after
   the scale, softcap, ALiBi, ``rel_bias`` and ``bias``, before M) in natural units; it
-  must return the scores' shape.
+  must return the scores' shape and dtype (none is cast back).
 - ``bias``: an additive float tensor broadcastable to (B, H, T_q, T_k), indexed by this
   problem's query and key indices (like ``mask``). ``rel_bias`` (H, 2·T−1): the bias of a
   relative position, ``rel_bias[h, c + (j − pos(i))]`` with c = (R−1)/2 the centre of its
@@ -45,6 +46,8 @@ __all__ = [
     "to_block_mask",
     "block_mask_mod",
     "BlockMaskMod",
+    "and_masks",
+    "or_masks",
 ]
 
 SKIP, FULL, PARTIAL_DENSE, PARTIAL_TILE = 0, 1, 2, 3  # the kernels' tile kinds
@@ -138,13 +141,57 @@ _ARG_NAMES = {
 }
 
 
-def evaluate_mask(fn, xp, b_rows, H: int, pos, j, dev=None, dtype=None):
+def evaluate_mask(fn, xp, b_rows, H: int, pos, j, dev=None, dtype=None, twice=False):
     """``fn``'s booleans for batch rows ``b_rows``, heads 0..H-1, query positions ``pos`` and
     key positions ``j`` (index tensors of ``dtype``, see :func:`indices`): a 4-D bool array
     (nb|1, H|1, rows|1, cols|1) in ``xp`` (on ``dev``). A ValueError names what came back
-    when it is not booleans of a broadcastable shape."""
+    when it is not booleans of a broadcastable shape, or when a second evaluation answers
+    otherwise (made when ``twice``, else on a sample of the evaluations: :func:`_recheck`)."""
     args = indices(xp, b_rows, H, pos, j, dev, dtype)
     target = (len(np.atleast_1d(b_rows)), H, args[2].shape[2], args[3].shape[3])
+    out = _answer(fn, args, target, xp, dev)
+    if twice or _recheck(fn, int(np.prod(target))):  # a pure rule answers the same twice
+        again = _answer(fn, args, target, xp, dev)
+        if tuple(again.shape) != tuple(out.shape) or not bool((again == out).all()):
+            raise ValueError(
+                f"mask_mod: {name_of(fn)} answered differently on a second evaluation of the "
+                f"same cells (index tensors {_index_shapes(args)}: b {_span(b_rows)}, q_idx "
+                f"{_span(pos)}, kv_idx {_span(j)}); it must be a pure function of b, h, q_idx, "
+                "kv_idx and the tensors it reads"
+            )
+    return out
+
+
+def _index_shapes(args) -> str:
+    return ", ".join(f"{n} {_shape(a)}" for n, a in zip(_ARG_NAMES["mask_mod"], args))
+
+
+def _span(x) -> str:
+    a = np.atleast_1d(np.asarray(x.cpu() if _is_torch(x) else x)).reshape(-1)
+    return f"{int(a[0])}..{int(a[-1])}" if a.size else "none"
+
+
+# How often each mask_mod has been evaluated, and its largest block: its 1st, 2nd, 4th, 8th,
+# ... evaluation, and any block at least twice as large as all before, is made twice. So an
+# impure rule is caught on the first block an engine asks for (the Pattern's own small check
+# block is evaluated twice always), at a cost logarithmic in the calls (a kept block table
+# stops them altogether).
+# Keyed weakly on the function (a bound method on its function: one is made per read).
+_EVALS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _recheck(fn, cells: int) -> bool:
+    key = getattr(fn, "__func__", fn)
+    try:
+        n, most = _EVALS.get(key, (0, 0))
+        _EVALS[key] = (n + 1, max(most, cells))
+    except TypeError:  # takes no weak reference: every evaluation is checked
+        return True
+    return (n + 1) & n == 0 or cells >= 2 * most
+
+
+def _answer(fn, args, target, xp, dev):
+    """fn(*args) checked: booleans that broadcast to ``target``, 4-D, in ``xp`` on ``dev``."""
     out = _call(fn, "mask_mod", args, xp)
     if xp is np and str(getattr(out, "dtype", "")) not in ("bool", "torch.bool"):
         try:  # a rule written for torch that mixes NumPy in: ask it in torch
@@ -157,15 +204,14 @@ def evaluate_mask(fn, xp, b_rows, H: int, pos, j, dev=None, dtype=None):
     dtype = str(getattr(out, "dtype", type(out).__name__))
     if dtype not in ("bool", "torch.bool") or not hasattr(out, "shape"):  # a Python bool too
         raise ValueError(
-            f"mask_mod: {name_of(fn)} returned {type(out).__name__} {what} of dtype {dtype}; "
-            f"it must return booleans (True = may read) of the indices' shape, e.g. "
-            "q_idx >= kv_idx"
+            f"mask_mod: {name_of(fn)} returned {type(out).__name__}{' ' + what if what else ''}"
+            f" of dtype {dtype} for index tensors {_index_shapes(args)}; it must return "
+            "booleans (True = may read) of the indices' shape, e.g. q_idx >= kv_idx"
         )
     if not _fits(tuple(out.shape), target):
         raise ValueError(
-            f"mask_mod: {name_of(fn)} returned shape {what} for index tensors b "
-            f"{_shape(args[0])}, h {_shape(args[1])}, q_idx {_shape(args[2])}, kv_idx "
-            f"{_shape(args[3])}; it must broadcast to (nb, H, rows, cols) = {target}: "
+            f"mask_mod: {name_of(fn)} returned shape {what} for index tensors "
+            f"{_index_shapes(args)}; it must broadcast to (nb, H, rows, cols) = {target}: "
             "combine the index tensors elementwise"
         )
     if xp is np:
@@ -178,25 +224,31 @@ def evaluate_mask(fn, xp, b_rows, H: int, pos, j, dev=None, dtype=None):
 
 
 def apply_score_mod(fn, S, b, h, q_idx, kv_idx):
-    """``fn(S, b, h, q_idx, kv_idx)`` checked: the scores' shape, floating, in S's dtype."""
+    """``fn(S, b, h, q_idx, kv_idx)`` checked: an array of the scores' shape and dtype (the
+    engine's compute dtype: nothing is cast back; a captured tensor of a wider dtype must be
+    cast by the function, ``buf.to(score.dtype)``)."""
     out = _call(fn, "score_mod", (S, b, h, q_idx, kv_idx), np if not _is_torch(S) else None)
-    if not hasattr(out, "shape") or tuple(out.shape) != tuple(S.shape):
+    if not hasattr(out, "shape") or not hasattr(out, "dtype"):
         raise ValueError(
-            f"score_mod: {name_of(fn)} returned shape "
-            f"{_shape(out) if hasattr(out, 'shape') else type(out).__name__} for scores of "
-            f"shape {_shape(S)}; it must return the scores' shape (change each score "
-            "elementwise, e.g. score + bias[h, q_idx - kv_idx])"
+            f"score_mod: {name_of(fn)} returned {type(out).__name__}, not an array, for scores "
+            f"of shape {_shape(S)}; it must return the scores changed elementwise, e.g. "
+            "score + bias[h, q_idx - kv_idx]"
         )
-    floating = (
-        out.dtype.is_floating_point if _is_torch(out) else np.issubdtype(out.dtype, np.floating)
-    )
-    if not floating:
+    if tuple(out.shape) != tuple(S.shape):
         raise ValueError(
-            f"score_mod: {name_of(fn)} returned dtype {out.dtype}; it must return float scores"
+            f"score_mod: {name_of(fn)} returned shape {_shape(out)} for scores of shape "
+            f"{_shape(S)}; it must return the scores' shape (change each score elementwise, "
+            "e.g. score + bias[h, q_idx - kv_idx])"
+        )
+    if str(out.dtype).replace("torch.", "") != str(S.dtype).replace("torch.", ""):
+        raise ValueError(
+            f"score_mod: {name_of(fn)} returned dtype {out.dtype} for scores of shape "
+            f"{_shape(S)} and dtype {S.dtype}; it must keep the scores' dtype (cast what it "
+            "reads: buf.to(score.dtype))"
         )
     if _is_torch(out) != _is_torch(S):
         out = out.detach().cpu().numpy() if _is_torch(out) else type(S)(out)
-    return out.to(S.dtype) if _is_torch(out) else out.astype(S.dtype)
+    return out
 
 
 def captured_tensors(fn, limit: int = 64) -> list:
@@ -359,6 +411,40 @@ def tile_table(pattern, B: int, H: int, T_q: int, T_k: int, bq: int, bk: int, lo
 def _mask_rows(pattern) -> int:
     m = pattern.mask
     return int(m.shape[0]) if m is not None and m.ndim >= 3 else 1
+
+
+# ---- combining rules: FlexAttention's and_masks / or_masks ---------------------------------
+def _combined(mods: tuple, what: str, op: str):
+    for n, m in enumerate(mods):
+        if not callable(m):
+            raise ValueError(
+                f"{what}: argument {n} must be a mask_mod ({_SIGNATURES['mask_mod']}), got "
+                f"{type(m).__name__}"
+            )
+
+    def combined(b, h, q_idx, kv_idx):
+        if not mods:  # no rule: and_masks reads everything, or_masks nothing (Flex's)
+            return (b == b) if op == "and" else (b != b)
+        out = mods[0](b, h, q_idx, kv_idx)
+        for m in mods[1:]:
+            nxt = m(b, h, q_idx, kv_idx)
+            out = (out & nxt) if op == "and" else (out | nxt)
+        return out
+
+    combined.__name__ = f"{op}({', '.join(name_of(m) for m in mods)})"
+    return combined
+
+
+def and_masks(*mask_mods):
+    """The mask_mod that reads a cell where every one of ``mask_mods`` does (none: every
+    cell), FlexAttention's ``and_masks``; works on torch and NumPy index arrays."""
+    return _combined(mask_mods, "and_masks", "and")
+
+
+def or_masks(*mask_mods):
+    """The mask_mod that reads a cell where any of ``mask_mods`` does (none: no cell),
+    FlexAttention's ``or_masks``."""
+    return _combined(mask_mods, "or_masks", "or")
 
 
 # ---- FlexAttention both ways ----------------------------------------------------------------

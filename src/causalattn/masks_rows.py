@@ -187,19 +187,10 @@ def _counted(full, kA: int, kB: int, bk: int, c_lo, c_hi):
 
 def _piece(table, qs, ks, r0, r1, a, b, c_lo, c_hi):
     """The rule AND the keyword intervals on rows r0:r1, keys a:b: bool (B'|1, H'|1, R, b-a)
-    (the table's first one evaluated twice: a pure rule answers the same)."""
+    (the table's first one evaluated twice: :func:`causalattn.masks_mod.evaluate_mask`)."""
     pos, j, rows = np.arange(qs + r0, qs + r1), np.arange(ks + a, ks + b), np.arange(table.B)
-    t = _mod.evaluate_mask(table.fn, torch, rows, table.H, pos, j, _CPU, torch.int32)
-    if not table.checked:
-        table.checked = True
-        again = _mod.evaluate_mask(table.fn, torch, rows, table.H, pos, j, _CPU, torch.int32)
-        if tuple(again.shape) != tuple(t.shape) or not bool((again == t).all()):
-            raise ValueError(
-                f"mask_mod: {_mod.name_of(table.fn)} answered differently on a second "
-                f"evaluation of the same cells (q_idx {pos[0]}..{pos[-1]}, kv_idx "
-                f"{j[0]}..{j[-1]}); it must be a pure function of b, h, q_idx, kv_idx "
-                "and the tensors it reads"
-            )
+    first = table.evaluated == 0  # the table's first evaluation is made twice (pure?)
+    t = _mod.evaluate_mask(table.fn, torch, rows, table.H, pos, j, _CPU, torch.int32, first)
     table.evaluated += (r1 - r0) * (b - a)
     jj = torch.arange(a, b)
     return t & ((jj >= c_lo) & (jj < c_hi))[:, None]  # its own tensor

@@ -9,8 +9,9 @@ and key positions modulo the block, so a problem's tiles are the table's tiles).
 
 - Made lazily, tile by tile: a call asks for the tiles its row intervals reach; those not
   yet evaluated are evaluated a run of tiles at a time (at most ``TILE_CELLS`` cells per
-  call of the mask_mod), never T_q×T_k at once. The first run is evaluated twice: a rule
-  that answers differently is refused (an impure mask_mod).
+  call of the mask_mod), never T_q×T_k at once. The first run, and a sample of the rest
+  (:func:`causalattn.masks_mod.evaluate_mask`), is evaluated twice: a rule that answers
+  differently is refused (an impure mask_mod).
 - Kept: :func:`kept` holds the tables per rule (weakly, keyed on the function: a table dies
   with its function) and per (B, H, bq, bk, origin), so the keyword form
   ``attention(q, k, v, mask_mod=fn)``, which makes a new Pattern per call, finds the table
@@ -66,7 +67,6 @@ class BlockTable:
         self.part_rows: set[int] = set()  # row blocks holding such a tile
         self.seen_b = self.seen_h = 1
         self.evaluated = 0
-        self.checked = False
         self.forms: OrderedDict = OrderedDict()  # per problem: causalattn.masks_rows
 
     # ---- geometry -------------------------------------------------------------------------
@@ -135,17 +135,11 @@ class BlockTable:
         j0, j1 = run[0][1], run[-1][2]
         pos, j = np.arange(a0, a1), np.arange(j0, j1)
         rows = np.arange(self.B)
-        t = _mod.evaluate_mask(self.fn, torch, rows, self.H, pos, j, _CPU, torch.int32)
-        if not self.checked:  # a pure rule answers the same twice
-            self.checked = True
-            again = _mod.evaluate_mask(self.fn, torch, rows, self.H, pos, j, _CPU, torch.int32)
-            if tuple(again.shape) != tuple(t.shape) or not bool((again == t).all()):
-                raise ValueError(
-                    f"mask_mod: {_mod.name_of(self.fn)} answered differently on a second "
-                    f"evaluation of the same cells (q_idx {a0}..{a1 - 1}, kv_idx {j0}..{j1 - 1})"
-                    "; it must be a pure function of b, h, q_idx, kv_idx and "
-                    "the tensors it reads"
-                )
+        first = self.evaluated == 0  # a new table's first run is evaluated twice (pure?)
+        t = _mod.evaluate_mask(self.fn, torch, rows, self.H, pos, j, _CPU, torch.int32, first)
+        # a rule that ignores q_idx or kv_idx answers with a broadcast axis: make it whole,
+        # or a slice of its columns below would be empty (read as "every cell readable")
+        t = t.expand(t.shape[0], t.shape[1], a1 - a0, j1 - j0)
         self.evaluated += int(t.numel())
         tr0 = a0 - (self.q0 + qb * bq)  # rows within the tile
         for kb, b0, b1, _, _ in run:

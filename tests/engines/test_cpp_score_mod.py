@@ -127,15 +127,18 @@ def test_the_program_is_made_once_per_function():
     assert gathers and all(row[7] == 0 for row in gathers)
 
 
+_WIDE = torch.randn(64, dtype=torch.float64)
+
+
 @pytest.mark.parametrize(
     "mod,match",
     [  # the pattern's own check, before any engine runs: the same message on every engine
         (lambda s, b, h, qi, kj: s.sum(-1), r"score_mod: lambda returned shape \(2, 4, 16\)"),
-        (lambda s, b, h, qi, kj: 1.0, "score_mod: lambda returned shape float"),
+        (lambda s, b, h, qi, kj: 1.0, "score_mod: lambda returned float, not an array"),
         (lambda s, b, h, qi, kj: s > 0, "score_mod: lambda returned dtype torch.bool"),
-        # the native engine's: it keeps no silent cast
+        # the native engine's: float32 scores plus a float64 table are not cast back silently
         (
-            lambda s, b, h, qi, kj: s.double(),
+            lambda s, b, h, qi, kj: s + _WIDE[h],
             "score_mod: lambda returned dtype torch.float64 .*engine 'cpp'",
         ),
     ],

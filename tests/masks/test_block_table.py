@@ -126,7 +126,7 @@ def test_bad_mask_mods_name_the_argument_and_the_engine(fn, match, engine):
     "fn,match",
     [
         (lambda s, b, h, q, kv: s.sum(-1), "returned shape"),
-        (lambda s, b, h, q, kv: 3.0, "returned shape float"),
+        (lambda s, b, h, q, kv: 3.0, "returned float, not an array"),
         (lambda s, b, h, q, kv: s > 0, "returned dtype torch.bool"),
     ],
     ids=["shape", "non-tensor", "non-float"],

@@ -14,7 +14,9 @@ cache). What the tracer cannot express (Python control flow on the arguments, ot
 tensors of more than four axes) is named in ``why``: the call then runs on "tiled". The
 program is checked against the function itself on a small example tile (float64), so a
 wrong translation never runs; a score_mod that returns another shape or dtype, or not a
-tensor, is recorded in ``error`` (a ValueError at the call, naming the engine).
+tensor, is recorded in ``error`` (a ValueError at the call, naming the engine); one that
+changes the dtype at one compute dtype only (a float64 table over float32 scores) in
+``dtype_faults``, raised for that dtype alone (nothing is cast back).
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ _UNARY = {
 class Program:
     """A traced score_mod: ``code`` int64 (n, 7), ``consts`` float64, ``tables`` the tensors
     it reads (the captured objects themselves), ``out`` the result register; ``why`` why it
-    could not be traced ("" when it was), ``error`` what the function did wrong ("")."""
+    could not be traced ("" when it was), ``error`` what the function did wrong (""),
+    ``dtype_faults`` what it does wrong at one compute dtype only (raised by :meth:`arrays`)."""
 
     code: list = field(default_factory=list)
     consts: list = field(default_factory=list)
@@ -73,11 +76,15 @@ class Program:
     regs: int = N_INPUTS
     why: str = ""
     error: str = ""
+    dtype_faults: dict = field(default_factory=dict)  # compute dtype -> the dtype it returned
 
     def arrays(self, dtype) -> tuple:
         """(code int64 (n, 8) with each instruction's ``varies`` flag — it reads the score or
         kv_idx, directly or not —, consts float64, the tables flat in ``dtype``, their meta
-        int64 (tables, 10): offset, dims, sizes, strides), as the kernels read them."""
+        int64 (tables, 10): offset, dims, sizes, strides), as the kernels read them. A
+        function that changes scores of this dtype to another is refused (never cast back)."""
+        if dtype in self.dtype_faults:
+            raise ValueError(self.dtype_faults[dtype])
         varies = {0, 4}
         code = []
         for op, d, a0, a1, a2, a3, aux in self.code:
@@ -129,7 +136,7 @@ def refused(fn) -> str:
 def _make(fn) -> Program:
     from ..masks_mod import name_of
 
-    error = _example_error(fn)
+    error, dtype_faults = _example_error(fn)
     if error:
         return Program(error=error)
     try:
@@ -141,6 +148,7 @@ def _make(fn) -> Program:
         return Program(why=f"score_mod {name_of(fn)} could not be traced ({type(exc).__name__})")
     if not _agrees(fn, prog):
         return Program(why=f"score_mod {name_of(fn)}: its traced program differs from it")
+    prog.dtype_faults = dtype_faults
     return prog
 
 
@@ -154,29 +162,42 @@ def _example(dtype, T=7, H=1):
     return s, b, h, q, kv
 
 
-def _example_error(fn) -> str:
-    """The function's own fault on a float32 example tile ("" when none)."""
-    from ..masks_mod import apply_score_mod, captured_tensors, name_of
+def _example_error(fn) -> tuple[str, dict]:
+    """The function's own fault on float32 and float64 example tiles ("" when none), and the
+    dtype it changes the scores to where it does so at one compute dtype only (a captured
+    tensor of a wider dtype promotes float32 scores): {compute dtype: the fault there}."""
+    from ..masks_mod import apply_score_mod
 
-    floats = [t.dtype for t in captured_tensors(fn) if t.is_floating_point()]
+    faults = {}
     for dt in (torch.float32, torch.float64):
-        args = _example(dt)
         try:
             with torch.no_grad():
-                apply_score_mod(fn, *args)
-                out = fn(*args)
+                apply_score_mod(fn, *_example(dt))
         except ValueError as exc:
-            return "" if " raised " in str(exc) else str(exc)  # its fault only on any tile
+            if " raised " in str(exc):  # on the example's indices: its fault on every cell?
+                return _raises_on_one_cell(fn), {}
+            if " returned dtype " not in str(exc):
+                return str(exc), {}
+            faults[dt] = str(exc)
         except Exception:  # noqa: BLE001 - an index error on the example: not its fault
-            return ""
-        promoted = dt
-        for t in floats:  # what a captured tensor's dtype explains (torch's promotion)
-            promoted = torch.promote_types(promoted, t)
-        if isinstance(out, torch.Tensor) and out.dtype not in (dt, promoted):
-            return (
-                f"score_mod: {name_of(fn)} returned dtype {out.dtype} for scores of dtype "
-                f"{dt}; it must keep the scores' dtype"
-            )
+            return "", {}
+    if len(faults) == 2:  # it changes the dtype whatever the scores': its fault everywhere
+        return faults[torch.float32], {}
+    return "", faults
+
+
+def _raises_on_one_cell(fn) -> str:
+    """Its error on one cell of index 0 ("" when none): a function that raises there raises
+    on any tile (an index past a small table's end on the example tile does not count)."""
+    from ..masks_mod import apply_score_mod
+
+    one = torch.zeros((1, 1, 1, 1), dtype=torch.float32)
+    zero = torch.zeros((1, 1, 1, 1), dtype=torch.int64)
+    try:
+        with torch.no_grad():
+            apply_score_mod(fn, one, zero, zero, zero, zero)
+    except ValueError as exc:
+        return str(exc) if " raised " in str(exc) else ""
     return ""
 
 
