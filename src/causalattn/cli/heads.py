@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from ._app import _Json, _library_errors, command_app
+from ._app import SEQ_LEN, _Json, _library_errors, command_app
 from ._output import _print_json
 
 command = command_app()
@@ -25,7 +25,9 @@ def heads_cmd(
         "with that head ablated, and its ratio to the model's own.",
     ),
     how: str = typer.Option("zero", "--how", help="With --ablate: 'zero' or 'mean' ablation."),
-    length: int = typer.Option(24, "--length", help="Random tokens in the sequence repeated."),
+    length: int = typer.Option(
+        24, SEQ_LEN, help="Random tokens in the sequence that is repeated (T = 2 × this)."
+    ),
     sequences: int = typer.Option(16, "--sequences", help="How many such sequences."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random tokens."),
     as_json: _Json = False,

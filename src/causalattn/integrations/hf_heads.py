@@ -44,7 +44,7 @@ def probe_ids(
     T = 2 * length + (bos is not None)
     if ctx is not None and T > ctx:
         raise ValueError(
-            f"--length: {length} tokens repeated twice{' after BOS' if bos is not None else ''}"
+            f"--max-len: {length} tokens repeated twice{' after BOS' if bos is not None else ''}"
             f" is T = {T}, longer than the model's context of {ctx}"
         )
     ids = repeated_tokens(vocab, sequences, length, seed=seed, first=bos)
@@ -153,14 +153,14 @@ def measure(
     how: str = "zero",
 ) -> HeadTable:
     """The head table of ``model`` on its probe (see the module docstring)."""
-    for name, v in (("--length", length), ("--sequences", sequences)):
+    for name, v in (("--max-len", length), ("--sequences", sequences)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if how not in ("zero", "mean"):
         raise ValueError(f"--how must be 'zero' or 'mean', got {how!r}")
     if length < 2:
         raise ValueError(
-            f"--length must be at least 2 (a repeat's loss starts at its 2nd), got {length}"
+            f"--max-len must be at least 2 (a repeat's loss starts at its 2nd), got {length}"
         )
     ids, bos = probe_ids(model, tokenizer, length=length, sequences=sequences, seed=seed)
     roles = head_roles(capture(model, ids, tokenizer=tokenizer))

@@ -101,27 +101,6 @@ def encode(tokenizer, text: str, model):
     return ids
 
 
-def parse_layers(spec: str | None) -> list[int] | None:
-    """'0,3,5-7' -> [0, 3, 5, 6, 7]; None -> None (every layer). Ranges are checked later
-    against the model."""
-    if spec is None:
-        return None
-    out = []
-    for part in spec.split(","):
-        part = part.strip()
-        try:
-            if "-" in part[1:]:
-                lo, hi = part.split("-", 1) if not part.startswith("-") else (part, "")
-                out.extend(range(int(lo), int(hi) + 1))
-            else:
-                out.append(int(part))
-        except ValueError:
-            raise ValueError(
-                f"--layers: {spec!r} is not a list of layer indices such as '0,3,5-7'"
-            ) from None
-    return out
-
-
 @dataclass
 class LayerAudit:
     """One row of the summary: a layer's verdict and two numbers worth seeing."""
