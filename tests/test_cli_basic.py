@@ -179,8 +179,8 @@ def test_masks_truncation_is_reported():
         (["masks", "--form", "dots"], "--form must be one of"),
         (["masks", "a", "--file", "x.txt"], "not both"),
         (["masks", "--file", "/nonexistent/c.txt"], "cannot read corpus file"),
-        (["shapes", "--d-model", "1000", "--heads", "3"], "not divisible by n_heads = 3"),
-        (["shapes", "--seq-len", "0"], "shapes: seq_len"),
+        (["shapes", "--d-model", "1000", "--heads", "3"], "not divisible by --heads 3"),
+        (["shapes", "--max-len", "0"], "--max-len must be a positive integer"),
     ],
 )
 def test_errors_exit_2_without_traceback(args, fragment):

@@ -76,7 +76,7 @@ print("@@doors@@" + json.dumps(out))
 def doors(bombs):
     argvs = {
         "trace -i": ["trace", "-i", str(bombs["npz"])],
-        "explore --trace": ["explore", "--trace", str(bombs["trace"]), "-o", str(bombs["html"])],
+        "explore trace": ["explore", "trace", str(bombs["trace"]), "-o", str(bombs["html"])],
         "audit": ["audit", str(bombs["npz"])],
         "learn --check": ["learn", "--check", str(bombs["py"]), "--json"],
         "diagnose FILE": ["diagnose", f"{bombs['py']}:attention"],

@@ -37,7 +37,7 @@ class _OneLineErrors(TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         args = list(sys.argv[1:] if args is None else args)
-        _STATE.update(json=_asks_json(args), command=self._command_of(args))
+        _STATE.update(json=_asks_json(args), **self._command_of(args))
         try:
             rv = super().main(
                 args=args,
@@ -80,20 +80,22 @@ class _OneLineErrors(TyperGroup):
             return rv
         sys.exit(rv if isinstance(rv, int) else 0)
 
-    def _command_of(self, args: list[str]) -> str | None:
-        """The command (``bench shape``) that ``args`` run, as JSON names it; None: none."""
+    def _command_of(self, args: list[str]) -> dict:
+        """The command that ``args`` run: its name as JSON says it (``bench shape``; None:
+        none) and the click command (``leaf``)."""
         words = []
-        group = self
+        leaf = self
         for arg in args:
-            if not isinstance(group, TyperGroup) or arg not in group.commands:
+            if not isinstance(leaf, TyperGroup) or arg not in leaf.commands:
                 break
             words.append(arg)
-            group = group.commands[arg]
-        return " ".join(words) or None
+            leaf = leaf.commands[arg]
+        return {"command": " ".join(words) or None, "leaf": leaf}
 
 
-# What the running command line asked for: --json (errors as JSON too) and its command.
-_STATE: dict = {"json": False, "command": None}
+# What the running command line asked for: --json (errors as JSON too), its command's name
+# and its click command.
+_STATE: dict = {"json": False, "command": None, "leaf": None}
 
 
 def _asks_json(args: list[str]) -> bool:
@@ -129,19 +131,49 @@ def document(body: dict, command: str | None = None) -> dict:
     return {"command": command, "positions": "1-based", **body}
 
 
-# A library message starts with the Python name of the stage that refused
-# ("compare_masks: ...", "trace.heads: ..."); the command line says what it ran itself.
-_CODE_NAME = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:\(\))?: ")
+# A library message may start with the Python name of the function that refused
+# ("compare_masks: ...") or of an argument ("alibi_slopes: ..."); the command line says what
+# it ran in its own words.
+_CODE_NAME = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*)(?:\(\))?: ")
 
 
 def _user_message(message: str) -> str:
-    """``message`` as the command line says it: one line, without a leading Python name
-    such as ``compare_masks:`` (a name with ``_``, ``.`` or ``()``: code, not words)."""
+    """``message`` as the command line says it: one line; a leading argument name that is
+    the running command's option (``alibi_slopes:``) spelled as that option
+    (``--alibi-slopes:``); a leading causalattn function (``compare_masks:``,
+    ``Trace.load:``), or the command's own name (``diagnose:`` in ``causalattn diagnose``),
+    left out."""
     line = message.strip().splitlines()[0] if message.strip() else "failed"
-    m = _CODE_NAME.match(line)
-    if m and any(c in m.group(0) for c in "_.("):
-        line = line[m.end() :]
+    command = (_STATE["command"] or "").split(" ")[0]
+    while (m := _CODE_NAME.match(line)) is not None:
+        name, rest = m.group(1), line[m.end() :]
+        flag = "--" + name.replace("_", "-")
+        if flag in _options_of_running_command():
+            return f"{flag}: {rest}"
+        code = ("_" in name or "." in name) and _a_function(name)
+        if not (code or name == command):
+            break
+        line = rest
     return line
+
+
+def _options_of_running_command() -> set[str]:
+    cmd = _STATE["leaf"]
+    return {o for p in getattr(cmd, "params", ()) for o in (*p.opts, *p.secondary_opts)}
+
+
+def _a_function(name: str) -> bool:
+    """Whether ``name`` (``compare_masks``, ``Trace.load``) names something callable in a
+    loaded causalattn module (a data key such as ``n_heads`` does not)."""
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not mod_name.startswith("causalattn"):
+            continue
+        obj = mod
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+        if callable(obj):
+            return True
+    return False
 
 
 def _error(message: str, code: int, hint: str | None = None, **details) -> int:

@@ -152,7 +152,7 @@ def _captured(model_dir: Path, prompt: str | None, layers: str | None, generate:
         model, tokenizer = hf_model.load(model_dir)
         if chosen is not None:
             count = n_layers(model)
-            chosen = [given(shown(i), "--layers", count, "layers") for i in chosen]
+            chosen = [given(shown(i), "--layers", count, "layer") for i in chosen]
         ids = hf_model.encode(tokenizer, prompt, model)
         traces = capture(model, ids, layers=chosen, tokenizer=tokenizer, generate=generate)
     return model, traces

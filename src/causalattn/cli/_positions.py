@@ -20,16 +20,16 @@ def shown(pos):
     return int(pos) + BASE
 
 
-def given(n: int, flag: str, count: int | None = None, what: str = "positions") -> int:
+def given(n: int, flag: str, count: int | None = None, what: str = "position") -> int:
     """A 1-based ``n`` from ``flag`` as a 0-based index; 0 (or less), or past ``count``, is
-    one ``error:`` line that says ``what`` count from 1."""
+    one ``error:`` line that says ``what``s count from 1."""
     if n < BASE or (count is not None and n > count):
-        span = f"{BASE}..{count}" if count is not None else f"from {BASE}"
-        _fail(f"{flag}: {what} count from {BASE} ({span}), got {n}")
+        span = f"{BASE}..{count}" if count is not None else f">= {BASE}"
+        _fail(f"{flag} must be a {what} {span} ({what}s count from {BASE}), got {n}")
     return n - BASE
 
 
-def given_list(spec: str | None, flag: str, what: str = "layers") -> list[int] | None:
+def given_list(spec: str | None, flag: str, what: str = "layer") -> list[int] | None:
     """'1,3,5-7' -> 0-based [0, 2, 4, 5, 6]; None -> None (every one). The range against
     the model is checked by :func:`given` once its size is known."""
     if spec is None:
@@ -38,7 +38,7 @@ def given_list(spec: str | None, flag: str, what: str = "layers") -> list[int] |
     for part in spec.split(","):
         lo, dash, hi = part.strip().partition("-")
         if not lo.isdigit() or (dash and not hi.isdigit()):
-            _fail(f"{flag}: {spec!r} is not a list of {what} such as '1,3,5-7' (counted from 1)")
+            _fail(f"{flag}: {spec!r} is not a list of {what}s such as '1,3,5-7' (from {BASE})")
         for n in range(int(lo), int(hi or lo) + 1):
             out.append(given(n, flag, what=what))
     if not out:

@@ -43,6 +43,6 @@ def heads_cmd(
             lm, tokenizer, length=length, sequences=sequences, seed=seed, ablate=ablate, how=how
         )
     if as_json:
-        _print_json(table.rows())
+        _print_json({"heads": table.rows()})
     else:
         typer.echo(table.format())

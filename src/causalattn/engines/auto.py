@@ -5,12 +5,12 @@ T_k <= ``SDPA_GRAD_T``, SDPA where it runs the call) — it is measured
 the fastest on every shape of ``causalattn bench`` (the closing table of issue 22 and
 docs/design.md), so no timing table measured on another machine decides. Where it is
 unavailable (no compiler) the choice between ``tiled`` and ``sdpa`` comes from a table of
-paired timings measured by ``causalattn bench --tune``: the entry of the same dtype, kind
+paired timings measured by ``causalattn bench tune``: the entry of the same dtype, kind
 and pass whose (d, T) is nearest on a log scale names the winner. The table shipped in the
 package (``auto_table.json``, with its provenance) is replaced by the user's own,
 ``auto_table.json`` in platformdirs' user cache directory (on Linux
 ``$XDG_CACHE_HOME/causalattn``, default ``~/.cache/causalattn``), once
-``causalattn bench --tune`` has written it; a user's table that measured ``cpp`` decides for
+``causalattn bench tune`` has written it; a user's table that measured ``cpp`` decides for
 it too. CUDA: the Triton engine's measured ratios (:func:`causalattn.engines.triton.prefers`).
 
 ``CAUSALATTN_ENGINE=tiled`` (any engine name) forces what "auto" runs; an explicit
@@ -48,7 +48,7 @@ _TABLE: dict | None = None
 
 
 def user_table_path() -> Path:
-    """Where ``causalattn bench --tune`` writes this machine's table: platformdirs' user cache
+    """Where ``causalattn bench tune`` writes this machine's table: platformdirs' user cache
     directory for "causalattn" (on Linux ``$XDG_CACHE_HOME/causalattn``, else
     ``~/.cache/causalattn``; on macOS ``~/Library/Caches/causalattn``)."""
     return platformdirs.user_cache_path("causalattn", appauthor=False) / "auto_table.json"

@@ -1,6 +1,6 @@
 """A Hugging Face checkpoint folder -> model, tokenizer, ids; and the audit of every layer.
 
-What ``causalattn audit --model DIR "text"`` and ``causalattn explore --model DIR "text"``
+What ``causalattn audit --model DIR "text"`` and ``causalattn explore model DIR "text"``
 run. Every refusal is a ValueError naming what is wrong in one line (the CLI prints it as
 ``error: ...`` and exits 2): a folder that is not a model, a model that is not a causal
 LM, no tokenizer, an empty text, a text longer than the model's context.
