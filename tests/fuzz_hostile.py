@@ -10,6 +10,7 @@ NaN in a row that reads keys.
 
 from __future__ import annotations
 
+import json
 import sys
 import traceback
 from pathlib import Path
@@ -107,7 +108,10 @@ def fuzz_cli(args):
     out = res.stdout + res.stderr
     assert "Traceback" not in out and "internal error" not in out, (args, out[-2000:])
     assert res.exit_code in (0, 1, 2), (args, res.exit_code, out[-2000:])
-    if res.exit_code == 2:  # one error line (notes such as a truncation may come before it)
+    if res.exit_code == 2 and "--json" in args:  # the error as JSON on stdout, code kept
+        doc = json.loads(res.stdout)
+        assert doc["exit_code"] == 2 and doc["error"], (args, res.stdout[-2000:])
+    elif res.exit_code == 2:  # one error line (notes such as a truncation may come before it)
         lines = res.stderr.splitlines()
         errors = [k for k, ln in enumerate(lines) if ln.startswith("error: ")]
         assert len(errors) == 1, (args, res.stderr[-2000:])

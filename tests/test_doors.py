@@ -92,7 +92,7 @@ def doors(bombs):
     "door, words",
     [
         ("trace -i", ["error: trace input", "above the limit"]),
-        ("explore --trace", ["error: trace file", "above the limit"]),
+        ("explore trace", ["error: trace file", "above the limit"]),
         ("audit", ["error:", "above the limit"]),
         ("learn --check", ["not Python source"]),
         ("diagnose FILE", ["error:", "not Python source"]),

@@ -141,7 +141,7 @@ def test_bad_input_is_one_error_line_exit_2(dirs, tmp_path):
         (["audit", "--model", dirs["gpt2"], TEXT, "--layers", "3"], "a layer 1..2"),
         (["audit", "--model", dirs["gpt2"], TEXT, "--layers", "0"], "layers count from 1"),
         (["audit", "--model", dirs["gpt2"], TEXT, "--layers", "x"], "--layers"),
-        (["explore", "model", dirs["gpt2"], TEXT, "more"], "unexpected extra argument"),
+        (["explore", "model", dirs["gpt2"], TEXT, "--layers", "1,0"], "layers count from 1"),
         (["explore", "model", tmp_path / "empty", TEXT], "not a Hugging Face model folder"),
     ]
     for args, fragment in cases:

@@ -38,7 +38,9 @@ def run(*args, code=0):
 
 
 def test_json_is_one_object_per_head_one_based_as_the_python_api(llama_dir):
-    rows = json.loads(run("heads", "--model", llama_dir, "--json", "--sequences", "4").stdout)
+    doc = json.loads(run("heads", "--model", llama_dir, "--json", "--sequences", "4").stdout)
+    assert doc["command"] == "heads" and doc["positions"] == "1-based"
+    rows = doc["heads"]
     assert [(r["layer"], r["head"]) for r in rows] == [(l, h) for l in (1, 2) for h in (1, 2, 3, 4)]
     assert all(list(r)[: len(KEYS)] == KEYS and "role" in r for r in rows)
     model, tok = hf_model.load(llama_dir)
@@ -58,6 +60,7 @@ def test_json_is_one_object_per_head_one_based_as_the_python_api(llama_dir):
 def test_ablate_adds_each_heads_effect_on_the_loss(llama_dir):
     probe = ["--sequences", "2", "--max-len", "8"]
     rows = json.loads(run("heads", "--model", llama_dir, "--json", *probe, "--ablate").stdout)
+    rows = rows["heads"]
     model, tok = hf_model.load(llama_dir)
     ids, bos = hf_heads.probe_ids(model, tok, length=8, sequences=2, seed=0)
     base = hf_heads.repeat_losses(model, ids, 8, bos)[1]
@@ -70,7 +73,7 @@ def test_ablate_adds_each_heads_effect_on_the_loss(llama_dir):
     assert len({round(x["ablated_loss"], 6) for x in rows}) > 1  # heads differ: it can fail
     mean = json.loads(
         run("heads", "--model", llama_dir, "--json", *probe, "--ablate", "--how", "mean").stdout
-    )
+    )["heads"]
     assert [x["ablated_loss"] for x in mean] != [x["ablated_loss"] for x in rows]
 
 

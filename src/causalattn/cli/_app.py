@@ -37,8 +37,9 @@ class _OneLineErrors(TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         args = list(sys.argv[1:] if args is None else args)
-        _STATE.update(json=_asks_json(args), **self._command_of(args))
+        _STATE.update(json=_asks_json(args), command=None, leaf=None)
         try:
+            _STATE.update(self._command_of(args))  # loads the command's module
             rv = super().main(
                 args=args,
                 prog_name=prog_name,

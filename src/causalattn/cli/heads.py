@@ -9,6 +9,7 @@ import typer
 
 from ._app import SEQ_LEN, _Json, _library_errors, command_app
 from ._output import _print_json
+from ._positions import BASE
 
 command = command_app()
 
@@ -43,6 +44,6 @@ def heads_cmd(
             lm, tokenizer, length=length, sequences=sequences, seed=seed, ablate=ablate, how=how
         )
     if as_json:
-        _print_json({"heads": table.rows()})
+        _print_json({"heads": table.rows(base=BASE)})
     else:
-        typer.echo(table.format())
+        typer.echo(table.format(base=BASE))

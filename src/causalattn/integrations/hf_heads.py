@@ -107,8 +107,8 @@ class HeadTable:
             out.append(d)
         return out
 
-    def format(self) -> str:
-        """The table as plain lines (never wrapped), layers and heads 1-based."""
+    def format(self, base: int = 1) -> str:
+        """The table as plain lines (never wrapped), layers and heads counted from ``base``."""
         layers = len({r.layer for r in self.roles})
         heads = len(self.roles) // max(layers, 1)
         lines = [
@@ -121,7 +121,7 @@ class HeadTable:
         extra = ["ablated_loss", "loss_ratio"] if self.ablated else []
         head = f"{'layer':>5}  {'head':>4}  {'role':<14}" + "".join(f"  {c:>14}" for c in cols)
         lines.append(head + "".join(f"  {c:>12}" for c in extra))
-        for d in self.rows():
+        for d in self.rows(base):
             line = f"{d['layer']:>5}  {d['head']:>4}  {d['role'] or '-':<14}"
             line += "".join(f"  {_num(d[c], 3):>14}" for c in cols)
             line += "".join(f"  {_num(d[c], 4):>12}" for c in extra)
