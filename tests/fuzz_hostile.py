@@ -1,4 +1,4 @@
-"""Property-based fuzzing of the CLI and of attention / trace / encode (issue 16).
+"""Property-based fuzzing of the CLI and of attention / trace / encode.
 
 Run by tests/test_fuzz_hostile.py in ONE subprocess capped with resource.setrlimit, so a
 blow-up fails the test instead of the machine. Every property: a clean error (exit 2 and

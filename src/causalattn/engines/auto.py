@@ -1,9 +1,12 @@
 """``engine="auto"``: the engine expected fastest for a call, from its :class:`Features`.
 
 CPU: the native engine (``cpp``) wherever it is built and runs the call (with a backward and
-T_k <= ``SDPA_GRAD_T``, SDPA where it runs the call) — it is measured
-the fastest on every shape of ``causalattn bench`` (the closing table of issue 22 and
-docs/design.md), so no timing table measured on another machine decides. Where it is
+T_k <= ``SDPA_GRAD_T``, SDPA where it runs the call) — it is measured the fastest on every
+shape of ``causalattn bench`` (docs/design.md), so no timing table measured on another
+machine decides. (``causalattn bench shape 1,4,256,64``, paired on 2 cores: cpp 1.44x
+SDPA's speed at load 7, 1.6-1.7x with one thread each; past load 10 both engines' 2-thread
+calls stall for tens of ms on descheduled threads, cpp more often, which a user's own table
+measures.) Where it is
 unavailable (no compiler) the choice between ``tiled`` and ``sdpa`` comes from a table of
 paired timings measured by ``causalattn bench tune``: the entry of the same dtype, kind
 and pass whose (d, T) is nearest on a log scale names the winner. The table shipped in the
