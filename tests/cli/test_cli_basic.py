@@ -195,7 +195,7 @@ def test_errors_exit_2_without_traceback(args, fragment):
 
 
 def test_shapes_seed_table():
-    out = run("shapes", "--seq-len", "2048", "--d-model", "1000", "--heads", "1").stdout
+    out = run("shapes", "--max-len", "2048", "--d-model", "1000", "--heads", "1").stdout
     for s in ("2048×1000", "1000×2048", "2048×2048", "1000×1000", "16.0 MiB"):
         assert s in out
     d = run_json("shapes")
