@@ -60,7 +60,7 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict -q
 
 bench: $(STAMP)
-	.venv/bin/causalattn bench
+	.venv/bin/causalattn bench cpu
 
 clean:
 	rm -rf .venv .pytest_cache .ruff_cache .hypothesis site

@@ -95,7 +95,9 @@ def page(bench: Path = BENCH) -> tuple[str, dict[str, bytes]]:
     ]
     images = {}
     for path in sorted(p for p in bench.glob("*.json") if p.name != "machine.json"):
-        rows = [flat(r) for r in json.loads(path.read_text())]
+        data = json.loads(path.read_text())
+        # the CLI's JSON shape, {"command", "positions", "rows"}; a list: recorded before it
+        rows = [flat(r) for r in (data["rows"] if isinstance(data, dict) else data)]
         mode = path.stem
         parts += [f"## `causalattn bench {mode} --quick --json`", ""]
         png = plot(rows, f"causalattn bench {mode} --quick")

@@ -65,8 +65,9 @@ def page() -> str:
         "# CLI reference",
         "",
         "Generated from the typer app at every `make docs` (`tools/cli_reference.py`). Every",
-        "command takes `--json`; positions are 1-based; bad input is one `error: ...` line and",
-        "exit 2.",
+        'command takes `--json` (one shape: `{"command", "positions": "1-based", ...}`);',
+        "positions count from 1; bad input is one `error: ...` line and exit 2 (under `--json`,",
+        "that shape with `error` and `exit_code` on stdout). `--version` prints the version.",
         "",
     ]
     body = _section(group, ctx, 1)

@@ -173,7 +173,7 @@ def test_huge_sentence_masks_summarized_and_refused_where_dense(huge_sentence, t
         [
             ["masks", "--file", f, "--json"],
             ["masks", "--file", f, "--form", "check"],
-            ["explore", "--file", f, "-o", str(tmp_path / "e.html")],
+            ["explore", "text", "--file", f, "-o", str(tmp_path / "e.html")],
         ],
         mem=3 * GiB,
         cpu=120,
@@ -197,11 +197,11 @@ def test_huge_sentence_masks_summarized_and_refused_where_dense(huge_sentence, t
 OVERSIZED = [
     (["masks", "a b", "--max-len", "100000", "--full"], ["--full", "max-bytes"]),
     (["masks", "a b", "--max-len", "1000000000000"], ["would take", "max_len"]),
-    (["explore", "--max-len", "100000", "a b"], ["would take", "--max-len"]),
+    (["explore", "text", "--max-len", "100000", "a b"], ["would take", "--max-len"]),
     (["demo", "--d-model", "1000000000"], ["d_model = 1000000000", "--max-bytes"]),
-    (["explore", "--heads", "0"], ["--heads must be a positive integer"]),
-    (["explore", "--d-model", "0"], ["--d-model must be a positive integer"]),
-    (["explore", "--d-model", "10", "--heads", "3"], ["divisible"]),
+    (["explore", "text", "--heads", "0"], ["--heads must be a positive integer"]),
+    (["explore", "text", "--d-model", "0"], ["--d-model must be a positive integer"]),
+    (["explore", "text", "--d-model", "10", "--heads", "3"], ["divisible"]),
     (["demo", "--d-model", "-3"], ["--d-model"]),
 ]
 
@@ -220,6 +220,7 @@ def test_explore_page_is_capped_with_a_note(tmp_path):
         [
             [
                 "explore",
+                "text",
                 "--file",
                 str(corpus),
                 "-o",
@@ -316,7 +317,9 @@ def test_trace_input_problems_are_one_error_line(tmp_path):
 
 def test_output_folders_are_never_created(tmp_path):
     missing = tmp_path / "nope" / "deeper"
-    one_error_line(runner_result("explore", "-o", str(missing / "e.html")), "does not exist")
+    one_error_line(
+        runner_result("explore", "text", "-o", str(missing / "e.html")), "does not exist"
+    )
     one_error_line(runner_result("trace", "--save", str(missing / "t.npz")), "does not exist")
     one_error_line(runner_result("masks", "--png", str(missing)), "does not exist")
     assert not (tmp_path / "nope").exists()
@@ -461,6 +464,7 @@ def test_explore_of_long_sentences_stays_within_max_bytes(tmp_path):
         [
             [
                 "explore",
+                "text",
                 "--file",
                 str(corpus),
                 "-o",

@@ -183,8 +183,8 @@ def test_masks_truncation_is_reported():
         (["masks", "--form", "dots"], "--form must be one of"),
         (["masks", "a", "--file", "x.txt"], "not both"),
         (["masks", "--file", "/nonexistent/c.txt"], "cannot read corpus file"),
-        (["shapes", "--d-model", "1000", "--heads", "3"], "not divisible by n_heads = 3"),
-        (["shapes", "--seq-len", "0"], "shapes: seq_len"),
+        (["shapes", "--d-model", "1000", "--heads", "3"], "not divisible by --heads 3"),
+        (["shapes", "--max-len", "0"], "--max-len must be a positive integer"),
     ],
 )
 def test_errors_exit_2_without_traceback(args, fragment):
@@ -195,7 +195,7 @@ def test_errors_exit_2_without_traceback(args, fragment):
 
 
 def test_shapes_seed_table():
-    out = run("shapes", "--seq-len", "2048", "--d-model", "1000", "--heads", "1").stdout
+    out = run("shapes", "--max-len", "2048", "--d-model", "1000", "--heads", "1").stdout
     for s in ("2048×1000", "1000×2048", "2048×2048", "1000×1000", "16.0 MiB"):
         assert s in out
     d = run_json("shapes")

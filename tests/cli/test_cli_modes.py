@@ -1,14 +1,12 @@
-"""`causalattn bench cpu|layer|patterns|io|tune` and `causalattn explore text|trace|model`
-and the older spellings they replace, which keep working: `bench` alone (= cpu),
-`bench --layer|--patterns|--io|--tune`, `explore "sentence" ...`, `explore --trace F`,
-`explore --model DIR "text"`. Each pair gives the same output and exit code; an option that
-belongs to another mode is one `error:` line and exit 2."""
+"""`causalattn bench cpu|layer|patterns|io|tune` and `causalattn explore text|trace|model`:
+each mode runs its benchmark or page with its options; an option that belongs to another
+mode is one `error:` line and exit 2. The spellings from before the modes (`bench --layer`,
+`explore "sentence"`, `explore --trace F`) are gone: usage errors; `bench` or `explore`
+alone shows its modes and exits 2."""
 
 from __future__ import annotations
 
 import json
-import re
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -62,50 +60,73 @@ def fake_benches(monkeypatch, tmp_path):
     return calls
 
 
-BENCH_PAIRS = [
-    (["bench", "cpu"], ["bench"]),
-    (["bench", "cpu", "--quick"], ["bench", "--quick"]),
-    (["bench", "layer"], ["bench", "--layer"]),
-    (["bench", "layer", "--quick"], ["bench", "--layer", "--quick"]),
-    (["bench", "patterns", "--quick"], ["bench", "--patterns", "--quick"]),
-    (["bench", "io"], ["bench", "--io"]),
-    (["bench", "io", "--quick"], ["bench", "--quick", "--io"]),
-    (["bench", "tune"], ["bench", "--tune"]),
-    (["bench", "tune", "--out", "t.json"], ["bench", "--tune", "--out", "t.json"]),
+BENCH_MODES = [
+    ["bench", "cpu"],
+    ["bench", "cpu", "--quick"],
+    ["bench", "layer"],
+    ["bench", "layer", "--quick"],
+    ["bench", "patterns", "--quick"],
+    ["bench", "io"],
+    ["bench", "io", "--quick"],
+    ["bench", "tune"],
+    ["bench", "tune", "--out", "t.json"],
 ]
 
 
-@pytest.mark.parametrize(("new", "old"), BENCH_PAIRS, ids=lambda a: " ".join(a))
-def test_bench_modes_and_their_older_flags_run_the_same(fake_benches, new, old):
-    a = invoke(*new, "--json")
-    calls_new = list(fake_benches)
-    fake_benches.clear()
-    b = invoke(*old, "--json")
-    assert a.exit_code == b.exit_code == 0, (a.output, b.output)
-    assert a.stdout == b.stdout and calls_new == fake_benches
-    mode = new[1]
+@pytest.mark.parametrize("args", BENCH_MODES, ids=" ".join)
+def test_bench_modes_run_their_benchmark(fake_benches, args):
+    a = invoke(*args, "--json")
+    assert a.exit_code == 0, a.output
+    mode = args[1]
     ran = {c[0] for c in fake_benches}
     assert ran == ({"io", "startup"} if mode == "io" else {mode})
-    quick = "--quick" in new
+    quick = "--quick" in args
     data = json.loads(a.stdout)
+    assert data["command"] == f"bench {mode}" and data["positions"] == "1-based"
     if mode in ("cpu", "patterns"):
-        assert data == [{"case": mode, "args": [], "quick": quick}]
+        assert data["rows"] == [{"case": mode, "args": [], "quick": quick}]
     elif mode == "layer":
-        assert data == [{"case": "layer", "args": [], "budget_s": 8.0 if quick else 20.0}]
+        assert data["rows"] == [{"case": "layer", "args": [], "budget_s": 8.0 if quick else 20.0}]
     elif mode == "io":
         assert data["startup"] == [{"case": "startup", "args": [], "reps": 3 if quick else 7}]
         assert data["input"] == [
             {"case": "io", "args": [], "reps": 1 if quick else 2, "quick": quick}
         ]
     else:
-        assert data == {"out": "t.json" if "--out" in new else "None"}
+        assert data["out"] == ("t.json" if "--out" in args else "None")
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["bench", "--layer"],
+        ["bench", "--quick"],
+        ["bench", "--tune", "--out", "t.json"],
+        ["explore", "a b"],
+        ["explore", "--trace", "t.npz"],
+        ["explore", "--model", "d", "x"],
+    ],
+    ids=" ".join,
+)
+def test_the_spellings_from_before_the_modes_are_usage_errors(fake_benches, args):
+    res = invoke(*args)
+    assert res.exit_code == 2 and res.stderr.startswith("error: "), res.output
+    assert "Traceback" not in res.output and fake_benches == []
+
+
+@pytest.mark.parametrize("group", ["bench", "explore"])
+def test_a_group_alone_shows_its_modes_and_exits_2(fake_benches, group):
+    res = invoke(group)
+    assert res.exit_code == 2, res.output
+    assert ("text" if group == "explore" else "cpu") in res.stdout and fake_benches == []
 
 
 def test_bench_io_only_one_table(fake_benches):
     data = json.loads(invoke("bench", "io", "--only", "startup", "--json").stdout)
-    assert list(data) == ["startup"] and [c[0] for c in fake_benches] == ["startup"]
+    assert "startup" in data and "input" not in data
+    assert [c[0] for c in fake_benches] == ["startup"]
     data = json.loads(invoke("bench", "io", "--only", "input", "--json").stdout)
-    assert list(data) == ["input"]
+    assert "input" in data and "startup" not in data
     one_error_line(invoke("bench", "io", "--only", "both"), "--only must be one of startup, input")
 
 
@@ -121,8 +142,7 @@ def test_bench_io_only_one_table(fake_benches):
         (["bench", "cpu", "--out", "x.json"], ["--out", "goes with 'causalattn bench tune'"]),
         (["bench", "tune", "--quick"], ["--quick does not go with 'causalattn bench tune'"]),
         (["bench", "io", "--layer"], ["run 'causalattn bench layer'"]),
-        (["bench", "--layer", "--patterns"], ["--layer and --patterns are two modes"]),
-        (["bench", "--io", "--tune"], ["--io and --tune are two modes"]),
+        (["bench", "shape", "1,2,3,4", "--quick"], ["--quick does not go with"]),
     ],
     ids=lambda a: " ".join(a) if a and a[0] == "bench" else "",
 )
@@ -131,15 +151,9 @@ def test_bench_bad_combinations_are_one_error_line(fake_benches, args, fragments
     assert fake_benches == []  # nothing ran
 
 
-def test_bench_out_without_tune_is_a_usage_error_as_before(fake_benches):
-    res = invoke("bench", "--out", "x.json")
-    assert res.exit_code == 2 and res.stderr.startswith("error: ")
-    assert "--out goes with --tune" in res.stderr and fake_benches == []
-
-
-def test_bench_help_lists_the_modes_not_the_hidden_spelling():
+def test_bench_help_lists_the_modes():
     out = invoke("bench", "--help").stdout
-    for mode in ("cpu", "layer", "patterns", "io", "tune"):
+    for mode in ("cpu", "layer", "patterns", "io", "shape", "tune"):
         assert f" {mode} " in out, mode
     assert "legacy" not in out
     assert "legacy" not in invoke("explore", "--help").stdout
@@ -148,95 +162,36 @@ def test_bench_help_lists_the_modes_not_the_hidden_spelling():
 # -- explore ---------------------------------------------------------------------------------
 
 
-def page(p: Path) -> bytes:
-    """A page's bytes, less its nonce and element id (new on every page)."""
-    b = re.sub(rb"nonce(-|=\")[A-Za-z0-9_-]+", rb"nonce\1N", p.read_bytes())
-    return re.sub(rb"ca-x-[0-9a-f]+", b"ca-x-ID", b)
-
-
-def pages(tmp_path: Path, new: list, old: list, json_out=True):
-    """Run both spellings into two pages; return (new result, old result, new page, old page)."""
-    (tmp_path / "new").mkdir(exist_ok=True)
-    (tmp_path / "old").mkdir(exist_ok=True)
-    pa, pb = tmp_path / "new" / "e.html", tmp_path / "old" / "e.html"  # the page holds its name
-    extra = ["--json"] if json_out else []
-    a = invoke(*new, "-o", pa, *extra)
-    b = invoke(*old, "-o", pb, *extra)
-    return a, b, pa, pb
-
-
 @pytest.mark.parametrize(
-    ("new", "old"),
+    "args",
     [
-        (["explore", "text"], ["explore"]),
-        (
-            ["explore", "text", "I love pizza", "you love cheese too"],
-            ["explore", "I love pizza", "you love cheese too"],
-        ),
-        (
-            [
-                "explore",
-                "text",
-                "a b c",
-                "--d-model",
-                "8",
-                "--heads",
-                "4",
-                "--seed",
-                "3",
-                "--questions",
-                "2",
-                "--max-len",
-                "2",
-            ],
-            [
-                "explore",
-                "a b c",
-                "--d-model",
-                "8",
-                "--heads",
-                "4",
-                "--seed",
-                "3",
-                "--questions",
-                "2",
-                "--max-len",
-                "2",
-            ],
-        ),
+        [],
+        ["I love pizza", "you love cheese too"],
+        ["a b c", "--d-model", "8", "--heads", "4", "--seed", "3", "--questions", "2"],
     ],
     ids=["seed sentences", "two sentences", "every option"],
 )
-def test_explore_text_and_the_older_spelling_write_the_same_page(tmp_path, new, old):
-    a, b, pa, pb = pages(tmp_path, new, old)
-    assert a.exit_code == b.exit_code == 0, (a.output, b.output)
-    ja, jb = json.loads(a.stdout), json.loads(b.stdout)
-    assert ja["output"] == str(pa) and jb["output"] == str(pb)
-    assert ja["sequences"] == jb["sequences"] > 0
-    assert page(pa) == page(pb)
-    assert a.stderr == b.stderr  # the --max-len note too
+def test_explore_text_writes_a_page(tmp_path, args):
+    out = tmp_path / "e.html"
+    res = invoke("explore", "text", *args, "--max-len", "2", "-o", out, "--json")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert data["command"] == "explore text" and data["output"] == str(out)
+    assert data["sequences"] == (len(args) if 0 < len(args) < 3 else 1 if args else 4)
+    assert out.stat().st_size > 1000
 
 
-def test_explore_text_file_and_trace_as_before(tmp_path):
+def test_explore_text_file_and_trace(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text("one two\n\nthree four five\n", encoding="utf-8")
-    a, b, pa, pb = pages(tmp_path, ["explore", "text", "--file", corpus], ["explore", "-f", corpus])
-    assert a.exit_code == b.exit_code == 0 and page(pa) == page(pb)
-    assert json.loads(a.stdout)["sequences"] == 2
+    res = invoke("explore", "text", "--file", corpus, "-o", tmp_path / "a.html", "--json")
+    assert res.exit_code == 0 and json.loads(res.stdout)["sequences"] == 2
     npz = tmp_path / "t.npz"
     assert invoke("trace", "--save", npz).exit_code == 0
-    args = ["--questions", "1", "--seed", "4"]
-    a, b, pa, pb = pages(
-        tmp_path, ["explore", "trace", npz, *args], ["explore", "--trace", npz, *args]
-    )
-    assert a.exit_code == b.exit_code == 0, (a.output, b.output)
-    assert page(pa) == page(pb) and json.loads(a.stdout)["sequences"] == 1
-    a, b, _, _ = pages(tmp_path, ["explore", "trace", npz], ["explore", "--trace", npz], False)
-    assert a.exit_code == b.exit_code == 0
-    assert a.stdout.replace("new", "old") == b.stdout
-    missing = tmp_path / "missing.npz"
-    ea = one_error_line(invoke("explore", "trace", missing), "cannot be read")
-    assert ea == one_error_line(invoke("explore", "--trace", missing))
+    res = invoke("explore", "trace", npz, "--questions", "1", "-o", tmp_path / "b.html", "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["sequences"] == 1
+    one_error_line(invoke("explore", "trace", tmp_path / "missing.npz"), "cannot be read")
 
 
 @pytest.mark.parametrize(
@@ -252,9 +207,8 @@ def test_explore_text_file_and_trace_as_before(tmp_path):
     ],
     ids=" ".join,
 )
-def test_explore_text_errors_are_the_older_spelling_s(args):
-    new = one_error_line(invoke("explore", "text", *args))
-    assert new == one_error_line(invoke("explore", *args))
+def test_explore_text_errors_are_one_line(args):
+    one_error_line(invoke("explore", "text", *args))
 
 
 @pytest.mark.parametrize(
@@ -284,11 +238,6 @@ def test_explore_text_errors_are_the_older_spelling_s(args):
         ),
         (["explore", "model", "d", "x", "--trace", "t.npz"], ["run 'causalattn explore trace'"]),
         (["explore", "text", "a b", "--file", "c.txt"], ["give sentences or --file, not both"]),
-        (["explore", "a b", "--generate", "2"], ["--generate needs --model"]),
-        (
-            ["explore", "x y", "--trace", "t.npz"],
-            ["give sentences, --file or --trace, only one of them"],
-        ),
     ],
     ids=lambda a: " ".join(a) if a and a[0] == "explore" else "",
 )

@@ -152,3 +152,39 @@ def test_tune_writes_the_table_auto_then_reads(tmp_path, monkeypatch):
     finally:  # the user's cache folder back first: the reload must not keep this table
         monkeypatch.undo()
         auto.table(reload=True)
+
+
+def test_a_table_that_timed_cpp_picks_the_faster_engine_per_shape(tmp_path, monkeypatch):
+    """Where this machine's table (`causalattn bench tune`) timed cpp slower than SDPA (as a
+    loaded 2-core machine times (1, 4, 256, 64) forward), auto runs SDPA there, and cpp where
+    the table timed cpp the faster; `bench shape`'s auto row names the same engine."""
+    if cpp.unavailable():
+        pytest.skip(cpp.unavailable())
+    from causalattn.bench import shape as shape_bench
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(auto.ENV, raising=False)
+    path = auto.user_table_path()
+    path.parent.mkdir(parents=True)
+
+    def entry(T, ms):
+        best = min(ms, key=ms.get)
+        return {"device": "cpu", "dtype": "float32", "kind": "causal", "d": 64, "T": T,
+                "pass": "fwd", "best": best, "ms": ms}  # fmt: skip
+
+    entries = [
+        entry(256, {"cpp": 44.0, "tiled": 120.0, "sdpa": 18.3}),
+        entry(1024, {"cpp": 3.0, "tiled": 9.0, "sdpa": 5.0}),
+    ]
+    path.write_text(json.dumps({"provenance": {}, "entries": entries}))
+    try:
+        auto.table(reload=True)
+        _forget()
+        for T, want in ((256, "sdpa"), (1024, "cpp")):
+            q = torch.randn(1, 4, T, 64)
+            assert pick_engine(make_problem(q, q, q)) == want, T
+            assert shape_bench.auto_pick(q, q, q, grad=False) == want, T
+    finally:  # the user's cache folder back first: the reload must not keep this table
+        monkeypatch.undo()
+        auto.table(reload=True)
+        _forget()

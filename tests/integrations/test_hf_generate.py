@@ -92,7 +92,7 @@ def test_explore_marks_the_generated_tokens(tmp_path):
     tiny.tokenizer().save_pretrained(d)
     page = tmp_path / "page.html"
     runner = CliRunner()
-    args = ["explore", "--model", str(d), "The cat sat on the mat.", "-o", str(page)]
+    args = ["explore", "model", str(d), "The cat sat on the mat.", "-o", str(page)]
     res = runner.invoke(app, [*args, "--generate", "3"])
     assert res.exit_code == 0, res.output
     assert '"gen":3' in page.read_text()
@@ -102,5 +102,5 @@ def test_explore_marks_the_generated_tokens(tmp_path):
     ]:
         res = runner.invoke(app, [*args, *bad])
         assert res.exit_code == 2 and res.output.startswith("error: ") and want in res.output
-    res = runner.invoke(app, ["explore", "a b", "--generate", "2", "-o", str(page)])
-    assert res.exit_code == 2 and "--generate needs --model" in res.output
+    res = runner.invoke(app, ["explore", "text", "a b", "--generate", "2", "-o", str(page)])
+    assert res.exit_code == 2 and "goes with 'causalattn explore model'" in res.output

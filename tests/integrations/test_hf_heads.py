@@ -38,7 +38,9 @@ def run(*args, code=0):
 
 
 def test_json_is_one_object_per_head_one_based_as_the_python_api(llama_dir):
-    rows = json.loads(run("heads", "--model", llama_dir, "--json", "--sequences", "4").stdout)
+    doc = json.loads(run("heads", "--model", llama_dir, "--json", "--sequences", "4").stdout)
+    assert doc["command"] == "heads" and doc["positions"] == "1-based"
+    rows = doc["heads"]
     assert [(r["layer"], r["head"]) for r in rows] == [(l, h) for l in (1, 2) for h in (1, 2, 3, 4)]
     assert all(list(r)[: len(KEYS)] == KEYS and "role" in r for r in rows)
     model, tok = hf_model.load(llama_dir)
@@ -56,8 +58,9 @@ def test_json_is_one_object_per_head_one_based_as_the_python_api(llama_dir):
 
 
 def test_ablate_adds_each_heads_effect_on_the_loss(llama_dir):
-    probe = ["--sequences", "2", "--length", "8"]
+    probe = ["--sequences", "2", "--max-len", "8"]
     rows = json.loads(run("heads", "--model", llama_dir, "--json", *probe, "--ablate").stdout)
+    rows = rows["heads"]
     model, tok = hf_model.load(llama_dir)
     ids, bos = hf_heads.probe_ids(model, tok, length=8, sequences=2, seed=0)
     base = hf_heads.repeat_losses(model, ids, 8, bos)[1]
@@ -70,7 +73,7 @@ def test_ablate_adds_each_heads_effect_on_the_loss(llama_dir):
     assert len({round(x["ablated_loss"], 6) for x in rows}) > 1  # heads differ: it can fail
     mean = json.loads(
         run("heads", "--model", llama_dir, "--json", *probe, "--ablate", "--how", "mean").stdout
-    )
+    )["heads"]
     assert [x["ablated_loss"] for x in mean] != [x["ablated_loss"] for x in rows]
 
 
@@ -98,10 +101,10 @@ def test_bad_input_is_one_error_line_and_exit_2(llama_dir, tmp_path):
     for args, want in [
         ((), "Missing option '--model'"),
         (("--model", tmp_path / "nothing"), "no such folder"),
-        (("--model", llama_dir, "--length", "0"), "--length must be a positive integer"),
-        (("--model", llama_dir, "--length", "1"), "--length must be at least 2"),
+        (("--model", llama_dir, "--max-len", "0"), "--max-len must be a positive integer"),
+        (("--model", llama_dir, "--max-len", "1"), "--max-len must be at least 2"),
         (("--model", llama_dir, "--sequences", "0"), "--sequences must be a positive integer"),
-        (("--model", llama_dir, "--length", "40"), "T = 81, longer than the model's context of 64"),
+        (("--model", llama_dir, "--max-len", "40"), "T = 81, longer than the model's context"),
         (("--model", llama_dir, "--ablate", "--how", "max"), "--how must be 'zero' or 'mean'"),
     ]:
         res = runner.invoke(app, ["heads", *map(str, args)])

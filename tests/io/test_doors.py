@@ -76,7 +76,7 @@ print("@@doors@@" + json.dumps(out))
 def doors(bombs):
     argvs = {
         "trace -i": ["trace", "-i", str(bombs["npz"])],
-        "explore --trace": ["explore", "--trace", str(bombs["trace"]), "-o", str(bombs["html"])],
+        "explore trace": ["explore", "trace", str(bombs["trace"]), "-o", str(bombs["html"])],
         "audit": ["audit", str(bombs["npz"])],
         "learn --check": ["learn", "--check", str(bombs["py"]), "--json"],
         "diagnose FILE": ["diagnose", f"{bombs['py']}:attention"],
@@ -92,7 +92,7 @@ def doors(bombs):
     "door, words",
     [
         ("trace -i", ["error: trace input", "above the limit"]),
-        ("explore --trace", ["error: trace file", "above the limit"]),
+        ("explore trace", ["error: trace file", "above the limit"]),
         ("audit", ["error:", "above the limit"]),
         ("learn --check", ["not Python source"]),
         ("diagnose FILE", ["error:", "not Python source"]),

@@ -393,7 +393,9 @@ def test_cli_json_bank_and_piped_answers():
     runner = CliRunner()
     r = runner.invoke(app, ["learn", "--json", "--seed", "5"])
     assert r.exit_code == 0
-    bank = json.loads(r.output)
+    doc = json.loads(r.output)
+    assert doc["command"] == "learn" and doc["positions"] == "1-based"
+    bank = doc["questions"]
     assert bank == questions(seed=5)
     right = "".join(f"{q['answer'] + 1}\n" for q in bank)
     r = runner.invoke(app, ["learn", "--seed", "5"], input="h\n" + right)
@@ -405,7 +407,8 @@ def test_cli_json_bank_and_piped_answers():
     r = runner.invoke(
         app, ["learn", "--json", "--kind", "shape", "--kind", "window-row", "-n", "3"]
     )
-    assert [q["kind"] for q in json.loads(r.output)] == ["shape", "window-row", "shape"]
+    kinds = [q["kind"] for q in json.loads(r.output)["questions"]]
+    assert kinds == ["shape", "window-row", "shape"]
     r = runner.invoke(app, ["learn", "--kind", "nope"])
     assert r.exit_code == 2 and "unknown question kinds" in r.output
     r = runner.invoke(app, ["learn"], input="")  # nothing on stdin: no hang, a score

@@ -39,7 +39,7 @@ def test_model_view_of_a_saved_model(page, tmp_path):  # noqa: F811
     tiny.model("mistral").save_pretrained(d)
     tiny.tokenizer().save_pretrained(d)
     html = tmp_path / "report.html"
-    res = CliRunner().invoke(app, ["explore", "--model", str(d), TEXT, "-o", str(html)])
+    res = CliRunner().invoke(app, ["explore", "model", str(d), TEXT, "-o", str(html)])
     assert res.exit_code == 0, (res.output, res.exception)
     page.open(html)
     assert page.page.locator("button.ca-thumb").count() == 8  # 2 layers × 4 heads
@@ -57,7 +57,7 @@ def test_model_view_of_the_trained_induction_model(page, tmp_path):  # noqa: F81
     """The roles read off the trained model's heads, the induction head opened, the tokens
     it generated marked: the heads guide's picture."""
     html = tmp_path / "induction.html"
-    args = ["explore", "--model", str(INDUCTION), WORDS_TEXT, "--generate", "8", "-o", str(html)]
+    args = ["explore", "model", str(INDUCTION), WORDS_TEXT, "--generate", "8", "-o", str(html)]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, (res.output, res.exception)
     model, tok = hf_model.load(INDUCTION)

@@ -1,4 +1,4 @@
-"""``causalattn bench --tune``: measure which CPU engine "auto" should run, and store it.
+"""``causalattn bench tune``: measure which CPU engine "auto" should run, and store it.
 
 For each tune case (dtype, mask kind, head size d, T, pass) the native engine (where it is
 built), the tiled engine and the sdpa engine run through :func:`causalattn.attention` —
@@ -134,7 +134,7 @@ def measure(budget_s: float = 2.0, progress=None) -> list[dict]:
 
 def provenance() -> dict:
     return {
-        "command": "causalattn bench --tune",
+        "command": "causalattn bench tune",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": platform.machine(),
         "processor": platform.processor() or None,

@@ -1,17 +1,20 @@
 """The `causalattn` command: a thin shell over the library (typer + rich).
 
-Every command takes ``--json`` for machine-readable output. Positions on the command
-line and in its output (text and JSON) are 1-based, as in the chapter (h_1 … h_T); the
-Python API is 0-based. Every failure is one ``error: ...`` line on stderr and exit 2
-(usage errors too, followed by a hint to ``--help``); nothing prints a traceback.
+Every command takes ``--json`` for machine-readable output, one top-level shape for all
+(``{"command": ..., "positions": "1-based", ...}``). Positions on the command line and in
+its output (text and JSON) are 1-based, as in the chapter (h_1 … h_T); the Python API is
+0-based (``_positions`` converts). Every failure is one ``error: ...`` line on stderr and
+exit 2 (usage errors too, followed by a hint to ``--help``); under ``--json`` it is that
+shape with ``error`` and ``exit_code`` on stdout. Nothing prints a traceback.
 Commands that would build large arrays refuse past ``--max-bytes`` (1 GiB by default)
 with the size they would need.
 
 One module per command (``shapes``, ``masks``, ``trace``, ``demo``, ``audit``,
 ``diagnose``, ``learn``, ``heads``, ``explore``, ``bench``, ``build``), each with its own typer app
 (``command``); what they share is in ``_app`` (the one-line errors, modes as
-sub-commands), ``_output`` (JSON, console, sizes, output paths), ``_present`` (mask
-tables), ``_inputs`` (sentences, trace inputs, models) and ``_options``. A command's module
+sub-commands, the JSON shape), ``_output`` (JSON, console, sizes, output paths),
+``_positions`` (counting from 1), ``_present`` (mask tables), ``_inputs`` (sentences,
+trace inputs, models) and ``_options``. A command's module
 is loaded when it runs (``--help`` loads them all), so a command's start-up imports only
 what it uses; ``--help``, ``shapes``, ``masks`` and ``learn``'s questions import no torch.
 """
@@ -89,10 +92,22 @@ app = typer.Typer(
 )
 
 
+def _version(value: bool) -> None:
+    if value:
+        from .. import __version__
+
+        typer.echo(f"causalattn {__version__}")
+        raise typer.Exit(0)
+
+
 @app.callback()
-def _group() -> None:
+def _group(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
     # typer builds a group (not one command) only for an app with a callback or commands;
-    # this app's commands come from COMMANDS, so it has an empty callback
+    # this app's commands come from COMMANDS, so its callback only takes --version
     pass
 
 

@@ -16,6 +16,7 @@ from ..check import AuditInputError
 from ..check.files import read_arrays, read_text
 from ..reference import trace as run_trace
 from ._app import DEFAULT_MAX_BYTES, _fail, _library_errors
+from ._positions import given, given_list, shown
 
 
 def _encode_quiet(sentences, max_len=None, max_bytes=DEFAULT_MAX_BYTES, **rules):
@@ -139,21 +140,19 @@ def _seeded_attention(batch, d_model: int, seed: int):
 
 def _captured(model_dir: Path, prompt: str | None, layers: str | None, generate: int | None = None):
     """(model, traces) of a Hugging Face model folder run on one text (and ``generate``
-    greedy tokens after it)."""
+    greedy tokens after it); ``layers`` as the command line counts them, from 1."""
     # at call time: the integrations load transformers, and hf_capture imports torch
     from ..integrations import hf_model
-    from ..integrations.hf_capture import capture
+    from ..integrations.hf_capture import capture, n_layers
 
     if prompt is None:
         _fail('--model needs the text to run the model on, e.g. --model DIR "The cat sat."')
+    chosen = given_list(layers, "--layers")
     with _library_errors():
         model, tokenizer = hf_model.load(model_dir)
+        if chosen is not None:
+            count = n_layers(model)
+            chosen = [given(shown(i), "--layers", count, "layer") for i in chosen]
         ids = hf_model.encode(tokenizer, prompt, model)
-        traces = capture(
-            model,
-            ids,
-            layers=hf_model.parse_layers(layers),
-            tokenizer=tokenizer,
-            generate=generate,
-        )
+        traces = capture(model, ids, layers=chosen, tokenizer=tokenizer, generate=generate)
     return model, traces

@@ -1,5 +1,6 @@
-"""What every command prints with: JSON, the rich console, numbers, sizes, output paths
-and progress. Positions on the command line and in its output are 1-based."""
+"""What every command prints with: JSON (one top-level shape), the rich console, numbers,
+sizes, output paths and progress. Positions on the command line and in its output are
+1-based (:mod:`._positions` converts)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,15 @@ from rich.markup import escape
 from rich.progress import track
 
 from ..check.report import jsonable
-from ._app import _fail
+from ._app import _fail, document
+from ._positions import shown
 
 
 def _print_json(data) -> None:
-    typer.echo(json.dumps(jsonable(data), ensure_ascii=False, indent=2))
+    """Print a command's result as JSON in the one top-level shape (:func:`._app.document`):
+    a dict's keys join ``command`` and ``positions``; a list becomes its ``rows``."""
+    body = dict(data) if isinstance(data, dict) else {"rows": data}
+    typer.echo(json.dumps(jsonable(document(body)), ensure_ascii=False, indent=2))
 
 
 def _console() -> Console:
@@ -77,8 +82,8 @@ def _progress(items, description: str, quiet: bool):
 
 def _explain_json(ex) -> dict:
     """Query and keys 1-based, as every position the command line shows."""
-    rows = [{**r, "key": r["key"] + 1} for r in ex.rows()]
-    return {"query": ex.query + 1, "h": ex.h, "keys": rows}
+    rows = [{**r, "key": shown(r["key"])} for r in ex.rows()]
+    return {"query": shown(ex.query), "h": ex.h, "keys": rows}
 
 
 _POSITION_KEYS = ("index", "rows", "cols")  # evidence that names positions (0-based in Python)
@@ -90,9 +95,8 @@ def _one_based(report):
     def shift(ev: dict) -> dict:
         out = dict(ev)
         for k in _POSITION_KEYS:
-            if k in out and out[k] is not None:
-                v = out[k]
-                out[k] = [int(x) + 1 for x in v] if isinstance(v, (list, tuple)) else int(v) + 1
+            if k in out:
+                out[k] = shown(out[k])
         return out
 
     checks = [dataclasses.replace(c, evidence=shift(c.evidence)) for c in report.checks]

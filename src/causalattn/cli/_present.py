@@ -9,6 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from .. import masks as _m
+from ._positions import shown
 
 
 def _mask_table(
@@ -30,14 +31,14 @@ def _mask_table(
     for k, (j, c) in enumerate(zip(col_pos, cols)):  # Text, not markup: tokens are user data
         if k in gap_c:
             t.add_column("…", justify="center", no_wrap=True)
-        t.add_column(Text(f"{j + 1}\n{c[:5]}"), justify="center", no_wrap=True)
+        t.add_column(Text(f"{shown(j)}\n{c[:5]}"), justify="center", no_wrap=True)
     for k, (i, r) in enumerate(zip(row_pos, rows)):
         if k and i != row_pos[k - 1] + 1:
             t.add_row("⋮", *(["⋮"] * (len(cols) + len(gap_c))))
         cells = [Text(on, style="green") if a else Text(off, style="dim") for a in allowed[k]]
         for g in reversed(gap_c):
             cells.insert(g, Text("…", style="dim"))
-        t.add_row(Text(f"{i + 1} {r}" if len(rows) > 1 else r), *cells)
+        t.add_row(Text(f"{shown(i)} {r}" if len(rows) > 1 else r), *cells)
     return t
 
 
@@ -102,7 +103,7 @@ class _MaskView:
         if self.dense:
             return cells
         N = self.batch.N
-        pos = [p + 1 for p in self.pos]  # 1-based, as everything on the command line
+        pos = shown(self.pos)
         return {
             "shape": [N, N],
             "summarized": True,

@@ -24,6 +24,7 @@ from ._options import (
     _Window,
 )
 from ._output import _console, _one_based, _print_json
+from ._positions import BASE, shown
 
 command = command_app()
 
@@ -41,7 +42,7 @@ def audit_cmd(
         "text and audit every layer's attention.",
     ),
     layers: str = typer.Option(
-        None, "--layers", help="With --model: which layers, e.g. '0,3,5-7'."
+        None, "--layers", help="With --model: which layers, from 1, e.g. '1,3,5-7'."
     ),
     max_bytes: int = typer.Option(2 * 2**30, "--max-bytes", help="Refuse arrays larger than this."),
     window: _Window = None,
@@ -72,7 +73,7 @@ def audit_cmd(
     except (ValueError, OSError) as exc:
         _fail(str(exc))
     if as_json:
-        _print_json({"positions": "1-based", **report.to_dict()})
+        _print_json(report.to_dict())
     else:
         _console().print(str(report), markup=False)
     if not report.ok:
@@ -91,9 +92,9 @@ def _audit_mask(file: str, max_bytes: int, declared: dict, as_json: bool) -> boo
     except (ValueError, OSError) as exc:
         _fail(str(exc))
     if as_json:
-        _print_json({"positions": "1-based", **report.to_dict(base=1)})
+        _print_json(report.to_dict(base=BASE))
     else:
-        _console().print(report.format(base=1), markup=False)
+        _console().print(report.format(base=BASE), markup=False)
     if not report.ok:
         raise typer.Exit(1)
     return True
@@ -114,7 +115,7 @@ def _audit_model(model_dir: Path, prompt: str | None, layers: str | None, as_jso
                 "tokens": traces[0].tokens,
                 "pattern": [t.pattern.describe() for t in traces],
                 "ok": ok,
-                "layers": [r.to_dict() for r in rows],
+                "layers": [{**r.to_dict(), "layer": shown(r.layer)} for r in rows],
             }
         )
     else:  # plain lines, never wrapped: the table stays a table in a narrow terminal
@@ -130,13 +131,13 @@ def _audit_model(model_dir: Path, prompt: str | None, layers: str | None, as_jso
         for r, tr in zip(rows, traces):
             verdict = "ok" if r.ok else f"FAILED at {r.stage}"
             out(
-                f"{r.layer:>5}  {r.heads:>5}  {tr.pattern.describe():<30}  {verdict:<12}  "
+                f"{shown(r.layer):>5}  {r.heads:>5}  {tr.pattern.describe():<30}  {verdict:<12}  "
                 f"{r.worst_row_sum_error:>19.3g}  {r.empty_rows:>10}"
             )
         for r in rows:
             if not r.ok:
                 out(
-                    f"layer {r.layer}, stage {r.stage}: {r.check}: {r.message}"
+                    f"layer {shown(r.layer)}, stage {r.stage}: {r.check}: {r.message}"
                     + (f"\n  hint: {r.hint}" if r.hint else "")
                 )
         out("audit: ok" if ok else "audit: FAILED")

@@ -1,11 +1,5 @@
-"""``causalattn bench cpu|layer|patterns|io|tune``: time the engines against their peers,
-in alternation (the benchmarks themselves live in :mod:`causalattn.bench`).
-
-The older spellings, ``causalattn bench`` (= cpu), ``bench --layer``, ``--patterns``,
-``--io`` and ``--tune [--out F]``, still work: they go to the hidden ``legacy`` command
-(see :class:`._app._ModeGroup`), which runs the same code; two modes at once are one
-``error:`` line.
-"""
+"""``causalattn bench cpu|layer|patterns|io|shape|tune``: time the engines against their
+peers, in alternation (the benchmarks themselves live in :mod:`causalattn.bench`)."""
 
 from __future__ import annotations
 
@@ -16,13 +10,20 @@ import typer
 
 from ..bench import io as io_bench
 from ..bench import startup
-from ._app import _fail, _ModeCommand, _ModeGroup, command_app
+from ._app import (
+    _MAX_BYTES_HELP,
+    DEFAULT_MAX_BYTES,
+    _fail,
+    _library_errors,
+    _ModeCommand,
+    command_app,
+)
 from ._output import _console, _print_json
 
 command = command_app(
     "bench",
-    "Time the tiled engine against PyTorch's SDPA and naive attention (CPU), in alternation: "
-    "cpu (the default), layer, patterns, io, tune.",
+    "Time the engines against PyTorch's SDPA and naive attention (CPU), in alternation: "
+    "cpu, layer, patterns, io, shape B,H,T,d, tune.",
 )
 
 _Quick = Annotated[bool, typer.Option("--quick", help="a subset that runs in under a minute")]
@@ -74,43 +75,46 @@ def bench_tune(out: _Out = None, as_json: _JsonRows = False) -> None:
     _run_tune(out, as_json)
 
 
-@command.command(_ModeGroup.LEGACY, cls=_ModeCommand, hidden=True)
-def bench_legacy(
-    quick: _Quick = False,
+@command.command("shape", cls=_ModeCommand)
+def bench_shape(
+    shape: Annotated[
+        str, typer.Argument(help="B,H,T,d, e.g. 1,4,256,64 (a causal call).", show_default=False)
+    ],
+    engine: Annotated[
+        list[str],
+        typer.Option(
+            "--engine",
+            help="An engine to time (again for more; default: cpp where built, tiled, sdpa, auto).",
+            show_default=False,
+        ),
+    ] = None,
+    peer: Annotated[str, typer.Option("--peer", help="The engine each ratio is to.")] = "sdpa",
+    pass_: Annotated[str, typer.Option("--pass", help="fwd | fwd+bwd.")] = "fwd",
+    dtype: Annotated[str, typer.Option("--dtype", help="float32 | bfloat16.")] = "float32",
+    reps: Annotated[
+        int, typer.Option("--reps", help="Rounds of the alternation (default: ~4 s of them).")
+    ] = None,
+    max_bytes: Annotated[
+        int, typer.Option("--max-bytes", help=_MAX_BYTES_HELP)
+    ] = DEFAULT_MAX_BYTES,
     as_json: _JsonRows = False,
-    layer: Annotated[bool, typer.Option("--layer", help="= bench layer")] = False,
-    patterns: Annotated[bool, typer.Option("--patterns", help="= bench patterns")] = False,
-    io: Annotated[bool, typer.Option("--io", help="= bench io")] = False,
-    tune: Annotated[bool, typer.Option("--tune", help="= bench tune: " + _TUNE_HELP)] = False,
-    out: Annotated[Path, typer.Option("--out", help="with --tune: write the table here")] = None,
 ) -> None:
-    """The older spelling: `bench` (= cpu), `bench --layer|--patterns|--io|--tune`."""
-    picked = [
-        f
-        for f, on in (("--layer", layer), ("--patterns", patterns), ("--io", io), ("--tune", tune))
-        if on
-    ]
-    if len(picked) > 1:
-        _fail(
-            f"{' and '.join(picked)} are two modes; give one "
-            "(causalattn bench cpu|layer|patterns|io|tune)"
-        )
-    if out is not None and not tune:
-        raise typer.BadParameter("--out goes with --tune")
-    if io:
-        _run_io(quick, as_json, None)
-    elif tune:
-        _run_tune(out, as_json)
-    elif patterns:
-        _run_patterns(quick, as_json)
-    elif layer:
-        _run_layer(quick, as_json)
-    else:
-        _run_cpu(quick, as_json)
+    """The engines on one causal shape, timed in alternation, each as a ratio to --peer."""
+    from ..bench import shape as shape_bench  # at call time: imports torch
+
+    if dtype not in ("float32", "bfloat16"):
+        _fail(f"--dtype must be float32 or bfloat16, got {dtype!r}")
+    if reps is not None and reps < 1:
+        _fail(f"--reps must be a positive integer, got {reps}")
+    with _library_errors():
+        dims = shape_bench.parse_shape(shape)
+        shape_bench.check_size(dims, pass_, dtype, max_bytes)
+        rows = shape_bench.run(dims, tuple(engine or ()), peer, pass_, dtype, reps=reps)
+    _show(shape_bench, rows, as_json)
 
 
 # The benchmarks are imported when one runs: they import torch, which the other commands'
-# start-up leaves out (issue 26).
+# start-up leaves out.
 
 
 def _show(mod, rows, as_json: bool) -> None:

@@ -12,6 +12,7 @@ from ..reference import trace as run_trace
 from ._app import _MAX_BYTES_HELP, DEFAULT_MAX_BYTES, _Json, _library_errors, command_app
 from ._inputs import _CHAPTER, _check_width_options, _check_widths, _encode_quiet, _seeded_attention
 from ._output import _console, _explain_json, _fmt, _one_based, _print_json
+from ._positions import shown
 from ._present import _mask_pair, _mask_table, _print_tables
 
 command = command_app()
@@ -89,7 +90,7 @@ def demo(
     pt.add_column("ids")
     for b in range(batch.B):
         pt.add_row(
-            str(b + 1),
+            str(shown(b)),
             str(batch.lengths[b]),
             " ".join(batch.tokens[b]),
             " ".join(map(str, batch.ids[b])),
@@ -106,7 +107,7 @@ def demo(
     s4 = batch.tokens[last]
     _print_tables(
         console,
-        _mask_pair(f"sentence {last + 1}, causal AND padding", batch.mask[last], s4, s4, "both"),
+        _mask_pair(f"sentence {shown(last)}, causal AND padding", batch.mask[last], s4, s4, "both"),
     )
 
     console.rule(f"3. One seeded self-attention over the batch (d_model = {d_model}, seed {seed})")
@@ -115,15 +116,15 @@ def demo(
         f"A is {'×'.join(map(str, tr.A.shape))}; H is {'×'.join(map(str, tr.H.shape))}"
     )
     at = Table(
-        title=f"A for sentence {last + 1} (rows sum to 1; padding rows are 0)",
+        title=f"A for sentence {shown(last)} (rows sum to 1; padding rows are 0)",
         title_justify="left",
         box=None,
     )
     at.add_column("query \\ key", style="bold")
     for j, c in enumerate(s4):
-        at.add_column(Text(f"{j + 1}\n{c[:5]}"), justify="right")
+        at.add_column(Text(f"{shown(j)}\n{c[:5]}"), justify="right")
     for i, r in enumerate(s4):
-        at.add_row(Text(f"{i + 1} {r}"), *(f"{a:.2f}" if a else "·" for a in tr.A[last, i]))
+        at.add_row(Text(f"{shown(i)} {r}"), *(f"{a:.2f}" if a else "·" for a in tr.A[last, i]))
     console.print(at)
     console.print(str(report), markup=False, style="green" if report.ok else "bold red")
     console.print()

@@ -22,6 +22,7 @@ from ._options import (
     _Window,
 )
 from ._output import _console, _print_json
+from ._positions import shown
 
 command = command_app()
 
@@ -68,13 +69,13 @@ def diagnose_cmd(
             max_memory=_memory_bytes(max_memory),
             **declared,
         )
+    if d.not_run:  # it could not run: the one error format, its diagnosis under --json
+        _fail(d.message, diagnosis=_one_based_findings(d.to_dict()))
     if as_json:
-        _print_json({"positions": "1-based", **_one_based_findings(d.to_dict())})
+        _print_json(_one_based_findings(d.to_dict()))
     else:
         # every finding, one line each (never wrapped), the first in full
         _console().print(str(d), markup=False, soft_wrap=True)
-    if d.not_run:
-        raise typer.Exit(2)
     if not d.ok:
         raise typer.Exit(1)
 
@@ -86,8 +87,8 @@ def _one_based_findings(d: dict) -> dict:
         m = dict(f.get("measurement") or {})
         for k in ("heads", "patched_rows", "value_rows"):
             if isinstance(m.get(k), list):
-                m[k] = [i + 1 for i in m[k]]
-        rows, sl = [i + 1 for i in f.get("rows", [])], [i + 1 for i in f.get("slice", [])]
+                m[k] = shown(m[k])
+        rows, sl = shown(f.get("rows", [])), shown(f.get("slice", []))
         return {**f, "rows": rows, "slice": sl, "measurement": m}
 
     return {**d, "findings": [shift(f) for f in d.get("findings", [])]}

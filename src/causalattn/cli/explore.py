@@ -1,11 +1,5 @@
 """``causalattn explore text|trace|model``: one self-contained HTML page (no network) to
-explore masks, S, A and each query's row.
-
-The older spellings, ``explore "sentence" ...``, ``explore --trace F`` and ``explore
---model DIR "text"``, still work: they go to the hidden ``legacy`` command (see
-:class:`._app._ModeGroup`), which takes every flag ``explore`` took before its modes became
-sub-commands and runs the same code.
-"""
+explore masks, S, A and each query's row."""
 
 from __future__ import annotations
 
@@ -20,11 +14,11 @@ from ..trace import Trace
 from ._app import (
     _MAX_BYTES_HELP,
     DEFAULT_MAX_BYTES,
+    SEQ_LEN,
     _fail,
     _Json,
     _library_errors,
     _ModeCommand,
-    _ModeGroup,
     command_app,
 )
 from ._inputs import _captured, _check_width_options, _check_widths, _encode_quiet, _read_corpus
@@ -49,7 +43,7 @@ _Sentences = Annotated[
 ]
 _File = Annotated[Path, typer.Option("--file", "-f", help="Corpus file, one sentence a line.")]
 _Output = Annotated[Path, typer.Option("--output", "-o", help="HTML file to write.")]
-_MaxLen = Annotated[int, typer.Option("--max-len", help="Pad/truncate to this many tokens.")]
+_MaxLen = Annotated[int, typer.Option(SEQ_LEN, help="Pad/truncate to this many tokens.")]
 _DModel = Annotated[int, typer.Option("--d-model", help="Width of the random embeddings.")]
 _Heads = Annotated[int, typer.Option("--heads", help="Number of heads h.")]
 _Seed = Annotated[int, typer.Option("--seed", help="Seed of the random embeddings and weights.")]
@@ -70,7 +64,7 @@ _Questions = Annotated[
         "(`causalattn learn`'s, drawn with --seed).",
     ),
 ]
-_Layers = Annotated[str, typer.Option("--layers", help="Which layers, e.g. '0,3,5-7'.")]
+_Layers = Annotated[str, typer.Option("--layers", help="Which layers, from 1, e.g. '1,3,5-7'.")]
 _Generate = Annotated[
     int, typer.Option("--generate", help="N greedy tokens after the text (marked as such).")
 ]
@@ -153,70 +147,6 @@ def explore_model(
     """A Hugging Face model's layers on one text."""
     qs = _questions(questions, seed)
     _write_model(model, prompt, layers, generate, output, qs, as_json)
-
-
-@command.command(_ModeGroup.LEGACY, cls=_ModeCommand, hidden=True)
-def explore_legacy(
-    sentences: _Sentences = None,
-    file: _File = None,
-    trace_file: Annotated[
-        Path, typer.Option("--trace", help="A trace saved by `trace --save` (.npz).")
-    ] = None,
-    model: Annotated[
-        Path,
-        typer.Option(
-            "--model",
-            help="A Hugging Face causal LM folder (save_pretrained): explore its "
-            "layers on the one text given.",
-        ),
-    ] = None,
-    layers: _Layers = None,
-    generate: _Generate = None,
-    output: _Output = _OUTPUT,
-    max_len: _MaxLen = None,
-    d_model: _DModel = 16,
-    heads: _Heads = 2,
-    seed: _Seed = 0,
-    max_page_bytes: _MaxPageBytes = _PAGE_BYTES,
-    max_bytes: _MaxBytes = DEFAULT_MAX_BYTES,
-    questions: _Questions = 0,
-    as_json: _Json = False,
-) -> None:
-    """The older spelling: `explore "sentence" ...`, `explore --trace F`, `explore --model
-    DIR "text"` (every flag as before)."""
-    qs = _questions(questions, seed)
-    if generate is not None and model is None:
-        _fail("--generate needs --model (a model generates the tokens)")
-    if model is not None:
-        if file is not None or trace_file is not None:
-            _fail("--model takes the text as its argument; leave out --file and --trace")
-        if sentences and len(sentences) > 1:
-            _fail(f"--model takes one text (quote it); got {len(sentences)} arguments")
-        _write_model(
-            model, sentences[0] if sentences else None, layers, generate, output, qs, as_json
-        )
-        return
-    if sum(x is not None and x != [] for x in (sentences, file, trace_file)) > 1:
-        _fail("give sentences, --file or --trace, only one of them")
-    _check_page_options(max_page_bytes, d_model, heads, output)
-    with _library_errors():
-        if trace_file is not None:
-            n = _write_trace(trace_file, output, max_bytes, qs)
-        else:
-            n = _write_text(
-                sentences,
-                file,
-                output,
-                max_len,
-                d_model,
-                heads,
-                seed,
-                max_page_bytes,
-                max_bytes,
-                qs,
-                as_json,
-            )
-    _wrote(output, n, as_json)
 
 
 # -- what the modes share ------------------------------------------------------------------

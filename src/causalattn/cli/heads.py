@@ -7,8 +7,9 @@ from pathlib import Path
 
 import typer
 
-from ._app import _Json, _library_errors, command_app
+from ._app import SEQ_LEN, _Json, _library_errors, command_app
 from ._output import _print_json
+from ._positions import BASE
 
 command = command_app()
 
@@ -25,7 +26,9 @@ def heads_cmd(
         "with that head ablated, and its ratio to the model's own.",
     ),
     how: str = typer.Option("zero", "--how", help="With --ablate: 'zero' or 'mean' ablation."),
-    length: int = typer.Option(24, "--length", help="Random tokens in the sequence repeated."),
+    length: int = typer.Option(
+        24, SEQ_LEN, help="Random tokens in the sequence that is repeated (T = 2 × this)."
+    ),
     sequences: int = typer.Option(16, "--sequences", help="How many such sequences."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random tokens."),
     as_json: _Json = False,
@@ -41,6 +44,6 @@ def heads_cmd(
             lm, tokenizer, length=length, sequences=sequences, seed=seed, ablate=ablate, how=how
         )
     if as_json:
-        _print_json(table.rows())
+        _print_json({"heads": table.rows(base=BASE)})
     else:
-        typer.echo(table.format())
+        typer.echo(table.format(base=BASE))

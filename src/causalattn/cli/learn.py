@@ -60,7 +60,7 @@ def learn(
     with _library_errors():
         qs = questions(seed=seed, n=n, kinds=kind or None)
     if as_json:
-        _print_json(qs)
+        _print_json({"questions": qs})
         return
     console = _console()
     console.rule(f"causalattn learn: {len(qs)} question{'s' * (len(qs) != 1)} (seed {seed})")

@@ -7,10 +7,19 @@ from pathlib import Path
 import typer
 
 from .. import text
-from ._app import _MAX_BYTES_HELP, DEFAULT_MAX_BYTES, _fail, _Json, _library_errors, command_app
+from ._app import (
+    _MAX_BYTES_HELP,
+    DEFAULT_MAX_BYTES,
+    SEQ_LEN,
+    _fail,
+    _Json,
+    _library_errors,
+    command_app,
+)
 from ._figures import _write_pngs
 from ._inputs import _encode_quiet, _read_corpus
 from ._output import _check_out_dir, _console, _markup_escape, _print_json, _progress
+from ._positions import shown
 from ._present import _SHOW_N, _SHOW_SENTENCES, _mask_pair, _MaskView, _print_tables
 
 _FORMS = ("both", "additive", "check")
@@ -23,7 +32,7 @@ command = command_app()
 def masks(
     sentences: list[str] = typer.Argument(None, help="Sentences (default: the seed's four)."),
     file: Path = typer.Option(None, "--file", "-f", help="Corpus file, one sentence a line."),
-    max_len: int = typer.Option(None, "--max-len", help="Pad/truncate to this many tokens."),
+    max_len: int = typer.Option(None, SEQ_LEN, help="Pad/truncate to this many tokens."),
     form: str = typer.Option("both", "--form", help="both | additive (0/-∞) | check (✓/·)."),
     full: bool = typer.Option(False, "--full", help="Every cell of every mask, however large."),
     png: Path = typer.Option(None, "--png", help="Also draw each sentence's mask into DIR as PNG."),
@@ -64,7 +73,7 @@ def masks(
             _write_pngs(
                 png,
                 lambda viz: {
-                    f"mask_sentence{b + 1}": viz.plot_mask(
+                    f"mask_sentence{shown(b)}": viz.plot_mask(
                         batch.pattern, batch.tokens[b], T=batch.N, b=b
                     )
                     for b in _progress(range(batch.B), "drawing", as_json)
@@ -75,10 +84,9 @@ def masks(
             {
                 "N": batch.N,
                 "pattern": batch.pattern.describe(),
-                "positions": "1-based",
                 "vocab": batch.vocab.tokens,
                 "causal": view.to_json(None),
-                "truncated": [b + 1 for b in batch.truncated],
+                "truncated": shown(batch.truncated),
                 "sentences": [
                     {
                         "tokens": batch.tokens[b],
@@ -89,7 +97,7 @@ def masks(
                         else {
                             "shape": [batch.N],
                             "summarized": True,
-                            "cols": [p + 1 for p in view.pos],
+                            "cols": shown(view.pos),
                             "cells": view.key_padding(b),
                         },
                         "combined": view.to_json(b),
@@ -118,14 +126,14 @@ def masks(
     if view.note(None):
         console.print(view.note(None), style="dim", markup=False)
         console.print()
-    shown = batch.B if full else min(batch.B, _SHOW_SENTENCES)
-    for b in range(shown):
+    listed = batch.B if full else min(batch.B, _SHOW_SENTENCES)
+    for b in range(listed):
         toks = batch.tokens[b]
         words = " ".join(toks if full or batch.N <= _SHOW_N else toks[: int(batch.lengths[b])])
         if len(words) > 400 and not full:
             words = words[:400] + " …"
         console.print(
-            f"[bold]sentence {b + 1}[/] ({batch.lengths[b]} tokens): {_markup_escape(words)}"
+            f"[bold]sentence {shown(b)}[/] ({batch.lengths[b]} tokens): {_markup_escape(words)}"
         )
         labels = [toks[p] for p in pos]
         _print_tables(
@@ -141,9 +149,9 @@ def masks(
         if view.note(b):
             console.print(view.note(b), style="dim", markup=False)
             console.print()
-    if shown < batch.B:
+    if listed < batch.B:
         console.print(
-            f"… {batch.B - shown:,} more sentences not shown (--full shows every "
+            f"… {batch.B - listed:,} more sentences not shown (--full shows every "
             "one; --json lists every one)",
             style="dim",
             markup=False,

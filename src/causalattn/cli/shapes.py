@@ -6,7 +6,7 @@ import typer
 from rich.table import Table
 
 from ..shapes import shape_table
-from ._app import _Json, _library_errors, command_app
+from ._app import SEQ_LEN, _fail, _Json, _library_errors, command_app
 from ._output import _console, _human_bytes, _markup_escape, _print_json, _si
 
 command = command_app()
@@ -14,7 +14,7 @@ command = command_app()
 
 @command.command("shapes")
 def shapes(
-    seq_len: int = typer.Option(2048, "--seq-len", "-T", help="Sequence length T (N)."),
+    seq_len: int = typer.Option(2048, SEQ_LEN, "-T", help="Sequence length T (N)."),
     d_model: int = typer.Option(1000, "--d-model", help="Model (embedding) width d_model."),
     heads: int = typer.Option(1, "--heads", "-H", help="Number of heads h."),
     d_k: int = typer.Option(None, "--d-k", help="Query/key width per head (default d_model/h)."),
@@ -22,6 +22,14 @@ def shapes(
     as_json: _Json = False,
 ) -> None:
     """The seed's dimension table for T, d_model and heads, with params, bytes and FLOPs."""
+    for flag, v in ((SEQ_LEN, seq_len), ("--d-model", d_model), ("--heads", heads)):
+        if v < 1:  # named as the command line spells it (the library names its arguments)
+            _fail(f"{flag} must be a positive integer, got {v}")
+    for flag, v in (("--d-k", d_k), ("--d-v", d_v)):
+        if v is not None and v < 1:
+            _fail(f"{flag} must be a positive integer, got {v}")
+    if d_k is None and d_model % heads:
+        _fail(f"--d-model {d_model} is not divisible by --heads {heads}; give --d-k (and --d-v)")
     with _library_errors():
         rows = shape_table(seq_len, d_model, n_heads=heads, d_k=d_k, d_v=d_v)
     by = {r.symbol: r for r in rows}

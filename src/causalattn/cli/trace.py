@@ -21,6 +21,7 @@ from ._output import (
     _markup_escape,
     _print_json,
 )
+from ._positions import given
 
 command = command_app()
 
@@ -57,9 +58,7 @@ def trace_cmd(
         T = tr.A.shape[-1]
         ex = None
         if query is not None:
-            if not 1 <= query <= T:
-                _fail(f"--query must be a position 1..{T} (T = {T}), got {query}")
-            ex = tr.explain(query - 1)
+            ex = tr.explain(given(query, "--query", T))
         if save is not None:
             try:
                 tr.save(save)

@@ -1,16 +1,19 @@
 """``engine="auto"``: the engine expected fastest for a call, from its :class:`Features`.
 
 CPU: the native engine (``cpp``) wherever it is built and runs the call (with a backward and
-T_k <= ``SDPA_GRAD_T``, SDPA where it runs the call) — it is measured
-the fastest on every shape of ``causalattn bench`` (the closing table of issue 22 and
-docs/design.md), so no timing table measured on another machine decides. Where it is
+T_k <= ``SDPA_GRAD_T``, SDPA where it runs the call) — it is measured the fastest on every
+shape of ``causalattn bench`` (docs/design.md), so no timing table measured on another
+machine decides. (``causalattn bench shape 1,4,256,64``, paired on 2 cores: cpp 1.44x
+SDPA's speed at load 7, 1.6-1.7x with one thread each; past load 10 both engines' 2-thread
+calls stall for tens of ms on descheduled threads, cpp more often, which a user's own table
+measures.) Where it is
 unavailable (no compiler) the choice between ``tiled`` and ``sdpa`` comes from a table of
-paired timings measured by ``causalattn bench --tune``: the entry of the same dtype, kind
+paired timings measured by ``causalattn bench tune``: the entry of the same dtype, kind
 and pass whose (d, T) is nearest on a log scale names the winner. The table shipped in the
 package (``auto_table.json``, with its provenance) is replaced by the user's own,
 ``auto_table.json`` in platformdirs' user cache directory (on Linux
 ``$XDG_CACHE_HOME/causalattn``, default ``~/.cache/causalattn``), once
-``causalattn bench --tune`` has written it; a user's table that measured ``cpp`` decides for
+``causalattn bench tune`` has written it; a user's table that measured ``cpp`` decides for
 it too. CUDA: the Triton engine's measured ratios (:func:`causalattn.engines.triton.prefers`).
 
 ``CAUSALATTN_ENGINE=tiled`` (any engine name) forces what "auto" runs; an explicit
@@ -48,7 +51,7 @@ _TABLE: dict | None = None
 
 
 def user_table_path() -> Path:
-    """Where ``causalattn bench --tune`` writes this machine's table: platformdirs' user cache
+    """Where ``causalattn bench tune`` writes this machine's table: platformdirs' user cache
     directory for "causalattn" (on Linux ``$XDG_CACHE_HOME/causalattn``, else
     ``~/.cache/causalattn``; on macOS ``~/Library/Caches/causalattn``)."""
     return platformdirs.user_cache_path("causalattn", appauthor=False) / "auto_table.json"

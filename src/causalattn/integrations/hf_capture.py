@@ -214,7 +214,8 @@ def _w_o(proj) -> np.ndarray:
     return (w if type(proj).__name__ == "Conv1D" else w.T).numpy().copy()
 
 
-def _n_layers(model) -> int:
+def n_layers(model) -> int:
+    """The model's number of transformer layers (its config's num_hidden_layers)."""
     cfg = (
         model.config.get_text_config()
         if hasattr(model.config, "get_text_config")
@@ -340,8 +341,8 @@ def capture(
     traces then cover T = prompt + N positions; ``.generated`` is N).
     Traces carry heads as their leading axis (``(H, T, ·)``; ``(B, H, T, ·)`` when B > 1).
     """
-    n_layers = _n_layers(model)
-    chosen = _chosen_layers(layers, n_layers)
+    n_model = n_layers(model)
+    chosen = _chosen_layers(layers, n_model)
     if generate is not None and (
         isinstance(generate, bool) or not isinstance(generate, (int, np.integer)) or generate < 1
     ):

@@ -44,7 +44,7 @@ def probe_ids(
     T = 2 * length + (bos is not None)
     if ctx is not None and T > ctx:
         raise ValueError(
-            f"--length: {length} tokens repeated twice{' after BOS' if bos is not None else ''}"
+            f"--max-len: {length} tokens repeated twice{' after BOS' if bos is not None else ''}"
             f" is T = {T}, longer than the model's context of {ctx}"
         )
     ids = repeated_tokens(vocab, sequences, length, seed=seed, first=bos)
@@ -107,8 +107,8 @@ class HeadTable:
             out.append(d)
         return out
 
-    def format(self) -> str:
-        """The table as plain lines (never wrapped), layers and heads 1-based."""
+    def format(self, base: int = 1) -> str:
+        """The table as plain lines (never wrapped), layers and heads counted from ``base``."""
         layers = len({r.layer for r in self.roles})
         heads = len(self.roles) // max(layers, 1)
         lines = [
@@ -121,7 +121,7 @@ class HeadTable:
         extra = ["ablated_loss", "loss_ratio"] if self.ablated else []
         head = f"{'layer':>5}  {'head':>4}  {'role':<14}" + "".join(f"  {c:>14}" for c in cols)
         lines.append(head + "".join(f"  {c:>12}" for c in extra))
-        for d in self.rows():
+        for d in self.rows(base):
             line = f"{d['layer']:>5}  {d['head']:>4}  {d['role'] or '-':<14}"
             line += "".join(f"  {_num(d[c], 3):>14}" for c in cols)
             line += "".join(f"  {_num(d[c], 4):>12}" for c in extra)
@@ -153,14 +153,14 @@ def measure(
     how: str = "zero",
 ) -> HeadTable:
     """The head table of ``model`` on its probe (see the module docstring)."""
-    for name, v in (("--length", length), ("--sequences", sequences)):
+    for name, v in (("--max-len", length), ("--sequences", sequences)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if how not in ("zero", "mean"):
         raise ValueError(f"--how must be 'zero' or 'mean', got {how!r}")
     if length < 2:
         raise ValueError(
-            f"--length must be at least 2 (a repeat's loss starts at its 2nd), got {length}"
+            f"--max-len must be at least 2 (a repeat's loss starts at its 2nd), got {length}"
         )
     ids, bos = probe_ids(model, tokenizer, length=length, sequences=sequences, seed=seed)
     roles = head_roles(capture(model, ids, tokenizer=tokenizer))

@@ -1,6 +1,6 @@
 """A Hugging Face checkpoint folder -> model, tokenizer, ids; and the audit of every layer.
 
-What ``causalattn audit --model DIR "text"`` and ``causalattn explore --model DIR "text"``
+What ``causalattn audit --model DIR "text"`` and ``causalattn explore model DIR "text"``
 run. Every refusal is a ValueError naming what is wrong in one line (the CLI prints it as
 ``error: ...`` and exits 2): a folder that is not a model, a model that is not a causal
 LM, no tokenizer, an empty text, a text longer than the model's context.
@@ -99,27 +99,6 @@ def encode(tokenizer, text: str, model):
             f"{ctx} tokens; shorten it"
         )
     return ids
-
-
-def parse_layers(spec: str | None) -> list[int] | None:
-    """'0,3,5-7' -> [0, 3, 5, 6, 7]; None -> None (every layer). Ranges are checked later
-    against the model."""
-    if spec is None:
-        return None
-    out = []
-    for part in spec.split(","):
-        part = part.strip()
-        try:
-            if "-" in part[1:]:
-                lo, hi = part.split("-", 1) if not part.startswith("-") else (part, "")
-                out.extend(range(int(lo), int(hi) + 1))
-            else:
-                out.append(int(part))
-        except ValueError:
-            raise ValueError(
-                f"--layers: {spec!r} is not a list of layer indices such as '0,3,5-7'"
-            ) from None
-    return out
 
 
 @dataclass
