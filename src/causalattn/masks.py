@@ -350,8 +350,8 @@ def keywords_of(pattern, keywords: dict, where: str, placement: bool = False) ->
     given = [n for n, v in keywords.items() if v is not _FIELDS[n].default]
     if given:
         raise ValueError(
-            f"{where}: pattern= and {', '.join(given)}= given together; give either a Pattern "
-            "or its keywords"
+            f"{where}: give either pattern= or the pattern keywords, not both (got "
+            f"{', '.join(given)})"
         )
     if not placement and (pattern.q_start is not None or pattern.k_start):
         raise ValueError(
@@ -367,7 +367,8 @@ def takes_pattern(fn):
     and ``**keywords`` (where the calls' pattern keywords arrive; it reads them with
     :meth:`Pattern.from_kwargs` or :func:`keywords_of`); its ``inspect.signature`` then shows
     ``pattern`` followed by :data:`PATTERN_KEYWORDS` with Pattern's defaults, in place of
-    ``**keywords``. Only the signature is set: a call costs nothing more."""
+    ``**keywords`` (and in its annotations). Only the signature is set: a call costs
+    nothing more."""
     sig = inspect.signature(fn)
     params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
     if len(params) == len(sig.parameters) or "pattern" not in sig.parameters:
@@ -380,6 +381,9 @@ def takes_pattern(fn):
         for n in PATTERN_KEYWORDS
     ]
     fn.__signature__ = sig.replace(parameters=params[:at] + kw + params[at:])
+    var = next(p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD)
+    ann = {n: a for n, a in fn.__annotations__.items() if n != var}
+    fn.__annotations__ = {**ann, **{p.name: p.annotation for p in kw}}
     return fn
 
 
