@@ -220,8 +220,8 @@ def test_a_layer_takes_a_bias_per_call_with_its_gradient():
     layer = ca.CausalSelfAttention(16, 2, engine="tiled").double()
     x = torch.randn(2, 6, 16, dtype=F64)
     bias = torch.zeros(1, 2, 6, 6, dtype=F64, requires_grad=True)
-    torch.testing.assert_close(layer(x, attn_bias=bias), layer(x))
-    layer(x, attn_bias=bias).sum().backward()
+    torch.testing.assert_close(layer(x, bias=bias), layer(x))
+    layer(x, bias=bias).sum().backward()
     assert bias.grad is not None and bias.grad.abs().sum() > 0
 
 

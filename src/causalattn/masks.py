@@ -367,11 +367,15 @@ def takes_pattern(fn):
     and ``**keywords`` (where the calls' pattern keywords arrive; it reads them with
     :meth:`Pattern.from_kwargs` or :func:`keywords_of`); its ``inspect.signature`` then shows
     ``pattern`` followed by :data:`PATTERN_KEYWORDS` with Pattern's defaults, in place of
-    ``**keywords`` (and in its annotations). Only the signature is set: a call costs
-    nothing more."""
+    ``**keywords`` (and in its annotations); a function that takes other keywords too
+    declares ``**kwargs`` instead, which stays last. Only the signature is set: a call
+    costs nothing more."""
     sig = inspect.signature(fn)
-    params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    if len(params) == len(sig.parameters) or "pattern" not in sig.parameters:
+    # **keywords holds only the pattern keywords; a **kwargs of other keywords too (kept)
+    params = [p for p in sig.parameters.values() if p.name != "keywords"]
+    if len(params) == len(sig.parameters) and "kwargs" not in sig.parameters:
+        raise TypeError(f"takes_pattern: {fn.__name__} needs pattern=None and **keywords")
+    if "pattern" not in sig.parameters:
         raise TypeError(f"takes_pattern: {fn.__name__} needs pattern=None and **keywords")
     at = [p.name for p in params].index("pattern") + 1
     kw = [
@@ -381,8 +385,7 @@ def takes_pattern(fn):
         for n in PATTERN_KEYWORDS
     ]
     fn.__signature__ = sig.replace(parameters=params[:at] + kw + params[at:])
-    var = next(p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD)
-    ann = {n: a for n, a in fn.__annotations__.items() if n != var}
+    ann = {n: a for n, a in fn.__annotations__.items() if n != "keywords"}
     fn.__annotations__ = {**ann, **{p.name: p.annotation for p in kw}}
     return fn
 
