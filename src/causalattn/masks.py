@@ -123,7 +123,8 @@ class Pattern(PatternChecks, PatternDense):
         pattern keywords (:data:`PATTERN_KEYWORDS`; placement too). ``where`` names the
         caller in the errors: TypeError for an unknown keyword, ValueError for a keyword
         given together with ``pattern``."""
-        return cls(**keywords_of(pattern, keywords, where, placement=True))
+        kw = keywords_of(pattern, keywords, where, placement=True)
+        return pattern if pattern is not None else cls(**kw)
 
     def query_start(self, T_q: int, T_k: int) -> int:
         """Global position of query 0."""
