@@ -654,7 +654,7 @@ def test_a_mask_beside_any_rule_keeps_the_causal_rule(name, value, lead):
     rng = np.random.default_rng(9)
     X = rng.normal(size=(*lead, 4, 2))
     everything = np.ones((4, 4), bool)
-    tr = trace(X, I2, I2, WV4, mask=everything, **{name: value}, causal=False)
+    tr = trace(X, I2, I2, WV4, mask=everything, **{name: value})
     assert tr.pattern.causal is True
     np.testing.assert_array_equal(tr.A, trace(X, I2, I2, WV4, **{name: value}).A)
     assert np.all(tr.A[..., 0, 3] == 0.0)  # no rule here lets the first query read the last key
