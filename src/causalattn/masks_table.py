@@ -67,6 +67,7 @@ class BlockTable:
         self.seen_b = self.seen_h = 1
         self.evaluated = 0
         self.checked = False
+        self.forms: OrderedDict = OrderedDict()  # per problem: causalattn.masks_rows
 
     # ---- geometry -------------------------------------------------------------------------
     def _grow(self, nq: int, nk: int) -> None:

@@ -296,7 +296,9 @@ def _pattern_args(p: Problem, bq: int, bk: int) -> tuple:
     if key_padding is not None:
         key_padding = torch.as_tensor(key_padding).to("cpu", torch.bool).contiguous()
     kinds = mask = tile_masks = None
-    if pt.mask_mod is not None:  # mask AND mask_mod, tile by tile: partial tiles as tile masks
+    if pt.mask_mod is not None and pt.mask is None:  # as intervals, bits where they fall short
+        lo, hi, kinds, tile_masks = _mod_rows(p, bq, bk, lo, hi)
+    elif pt.mask_mod is not None:  # mask AND mask_mod, tile by tile: partial tiles as tile masks
         kinds, tile_masks = _tiles(p, bq, bk, lo, hi)
     elif pt.mask is not None:
         kinds = pt.mask_tile_kinds(bq, bk).to(torch.int32)
@@ -367,6 +369,16 @@ def _tiles(p: Problem, bq: int, bk: int, lo, hi):
     if key not in cache:
         cache[key] = kept_tiles(p.pattern, B, H, T_q, T_k, bq, bk, lo.numpy(), hi.numpy())
     return cache[key]
+
+
+def _mod_rows(p: Problem, bq: int, bk: int, lo, hi) -> tuple:
+    """(lo, hi, kinds, tile_masks) of a mask_mod (no dense mask) AND the keyword intervals:
+    the rule as per-row intervals, with kinds only where it has holes inside them
+    (:func:`causalattn.masks_rows.row_form`: made once per problem, kept with its table)."""
+    from ..masks_rows import row_form
+
+    B, H, T_q, T_k = p.dims
+    return row_form(p.pattern, B, H, T_q, T_k, bq, bk, lo.numpy(), hi.numpy())[:4]
 
 
 def _host(x):

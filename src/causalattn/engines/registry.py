@@ -11,7 +11,7 @@ that cannot run on the device; :func:`refusal` words every refusal once, naming 
 that do run the call.
 
 An engine is a module satisfying :mod:`causalattn.engines.contract`; a new one is one entry
-in :data:`ENGINES` (and one row in ``tests/test_engine_contract.py``).
+in :data:`ENGINES` (and one row in ``tests/engines/test_engine_contract.py``).
 """
 
 from __future__ import annotations
