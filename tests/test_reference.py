@@ -101,7 +101,7 @@ def test_readable_rows_sum_to_one_forbidden_exactly_zero(prob, data):
     X, (Wq, Wk, Wv) = prob
     T = X.shape[0]
     allowed = data.draw(hnp.arrays(np.bool_, (T, T)))
-    tr = trace(X, Wq, Wk, Wv, mask=allowed)
+    tr = trace(X, Wq, Wk, Wv, mask=allowed, causal=False)
     has_key = allowed.any(axis=1)
     np.testing.assert_allclose(tr.A[has_key].sum(axis=1), 1.0, rtol=0, atol=1e-12)
     assert np.all(tr.A[~allowed] == 0.0)
@@ -156,11 +156,11 @@ def test_nonfinite_padding_inputs_leave_real_outputs_bit_identical(B, T, data):
         masks.key_padding(lengths, T)[:, None, :],
         masks.query_padding(lengths, T)[:, :, None],
     )
-    clean = trace(X, Wq, Wk, Wv, mask=allowed)
+    clean = trace(X, Wq, Wk, Wv, mask=allowed, causal=False)
     Xbad = X.copy()
     for b, L in enumerate(lengths):
         Xbad[b, L:] = np.nan
-    dirty = trace(Xbad, Wq, Wk, Wv, mask=allowed)
+    dirty = trace(Xbad, Wq, Wk, Wv, mask=allowed, causal=False)
     for b, L in enumerate(lengths):
         np.testing.assert_array_equal(dirty.H[b, :L], clean.H[b, :L])
         np.testing.assert_array_equal(dirty.A[b, :L], clean.A[b, :L])
@@ -185,8 +185,8 @@ def test_finite_fill_gives_the_same_weights_as_minus_inf(prob, data):
     X, (Wq, Wk, Wv) = prob
     T = X.shape[0]
     allowed = masks.combine(masks.causal(T), data.draw(hnp.arrays(np.bool_, (T, T))))
-    a = trace(X, Wq, Wk, Wv, mask=allowed, fill="-inf")
-    b = trace(X, Wq, Wk, Wv, mask=allowed, fill="finite")
+    a = trace(X, Wq, Wk, Wv, mask=allowed, fill="-inf", causal=False)
+    b = trace(X, Wq, Wk, Wv, mask=allowed, fill="finite", causal=False)
     assert np.isfinite(b.M).all() and np.all(b.M[~allowed] == np.finfo(np.float64).min)
     np.testing.assert_array_equal(a.A, b.A)
     np.testing.assert_array_equal(a.H, b.H)
@@ -309,7 +309,7 @@ def test_batch_broadcast_and_select():
     # a per-sequence mask (B, T, T) broadcasts over heads
     lengths = np.array([4, 2])
     allowed = masks.combine(masks.causal(T)[None], masks.key_padding(lengths, T)[:, None, :])
-    trm = trace(X, *W, n_heads=h, mask=allowed)
+    trm = trace(X, *W, n_heads=h, mask=allowed, causal=False)
     assert np.all(trm.A[1, :, :, 2:] == 0.0)
 
 
@@ -663,9 +663,10 @@ def test_a_mask_beside_any_rule_keeps_the_causal_rule(name, value, lead):
     assert np.array_equal(np.asarray(got), np.asarray(value))
 
 
-def test_a_mask_alone_is_the_whole_M_and_causal_may_be_set_either_way():
+def test_a_mask_is_anded_with_causal_unless_causal_is_false():
     everything = np.ones((4, 4), bool)
-    alone = trace(X4, I2, I2, WV4, mask=everything)
+    np.testing.assert_array_equal(trace(X4, I2, I2, WV4, mask=everything).A, chapter().A)
+    alone = trace(X4, I2, I2, WV4, mask=everything, causal=False)
     assert alone.pattern.causal is False and np.all(alone.A > 0)
     np.testing.assert_allclose(alone.A.sum(axis=-1), 1.0)
     assert trace(X4, I2, I2, WV4).pattern.causal is True
@@ -722,7 +723,7 @@ def test_a_general_mask_is_read_per_sequence_and_per_head():
     tr2 = trace(X2, *W, n_heads=2, mask=per_head, causal=True)
     assert np.all(tr2.A[1, 2, 1, :, 0] == 0.0) and np.all(tr2.A[1, 2, 0, :, 0] > 0)
     with pytest.raises(ValueError) as e:
-        trace(X, *W, mask=np.ones((3, 4, 4), bool))
+        trace(X, *W, mask=np.ones((3, 4, 4), bool), causal=False)
     assert str(e.value) == "mask: shape (3, 4, 4) does not broadcast to S (2, 4, 4)"
 
 
@@ -954,10 +955,12 @@ def test_a_square_mask_is_read_for_every_sequence_and_head():
     assert np.all(tr.A[:, :, 1:, 0] == 0.0) and np.all(tr.A[:, :, 0, 0] == 1.0)
     # a stack of masks beside one sequence: one trace per mask
     stack = np.stack([masks.causal(4), np.ones((4, 4), bool)])
-    both = trace(X4, I2, I2, WV4, mask=stack)
+    both = trace(X4, I2, I2, WV4, mask=stack, causal=False)
     assert both.A.shape == (2, 4, 4)
     for k in range(2):
-        np.testing.assert_array_equal(both.A[k], trace(X4, I2, I2, WV4, mask=stack[k]).A)
+        np.testing.assert_array_equal(
+            both.A[k], trace(X4, I2, I2, WV4, mask=stack[k], causal=False).A
+        )
 
 
 def test_stages_reasons_are_uint8_codes():

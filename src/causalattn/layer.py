@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
@@ -60,7 +61,7 @@ class CausalSelfAttention(nn.Module):
     logit per head, the parameter ``sinks``), ``mask_mod`` and ``score_mod`` (any rule or
     function of the scores, :mod:`causalattn.masks_mod`; a score_mod's learned tensors get
     their gradients). ``attn_dropout`` drops attention weights in ``train()`` mode only, as
-    ``nn.Dropout`` does. ``forward(x, attn_bias=...)`` adds a score bias per call.
+    ``nn.Dropout`` does. ``forward`` takes a call's own pattern keywords (``bias=``, ...).
     """
 
     def __init__(
@@ -260,30 +261,68 @@ class CausalSelfAttention(nn.Module):
                     f"kv_cache: holds {k.dtype} on {k.device}, but x is {x.dtype} on {x.device}"
                 )
 
+    def _call_keywords(self, pattern, keywords: dict, attn_bias) -> dict:
+        """The pattern keywords attention gets: the call's joined with the layer's own, only
+        those set (so a plain call keeps attention's shortcut)."""
+        where = "CausalSelfAttention.forward"
+        call = _masks.keywords_of(pattern, keywords, where)
+        if attn_bias is not None:
+            warnings.warn(
+                f"{where}: attn_bias is now bias (the pattern keyword); attn_bias goes in "
+                "the next release",
+                DeprecationWarning,
+                stacklevel=3,
+            )
+            if call["bias"] is not None:
+                raise ValueError(f"{where}: give bias or attn_bias (its old name), not both")
+            call["bias"] = attn_bias
+        own = {
+            "window": self.window,
+            "chunk": self.chunk,
+            "alibi_slopes": self.alibi_slopes,
+            "softcap": self.softcap,
+            "sinks": self.sinks,
+            "mask_mod": self.mask_mod,
+            "score_mod": self.score_mod,
+        }
+        both = [n for n, v in own.items() if v is not None and call[n] is not None]
+        if both:
+            raise ValueError(
+                f"{where}: {', '.join(both)} is the layer's own (set at construction) and "
+                "was given to the call too; give it once"
+            )
+        out = {n: v for n, v in call.items() if v is not _masks.DEFAULTS[n]}
+        return {**out, **{n: v for n, v in own.items() if v is not None}}
+
+    @_masks.takes_pattern
     def forward(
         self,
         x: torch.Tensor,
         *,
-        key_padding_mask: torch.Tensor | None = None,
-        lengths: torch.Tensor | None = None,
+        pattern: _masks.Pattern | None = None,
         kv_cache: KVCache | None = None,
         attn_bias: torch.Tensor | None = None,
+        **keywords,
     ) -> torch.Tensor:
         """O ``(B, T, d_model)`` for x ``(B, T, d_model)``.
 
-        ``lengths`` ``(B,)``: real positions per sequence (keys past it blocked, queries
-        past it padding rows, whose H is zero). ``key_padding_mask`` ``(B, T_k)`` bool,
-        True = may read. With ``kv_cache`` this step's K and V are appended first and the
-        T new queries are the last T positions (bottom-right alignment); T_k then counts
-        the cached positions too. ``attn_bias``: an additive score bias broadcastable to
-        (B, h, T, T_k) (attention's ``bias``; it may require a gradient).
+        The call's pattern (``pattern`` or its keywords, as for :func:`causalattn.attention`)
+        joins the layer's own (window, chunk, ALiBi, softcap, sinks, mask_mod, score_mod,
+        set at construction); one set by both is refused by name. ``lengths`` ``(B,)``: real
+        positions per sequence (keys past it blocked, queries past it padding rows, whose H
+        is zero). ``key_padding_mask`` ``(B, T_k)`` bool, True = may read. With ``kv_cache``
+        this step's K and V are appended first and the T new queries are the last T
+        positions (bottom-right alignment); T_k then counts the cached positions too.
+        ``bias``: an additive score bias broadcastable to (B, h, T, T_k) (it may require a
+        gradient); ``attn_bias`` is its old name, kept for one release.
         """
+        kw = self._call_keywords(pattern, keywords, attn_bias)
         self._check_x(x)
         B, T, _ = x.shape
         T_k = T + (len(kv_cache) if kv_cache is not None else 0)
         if kv_cache is not None:
             self._check_cache(kv_cache, x)
-        self._check_padding(B, T_k, key_padding_mask, lengths)
+        self._check_padding(B, T_k, kw.get("key_padding_mask"), kw.get("lengths"))
         if kv_cache is not None:  # after every check: a refused call claims nothing
             kv_cache.claim(self.cache_id, "CausalSelfAttention layer")
 
@@ -296,20 +335,10 @@ class CausalSelfAttention(nn.Module):
             q,
             k,
             v,
-            causal=True,
-            key_padding_mask=key_padding_mask,
-            lengths=lengths,
-            window=self.window,
-            chunk=self.chunk,
-            alibi_slopes=self.alibi_slopes,
-            softcap=self.softcap,
-            sinks=self.sinks,
-            mask_mod=self.mask_mod,
-            score_mod=self.score_mod,
-            bias=attn_bias,
             scale=self.scale,
             engine=self.engine,
             dropout_p=self.attn_dropout if self.training else 0.0,
+            **kw,
         )  # (B, h, T, d_v)
         H = H.transpose(1, 2).reshape(B, T, self.n_heads * self.d_v)
         O = H @ self.W_o

@@ -37,7 +37,8 @@ takes no value. A row with no readable key gives zero weights whatever the sinks
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import inspect
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 import numpy as np
@@ -78,31 +79,12 @@ __all__ = [
     "default_scale",
     "check_lengths",
     "PATTERN_KEYWORDS",
+    "takes_pattern",
     "create_block_mask",
     "and_masks",
     "or_masks",
 ]
 
-# The keywords that say who reads whom and with what bias, in Pattern's field order: those of
-# causalattn.attention, make_problem, trace, audit and diagnose (not the placement q_start,
-# k_start). The one list: the ops' tensor arguments, probes and the HF adapter derive theirs.
-PATTERN_KEYWORDS = (
-    "causal",
-    "window",
-    "chunk",
-    "lengths",
-    "key_padding_mask",
-    "cu_seqlens",
-    "prefix_lengths",
-    "mask",
-    "alibi_slopes",
-    "softcap",
-    "sinks",
-    "mask_mod",
-    "bias",
-    "rel_bias",
-    "score_mod",
-)
 # the keywords that are functions (never operator arguments: see causalattn.engines.ops)
 CALLABLES = ("mask_mod", "score_mod")
 
@@ -140,6 +122,15 @@ class Pattern(PatternChecks, PatternDense):
     # these global positions; lengths, prefix_lengths and cu_seqlens are global too.
     q_start: int | None = None
     k_start: int = 0
+
+    @classmethod
+    def from_kwargs(cls, pattern: Pattern | None = None, *, where: str = "attention", **keywords):
+        """The one place keywords become a Pattern: ``pattern`` itself, or a Pattern of the
+        pattern keywords (:data:`PATTERN_KEYWORDS`; placement too). ``where`` names the
+        caller in the errors: TypeError for an unknown keyword, ValueError for a keyword
+        given together with ``pattern``."""
+        kw = keywords_of(pattern, keywords, where, placement=True)
+        return pattern if pattern is not None else cls(**kw)
 
     def query_start(self, T_q: int, T_k: int) -> int:
         """Global position of query 0."""
@@ -336,6 +327,74 @@ class Pattern(PatternChecks, PatternDense):
     def from_block_mask(bm) -> Pattern:
         """The Pattern of a FlexAttention ``BlockMask`` (for its own (T_q, T_k) only)."""
         return Pattern(causal=False, mask_mod=_mod.block_mask_mod(bm))
+
+
+# The keywords that say who reads whom and with what bias: Pattern's fields in their order,
+# less the placement (q_start, k_start). The one list: every entry point's signature
+# (takes_pattern), the operators' tensor arguments and the CLI's options derive from it.
+PLACEMENT = ("q_start", "k_start")
+_FIELDS = {f.name: f for f in fields(Pattern)}
+PATTERN_KEYWORDS = tuple(n for n in _FIELDS if n not in PLACEMENT)
+DEFAULTS = {n: _FIELDS[n].default for n in PATTERN_KEYWORDS}
+
+
+def keywords_of(pattern, keywords: dict, where: str, placement: bool = False) -> dict:
+    """Every pattern keyword's value for a call: ``pattern``'s fields, or the given
+    ``keywords`` over the defaults (placement only with ``placement``). Nothing is checked
+    against the data here (traced code calls it; :class:`Pattern` checks the values).
+    TypeError for an unknown keyword (as Python's own), ValueError naming both when a
+    keyword that is not its default comes with ``pattern``."""
+    names = _FIELDS if placement else DEFAULTS
+    unknown = [n for n in keywords if n not in names]
+    if unknown:
+        raise TypeError(f"{where}() got an unexpected keyword argument {unknown[0]!r}")
+    if pattern is None:
+        return {**DEFAULTS, **keywords}
+    if not isinstance(pattern, Pattern):
+        raise ValueError(
+            f"{where}: pattern must be a causalattn.masks.Pattern, got {type(pattern).__name__}"
+        )
+    given = [n for n, v in keywords.items() if v is not _FIELDS[n].default]
+    if given:
+        raise ValueError(
+            f"{where}: give either pattern= or the pattern keywords, not both (got "
+            f"{', '.join(given)})"
+        )
+    if not placement and (pattern.q_start is not None or pattern.k_start):
+        raise ValueError(
+            f"{where}: pattern is placed (q_start={pattern.q_start}, k_start="
+            f"{pattern.k_start}); {where} takes an unplaced one (placed problems run through "
+            "causalattn.engines.run)"
+        )
+    return {n: getattr(pattern, n) for n in names}
+
+
+def takes_pattern(fn):
+    """Give ``fn`` the pattern keywords in its signature: ``fn`` declares ``pattern=None``
+    and ``**keywords`` (where the calls' pattern keywords arrive; it reads them with
+    :meth:`Pattern.from_kwargs` or :func:`keywords_of`); its ``inspect.signature`` then shows
+    ``pattern`` followed by :data:`PATTERN_KEYWORDS` with Pattern's defaults, in place of
+    ``**keywords`` (and in its annotations); a function that takes other keywords too
+    declares ``**kwargs`` instead, which stays last. Only the signature is set: a call
+    costs nothing more."""
+    sig = inspect.signature(fn)
+    # **keywords holds only the pattern keywords; a **kwargs of other keywords too (kept)
+    params = [p for p in sig.parameters.values() if p.name != "keywords"]
+    if len(params) == len(sig.parameters) and "kwargs" not in sig.parameters:
+        raise TypeError(f"takes_pattern: {fn.__name__} needs pattern=None and **keywords")
+    if "pattern" not in sig.parameters:
+        raise TypeError(f"takes_pattern: {fn.__name__} needs pattern=None and **keywords")
+    at = [p.name for p in params].index("pattern") + 1
+    kw = [
+        inspect.Parameter(
+            n, inspect.Parameter.KEYWORD_ONLY, default=DEFAULTS[n], annotation=_FIELDS[n].type
+        )
+        for n in PATTERN_KEYWORDS
+    ]
+    fn.__signature__ = sig.replace(parameters=params[:at] + kw + params[at:])
+    ann = {n: a for n, a in fn.__annotations__.items() if n != "keywords"}
+    fn.__annotations__ = {**ann, **{p.name: p.annotation for p in kw}}
+    return fn
 
 
 def create_block_mask(

@@ -20,7 +20,7 @@ from . import masks as _masks
 from .trace import Trace
 
 if TYPE_CHECKING:
-    from .arrays import ArrayLike, MaskMod, ScoreMod
+    from .arrays import ArrayLike
 
 __all__ = ["trace", "stages", "softmax_last", "weighted_values"]
 
@@ -113,6 +113,7 @@ def merge_heads(Y: np.ndarray) -> np.ndarray:
     return np.moveaxis(Y, -3, -2).reshape(*Y.shape[:-3], Y.shape[-2], -1)
 
 
+@_masks.takes_pattern
 def trace(
     X: ArrayLike,
     W_q: ArrayLike,
@@ -120,38 +121,24 @@ def trace(
     W_v: ArrayLike,
     W_o: ArrayLike | None = None,
     *,
-    causal: bool | None = None,
-    window: int | None = None,
-    lengths: ArrayLike | None = None,
-    key_padding_mask: ArrayLike | None = None,
-    cu_seqlens: ArrayLike | None = None,
-    prefix_lengths: ArrayLike | None = None,
-    chunk: int | None = None,
-    mask: ArrayLike | None = None,
-    alibi_slopes: ArrayLike | None = None,
-    softcap: float | None = None,
-    sinks: ArrayLike | None = None,
-    mask_mod: MaskMod | None = None,
-    score_mod: ScoreMod | None = None,
-    bias: ArrayLike | None = None,
-    rel_bias: ArrayLike | None = None,
+    pattern: _masks.Pattern | None = None,
     scale: float | None = None,
     n_heads: int | None = None,
     fill: str = "-inf",
     tokens: list[str] | None = None,
     dropout_p: float = 0.0,
     dropout_seed: tuple[int, int] | None = None,
+    **keywords,
 ) -> Trace:
     """Run causal self-attention in float64 with every stage kept.
 
     X: ``(..., T, d_model)``; W_q, W_k: ``d_model×(h·d_k)``; W_v: ``d_model×(h·d_v)``;
-    W_o: ``(h·d_v)×d_model'``. The pattern keywords are those of
+    W_o: ``(h·d_v)×d_model'``. The pattern is ``pattern`` or its keywords, as for
     :func:`causalattn.attention` (see :class:`causalattn.masks.Pattern`): per-sequence ones
     (``lengths``, ``key_padding_mask``, ``prefix_lengths``, a per-sequence ``mask``) need X
     of shape ``(B, T, d_model)``. ``mask`` may also be any boolean array broadcastable to
-    S ``(..., [h,] T, T)``; it is ANDed with the rest. ``causal`` defaults to True, except
-    that a ``mask`` given alone is the whole M (as in the first release: the mask of
-    :func:`causalattn.encode` already holds the causal rule). ``scale`` defaults to 1/√d_k.
+    S ``(..., [h,] T, T)``; it is ANDed with the rest (``causal=False`` for a mask that is
+    the whole M). ``scale`` defaults to 1/√d_k.
     ``n_heads`` splits the projections into heads; each head's stages then carry a head
     axis before T. ``fill`` chooses M's blocked value ('-inf' or 'finite'); weights are the
     same either way. Modifiers are stages of their own: ``S_cap`` (softcap) and ``E``
@@ -195,27 +182,13 @@ def trace(
 
     if scale is None:
         scale = _masks.default_scale(d_k)
-    if causal is None:  # a mask given with no other rule is the whole M
-        rules = (window, chunk, lengths, key_padding_mask, cu_seqlens, prefix_lengths)
-        causal = mask is None or any(r is not None for r in rules)
-    pattern = _masks.Pattern(
-        causal=causal,
-        window=window,
-        chunk=chunk,
-        lengths=lengths,
-        key_padding_mask=key_padding_mask,
-        cu_seqlens=cu_seqlens,
-        prefix_lengths=prefix_lengths,
-        mask=mask if _is_pattern_mask(mask, X.ndim, n_heads) else None,
-        alibi_slopes=alibi_slopes,
-        softcap=softcap,
-        sinks=sinks,
-        mask_mod=mask_mod,
-        score_mod=score_mod,
-        bias=bias,
-        rel_bias=rel_bias,
-    )
-    general = None if mask is None or pattern.mask is not None else mask
+    kw = _masks.keywords_of(pattern, keywords, "trace")
+    general = kw["mask"]  # a mask broadcastable to S, not the Pattern's shape, is ANDed in
+    if general is not None and not _is_pattern_mask(general, X.ndim, n_heads):
+        kw["mask"] = None
+    else:
+        general = None
+    pattern = _masks.Pattern.from_kwargs(where="trace", **kw)
     arrays, allowed, reasons = _stages(
         Q, K, V, pattern, scale, X.shape[:-2], n_heads, general, fill, dropout_p, dropout_seed
     )

@@ -212,7 +212,7 @@ def fuzz_trace(T, d, d_k, heads, scale, use_mask, seed, nan_future):
         if mask is not None:
             mask &= masks.causal(T)
     try:
-        tr = ca.trace(X, *Ws, mask=mask, scale=scale, n_heads=heads)
+        tr = ca.trace(X, *Ws, mask=mask, scale=scale, n_heads=heads, causal=mask is None)
     except ValueError:
         return
     allowed = np.broadcast_to(tr.allowed, tr.A.shape)

@@ -156,7 +156,7 @@ def test_padding_rows_listed_not_failed_and_nan_rows_fail(parts):
         masks.key_padding([T, 4], T)[:, None, :],
         masks.query_padding([T, 4], T)[:, :, None],
     )
-    tr = causalattn.trace(Xb, *W.values(), mask=al)
+    tr = causalattn.trace(Xb, *W.values(), mask=al, causal=False)
     rep = audit(tr)
     assert rep.ok, str(rep)
     assert rep.empty_rows == [{"index": [1], "rows": [4, 5]}]
@@ -307,7 +307,7 @@ def _padded_trace(X, W):
     Xb = np.stack([X, X])
     lengths = [T, 4]
     al = masks.Pattern(lengths=lengths).allowed(2, 1, T, T)[:, 0]
-    return causalattn.trace(Xb, *W.values(), mask=al), al, lengths
+    return causalattn.trace(Xb, *W.values(), mask=al, causal=False), al, lengths
 
 
 @pytest.mark.parametrize("value", [0.5, -1e-3, 1e-12, np.nan, np.inf])
@@ -345,7 +345,7 @@ def test_padding_query_rows_may_read_a_subset_of_the_real_keys(parts, declared):
     kw = {"lengths": lengths} if declared else {}
 
     def structure(al):
-        tr = causalattn.trace(Xb, *W.values(), mask=al)
+        tr = causalattn.trace(Xb, *W.values(), mask=al, causal=False)
         rep = audit({"A": tr.A, "V": tr.V, "H": tr.H, "allowed": al, **kw})
         (c,) = [c for c in rep.checks if c.name == "mask is causal (+ padding)"]
         return rep, c

@@ -157,7 +157,7 @@ def test_a_batch_mask_missing_its_head_axis_is_fitted():
     X = rng.normal(size=(3, T, 8))  # B = 3, H = 2: a (B, T, T) mask does not broadcast as is
     W = [rng.normal(size=(8, 8)) for _ in range(3)]
     al = _padded([6, 4, 5])  # (B, T, T), the stages (B, H, T, T)
-    t = ca.trace(X, *W, n_heads=2, mask=al[:, None])
+    t = ca.trace(X, *W, n_heads=2, mask=al[:, None], causal=False)
     for given in ({"allowed": al}, {"M": np.where(al, 0.0, -np.inf)}):
         rep = audit({"S": t.S, "A": t.A, **given, "n_heads": 2})
         assert rep.ok and _m(rep)[STRUCT].ok, str(rep)

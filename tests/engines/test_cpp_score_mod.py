@@ -62,7 +62,7 @@ def _grads(engine, name, dtype=F64, **kw):
 @pytest.mark.parametrize("name", NAMES)
 def test_score_mod_on_cpp_matches_the_reference(name):
     qkv, t = _leaves()
-    assert not cpp.not_yet(registry.features(*qkv, tensors={}, score_mod=_mods(t)[name]))
+    assert cpp.supports(registry.features(*qkv, tensors={}, score_mod=_mods(t)[name])) is None
     out, grads = _grads("cpp", name)
     ref, ref_grads = _grads("reference", name)
     torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-11)
@@ -104,7 +104,7 @@ def test_auto_runs_a_traced_score_mod_on_cpp_and_an_untraceable_one_on_tiled():
     f = registry.features(q, k, v, tensors={}, score_mod=traced, grad=True, captured=[t["rel"]])
     assert auto.pick(f) == "cpp"
     g = registry.features(q, k, v, tensors={}, score_mod=branchy)
-    why = cpp.refusal(g)
+    why = registry.refusal("cpp", g)
     assert "score_mod branchy" in why and "'tiled'" in why
     assert auto.pick(g) == "tiled"
     with pytest.raises(ValueError, match="score_mod branchy.*'tiled'"):

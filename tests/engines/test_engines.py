@@ -35,10 +35,12 @@ def test_trace_with_heads_reads_mask_axes_by_x_and_refuses_extra_ones():
     X = np.random.default_rng(0).normal(size=(4, 6))
     W = np.eye(6)
     with pytest.raises(ValueError, match="mask: with n_heads=2"):
-        ca.trace(X, W, W, W, n_heads=2, mask=np.ones((3, 2, 4, 4), bool))
+        ca.trace(X, W, W, W, n_heads=2, mask=np.ones((3, 2, 4, 4), bool), causal=False)
     per_head = np.ones((2, 4, 4), bool)
     per_head[1] = ca.masks.causal(4)
-    tr = ca.trace(X, W, W, W, n_heads=2, mask=per_head)  # X has no batch axis: (h, T, T)
+    tr = ca.trace(
+        X, W, W, W, n_heads=2, mask=per_head, causal=False
+    )  # X has no batch axis: (h, T, T)
     assert tr.A.shape == (2, 4, 4) and tr.A[0, 0, 3] > 0 and tr.A[1, 0, 3] == 0
 
 

@@ -4,6 +4,8 @@ counts, the engines that refuse them (naming who runs them) and what "auto" pick
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -32,8 +34,14 @@ LEARNED_FEATURES = {
 
 def native_runs(**kw) -> bool:
     """Whether the native engine runs these features here: the engine lists below take
-    "cpp" in by themselves once its kernels compute them (cpp.not_yet is the one gate)."""
-    return HAS_CPP and not cpp.not_yet(_features(**kw))
+    "cpp" in by themselves once its kernels compute them (cpp.supports is the one gate)."""
+    return HAS_CPP and not _kernels_lack(_features(**kw))
+
+
+def _kernels_lack(f) -> str:
+    """What the native kernels do not compute for ``f`` ("" when nothing), the build aside
+    (cpp.supports asks for the build only of CPU calls)."""
+    return cpp.supports(replace(f, device="meta")) or ""
 
 
 def engines_for(*names) -> list[str]:
@@ -134,7 +142,7 @@ def _kwargs(name, leaf):
 @pytest.mark.parametrize("name", ["bias", "key bias", "rel_bias", "alibi_slopes", "score_mod"])
 def test_gradcheck_of_every_learned_tensor(name, engine):
     if engine not in engines_for(name):
-        why = cpp.not_yet(_features(**LEARNED_FEATURES[name])) or cpp.unavailable()
+        why = _kernels_lack(_features(**LEARNED_FEATURES[name])) or cpp.unavailable()
         pytest.skip(f"engine {engine!r} does not run a learnable {name} here: {why}")
     (leaf,) = (t.clone().requires_grad_() for t in _learned(name).values())
     q, k, v = _qkv(grad=True)
@@ -212,8 +220,8 @@ def test_a_layer_takes_a_bias_per_call_with_its_gradient():
     layer = ca.CausalSelfAttention(16, 2, engine="tiled").double()
     x = torch.randn(2, 6, 16, dtype=F64)
     bias = torch.zeros(1, 2, 6, 6, dtype=F64, requires_grad=True)
-    torch.testing.assert_close(layer(x, attn_bias=bias), layer(x))
-    layer(x, attn_bias=bias).sum().backward()
+    torch.testing.assert_close(layer(x, bias=bias), layer(x))
+    layer(x, bias=bias).sum().backward()
     assert bias.grad is not None and bias.grad.abs().sum() > 0
 
 
@@ -243,10 +251,10 @@ def test_an_hf_style_additive_mask_as_bias_is_the_boolean_mask():
 )
 def test_the_native_engine_refuses_what_it_cannot_run_and_auto_passes_it_by(kw, what):
     f = _features(**kw)
-    runs = not cpp.not_yet(f)  # the native kernels compute it now: it must run, not refuse
-    why = cpp.refusal(f)
+    runs = not _kernels_lack(f)  # the native kernels compute it now: it must run, not refuse
+    why = registry.refusal("cpp", f)
     if not runs:
-        assert what in why and "'tiled' and 'reference'" in why
+        assert what in why and "engines that run this call: 'reference', 'tiled'" in why
         assert auto.pick(f) == "tiled"
     q, k, v = _qkv(dtype=torch.float32)
     args = {
@@ -271,12 +279,13 @@ def test_the_native_engine_refuses_what_it_cannot_run_and_auto_passes_it_by(kw, 
 
 def test_a_learnable_slope_without_gradient_runs_natively():
     f = _features(present=("alibi_slopes",))
-    assert "learnable" not in cpp.refusal(f)
-    assert not cpp.not_yet(f) and cpp.not_yet(_features(mask_mod=True)) == ""
+    assert "learnable" not in registry.refusal("cpp", f)
+    assert not _kernels_lack(f) and _kernels_lack(_features(mask_mod=True)) == ""
 
 
 def test_sdpa_and_triton_refuse_a_score_mod_naming_who_runs_it():
-    assert "'tiled' (CPU) and 'reference'" in registry.refusal("sdpa", _features(score_mod=True))
+    why = registry.refusal("sdpa", _features(score_mod=True))
+    assert "score_mod" in why and "engines that run this call: 'reference', 'tiled'" in why
     why = registry.refusal("triton", _features(device="cuda", score_mod=True))
     assert "score_mod" in why and "'reference'" in why
     assert auto.pick(_features(device="cuda", score_mod=True)) == "reference"

@@ -48,65 +48,39 @@ from .report import AuditInputError, Check, Report, check_declared_scale
 from .stages import run as _run_stages
 
 if TYPE_CHECKING:
-    from ..arrays import ArrayLike, MaskMod, ScoreMod
+    from ..arrays import ArrayLike
 
 __all__ = ["audit"]
 
 
+@_masks.takes_pattern
 def audit(
     obj: Trace | Mapping[str, ArrayLike] | str | os.PathLike[str],
     *,
+    pattern: _masks.Pattern | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
     scale: float | None = None,
-    causal: bool = True,
-    window: int | None = None,
-    chunk: int | None = None,
-    lengths: ArrayLike | None = None,
-    key_padding_mask: ArrayLike | None = None,
-    cu_seqlens: ArrayLike | None = None,
-    prefix_lengths: ArrayLike | None = None,
-    alibi_slopes: ArrayLike | None = None,
-    softcap: float | None = None,
-    sinks: ArrayLike | None = None,
-    mask_mod: MaskMod | None = None,
-    score_mod: ScoreMod | None = None,
-    bias: ArrayLike | None = None,
-    rel_bias: ArrayLike | None = None,
+    **keywords,
 ) -> Report:
     """Check an attention computation in dependency order (see the module docstring).
 
     ``obj``: a :class:`Trace`, a mapping of named arrays (NumPy or torch; aliases and
     TransformerLens hook names accepted) or a path to a .npz / .npy / folder of .npy /
     .safetensors file (``max_bytes``: the budget for all its arrays together). The
-    pattern keywords and ``scale`` declare what was meant, as for
+    pattern (``pattern`` or its keywords) and ``scale`` declare what was meant, as for
     :func:`causalattn.attention` (default: plain causal, 1/√d_k; a Trace brings its own).
     Shapes: one sequence's arrays are T×d (Q, K: T×d_k, V: T×d_v, S and A: T×T), with
     any batch and head axes leading (``(B, H, T, d)``); the pattern arrays are
     :func:`causalattn.attention`'s (``lengths`` (B,), ``key_padding_mask`` (B, T_k)).
     Unusable input raises :class:`AuditInputError` (a ValueError).
     """
-    declared = {
-        "window": window,
-        "chunk": chunk,
-        "lengths": lengths,
-        "key_padding_mask": key_padding_mask,
-        "cu_seqlens": cu_seqlens,
-        "prefix_lengths": prefix_lengths,
-        "alibi_slopes": alibi_slopes,
-        "softcap": softcap,
-        "sinks": sinks,
-        "mask_mod": mask_mod,
-        "score_mod": score_mod,
-        "bias": bias,
-        "rel_bias": rel_bias,
-    }
-    declared = {k: v for k, v in declared.items() if v is not None}
-    if not causal:
-        declared["causal"] = False
     try:
-        _masks.Pattern(**declared)
+        kw = _masks.keywords_of(pattern, keywords, "audit")
+        declared = {k: v for k, v in kw.items() if v is not None and (k, v) != ("causal", True)}
+        _masks.Pattern.from_kwargs(where="audit", **declared)
     except ValueError as exc:
-        raise AuditInputError(f"audit: {exc}") from None
+        msg = str(exc)
+        raise AuditInputError(msg if msg.startswith("audit:") else f"audit: {msg}") from None
     check_declared_scale("audit", scale, AuditInputError)
     if isinstance(obj, (str, Path, Mapping)):  # only a mask: compared cell by cell
         lone = compare_lone_mask(obj, max_bytes, declared)

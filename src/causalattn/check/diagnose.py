@@ -64,7 +64,7 @@ from .probes import Plan
 from .report import Diagnosis, Status, check_declared_scale, verdict
 
 if TYPE_CHECKING:
-    from ..arrays import ArrayLike, MaskMod, ScoreMod
+    pass
 
 __all__ = ["diagnose", "PATTERN_KEYWORDS"]
 
@@ -72,27 +72,17 @@ __all__ = ["diagnose", "PATTERN_KEYWORDS"]
 PATTERN_KEYWORDS = masks.PATTERN_KEYWORDS
 
 
+@masks.takes_pattern
 def diagnose(
     fn: Callable[..., Any] | str,
     *,
+    pattern: masks.Pattern | None = None,
     signature: str | None = None,
     timeout: float = 60.0,
     isolate: bool = True,
     scale: float | None = None,
-    causal: bool = True,
-    window: int | None = None,
-    chunk: int | None = None,
-    lengths: ArrayLike | None = None,
-    key_padding_mask: ArrayLike | None = None,
-    cu_seqlens: ArrayLike | None = None,
-    prefix_lengths: ArrayLike | None = None,
-    mask: ArrayLike | None = None,
-    alibi_slopes: ArrayLike | None = None,
-    softcap: float | None = None,
-    sinks: ArrayLike | None = None,
-    mask_mod: MaskMod | None = None,
-    score_mod: ScoreMod | None = None,
     max_memory: int = runner.DEFAULT_MAX_MEMORY,
+    **keywords,
 ) -> Diagnosis:
     """Measure ``fn``'s attention and name the first stage that differs from the declared one.
 
@@ -100,9 +90,10 @@ def diagnose(
     instance, an nn.Module class constructible without arguments, or a function without
     arguments returning one). ``signature``: ``"qkv"``, ``"qkv-mask"``, ``"x-weights"`` or
     ``"module"`` (discovered from the parameters' number and names when None; others are
-    refused in one line naming these). The pattern keywords and ``scale`` (default
-    1/√d_k) declare what ``fn`` should compute, as for :func:`causalattn.attention`
-    (``mask_mod`` and ``score_mod`` too: evaluated on every probe's shape; ``lengths`` (B,) and
+    refused in one line naming these). The pattern (``pattern`` or its keywords) and
+    ``scale`` (default 1/√d_k) declare what ``fn`` should compute, as for
+    :func:`causalattn.attention` (``mask_mod`` and ``score_mod`` too: evaluated on every
+    probe's shape; ``lengths`` (B,) and
     ``key_padding_mask`` (B, T_k) as there). ``timeout`` (seconds) and
     ``max_memory`` (bytes) bound the worker process (:mod:`.runner`); ``isolate=False``
     runs a callable here.
@@ -110,23 +101,9 @@ def diagnose(
     if signature is not None and signature not in SIGNATURES:
         raise ValueError(f"diagnose: signature must be one of {SIGNATURES}, got {signature!r}")
     timeout = _check_timeout(timeout)
-    declared = {
-        "causal": causal,
-        "window": window,
-        "chunk": chunk,
-        "lengths": lengths,
-        "key_padding_mask": key_padding_mask,
-        "cu_seqlens": cu_seqlens,
-        "prefix_lengths": prefix_lengths,
-        "mask": mask,
-        "alibi_slopes": alibi_slopes,
-        "softcap": softcap,
-        "sinks": sinks,
-        "mask_mod": mask_mod,
-        "score_mod": score_mod,
-    }
-    declared = {k: _plain(v) for k, v in declared.items() if v is not None}
-    masks.Pattern(**declared)  # refuse a bad declaration here, naming the argument
+    kw = masks.keywords_of(pattern, keywords, "diagnose")
+    declared = {k: _plain(v) for k, v in kw.items() if v is not None}
+    masks.Pattern.from_kwargs(where="diagnose", **declared)  # refuse a bad one here, by name
     if isinstance(fn, (str, Path)):  # a fresh interpreter: the declaration is pickled
         _check_picklable({k: v for k, v in declared.items() if k in masks.CALLABLES})
     check_declared_scale("diagnose", scale)

@@ -135,7 +135,7 @@ def _seeded_attention(batch, d_model: int, seed: int):
     E = rng.normal(size=(len(batch.vocab), d_model))  # one embedding per vocabulary id
     W_q, W_k, W_v = (rng.normal(size=(d_model, d_model)) / np.sqrt(d_model) for _ in range(3))
     X = E[batch.ids]  # (B, N, d_model)
-    return run_trace(X, W_q, W_k, W_v, mask=batch.mask)
+    return run_trace(X, W_q, W_k, W_v, mask=batch.mask, causal=False)
 
 
 def _captured(model_dir: Path, prompt: str | None, layers: str | None, generate: int | None = None):

@@ -1,12 +1,15 @@
 """Options that several commands share, each defined once: the declared pattern (audit,
-diagnose), --max-memory (diagnose, learn --check), --scale."""
+diagnose: generated from :data:`causalattn.masks.PATTERN_KEYWORDS`), --max-memory
+(diagnose, learn --check), --scale."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Annotated
 
 import typer
 
+from .. import masks
 from ..check import runner
 from ._app import _fail
 
@@ -21,35 +24,63 @@ def _numbers(text: str | None, name: str, kind=float):
         _fail(f"{name}: expected comma-separated {kind.__name__}s, got {text!r}")
 
 
-def _declared(
-    window, chunk, lengths, prefix_lengths, softcap, sinks, alibi_slopes, bidirectional
-) -> dict:
-    """The pattern keywords of causalattn.attention, from the audit/diagnose options."""
-    kw = {
-        "causal": not bidirectional,
-        "window": window,
-        "chunk": chunk,
-        "softcap": softcap,
-        "lengths": _numbers(lengths, "--lengths", int),
-        "prefix_lengths": _numbers(prefix_lengths, "--prefix-lengths", int),
-        "sinks": _numbers(sinks, "--sinks"),
-        "alibi_slopes": _numbers(alibi_slopes, "--alibi-slopes"),
-    }
-    return {k: v for k, v in kw.items() if v is not None}
+# How the CLI spells the pattern keywords it can express: each of masks.PATTERN_KEYWORDS is
+# an option --name-with-dashes (causal: --causal/--bidirectional) unless it is an array of
+# more than one axis or a function, which only the Python API takes. The option's type
+# follows Pattern's field (bool, int, float; a 1-D array as comma-separated numbers).
+_VECTORS = {"lengths": int, "cu_seqlens": int, "prefix_lengths": int, "sinks": float}
+_VECTORS["alibi_slopes"] = float
+NOT_ON_CLI = ("key_padding_mask", "mask", "mask_mod", "bias", "rel_bias", "score_mod")
+_HELP = {
+    "causal": "The causal rule (--bidirectional: none).",
+    "window": "Sliding window w: each query reads its last w positions.",
+    "chunk": "Chunks of c positions.",
+    "lengths": "Sequence lengths, e.g. 6,3.",
+    "cu_seqlens": "Packed documents' cumulative lengths, e.g. 0,4,9.",
+    "prefix_lengths": "Bidirectional prefixes, e.g. 2,3.",
+    "softcap": "Scores capped as c·tanh(S/c).",
+    "sinks": "One sink logit per head, e.g. 0.5,0.1.",
+    "alibi_slopes": "One ALiBi slope per head.",
+}
+_PATTERN_HELP = " The declared pattern, as for causalattn.attention (default: plain causal)."
 
 
-_PATTERN_HELP = "The declared pattern, as for causalattn.attention (default: plain causal)."
+def _pattern_option(name: str) -> inspect.Parameter:
+    field = masks.DEFAULTS[name]
+    kind = _VECTORS.get(name) and str
+    kind = kind or {"causal": bool, "softcap": float}.get(name, int)
+    flags = ("--causal/--bidirectional",) if name == "causal" else ("--" + name.replace("_", "-"),)
+    help_ = _HELP.get(name, name) + (_PATTERN_HELP if name == "causal" else "")
+    ann = Annotated[kind, typer.Option(*flags, help=help_)]
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=field, annotation=ann)
 
-# The options that declare a pattern, one definition for audit and diagnose (the keywords
-# of causalattn.attention; _declared turns them into those keywords).
-_Window = Annotated[int, typer.Option("--window", help="Sliding window w: " + _PATTERN_HELP)]
-_Chunk = Annotated[int, typer.Option("--chunk", help="Chunks of c positions.")]
-_Lengths = Annotated[str, typer.Option("--lengths", help="Sequence lengths, e.g. 6,3.")]
-_PrefixLengths = Annotated[str, typer.Option("--prefix-lengths", help="Bidirectional prefixes.")]
-_Softcap = Annotated[float, typer.Option("--softcap", help="Scores capped as c·tanh(S/c).")]
-_Sinks = Annotated[str, typer.Option("--sinks", help="One sink logit per head, e.g. 0.5,0.1.")]
-_AlibiSlopes = Annotated[str, typer.Option("--alibi-slopes", help="One ALiBi slope per head.")]
-_Bidirectional = Annotated[bool, typer.Option("--bidirectional", help="No causal rule.")]
+
+CLI_PATTERN = tuple(n for n in masks.PATTERN_KEYWORDS if n not in NOT_ON_CLI)
+
+
+def pattern_options(fn):
+    """Give a command the pattern options (:data:`CLI_PATTERN`, from the one list): ``fn``
+    declares ``**keywords`` where they arrive, and reads them with :func:`_declared`."""
+    sig = inspect.signature(fn, eval_str=True)  # typer reads the signature as it is set
+    params = [p for p in sig.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    opts = [_pattern_option(n) for n in CLI_PATTERN]
+    fn.__signature__ = sig.replace(parameters=params + opts)
+    fn.__annotations__ = {**fn.__annotations__, **{p.name: p.annotation for p in opts}}
+    fn.__annotations__.pop("keywords", None)
+    return fn
+
+
+def _declared(keywords: dict) -> dict:
+    """The pattern keywords of causalattn.attention, from the pattern options (those set)."""
+    kw = {}
+    for name, value in keywords.items():
+        if name in _VECTORS:
+            value = _numbers(value, "--" + name.replace("_", "-"), _VECTORS[name])
+        if value is not None and value is not masks.DEFAULTS[name]:
+            kw[name] = value
+    return kw
+
+
 # code causalattn runs (diagnose FILE, learn --check) runs in the isolation runner
 _MaxMemory = Annotated[
     str,

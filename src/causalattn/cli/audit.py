@@ -12,16 +12,9 @@ from ..check.compare import compare_lone_mask
 from ._app import _fail, _Json, command_app
 from ._inputs import _captured
 from ._options import (
-    _AlibiSlopes,
-    _Bidirectional,
-    _Chunk,
     _declared,
-    _Lengths,
-    _PrefixLengths,
     _Scale,
-    _Sinks,
-    _Softcap,
-    _Window,
+    pattern_options,
 )
 from ._output import _console, _one_based, _print_json
 from ._positions import BASE, shown
@@ -30,6 +23,7 @@ command = command_app()
 
 
 @command.command("audit")
+@pattern_options
 def audit_cmd(
     file: str = typer.Argument(
         None,
@@ -45,16 +39,9 @@ def audit_cmd(
         None, "--layers", help="With --model: which layers, from 1, e.g. '1,3,5-7'."
     ),
     max_bytes: int = typer.Option(2 * 2**30, "--max-bytes", help="Refuse arrays larger than this."),
-    window: _Window = None,
-    chunk: _Chunk = None,
-    lengths: _Lengths = None,
-    prefix_lengths: _PrefixLengths = None,
-    softcap: _Softcap = None,
-    sinks: _Sinks = None,
-    alibi_slopes: _AlibiSlopes = None,
-    bidirectional: _Bidirectional = False,
     scale: _Scale = None,
     as_json: _Json = False,
+    **keywords,
 ):
     """Check named arrays in dependency order (a file holding only a mask: compare it with the
     declared pattern, cell by cell). Exit 0 clean, 1 a check fails, 2 unusable input."""
@@ -63,9 +50,7 @@ def audit_cmd(
         return
     if file is None:
         _fail('give a file of arrays to audit, or --model DIR "text"')
-    declared = _declared(
-        window, chunk, lengths, prefix_lengths, softcap, sinks, alibi_slopes, bidirectional
-    )
+    declared = _declared(keywords)
     if _audit_mask(file, max_bytes, declared, as_json):  # a file that holds only a mask
         return
     try:

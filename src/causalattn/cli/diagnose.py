@@ -8,18 +8,11 @@ import typer
 from ..check import diagnose
 from ._app import _fail, _Json, _library_errors, command_app
 from ._options import (
-    _AlibiSlopes,
-    _Bidirectional,
-    _Chunk,
     _declared,
-    _Lengths,
     _MaxMemory,
     _memory_bytes,
-    _PrefixLengths,
     _Scale,
-    _Sinks,
-    _Softcap,
-    _Window,
+    pattern_options,
 )
 from ._output import _console, _print_json
 from ._positions import shown
@@ -28,6 +21,7 @@ command = command_app()
 
 
 @command.command("diagnose")
+@pattern_options
 def diagnose_cmd(
     target: str = typer.Argument(
         ..., help="path/to/file.py:function_or_class (the file is executed)."
@@ -38,17 +32,10 @@ def diagnose_cmd(
     timeout: float = typer.Option(
         60.0, "--timeout", help="Seconds before the user's code is stopped."
     ),
-    window: _Window = None,
-    chunk: _Chunk = None,
-    lengths: _Lengths = None,
-    prefix_lengths: _PrefixLengths = None,
-    softcap: _Softcap = None,
-    sinks: _Sinks = None,
-    alibi_slopes: _AlibiSlopes = None,
-    bidirectional: _Bidirectional = False,
     scale: _Scale = None,
     max_memory: _MaxMemory = None,
     as_json: _Json = False,
+    **keywords,
 ):
     """Measure an attention function or module; name the first stage that differs.
     Exit 0 clean, 1 it differs, 2 it could not run.
@@ -57,9 +44,7 @@ def diagnose_cmd(
     """
     if ":" not in target:
         _fail(f"expected path/to/file.py:function_or_class, got {target!r}")
-    declared = _declared(
-        window, chunk, lengths, prefix_lengths, softcap, sinks, alibi_slopes, bidirectional
-    )
+    declared = _declared(keywords)
     with _library_errors():
         d = diagnose(
             target,

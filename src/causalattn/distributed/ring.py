@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..engines.problem import FLOAT_DTYPES, compute_dtype, make_problem
-from ..masks import Pattern, check_lengths
+from ..masks import DEFAULTS, Pattern, check_lengths, keywords_of, takes_pattern
 from ..shapes import BACKWARD_FACTOR, score_flops
 from .layout import LAYOUTS, check_layout, rank_and_size, segments
 
@@ -425,6 +425,11 @@ def _agree(link: _Link, layout: str, q, k, v, lengths_list, window, seed) -> tup
     return int(s0), int(o0)
 
 
+# the pattern keywords ring attention runs (causal always; it refuses the others by name)
+RING_KEYWORDS = ("causal", "lengths", "window", "sinks", "mask_mod")
+
+
+@takes_pattern
 def ring_attention(
     q,
     k,
@@ -432,15 +437,13 @@ def ring_attention(
     *,
     group=None,
     layout: str = "zigzag",
-    lengths=None,
-    window=None,
-    sinks=None,
+    pattern: Pattern | None = None,
     scale=None,
     dropout_p: float = 0.0,
     generator=None,
     return_lse: bool = False,
     stats: RingStats | None = None,
-    mask_mod=None,
+    **keywords,
 ):
     """Causal self-attention over a sequence sharded across the ranks of ``group``.
 
@@ -459,9 +462,20 @@ def ring_attention(
     global positions (the same function on every rank); block pairs it leaves empty are
     skipped.
 
+    The pattern is ``pattern`` or its keywords (:func:`causalattn.attention`'s); it runs
+    those of :data:`RING_KEYWORDS` and refuses the others by name.
+
     Collective: every rank of the group must call it with the same shapes. A failing peer
     raises :class:`RingError` here (see the module docstring).
     """
+    kw = keywords_of(pattern, keywords, "ring_attention")
+    others = [n for n in kw if n not in RING_KEYWORDS and kw[n] is not DEFAULTS[n]]
+    if others or kw["causal"] is not True:
+        raise ValueError(
+            f"ring_attention: {', '.join(others) or 'causal=False'} is not supported; it runs "
+            f"causal attention with {', '.join(RING_KEYWORDS[1:])}"
+        )
+    lengths, window, sinks, mask_mod = (kw[n] for n in RING_KEYWORDS[1:])
     check_layout(layout)
     rank, P = rank_and_size(group)
     # local shapes, dtypes, devices, scale, window, sinks and dropout_p, checked as attention's
@@ -492,7 +506,9 @@ def ring_attention(
         ).tolist()
     link = _Link(group, rank, P, stats if stats is not None else RingStats())
     seed = _agree(link, layout, q, k, v, lengths_list, window, local.dropout_seed or (0, 0))
-    pattern = Pattern(causal=True, window=window, lengths=lengths_list, mask_mod=mask_mod)
+    pattern = Pattern.from_kwargs(
+        where="ring_attention", window=window, lengths=lengths_list, mask_mod=mask_mod
+    )
     cfg = _Config(
         rank,
         P,

@@ -1,17 +1,16 @@
 """Fast engines behind one signature, and the dispatch between them.
 
-    attention(q, k, v, *, causal=True, window=None, lengths=None, key_padding_mask=None,
-              cu_seqlens=None, prefix_lengths=None, chunk=None, mask=None,
-              alibi_slopes=None, softcap=None, sinks=None, scale=None, dropout_p=0.0,
-              generator=None, engine="auto", return_lse=False, mask_mod=None,
-              score_mod=None, bias=None, rel_bias=None)
+    attention(q, k, v, *, pattern=None, <the pattern keywords>, scale=None, dropout_p=0.0,
+              generator=None, engine="auto", return_lse=False)
 
 q: ``(B, H_q, T_q, d_k)``, k: ``(B, H_kv, T_k, d_k)``, v: ``(B, H_kv, T_k, d_v)`` as in
 SDPA; H_q a multiple of H_kv (grouped-query). Returns H ``(B, H_q, T_q, d_v)`` in q's
 dtype, and with ``return_lse`` also the fp32 log-sum-exp ``(B, H_q, T_q)``.
-The mask keywords and modifiers are :class:`causalattn.masks.Pattern`'s; dropout is
-:mod:`causalattn.dropout`'s (see :mod:`causalattn.engines.problem`). The engines are the
-registry's (:mod:`causalattn.engines.registry`); "auto" is :mod:`causalattn.engines.auto`.
+The pattern keywords are :class:`causalattn.masks.Pattern`'s fields
+(:data:`causalattn.masks.PATTERN_KEYWORDS`, given to the signature by
+:func:`causalattn.masks.takes_pattern`); dropout is :mod:`causalattn.dropout`'s. A call
+becomes one :class:`~causalattn.engines.call.Call`; the engines and what each runs are the
+registry's data (:mod:`causalattn.engines.registry`); "auto" is :mod:`causalattn.engines.auto`.
 """
 
 from __future__ import annotations
@@ -22,32 +21,18 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .. import dropout as _dropout
-from .._internals.torch import constant_result, is_fake, transforms_active
-from ..masks import default_scale
-from ..masks_mod import check_callable
+from .._internals.torch import is_fake, transforms_active
+from ..masks import Pattern, default_scale, keywords_of, takes_pattern
 from . import auto as _auto
 from . import cpp as _cpp
 from . import ops as _ops
 from .cache import KVCache
-from .problem import Problem, _check_tensors, check_generator, make_problem
-from .registry import (
-    ENGINES,
-    LEARNED,
-    TENSORS,
-    Features,
-    captured_of,
-    engine,
-    feature_values,
-    of_problem,
-    refusal,
-    refusal_of,
-)
+from .call import Call
+from .problem import Problem, _check_tensors, make_problem
+from .registry import ENGINES, Features, engine, feature_values, of_problem, refusal, refusal_of
 
 if TYPE_CHECKING:
-    from ..arrays import MaskMod, ScoreMod, Tensor
-
-_default_scale = constant_result(default_scale)
+    from ..arrays import Tensor
 
 __all__ = ["attention", "KVCache", "Problem", "make_problem", "ENGINES", "pick_engine", "run"]
 
@@ -63,13 +48,8 @@ def _choose(name: str, values: tuple, k_len) -> str:
     # what the engine does not support: named now while tracing; in eager mode by the
     # operator, after the data checks (which name the bad argument first)
     # (the user's functions and learned tensors are named now: nothing in the data decides)
-    user = any(values[i] for i in USER)
+    user = any(values[i] for i in USER) or (values[LSE] and not e.lse)
     why = refusal_of(name, values) if torch.compiler.is_compiling() or user else ""
-    if values[LSE] and not e.lse:
-        why = (
-            f"engine {name!r}: return_lse: PyTorch's SDPA does not return the log-sum-exp; "
-            "use 'cpp' or 'tiled'"
-        )
     if why:
         raise ValueError(why)
     return name
@@ -86,16 +66,6 @@ def pick_engine(p: Problem, return_lse: bool = False) -> str:
     return _auto.pick(of_problem(p, return_lse))
 
 
-def _tensor(name: str, x, device):
-    """A list or array argument as a tensor (tensors pass through; the operator checks them)."""
-    if x is None or isinstance(x, torch.Tensor):
-        return x
-    try:
-        return torch.as_tensor(x, device=device)
-    except (TypeError, ValueError, RuntimeError) as exc:  # a string, ragged lists, ...
-        raise ValueError(f"{name}: expected an array or tensor, got {x!r:.60} ({exc})") from exc
-
-
 # ---- the plain call, in microseconds --------------------------------------------------------
 # q, k, v and at most causal, window, chunk, scale, engine: its checks and its choice are
 # made once per (dtypes, devices, shapes, keywords) and remembered, so a repeated call costs
@@ -103,14 +73,22 @@ def _tensor(name: str, x, device):
 _PLAIN: dict = {}
 _PLAIN_MAX = 4096
 _SCALE: dict = {}  # d_k -> 1/√d_k
+_PLAIN_KEYWORDS = frozenset(("causal", "window", "chunk"))
 
 
-def _plain(q, k, v, causal, window, chunk, scale, name):
+def _plain(q, k, v, keywords, scale, dropout_p, generator, name, return_lse):
+    """The shortcut's result, or None for the usual way (which also names what is wrong)."""
+    if generator is not None or return_lse is not False:
+        return None
+    if not (dropout_p == 0 and type(dropout_p) in (float, int)):
+        return None
     if not (type(q) is type(k) is type(v) is torch.Tensor):  # Parameters, fakes: the usual way
         return None
     if torch.compiler.is_compiling() or transforms_active():
         return None
     grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    causal, window = keywords.get("causal", True), keywords.get("window")
+    chunk = keywords.get("chunk")
     # k, v's devices as indices: the shortcut only ever runs with q on the CPU, where any
     # other device of k or v has an index >= 0
     key = (
@@ -173,40 +151,29 @@ def _plain_engine(q, k, v, causal, window, chunk, name, grad):
     return "sdpa" if run_as == "sdpa" and plain_sdpa and not grad else None
 
 
+@takes_pattern
 def attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     *,
-    causal: bool = True,
-    window: int | None = None,
-    lengths: Tensor | None = None,
-    key_padding_mask: Tensor | None = None,
-    cu_seqlens: Tensor | None = None,
-    prefix_lengths: Tensor | None = None,
-    chunk: int | None = None,
-    mask: Tensor | None = None,
-    alibi_slopes: Tensor | None = None,
-    softcap: float | None = None,
-    sinks: Tensor | None = None,
+    pattern: Pattern | None = None,
     scale: float | None = None,
     dropout_p: float = 0.0,
     generator: torch.Generator | None = None,
     engine: str = "auto",
     return_lse: bool = False,
-    mask_mod: MaskMod | None = None,
-    score_mod: ScoreMod | None = None,
-    bias: Tensor | None = None,
-    rel_bias: Tensor | None = None,
+    **keywords,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Causal self-attention ``dropout(softmax_last(modify(q kᵀ·scale) + M)) v`` on one of
-    the engines. ``sinks`` may be a learned Parameter (gradients flow to it).
+    the engines. The pattern is ``pattern`` (a :class:`~causalattn.masks.Pattern`) or its
+    keywords (not both). ``sinks`` may be a learned Parameter (gradients flow to it).
 
     One call of the ``causalattn::fwd`` operator (:mod:`causalattn.engines.ops`): it
     compiles with ``torch.compile(fullgraph=True)``, exports, runs on meta tensors and
-    under torch.func. Shapes are checked here (at trace time); what needs the data
-    (lengths, cu_seqlens, finiteness) inside the operator. A plain eager call (no pattern
-    tensors, modifiers or dropout) takes a remembered shortcut to the same kernels.
+    under torch.func. Shapes are checked here (at trace time, :class:`Call`); what needs
+    the data (lengths, cu_seqlens, finiteness) inside the operator. A plain eager call (no
+    pattern tensors, modifiers or dropout) takes a remembered shortcut to the same kernels.
 
     ``mask_mod(b, h, q_idx, kv_idx) -> bool`` and ``score_mod(score, b, h, q_idx, kv_idx)``
     are FlexAttention's (see :mod:`causalattn.masks_mod`); ``bias`` an additive float tensor
@@ -214,131 +181,24 @@ def attention(
     Gradients flow to ``bias``, ``rel_bias``, ``alibi_slopes``, ``sinks`` and the tensors a
     score_mod reads, where they require one.
     """
-    if (
-        lengths is None
-        and key_padding_mask is None
-        and cu_seqlens is None
-        and prefix_lengths is None
-        and mask is None
-        and alibi_slopes is None
-        and softcap is None
-        and sinks is None
-        and mask_mod is None
-        and score_mod is None
-        and bias is None
-        and rel_bias is None
-        and generator is None
-        and return_lse is False
-        and (dropout_p == 0 and type(dropout_p) in (float, int))
-    ):
-        out = _plain(q, k, v, causal, window, chunk, scale, engine)
+    if pattern is None and keywords.keys() <= _PLAIN_KEYWORDS:
+        out = _plain(q, k, v, keywords, scale, dropout_p, generator, engine, return_lse)
         if out is not None:
             return out
-    _check_tensors(q, k, v)
-    if not isinstance(return_lse, bool):
-        raise ValueError(f"attention: return_lse must be True or False, got {return_lse!r}")
-    why = _auto.scalar_refusal(causal, window, chunk, softcap)
-    if why:
-        raise ValueError(why)
-    dropout_p = _dropout.check_p(dropout_p)
-    check_generator(generator)
-    if scale is None:
-        scale = _default_scale(int(q.shape[-1]))
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise ValueError(f"attention: scale must be a number, got {scale!r}")
-    given = dict(
-        lengths=lengths,
-        key_padding_mask=key_padding_mask,
-        cu_seqlens=cu_seqlens,
-        prefix_lengths=prefix_lengths,
-        mask=mask,
-        alibi_slopes=alibi_slopes,
-        sinks=sinks,
-        bias=bias,
-        rel_bias=rel_bias,
-    )
-    tensors = {n: _tensor(n, x, q.device) for n, x in given.items()}
-    for name, fn in (("mask_mod", mask_mod), ("score_mod", score_mod)):
-        check_callable(name, fn)
-    # a score_mod's captured tensors need a gradient even when q, k, v and the pattern
-    # tensors need none (a learned bias over frozen projections)
-    # (looked up on the function held by number: a function made inside a compiled region
-    # is Dynamo's, which does not show its globals; the held one is the real function)
-    mods = _ops.mods_id(mask_mod, score_mod)
-    captured = captured_of(_ops.mods_of(mods)[1]) if torch.is_grad_enabled() else []
-    grad = bool(captured) or (
-        torch.is_grad_enabled()
-        and any(
-            isinstance(t, torch.Tensor) and t.requires_grad
-            for t in (q, k, v, *(tensors[n] for n in LEARNED))
-        )
-    )
-    values = feature_values(
-        q,
-        k,
-        v,
-        tensors=tensors,
-        causal=causal,
-        window=window,
-        chunk=chunk,
-        softcap=softcap,
-        dropout_p=dropout_p,
-        lse=return_lse,
-        grad=grad,
-        mask_mod=mask_mod,
-        score_mod=score_mod,
-        captured=captured,
-    )
-    name = _choose(engine, values, k.shape[2])
+    kw = keywords_of(pattern, keywords, "attention")
+    call = Call.of(q, k, v, kw, scale, dropout_p, generator, return_lse)
+    name = _choose(engine, call.values, k.shape[2])
     # eagerly, SDPA keeps PyTorch's own autograd: through the operator its backward would
     # recompute the forward (fwd+bwd 1.4x slower at GPT-2 small in one bench run).
     # Under a torch.func transform, a tensor that a score_mod captures is wrapped at the
     # transform's level, which no operator can differentiate through: the reference's
     # differentiable torch math runs at the user's level instead, so the transform sees it.
-    direct = (
-        "sdpa"
-        if name == "sdpa" and _eager(q)
-        else "reference"
-        if captured and transforms_active()
-        else None
-    )
+    direct = "sdpa" if name == "sdpa" and _eager(q) else None
+    direct = "reference" if call.captured and transforms_active() else direct
     if direct:
         with _ops.naming(direct):
-            p = make_problem(
-                q,
-                k,
-                v,
-                causal=causal,
-                window=window,
-                chunk=chunk,
-                softcap=softcap,
-                scale=scale,
-                dropout_p=dropout_p,
-                generator=generator,
-                mask_mod=mask_mod,
-                score_mod=score_mod,
-                **given,
-            )
-            return _ops.engine_module(direct).forward(p, return_lse)
-    # the dropout seed stays a tensor: a compiled graph draws it anew on every call
-    seed = _dropout.seed_tensor(generator) if dropout_p else None
-    args = _ops.OpArgs(
-        q,
-        k,
-        v,
-        *(tensors[n] for n in TENSORS),
-        captured=list(captured),
-        dropout_seed=seed,
-        causal=causal,
-        window=window,
-        chunk=chunk,
-        softcap=None if softcap is None else float(softcap),
-        scale=float(scale),
-        dropout_p=float(dropout_p),
-        mods=mods,
-        engine=name,
-        return_lse=return_lse,
-    )
+            return _ops.engine_module(direct).forward(call.problem(), return_lse)
+    args = call.op_args(name)
     if transforms_active():  # torch.func.grad, vmap, ...
         out, lse = _ops.FuncAttention.apply(*_ops.FuncAttention.flat(args))
     else:

@@ -610,25 +610,13 @@ def sinks_grad(p: Problem, out, lse, dout, dlse=None) -> torch.Tensor:
     return _sinks_grad(p, out, lse, dout, dlse)
 
 
-def not_yet(f) -> str:
-    """What the native kernels do not compute, as a phrase ("" when nothing): the one place
-    that says so. A score_mod runs as its traced program (:mod:`.score_program`); one the
-    tracer cannot express is named with the reason."""
-    return f.score_mod_why if f.score_mod and f.score_mod_why else ""
-
-
-def refusal(f) -> str:
-    """What it cannot run ("" when it runs ``f``): dtypes beyond its four, what the kernels
-    do not compute (:func:`not_yet`), or no build here."""
-    if f.dtype not in DTYPE_NAMES_OF:
-        return f"engine 'cpp': dtype {f.dtype} not supported; use {DTYPE_NAMES}"
-    missing = not_yet(f)
-    if missing:
-        return (
-            f"engine 'cpp': {missing}, so it cannot run in the native kernels; "
-            "engines that run it: 'tiled' and 'reference' (engine='auto' picks one)"
-        )
-    return unavailable() if f.device == "cpu" else ""
+def supports(f) -> str | None:
+    """What the registry's data cannot say (it holds the dtypes): None when the native
+    kernels run ``f`` here, else why — a score_mod with no traced program
+    (:mod:`.score_program`, named with the reason), or no build here."""
+    if f.score_mod and f.score_mod_why:
+        return f"{f.score_mod_why}, so it cannot run in the native kernels"
+    return (unavailable() or None) if f.device == "cpu" else None
 
 
 def forward(p: Problem, return_lse: bool = False):

@@ -93,10 +93,5 @@ def attend(p: Problem, keep: torch.Tensor | None = None, return_lse: bool = Fals
     return out, lse.to(torch.float32)
 
 
-def refusal(f) -> str:
-    """Nothing: the reference runs every pattern, modifier and dropout."""
-    return ""
-
-
 def forward(p: Problem, return_lse: bool = False):
     return attend(p, return_lse=return_lse)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .. import dropout as _dropout
-from ..masks import Pattern, default_scale
+from ..masks import Pattern, default_scale, takes_pattern
 from ..masks import shape_str as _shape_str
 
 # log2(e): the tiled and Triton engines keep scores in log2 units (exp2 is the fast exponential)
@@ -196,30 +196,17 @@ def _check_lengths(q, k, pattern) -> None:
         )
 
 
+@takes_pattern
 def make_problem(
     q,
     k,
     v,
     *,
-    causal=True,
-    window=None,
-    lengths=None,
-    key_padding_mask=None,
-    cu_seqlens=None,
-    prefix_lengths=None,
-    chunk=None,
-    mask=None,
-    alibi_slopes=None,
-    softcap=None,
-    sinks=None,
+    pattern: Pattern | None = None,
     scale=None,
     dropout_p=0.0,
     generator=None,
-    pattern: Pattern | None = None,
-    mask_mod=None,
-    score_mod=None,
-    bias=None,
-    rel_bias=None,
+    **keywords,
 ) -> Problem:
     """Check inputs and build a :class:`Problem`; every error names the argument and shapes.
 
@@ -228,39 +215,7 @@ def make_problem(
     _check_tensors(q, k, v)
     B, H_q, T_q, d_k = q.shape
     T_k = k.shape[2]
-    given = {
-        n: x
-        for n, x in (
-            ("window", window),
-            ("lengths", lengths),
-            ("key_padding_mask", key_padding_mask),
-            ("cu_seqlens", cu_seqlens),
-            ("prefix_lengths", prefix_lengths),
-            ("chunk", chunk),
-            ("mask", mask),
-            ("alibi_slopes", alibi_slopes),
-            ("softcap", softcap),
-            ("sinks", sinks),
-            ("mask_mod", mask_mod),
-            ("score_mod", score_mod),
-            ("bias", bias),
-            ("rel_bias", rel_bias),
-        )
-        if x is not None
-    }
-    if pattern is not None:
-        if given or causal is not True:
-            raise ValueError(
-                f"attention: give either pattern= or the mask keywords, not both (got "
-                f"{', '.join(given) or 'causal'})"
-            )
-        if not isinstance(pattern, Pattern):
-            raise ValueError(
-                "attention: pattern must be a causalattn.masks.Pattern, got "
-                f"{type(pattern).__name__}"
-            )
-    else:
-        pattern = Pattern(causal=causal, **given)
+    pattern = Pattern.from_kwargs(pattern, **keywords)
     _check_lengths(q, k, pattern)
     placed = pattern.q_start is not None or pattern.k_start != 0
     if pattern.cu_seqlens is not None and (B != 1 or (T_q != T_k and not placed)):

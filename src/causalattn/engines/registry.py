@@ -2,10 +2,13 @@
 
 :class:`Features` holds plain values only (device, dtype, head sizes, heads, lengths, which
 pattern tensors are present, the scalar keywords, dropout, lse, gradients): hashable, so a
-choice made for it is cached, and a constant while tracing. Each :class:`Engine` answers
-:meth:`Engine.refusal` for a Features record — "" when it runs such a call, else the reason
-— without building a problem or importing a module that cannot run on the device (the
-Triton engine is never imported to learn that it does not run on the CPU).
+choice made for it is cached, and a constant while tracing. Each :class:`Engine` declares,
+as data here, what it runs: its devices, dtypes and head sizes, and what it lacks of what a
+call asks (:meth:`Features.asks`), each with its reason; a module adds a ``supports(f) ->
+None | reason`` only for what data cannot say (a build, an installed package).
+:meth:`Engine.supports` answers from both, without building a problem or importing a module
+that cannot run on the device; :func:`refusal` words every refusal once, naming the engines
+that do run the call.
 
 An engine is a module satisfying :mod:`causalattn.engines.contract`; a new one is one entry
 in :data:`ENGINES` (and one row in ``tests/engines/test_engine_contract.py``).
@@ -58,6 +61,15 @@ class Features:
     score_mod_why: str = ""  # why the score_mod has no traced program ("" when it has one,
     # causalattn.engines.score_program): the native kernels run only a traced one
 
+    def asks(self) -> tuple[str, ...]:
+        """What the call asks that an engine may lack, by the names of :attr:`Engine.lacks`."""
+        out = ["return_lse"] if self.lse else []
+        out += ["score_mod"] if self.score_mod else []
+        out += [n for n in ("sinks", "rel_bias") if n in self.present]
+        out += ["softcap"] if self.softcap is not None else []
+        out += ["learnable alibi_slopes"] if "alibi_slopes" in self.learned else []
+        return tuple(out)
+
     @property
     def kind(self) -> str:
         """The mask kind, one of :data:`KINDS`: what the timing tables are indexed by."""
@@ -83,18 +95,27 @@ class Features:
 
 @dataclass(frozen=True)
 class Engine:
-    """One engine: its name, its module, the devices it runs on and what it computes.
+    """One engine: its name, its module, and as data what it runs.
 
-    ``raw``: it has raw passes (``fwd``/``bwd``/``sinks_grad``, :class:`contract.BlockKernels`)
-    and runs inside the operators without autograd; the others run under autograd there.
-    ``lse``: it returns the log-sum-exp. The module's own ``refusal(features) -> str`` says
-    what else it cannot run (dtypes, head sizes, modifiers), once the device fits."""
+    ``devices``: device types ("*" for any); ``dtypes``: the q dtypes it takes (() for any);
+    ``head_sizes``: (lo, hi) bounds of d_k and d_v (None for any); ``lacks``: (what, reason)
+    pairs, ``what`` one of :meth:`Features.asks`' names; ``raw``: it has raw passes
+    (``fwd``/``bwd``/``sinks_grad``, :class:`contract.BlockKernels`) and runs inside the
+    operators without autograd (the others run under autograd there). The module's own
+    ``supports(features) -> None | reason``, where it has one, says what data cannot."""
 
     name: str
     module: str
-    devices: tuple[str, ...]  # device types; "*" for any
+    devices: tuple[str, ...]
+    dtypes: tuple[str, ...] = ()
+    head_sizes: tuple[int, int] | None = None
+    lacks: tuple[tuple[str, str], ...] = ()
     raw: bool = False
-    lse: bool = True
+
+    @property
+    def lse(self) -> bool:
+        """Whether it returns the log-sum-exp."""
+        return "return_lse" not in dict(self.lacks)
 
     def load(self):
         """The engine's module; ValueError naming it when it cannot be imported here."""
@@ -105,19 +126,54 @@ class Engine:
                 f"attention: engine {self.name!r} is not available here ({exc})"
             ) from exc
 
+    def supports(self, f: Features) -> str | None:
+        """None when this engine runs a call with features ``f``, else the reason (a phrase:
+        :func:`refusal` words the sentence)."""
+        return _supports(self.name, f)
+
     def refusal(self, f: Features) -> str:
         """Why this engine does not run a call with features ``f`` ("" when it does)."""
         return _refusal(self.name, f)
 
 
+_SDPA = "PyTorch's SDPA"
+_KERNELS = "not in the Triton kernels"
 ENGINES: dict[str, Engine] = {
     e.name: e
     for e in (
         Engine("reference", "causalattn.engines.exact", ("*",)),  # float64, every pattern
-        Engine("sdpa", "causalattn.engines.sdpa", ("*",), lse=False),
+        Engine(
+            "sdpa",
+            "causalattn.engines.sdpa",
+            ("*",),
+            lacks=(
+                ("return_lse", f"{_SDPA} does not return the log-sum-exp"),
+                ("score_mod", f"{_SDPA} takes no function of the scores"),
+                ("sinks", f"{_SDPA} has no sink term in its softmax"),
+                ("softcap", f"{_SDPA} cannot cap scores (not an additive bias)"),
+            ),
+        ),
         Engine("tiled", "causalattn.engines.tiled", ("cpu",), raw=True),
-        Engine("cpp", "causalattn.engines.cpp", ("cpu",), raw=True),
-        Engine("triton", "causalattn.engines.triton", ("cuda", "cpu"), raw=True),
+        Engine(
+            "cpp",
+            "causalattn.engines.cpp",
+            ("cpu",),
+            dtypes=("float64", "float32", "bfloat16", "float16"),
+            raw=True,
+        ),
+        Engine(
+            "triton",
+            "causalattn.engines.triton",
+            ("cuda", "cpu"),  # the CPU under TRITON_INTERPRET=1 (the module says)
+            dtypes=("float16", "bfloat16", "float32"),
+            head_sizes=(1, 1024),
+            lacks=(
+                ("score_mod", f"{_KERNELS} (a Python function is not called per tile)"),
+                ("rel_bias", _KERNELS),
+                ("learnable alibi_slopes", f"{_KERNELS} (requires_grad)"),
+            ),
+            raw=True,
+        ),
     )
 }
 
@@ -130,21 +186,35 @@ def engine(name: str) -> Engine:
     return e
 
 
-@functools.lru_cache(maxsize=1024)
-def _refusal(name: str, f: Features) -> str:
+def _supports(name: str, f: Features) -> str | None:
     e = ENGINES[name]
     if "*" not in e.devices and f.device not in e.devices and f.device != "meta":
-        return f"engine {name!r}: runs on {' or '.join(e.devices)} tensors, not {f.device}"
-    if f.lse and not e.lse:
-        return (
-            f"engine {name!r}: return_lse: it does not return the log-sum-exp; use 'cpp' or 'tiled'"
-        )
+        return f"it runs on {' or '.join(e.devices)} tensors, not {f.device}"
+    if e.dtypes and f.dtype not in e.dtypes:
+        return f"dtype {f.dtype} is not one of its {', '.join(e.dtypes)}"
+    lo, hi = e.head_sizes or (1, 2**62)
+    if not (lo <= f.d_k <= hi and lo <= f.d_v <= hi):
+        return f"head sizes d_k={f.d_k}, d_v={f.d_v} must lie in {lo}..{hi}"
+    lacks = dict(e.lacks)
+    missing = [f"{what}: {lacks[what]}" for what in f.asks() if what in lacks]
+    if missing:
+        return "; ".join(missing)
     try:
-        mod = e.load()
+        hook = getattr(e.load(), "supports", None)
     except ValueError as exc:
         return str(exc)
-    fn = getattr(mod, "refusal", None)
-    return fn(f) if fn is not None else ""
+    why = hook(f) if hook is not None else None
+    return why.removeprefix(f"engine {name!r}: ") if why else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _refusal(name: str, f: Features) -> str:
+    """The one wording of a refusal: the engine, why, and the engines that run the call."""
+    why = _supports(name, f)
+    if why is None:
+        return ""
+    runs = [repr(n) for n in ENGINES if _supports(n, f) is None]
+    return f"engine {name!r}: {why}; engines that run this call: {', '.join(runs) or 'none'}"
 
 
 @constant_result
@@ -153,6 +223,11 @@ def refusal(name: str, f: Features) -> str:
     constant while tracing. Unknown names raise."""
     engine(name)
     return _refusal(name, f)
+
+
+def runs(f: Features) -> tuple[str, ...]:
+    """The engines that run a call with features ``f``, in the registry's order."""
+    return tuple(n for n in ENGINES if _supports(n, f) is None)
 
 
 def feature_values(

@@ -3,8 +3,9 @@
 The pattern goes in as SDPA's dense mask (a mask_mod evaluated into it): a bool mask, or a
 float bias where ALiBi, ``bias`` or ``rel_bias`` add finite entries (0 or -slope·|i-j|
 where readable, -inf where not). SDPA cannot express
-softcap (a function of the scores, not an addition) or sinks (an extra denominator term):
-those raise a ValueError rather than approximate. Dropout is SDPA's own ``dropout_p``,
+softcap (a function of the scores, not an addition), sinks (an extra denominator term), a
+score_mod or the log-sum-exp: the registry says so (:data:`causalattn.engines.registry.ENGINES`)
+and they raise a ValueError rather than approximate. Dropout is SDPA's own ``dropout_p``,
 drawn from torch's global RNG: its pattern differs from :mod:`causalattn.dropout`'s (the
 other engines'), so only its statistics can be compared.
 """
@@ -17,33 +18,10 @@ import torch.nn.functional as F
 from .problem import Problem
 
 
-def refusal(f) -> str:
-    """What SDPA cannot express ("" when it runs ``f``): sinks, softcap (the registry refuses
-    return_lse: SDPA does not return it)."""
-    if f.score_mod:
-        return (
-            "engine 'sdpa': score_mod: PyTorch's SDPA takes no function of the scores; engines "
-            "that run it: 'tiled' (CPU) and 'reference'"
-        )
-    if "sinks" in f.present:
-        return "engine 'sdpa': sinks: PyTorch's SDPA has no sink term in its softmax; use 'cpp'"
-    if f.softcap is not None:
-        return (
-            "engine 'sdpa': softcap: PyTorch's SDPA cannot cap scores (not an additive bias); "
-            "use 'cpp'"
-        )
-    return ""
-
-
 def forward(p: Problem, return_lse: bool = False):
-    from .registry import of_problem
+    from .registry import of_problem, refusal
 
-    if return_lse:
-        raise ValueError(
-            "engine 'sdpa': return_lse: PyTorch's SDPA does not return the log-sum-exp; "
-            "use 'cpp' or 'tiled'"
-        )
-    why = refusal(of_problem(p))
+    why = refusal("sdpa", of_problem(p, return_lse))  # what it lacks: the registry's data
     if why:
         raise ValueError(why)
     gqa = p.group > 1

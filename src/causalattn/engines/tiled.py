@@ -214,11 +214,6 @@ def sinks_grad(p: Problem, out, lse, dout, dlse=None) -> torch.Tensor:
     return -(w * D).sum(dim=(0, 2))
 
 
-def refusal(f) -> str:
-    """Features it cannot run ("" for every CPU call: the registry checks the device)."""
-    return ""
-
-
 def forward(p: Problem, return_lse: bool = False):
     """Engine entry: differentiable in q, k, v and learned sinks (:mod:`.autograd`)."""
     if p.q.device.type != "cpu":

@@ -155,43 +155,17 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 DTYPE_NAMES = "fp16, bf16 or fp32"
 
 
-DTYPE_NAMES_OF = ("float16", "bfloat16", "float32")
-
-
-def refusal(f) -> str:
-    """What the kernels do not run ("" when they run ``f``): every pattern, modifier and
-    dropout, fp16 / bf16 / fp32, head sizes 1..1024, on CUDA (or the CPU under
-    TRITON_INTERPRET=1)."""
+def supports(f) -> str | None:
+    """What the registry's data cannot say (:data:`causalattn.engines.registry.ENGINES`
+    holds the dtypes, head sizes and what the kernels lack): None when this machine runs the
+    kernels for ``f``, else why (no triton package; the CPU without TRITON_INTERPRET=1)."""
     if triton is None:
-        return "engine 'triton': the triton package is not installed (pip install '.[gpu]')"
+        return "the triton package is not installed (pip install '.[gpu]')"
     if f.device == "cpu" and not _interpreting():
         return (
-            "engine 'triton': the kernels need CUDA tensors (or TRITON_INTERPRET=1 to run "
-            "them, slowly, on the CPU)"
+            "the kernels need CUDA tensors (or TRITON_INTERPRET=1 to run them, slowly, on the CPU)"
         )
-    if f.dtype not in DTYPE_NAMES_OF:
-        return f"engine 'triton': dtype {f.dtype} not supported; use {DTYPE_NAMES}"
-    if not (1 <= f.d_k <= 1024 and 1 <= f.d_v <= 1024):
-        return f"engine 'triton': head sizes d_k={f.d_k}, d_v={f.d_v} must lie in 1..1024"
-    missing = not_yet(f)
-    if missing:
-        return (
-            f"engine 'triton': {missing}: not in the kernels; engines that run it: "
-            "'reference' (any device) and 'tiled' (CPU)"
-        )
-    return ""
-
-
-def not_yet(f) -> str:
-    """What the kernels do not compute, as a phrase ("" when nothing): a score_mod (a
-    Python function; the kernels cannot call it per tile), a relative bias and slope
-    gradients."""
-    what = ["score_mod"] if f.score_mod else []
-    if "rel_bias" in f.present:
-        what.append("rel_bias")
-    if "alibi_slopes" in f.learned:
-        what.append("learnable alibi_slopes (requires_grad)")
-    return ", ".join(what)
+    return None
 
 
 def prefers(f) -> bool:
@@ -444,7 +418,7 @@ __all__ = [
     "bwd",
     "bwd_grads",
     "sinks_grad",
-    "refusal",
+    "supports",
     "prefers",
     "available",
     "MEASURED",

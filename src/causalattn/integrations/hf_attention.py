@@ -77,6 +77,7 @@ def _accepted() -> set[str]:
     return set(inspect.signature(attention).parameters)
 
 
+@masks.takes_pattern
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -86,6 +87,7 @@ def attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     *,
+    pattern: masks.Pattern | None = None,
     engine: str = "auto",
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
@@ -94,8 +96,12 @@ def attention_forward(
     query ``(B, H, T_q, d_k)``, key ``(B, H_kv, T_k, d_k)``, value ``(B, H_kv, T_k, d_v)``
     -> (``(B, T_q, H, d_v)``, None): attention weights are never materialized.
     ``dropout`` (HF passes the config's attention dropout in ``train()`` mode, 0 in
-    ``eval()``) is causalattn's ``dropout_p``, drawn from torch's global RNG.
+    ``eval()``) is causalattn's ``dropout_p``, drawn from torch's global RNG. ``pattern``
+    or the pattern keywords add to what HF's arguments say (``softcap`` is HF's own
+    keyword too); one that both set is refused by name. The other keywords are HF's.
     """
+    own = {n: kwargs.pop(n) for n in masks.PATTERN_KEYWORDS if n in kwargs and n != "softcap"}
+    extra = masks.keywords_of(pattern, own, "causalattn attention")
     if torch.compiler.is_compiling():  # no look at the mask's data while tracing
         kw, n = _traced_kwargs(module, query, key, attention_mask, **kwargs)
     else:
@@ -107,10 +113,27 @@ def attention_forward(
                 f"causalattn attention: this causalattn.attention does not take {missing} yet "
                 f"(the layer's pattern: {pat.describe()}); use attn_implementation='eager'"
             )
+    kw = _joined(kw, extra)
     if dropout:
         kw["dropout_p"] = float(dropout)
     H_out = attention(query, key[:, :, :n], value[:, :, :n], scale=scaling, engine=engine, **kw)
     return H_out.transpose(1, 2).contiguous(), None
+
+
+def _joined(kw: dict, extra: dict) -> dict:
+    """HF's pattern keywords with the call's own (``extra``: every keyword) added."""
+    both = [
+        n for n, v in extra.items() if n != "causal" and v is not None and kw.get(n) is not None
+    ]
+    if both:
+        raise ValueError(
+            f"causalattn attention: {', '.join(both)} given by the call and by HF's arguments "
+            "(the model's own pattern); give it once"
+        )
+    out = {**kw, **{n: v for n, v in extra.items() if v is not None and n != "causal"}}
+    if extra["causal"] is False:
+        out["causal"] = False
+    return out
 
 
 def _traced_kwargs(module, query, key, attention_mask, **kwargs) -> tuple[dict, int]:
@@ -145,9 +168,30 @@ def register(engine: str = "auto", name: str = NAME) -> str:
             "causalattn.integrations.transformers needs `pip install causalattn[hf]`"
         ) from exc
 
-    def forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    @masks.takes_pattern
+    def forward(
+        module,
+        query,
+        key,
+        value,
+        attention_mask,
+        scaling=None,
+        dropout=0.0,
+        *,
+        pattern=None,
+        **kwargs,
+    ):
         return attention_forward(
-            module, query, key, value, attention_mask, scaling, dropout, engine=engine, **kwargs
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            scaling,
+            dropout,
+            pattern=pattern,
+            engine=engine,
+            **kwargs,
         )
 
     forward.__name__ = f"{name}_attention_forward"
