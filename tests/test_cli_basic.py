@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+from causalattn._trace import Trace
 from causalattn.cli import app
 from causalattn.text import SEED_SENTENCES
-from causalattn.trace import Trace
 
 runner = CliRunner()
 

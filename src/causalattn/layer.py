@@ -32,7 +32,7 @@ from .masks import shape_str as _shape_str
 if TYPE_CHECKING:
     from .arrays import ArrayLike, MaskMod, ScoreMod
     from .shapes import Row
-    from .trace import Trace
+    from ._trace import Trace
 
 __all__ = ["CausalSelfAttention", "from_gpt2_attention", "from_nanogpt_state_dict"]
 
@@ -334,7 +334,7 @@ class CausalSelfAttention(nn.Module):
         ``H W_O`` and the layer returns ``O + b_o``. With grouped-query attention each
         query head is shown with its own copy of the K and V head it reads.
         """
-        from .reference import trace as _trace
+        from .matrix_form import trace as _trace
 
         X = (
             x.detach().to("cpu", torch.float64).numpy()

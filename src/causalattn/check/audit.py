@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .. import masks as _masks
-from ..trace import Trace
+from .._trace import Trace
 from .inputs import DEFAULT_MAX_BYTES, _from_mapping, _from_trace, load_arrays
 from .report import AuditInputError, Report, check_declared_scale
 from .stages import run as _run_stages

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .files import read_source
+from ..io.files import read_source
 from .probes import Probe, merge_heads
 
 SIGNATURES = ("qkv", "x-weights", "module")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import constants as _kinds
 from .. import masks as _masks
 from .. import masks_mod as _mod
 
@@ -213,9 +214,9 @@ class _Theirs:
         t = self.kinds[b if self.kinds.shape[0] > 1 else 0][None]
         qa, qb, ka, kb = i0 // bq, -(-i1 // bq), k0 // bk, -(-k1 // bk)
         sub = t[:, :, qa:qb, ka:kb]
-        if bool((sub == _mod.PARTIAL_DENSE).any()):
+        if bool((sub == _kinds.PARTIAL_DENSE).any()):
             return None
-        full = (sub == _mod.FULL).repeat_interleave(bq, 2).repeat_interleave(bk, 3)
+        full = (sub == _kinds.FULL).repeat_interleave(bq, 2).repeat_interleave(bk, 3)
         r0, c0 = i0 - qa * bq, k0 - ka * bk
         return full[:, :, r0 : r0 + (q1 - q0), c0 : c0 + (k1 - k0)].contiguous()
 
@@ -404,7 +405,7 @@ def mask_of_file(path, max_bytes: int):
     """The mask a file holds when it holds only a mask — one array, boolean or named like a
     mask (MASK_NAMES), 2 to 4 axes — else None (a file of stages for :func:`audit`).
     Headers are checked before anything is read."""
-    from .files import open_arrays
+    from ..io.files import open_arrays
 
     f = open_arrays(path, max_bytes)
     if len(f.headers) != 1:

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from ..check import runner
+from ..io import runner
 from ._app import _fail
 
 
