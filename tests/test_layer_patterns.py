@@ -12,10 +12,10 @@ from causalattn import CausalSelfAttention, masks
     [
         {"window": 3},
         {"chunk": 4},
-        {"alibi": True},
+        {"alibi_slopes": True},
         {"softcap": 5.0},
         {"sinks": True},
-        {"window": 2, "alibi": True, "sinks": True, "softcap": 3.0},
+        {"window": 2, "alibi_slopes": True, "sinks": True, "softcap": 3.0},
     ],
 )
 def test_the_layer_equals_its_own_float64_trace(kw):
@@ -33,7 +33,7 @@ def test_the_layer_equals_its_own_float64_trace(kw):
 
 
 def test_learned_sinks_get_a_gradient_and_alibi_slopes_are_not_saved():
-    layer = CausalSelfAttention(8, 2, sinks=True, alibi=True, engine="reference")
+    layer = CausalSelfAttention(8, 2, sinks=True, alibi_slopes=True, engine="reference")
     layer(torch.randn(1, 5, 8)).sum().backward()
     assert layer.sinks.grad is not None and torch.isfinite(layer.sinks.grad).all()
     assert "alibi_slopes" not in layer.state_dict() and "sinks" in layer.state_dict()
@@ -43,7 +43,7 @@ def test_learned_sinks_get_a_gradient_and_alibi_slopes_are_not_saved():
 
 def test_attention_dropout_acts_in_train_mode_only():
     torch.manual_seed(1)
-    layer = CausalSelfAttention(8, 2, attn_dropout=0.5, engine="reference")
+    layer = CausalSelfAttention(8, 2, dropout_p=0.5, engine="reference")
     x = torch.randn(1, 6, 8)
     layer.eval()
     a, b = layer(x), layer(x)
@@ -62,8 +62,8 @@ def test_attention_dropout_acts_in_train_mode_only():
         ({"window": 0}, "window"),
         ({"chunk": 1.5}, "chunk"),
         ({"softcap": -1.0}, "softcap"),
-        ({"attn_dropout": 1.5}, "attn_dropout"),
-        ({"alibi": 1}, "alibi"),
+        ({"dropout_p": 1.5}, "dropout_p"),
+        ({"alibi_slopes": 1}, "alibi_slopes"),
         ({"scale": float("nan")}, "scale"),
         ({"sinks": "yes"}, "sinks"),
     ],
