@@ -110,7 +110,7 @@ def bench_legacy(
 
 
 # The benchmarks are imported when one runs: they import torch, which the other commands'
-# start-up leaves out (issue 26).
+# start-up leaves out.
 
 
 def _show(mod, rows, as_json: bool) -> None:

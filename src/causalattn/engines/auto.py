@@ -1,12 +1,12 @@
 """``engine="auto"``: the engine expected fastest for a call, from its :class:`Features`.
 
 CPU: the native engine (``cpp``) wherever it is built and runs the call (with a backward and
-T_k <= ``SDPA_GRAD_T``, SDPA where it runs the call) — it is measured
-the fastest on every shape of ``causalattn bench`` (the closing table of issue 22 and
-docs/design.md), so no timing table measured on another machine decides. Where it is
-unavailable (no compiler) the choice between ``tiled`` and ``sdpa`` comes from a table of
-paired timings measured by ``causalattn bench --tune``: the entry of the same dtype, kind
-and pass whose (d, T) is nearest on a log scale names the winner. The table shipped in the
+T_k <= ``SDPA_GRAD_T``, SDPA where it runs the call) — it is measured the fastest on every
+shape of ``causalattn bench`` (docs/design.md's tables), so no timing table measured on
+another machine decides. Where it is unavailable (no compiler) the choice between ``tiled``
+and ``sdpa`` comes from a table of paired timings measured by ``causalattn bench --tune``:
+the entry of the same dtype, kind and pass whose (d, T) is nearest on a log scale names the
+winner. The table shipped in the
 package (``auto_table.json``, with its provenance) is replaced by the user's own,
 ``auto_table.json`` in platformdirs' user cache directory (on Linux
 ``$XDG_CACHE_HOME/causalattn``, default ``~/.cache/causalattn``), once
