@@ -113,7 +113,7 @@ class CausalSelfAttention(nn.Module):
         dropout_p: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
-        **renamed,
+        **renamed: object,
     ):
         super().__init__()
         proj_bias, alibi_slopes, dropout_p = _renamed(renamed, proj_bias, alibi_slopes, dropout_p)
