@@ -1,4 +1,4 @@
-"""Cases for tests/test_triton.py: the Triton engine against the float64 reference.
+"""Cases for tests/engines/test_triton.py: the Triton engine against the float64 reference.
 
 Imported by test_triton.py only where the kernels can run in this process: on a GPU, or
 on the CPU under TRITON_INTERPRET=1 (which must be set before triton is first imported,
@@ -179,7 +179,7 @@ def test_errors_and_choice():
     p = make_problem(q, k, v)
     on_cpu = make_problem(q.cpu(), k.cpu(), v.cpu())
     assert not tri.prefers(registry.of_problem(on_cpu))
-    # CPU: the native engine where it is built, else the measured table (tests/test_auto.py)
+    # CPU: the native engine where it is built, else the measured table (tests/engines/test_auto.py)
     assert pick_engine(on_cpu) == auto.pick(registry.of_problem(on_cpu))
     if not ON_GPU:
         with pytest.MonkeyPatch.context() as mp:
@@ -226,7 +226,7 @@ def test_raw_passes_match_the_tiled_engine_with_a_given_global_lse():
             assert g.shape == w.shape and (g.cpu().float() - w.float()).abs().max() < 1e-4
 
 
-# ---- patterns, modifiers and dropout (issues 11, 12) --------------------------------------
+# ---- patterns, modifiers and dropout --------------------------------------
 def _gen(seed=5):
     return torch.Generator().manual_seed(seed)
 

@@ -35,11 +35,11 @@ import pytest
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 SHARE = max(1, CORES // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
-THREADED = {"test_tiled.py", "test_engine_patterns.py", "test_dropout.py"}
+THREADED = {"test_tiled.py", "test_every_pattern.py", "test_dropout.py"}
 SERIAL = {  # module -> the unit of work it belongs to (modules in one unit share a worker)
-    "tests/test_ring.py": "gloo",
-    "tests/test_explorer_browser.py": "chromium",
-    "tests/test_hf_browser.py": "chromium",
+    "tests/distributed/test_ring.py": "gloo",
+    "tests/viz/test_explorer_browser.py": "chromium",
+    "tests/viz/test_hf_browser.py": "chromium",
     "tests/test_docs_site.py": "chromium",
 }
 # queued first (a name here only changes the order; a missing one changes nothing)
@@ -51,11 +51,11 @@ LONGEST = (
 # mutated module (prefix of mutmut's mutant name) -> the test files that judge it; the first
 # prefix that matches wins, so a module's own entry comes before its package's
 MUTATION_TESTS = {
-    "causalattn.masks.": ("test_masks.py", "test_patterns.py"),
-    # the modules masks was split into (issue 26): the same tests as masks (test_masks pins
+    "causalattn.masks.": ("test_masks.py", "test_pattern.py"),
+    # the modules masks was split into: the same tests as masks (test_masks pins
     # every refusal of Pattern in full, the bias, rel_bias, mask_mod and score_mod ones too)
-    "causalattn.masks_checks.": ("test_masks.py", "test_patterns.py"),
-    "causalattn.masks_dense.": ("test_masks.py", "test_patterns.py"),
+    "causalattn.masks_checks.": ("test_masks.py", "test_pattern.py"),
+    "causalattn.masks_dense.": ("test_masks.py", "test_pattern.py"),
     "causalattn.dropout.": ("test_dropout.py",),
     "causalattn.shapes.": ("test_shapes.py",),
     "causalattn.text.": ("test_text.py",),
@@ -63,12 +63,13 @@ MUTATION_TESTS = {
     "causalattn.check.measure.": ("test_check_measure.py", "test_diagnose.py"),
     "causalattn.check.judge.": ("test_judge.py", "test_diagnose.py", "test_promises_check.py"),
     "causalattn.io.files.": (
-        "test_check_hostile.py",
         "test_hostile.py",
         "test_promises_check.py",
     ),
     "causalattn.io.runner.": ("test_runner.py", "test_promises_check.py"),
     "causalattn.check.compare.": ("test_compare_masks.py", "test_promises_check.py"),
+    "causalattn.check.conventions.": ("test_mask_conventions.py", "test_check_audit.py"),
+    "causalattn.check.mask_arg.": ("test_diagnose_mask_arg.py",),
     "causalattn.check.": (
         "test_audit.py",
         "test_check_audit.py",
@@ -90,7 +91,7 @@ MUTATION_TESTS = {
     "causalattn.engines.": (  # tiled and the modules it was split into (tiled_*) too
         "test_engine_contract.py",
         "test_engines.py",
-        "test_engine_patterns.py",
+        "test_every_pattern.py",
         "test_tiled.py",
     ),
 }

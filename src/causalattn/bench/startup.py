@@ -7,7 +7,7 @@ round: one round runs the peer and the four commands once each, in an order rota
 round to round, so drift on a busy machine reaches all five alike. Per command: the wall
 time over the rounds (median, min-max) and its ratio to the peer's time in the same round
 (median, min-max). The bar: each command in <= 25% of the peer's time, which it
-can meet only by not importing torch (tests/test_cli_startup.py pins that it does not).
+can meet only by not importing torch (tests/cli/test_cli_startup.py pins that it does not).
 """
 
 from __future__ import annotations

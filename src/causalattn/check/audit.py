@@ -22,8 +22,12 @@ Choices where names are ambiguous:
   ``attn_scores`` are S (if they carry -inf above the diagonal they are read as Z).
 * ``out`` / ``output`` is O when W_O is given, else H. ``hook_result`` (per-head
   outputs after W_O) is summed over heads into O.
-* ``mask`` / ``allowed`` / ``attention_mask``: boolean or 0/1 integers mean True = may
-  read; floating point means the additive M (0 / -inf or a large negative fill).
+* ``mask`` / ``allowed`` / ``attention_mask``: read by the one reader of masks
+  (:mod:`.conventions`): boolean (True = may read), additive (0 / -inf or a large negative
+  fill) or 1/0, decided by the values; an ambiguous one (all zeros, values that fit none)
+  is refused with the reason, never judged. ``M`` / ``additive_mask`` is additive by name.
+* A mapping or file holding only a mask is compared cell by cell with the declared pattern
+  (:func:`~.compare.compare_masks`, as the CLI's audit does): the report's one check.
 """
 
 from __future__ import annotations
@@ -37,8 +41,10 @@ import numpy as np
 
 from .. import masks as _masks
 from .._trace import Trace
+from .compare import MaskComparison, compare_lone_mask
+from .conventions import MEANING
 from .inputs import DEFAULT_MAX_BYTES, _from_mapping, _from_trace, load_arrays
-from .report import AuditInputError, Report, check_declared_scale
+from .report import AuditInputError, Check, Report, check_declared_scale
 from .stages import run as _run_stages
 
 if TYPE_CHECKING:
@@ -102,6 +108,10 @@ def audit(
     except ValueError as exc:
         raise AuditInputError(f"audit: {exc}") from None
     check_declared_scale("audit", scale, AuditInputError)
+    if isinstance(obj, (str, Path, Mapping)):  # only a mask: compared cell by cell
+        lone = compare_lone_mask(obj, max_bytes, declared)
+        if lone is not None:
+            return _mask_report(lone)
     if isinstance(obj, Trace):
         inp = _from_trace(obj)
     elif isinstance(obj, (str, Path)):
@@ -123,3 +133,18 @@ def audit(
         raise
     except ValueError as exc:  # shapes that do not fit together in a way no check foresaw
         raise AuditInputError(f"audit: the arrays do not fit together ({exc})") from None
+
+
+def _mask_report(cmp: MaskComparison) -> Report:
+    """A lone mask's comparison as a Report: one stage-M check, its first difference as
+    evidence (0-based (b, h), query rows and key columns)."""
+    evidence: dict = {}
+    if cmp.differences and cmp.differences[0].cells:
+        b, h, i, j = cmp.differences[0].cells[0]
+        evidence = {"index": (b, h), "rows": [i], "cols": [j], "kinds": dict(cmp.kinds)}
+    head, *rest = (line.strip() for line in cmp.message.splitlines())
+    message = head.rstrip(":") + (": " + "; ".join(rest) if rest else "")
+    check = Check("M", "mask is the declared pattern", cmp.ok, message, evidence)
+    read_as = MEANING.get(cmp.convention or "", "a BlockMask or mask_mod")
+    note = f"a lone mask, read as {read_as}, compared cell by cell with {cmp.expected}"
+    return Report([check], given=["mask"], notes=[note])

@@ -14,9 +14,18 @@ from typing import NamedTuple
 import numpy as np
 
 from ..io.files import read_source
+from . import conventions
 from .probes import Probe, merge_heads
 
-SIGNATURES = ("qkv", "x-weights", "module")
+SIGNATURES = ("qkv", "qkv-mask", "x-weights", "module")
+TAKEN = "fn(q, k, v), fn(q, k, v, mask), fn(x, w_q, w_k, w_v[, w_o]) or an nn.Module"
+# parameter names that say fn(q, k, v, ...) and fn(..., mask) (lower case)
+_QKV_NAMES = (
+    ("q", "query", "queries", "xq", "q_states", "query_states"),
+    ("k", "key", "keys", "xk", "k_states", "key_states"),
+    ("v", "value", "values", "xv", "v_states", "value_states"),
+)
+_MASK_NAMES = ("mask", "attn_mask", "attention_mask", "causal_mask", "attn_bias", "bias")
 
 
 @dataclass(frozen=True)
@@ -160,13 +169,17 @@ def _discover_signature(fn) -> str:
     except ImportError:
         pass
     params = _required(fn)
+    names = [p.name.lower() for p in params]
+    qkv = len(names) >= 3 and all(n in ok for n, ok in zip(names, _QKV_NAMES))
     if len(params) == 3:
         return "qkv"
-    if len(params) in (4, 5):
+    if len(params) == 4 and qkv and names[3] in _MASK_NAMES:
+        return "qkv-mask"
+    if len(params) in (4, 5) and not qkv:
         return "x-weights"
     raise ValueError(
-        f"diagnose: {len(params)} required arguments ({', '.join(p.name for p in params)}); "
-        "expected fn(q, k, v), fn(x, w_q, w_k, w_v[, w_o]) or an nn.Module; pass signature="
+        f"diagnose: fn({', '.join(p.name for p in params)}) is not a signature diagnose "
+        f"takes; it takes {TAKEN} (pass signature= to say which)"
     )
 
 
@@ -324,6 +337,8 @@ class Subject:
         self.fn, self.sig, self.framework, self.adapter = fn, sig, framework, adapter
         self.has_wo = has_wo if sig != "module" else "o" in adapter.found
         self.layouts: dict = {}  # (B == 1, H == 1) -> leading axes that worked
+        # fn(q, k, v, mask): the convention its mask is written in (conventions); None: no mask
+        self.mask_convention: str | None = None
 
     # -- conversion
     def _conv(self, a, framework=None, wrap=None):
@@ -369,6 +384,10 @@ class Subject:
                         self._conv(a.reshape(lead + a.shape[2:]).copy(), fw, wrap)
                         for a in (p.inputs["q"], p.inputs["k"], V)
                     ]
+                    if self.mask_convention is not None:  # the probe's pattern, q's layout
+                        m = np.ascontiguousarray(p.allowed()).reshape(lead + (p.T_q, p.T_k))
+                        m = conventions.encode(m, self.mask_convention, p.dtype)
+                        args.append(self._conv(m, fw))  # (never wrapped: it is no stage)
                     kwargs = {
                         k: self._conv(np.asarray(v).copy(), fw, wrap) for k, v in p.kwargs.items()
                     }

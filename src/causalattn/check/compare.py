@@ -1,7 +1,8 @@
 """Is someone's mask the one meant? :func:`compare_masks`, block by block in bounded memory.
 
-``theirs`` is a dense boolean mask (True = may read), an additive float mask (0 where read,
--inf or a large negative number where blocked), a FlexAttention ``BlockMask`` or a
+``theirs`` is a dense mask — boolean (True = may read), additive (0 where read, -inf or a
+large negative fill where blocked) or 1/0, read by the one reader (:mod:`.conventions`;
+an ambiguous one is refused, never judged) — a FlexAttention ``BlockMask`` or a
 ``mask_mod(b, h, q_idx, kv_idx)``; ``expected`` a :class:`causalattn.masks.Pattern`. Both
 are evaluated one block of cells at a time (``block`` × ``block``), so T = 32768 costs
 O(block² + B·H·T) memory, never T×T. Each differing cell is named by the expected
@@ -13,6 +14,7 @@ another length, or whose tables do not fit its block size, is named before any c
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,9 +22,20 @@ import numpy as np
 from .. import constants as _kinds
 from .. import masks as _masks
 from .. import masks_mod as _mod
+from . import conventions
+from .inputs import ALIASES
+from .report import AuditInputError
 
-__all__ = ["compare_masks", "MaskComparison", "MaskDifference", "KINDS", "mask_of_file"]
-MASK_NAMES = ("mask", "attention_mask", "attn_mask", "allowed")  # a lone mask, by its name
+__all__ = [
+    "compare_masks",
+    "MaskComparison",
+    "MaskDifference",
+    "KINDS",
+    "lone_mask",
+    "compare_lone_mask",
+]
+# a lone mask, by its name: the audit's names of a mask (inputs.ALIASES)
+MASK_NAMES = tuple(a for a, stage in ALIASES.items() if stage == "allowed")
 
 # what a difference is called, by the expected pattern's reason for blocking the cell
 KINDS = {
@@ -78,6 +91,7 @@ class MaskComparison:
     expected: str
     window_offset: int | None = None
     kinds: dict = field(default_factory=dict)  # kind -> count
+    convention: str | None = None  # how their dense mask was read (bool, additive, 1/0)
 
     def __bool__(self) -> bool:
         return self.ok
@@ -96,6 +110,7 @@ class MaskComparison:
             "shape": list(self.shape),
             "expected": self.expected,
             "window_offset": self.window_offset,
+            "convention": self.convention,
             "differences": [d.to_dict(base) for d in self.differences],
         }
 
@@ -108,6 +123,7 @@ class _Theirs:
         import torch
 
         self.problems: list[MaskDifference] = []
+        self.convention = None  # how a dense mask was read (conventions), else None
         self.kinds = None  # a BlockMask's kinds per block, torch int8 (B|1, H|1, nQ, nK)
         if _is_block_mask(theirs):
             mod = _mod.BlockMaskMod(theirs)
@@ -132,13 +148,8 @@ class _Theirs:
                     f"compare_masks: a dense mask needs 2 to 4 axes (B|1, H|1, T_q, T_k), got "
                     f"shape {tuple(a.shape)}"
                 )
-            if a.dtype != torch.bool:
-                if not a.dtype.is_floating_point:
-                    raise ValueError(
-                        f"compare_masks: a dense mask must be boolean (True = may read) or "
-                        f"additive float (0 = may read), got dtype {a.dtype}"
-                    )
-                a = a > torch.finfo(a.dtype).min / 2  # -inf and finfo.min block
+            reading = conventions.decide(a, "their mask")
+            a, self.convention = reading.allowed, reading.convention
             a = a.reshape((1,) * (4 - a.dim()) + tuple(a.shape))
             self.fn, self.dense = None, a
             dq, dk = a.shape[2:]
@@ -249,7 +260,7 @@ def compare_masks(
     block: int = 1024,
     limit: int = 5,
 ) -> MaskComparison:
-    """Compare ``theirs`` (a dense bool or additive mask, a BlockMask or a mask_mod) with
+    """Compare ``theirs`` (a dense bool, additive or 1/0 mask, a BlockMask or a mask_mod) with
     ``expected`` (a :class:`~causalattn.masks.Pattern`; default plain causal) cell for cell,
     ``block`` × ``block`` cells at a time. T (or T_q, T_k), B, H default to what ``theirs``
     says (a mask_mod needs T). ``limit``: cells kept per kind of difference."""
@@ -315,14 +326,23 @@ def compare_masks(
     diffs.sort(key=lambda d: (d.count != 0, min(d.cells) if d.cells else ()))
     ok = not diffs
     what = expected.describe()
+    conv = th.convention
+    read_as = "" if conv is None else f"; theirs read as {conventions.MEANING[conv]}"
     if ok:
-        message = f"the masks agree on all {B}×{H}×{T_q}×{T_k} cells ({what})"
+        message = f"the masks agree on all {B}×{H}×{T_q}×{T_k} cells ({what}{read_as})"
     else:
-        message = f"the masks differ ({what} expected):\n" + "\n".join(
+        message = f"the masks differ ({what} expected{read_as}):\n" + "\n".join(
             "  " + d.detail for d in diffs
         )
     return MaskComparison(
-        ok, message, tuple(diffs), (B, H, T_q, T_k), what, window_offset, dict(counts)
+        ok,
+        message,
+        tuple(diffs),
+        (B, H, T_q, T_k),
+        what,
+        window_offset,
+        dict(counts),
+        th.convention,
     )
 
 
@@ -401,16 +421,44 @@ def _detail(kind, n, cells, w, window_offset, base) -> str:
     return sentences.get(kind, f"{kind}: {n} cells ({where})")
 
 
-def mask_of_file(path, max_bytes: int):
-    """The mask a file holds when it holds only a mask — one array, boolean or named like a
-    mask (MASK_NAMES), 2 to 4 axes — else None (a file of stages for :func:`audit`).
-    Headers are checked before anything is read."""
+def _is_lone_mask(name: str, shape, dtype) -> bool:
+    """One array of 2 to 4 axes, boolean or named like a mask (MASK_NAMES)."""
+    return 2 <= len(shape) <= 4 and (dtype == np.bool_ or name.lower() in MASK_NAMES)
+
+
+def lone_mask(obj, max_bytes: int):
+    """The mask ``obj`` holds when it holds only a mask — a file (headers checked before
+    anything is read) or a mapping of one array, boolean or named like a mask
+    (MASK_NAMES), 2 to 4 axes — else None (stages for :func:`audit`). The one test of
+    "only a mask", for ``audit()`` and the CLI's audit alike."""
+    if isinstance(obj, Mapping):
+        if len(obj) != 1:
+            return None
+        ((name, m),) = obj.items()
+        if not hasattr(m, "shape") or not hasattr(m, "dtype"):
+            m = np.asarray(m)
+        dtype = np.bool_ if str(m.dtype) in ("bool", "torch.bool") else np.dtype("float64")
+        return m if _is_lone_mask(str(name), tuple(m.shape), dtype) else None
     from ..io.files import open_arrays
 
-    f = open_arrays(path, max_bytes)
+    f = open_arrays(obj, max_bytes)
     if len(f.headers) != 1:
         return None
     ((name, (shape, dtype)),) = f.headers.items()
-    if not 2 <= len(shape) <= 4 or not (dtype == np.bool_ or name.lower() in MASK_NAMES):
+    if not _is_lone_mask(name, shape, dtype):
         return None
     return next(iter(f.read().values()))
+
+
+def compare_lone_mask(obj, max_bytes: int, declared: dict) -> MaskComparison | None:
+    """What ``obj`` (a file or mapping) holding only a mask is, against the pattern the
+    keywords ``declared`` make (:func:`compare_masks`); None when it holds something else.
+    The one door for a lone mask: ``audit()`` and the CLI's audit both come here, and both
+    refuse with the same :class:`~.report.AuditInputError` (an ambiguous mask included)."""
+    try:
+        mask = lone_mask(obj, max_bytes)
+        return None if mask is None else compare_masks(mask, _masks.Pattern(**declared))
+    except AuditInputError:
+        raise
+    except ValueError as exc:
+        raise AuditInputError(f"audit: {exc}") from None

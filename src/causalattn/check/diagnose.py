@@ -19,7 +19,10 @@ one catalogue (:mod:`.faults`).
 
 Calling conventions (``signature=``): ``"qkv"`` — ``fn(q, k, v)``, q, k: ``T×d_k``,
 v: ``T×d_v``, or with leading (B, H) axes, optionally taking ``key_padding_mask=`` (B, T)
-or ``lengths=`` (B,); ``"x-weights"`` — ``fn(x, w_q, w_k, w_v[, w_o])`` in the seeds'
+or ``lengths=`` (B,); ``"qkv-mask"`` — ``fn(q, k, v, mask)``, the mask (…, T_q, T_k) in
+q's layout, passed in the convention the function's use implies (bool, additive or 1/0,
+found on the main probe by :mod:`.mask_arg`; ``details["mask convention"]`` says which);
+``"x-weights"`` — ``fn(x, w_q, w_k, w_v[, w_o])`` in the seeds'
 ``X W`` layout, one head; ``"module"`` — an ``nn.Module`` whose ``forward(x)`` takes
 ``(1, T, d_model)``: its projections are found by name and replaced (on a copy).
 
@@ -41,6 +44,7 @@ import numpy as np
 
 from .. import masks
 from ..io import runner
+from . import mask_arg
 from .callers import (
     SIGNATURES,
     Subject,
@@ -95,10 +99,11 @@ def diagnose(
 
     ``fn``: a callable, an ``nn.Module`` or ``"path/file.py:name"`` (a function, a module
     instance, an nn.Module class constructible without arguments, or a function without
-    arguments returning one). ``signature``: ``"qkv"``, ``"x-weights"`` or ``"module"``
-    (discovered when None). The pattern keywords and ``scale`` (default 1/√d_k) declare what
-    ``fn`` should compute, as for :func:`causalattn.attention` (``mask_mod`` and
-    ``score_mod`` too: evaluated on every probe's shape; ``lengths`` (B,) and
+    arguments returning one). ``signature``: ``"qkv"``, ``"qkv-mask"``, ``"x-weights"`` or
+    ``"module"`` (discovered from the parameters' number and names when None; others are
+    refused in one line naming these). The pattern keywords and ``scale`` (default
+    1/√d_k) declare what ``fn`` should compute, as for :func:`causalattn.attention`
+    (``mask_mod`` and ``score_mod`` too: evaluated on every probe's shape; ``lengths`` (B,) and
     ``key_padding_mask`` (B, T_k) as there). ``timeout`` (seconds) and
     ``max_memory`` (bytes) bound the worker process (:mod:`.runner`); ``isolate=False``
     runs a callable here.
@@ -216,17 +221,22 @@ def diagnose_here(fn, sig, declared, scale) -> Diagnosis:
         )
     pad_kind = _pad_kind(fn) if sig != "module" else None
     has_wo = bool(dims["w_o"]) if adapter else sig == "x-weights" and takes_wo(fn)
+    given_sig, sig = sig, "qkv" if sig == "qkv-mask" else sig  # probed as fn(q, k, v)
     subject = Subject(fn, sig, fw, adapter, has_wo)
     dtype = np.float32 if fw == "torch" else np.float64
     if adapter is not None:
         dtype = np.dtype(str(next(fn.parameters()).dtype).replace("torch.", ""))
     plan = Plan(sig, dims, pad_kind, declared, dtype, has_wo)
     details = {
-        "signature": sig,
+        "signature": given_sig,
         "framework": fw,
         "padding": pad_kind,
         "declared": plan.pattern().describe(),
     }
+    if given_sig == "qkv-mask":  # on probes of their own: the plan's stay as they are
+        details["mask convention"] = mask_arg.choose(
+            subject, Plan(sig, dims, pad_kind, declared, dtype, has_wo)
+        )
     obs = observe(subject, plan)  # 1. probing
     if obs.main is None:
         p, exc = obs.error

@@ -1,5 +1,5 @@
 """The one catalogue of faults: what the audit hints at, what diagnose names, what the CLI
-prints and what the docs' table lists (tests/test_check_measure.py's
+prints and what the docs' table lists (tests/check/test_check_measure.py's
 ``test_docs_fault_table_is_the_catalogue`` keeps that table true).
 
 Each fault has an ``id``, the ``stage`` of the seed's dependency order where it shows

@@ -14,6 +14,7 @@ import numpy as np
 
 from .._trace import Trace
 from ..io.files import open_arrays
+from . import conventions
 from .report import STAGE_ORDER, AuditInputError
 
 DEFAULT_MAX_BYTES = 2 * 2**30
@@ -201,14 +202,12 @@ def _from_mapping(data: Mapping[str, Any]) -> _Inputs:
                 f"read), got shape {key_padding.shape} and dtype {key_padding.dtype}"
             )
         inp.key_padding = key_padding.astype(bool)
-    if "allowed" in raw:
-        m, _ = raw.pop("allowed")
-        if m.dtype == np.bool_ or (np.issubdtype(m.dtype, np.integer) and np.isin(m, (0, 1)).all()):
-            inp.allowed = m.astype(bool)
-        elif "M" not in raw:
-            raw["M"] = (m, "mask")
-        else:
-            raise AuditInputError("mask: a floating mask is the additive M, but M is also given")
+    if "allowed" in raw:  # bool, additive or 1/0: the one reader says which, or refuses
+        m, base = raw.pop("allowed")
+        try:
+            inp.allowed = np.asarray(conventions.decide(m, base).allowed)
+        except ValueError as exc:
+            raise AuditInputError(str(exc)) from None
     if "out?" in raw:
         a, base = raw.pop("out?")
         target = "O" if "W_o" in raw else "H"

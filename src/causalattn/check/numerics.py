@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import masks as _masks
+from .conventions import BLOCKED_BELOW  # the one reader of masks defines the blocking fill
 
-BLOCKED_BELOW = -1e4  # an additive M entry at or below this (or -inf) blocks the key
 _MAX_LIST = 8  # rows/cols shown as evidence
 
 
@@ -49,13 +49,6 @@ def _locate(bad: np.ndarray, lead_ndim: int, with_cols: bool = True) -> dict:
     if with_cols and sel.shape[1] > lead_ndim + 1:
         ev["cols"] = sorted({int(c) for c in sel[:, lead_ndim + 1]})[:_MAX_LIST]
     return ev
-
-
-def _mask_from_additive(M: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(allowed, entries that are neither 0 nor blocked)."""
-    blocked = np.isneginf(M) | (M <= BLOCKED_BELOW)
-    allowed = M == 0
-    return allowed, ~(blocked | allowed)
 
 
 def _looks_masked(S: np.ndarray) -> bool:

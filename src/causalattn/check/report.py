@@ -375,6 +375,10 @@ class Diagnosis:
                 lines.append(f"     {self.details['code']}")
         for f in self.findings[1:]:  # one line each
             lines.append(f"  also, {f.stage}: {f.text}")
+        if self.details.get("mask convention"):
+            lines.append(
+                f"  fn(q, k, v, mask): the mask passed as {self.details['mask convention']}"
+            )
         if self.untested:
             lines.append(f"  not testable with this signature: {', '.join(self.untested)}")
         if self.scale is not None:

@@ -8,11 +8,8 @@ import numpy as np
 from .. import masks as _masks
 from ..matrix_form import softmax_last
 from . import faults
-from .numerics import (
-    BLOCKED_BELOW,
-    _locate,
-    _mask_from_additive,
-)
+from .conventions import additive_allowed
+from .numerics import BLOCKED_BELOW, _locate
 from .report import AuditInputError
 from .state import AuditState
 from .words import describe_difference
@@ -45,7 +42,7 @@ def mask(st: AuditState) -> None:
         sources.append(("declared mask", _bcast(st, st.inp.allowed, shape, "mask")))
     if "M" in a:
         M = _bcast(st, a["M"], shape, "M")
-        R_M, odd = _mask_from_additive(M)
+        R_M, odd = additive_allowed(M)
         if odd.any():
             st.add(
                 "M",

@@ -7,9 +7,8 @@ from pathlib import Path
 
 import typer
 
-from .. import masks
 from ..check import audit
-from ..check.compare import compare_masks, mask_of_file
+from ..check.compare import compare_lone_mask
 from ._app import _fail, _Json, command_app
 from ._inputs import _captured
 from ._options import (
@@ -81,14 +80,14 @@ def audit_cmd(
 
 
 def _audit_mask(file: str, max_bytes: int, declared: dict, as_json: bool) -> bool:
-    """A file holding only a mask (one boolean array, or one named mask/attention_mask):
-    compared cell for cell with the declared pattern (causalattn.check.compare_masks).
+    """A file holding only a mask (one boolean array, or one named mask/attention_mask; bool,
+    additive or 1/0, read as audit() reads it): compared cell for cell with the declared
+    pattern (causalattn.check.compare_masks).
     False when the file holds something else (the stages audit checks)."""
     try:
-        mask = mask_of_file(file, max_bytes)
-        if mask is None:
+        report = compare_lone_mask(file, max_bytes, declared)  # audit()'s door too
+        if report is None:
             return False
-        report = compare_masks(mask, expected=masks.Pattern(**declared))
     except (ValueError, OSError) as exc:
         _fail(str(exc))
     if as_json:

@@ -32,7 +32,7 @@ def diagnose_cmd(
         ..., help="path/to/file.py:function_or_class (the file is executed)."
     ),
     signature: str = typer.Option(
-        None, "--signature", help="qkv | x-weights | module (default: discovered)."
+        None, "--signature", help="qkv | qkv-mask | x-weights | module (default: discovered)."
     ),
     timeout: float = typer.Option(
         60.0, "--timeout", help="Seconds before the user's code is stopped."

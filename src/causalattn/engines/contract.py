@@ -3,7 +3,7 @@
 Two protocols. An engine module is looked up by name in ``causalattn.engines.ENGINES``
 and satisfies :class:`Engine`; an engine that can also run one block pair of a larger
 problem (ring attention's building block) satisfies :class:`BlockKernels` too.
-``tests/test_engine_contract.py`` checks every engine against both, parametrized over
+``tests/engines/test_engine_contract.py`` checks every engine against both, parametrized over
 ``ENGINES`` (a new engine is one line there).
 
 The shared guarantees (the same for every engine, tested once):

@@ -8,7 +8,7 @@ choice made for it is cached, and a constant while tracing. Each :class:`Engine`
 Triton engine is never imported to learn that it does not run on the CPU).
 
 An engine is a module satisfying :mod:`causalattn.engines.contract`; a new one is one entry
-in :data:`ENGINES` (and one row in ``tests/test_engine_contract.py``).
+in :data:`ENGINES` (and one row in ``tests/engines/test_engine_contract.py``).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Compile the Triton engine's kernels for a GPU without having one (default sm_90, H100/H200).
 
 What a compile check needs, shared by ``benchmarks/compile_check.py`` (the command line)
-and ``tests/test_triton.py``: :func:`launches` records the kernel launches of one forward
+and ``tests/engines/test_triton.py``: :func:`launches` records the kernel launches of one forward
 and backward (CPU tensors; nothing runs), :func:`compile_launch` compiles one of them with
 triton's own compiler and bundled ptxas, :func:`pipelined` and :data:`SMEM_LIMIT` judge the
 result, :func:`report` says it in one line (shared memory, registers, spills, wgmma,

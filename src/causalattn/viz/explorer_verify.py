@@ -8,7 +8,7 @@ them too. H is checked against A V: an H that is not (a recorded bug) travels as
 
 The modifiers are applied as the reference applies them (:meth:`causalattn.masks.Pattern.
 modify_scores`, :func:`causalattn.matrix_form.softmax_last`); the page's own recompute is
-pinned to the reference, modifier by modifier, by ``tests/test_explorer_browser.py``.
+pinned to the reference, modifier by modifier, by ``tests/viz/test_explorer_browser.py``.
 """
 
 from __future__ import annotations
