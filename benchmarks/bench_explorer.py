@@ -27,7 +27,7 @@ import numpy as np
 
 import causalattn as ca
 from causalattn import masks, text, viz
-from causalattn.reference import softmax_last
+from causalattn.matrix_form import softmax_last
 
 CHROMIUM = os.environ.get("CAUSALATTN_CHROMIUM", "/usr/bin/chromium")
 

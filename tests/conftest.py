@@ -59,14 +59,14 @@ MUTATION_TESTS = {
     "causalattn.dropout.": ("test_dropout.py",),
     "causalattn.shapes.": ("test_shapes.py",),
     "causalattn.text.": ("test_text.py",),
-    "causalattn.reference.": ("test_reference.py",),
+    "causalattn.matrix_form.": ("test_reference.py",),
     "causalattn.check.measure.": ("test_check_measure.py", "test_diagnose.py"),
     "causalattn.check.judge.": ("test_judge.py", "test_diagnose.py", "test_promises_check.py"),
-    "causalattn.check.files.": (
+    "causalattn.io.files.": (
         "test_hostile.py",
         "test_promises_check.py",
     ),
-    "causalattn.check.runner.": ("test_runner.py", "test_promises_check.py"),
+    "causalattn.io.runner.": ("test_runner.py", "test_promises_check.py"),
     "causalattn.check.compare.": ("test_compare_masks.py", "test_promises_check.py"),
     "causalattn.check.conventions.": ("test_mask_conventions.py", "test_check_audit.py"),
     "causalattn.check.mask_arg.": ("test_diagnose_mask_arg.py",),
@@ -133,7 +133,7 @@ def _torch_threads(request):
 @pytest.fixture(autouse=True)
 def _worker_reach_in_mutmut_stats(monkeypatch):
     """mutmut's stats run maps each mutated function to the tests that reach it, counting
-    calls in the test's process only. diagnose runs a callable in a forked worker (check.runner), so
+    calls in the test's process only. diagnose runs a callable in a forked worker (io.runner), so
     check/measure (and what else the worker reaches) would map to no test, its mutants "not
     covered". In that run only, the forked worker writes the functions it reached next to
     its result and the parent adds them to the test's; everything else runs as always."""
@@ -143,7 +143,7 @@ def _worker_reach_in_mutmut_stats(monkeypatch):
 
     from mutmut.state import state
 
-    from causalattn.check import runner
+    from causalattn.io import runner
 
     reached = state()._stats  # mutmut 3's set of functions reached by the running test
     work, outcome = runner._in_worker, runner._outcome

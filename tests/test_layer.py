@@ -66,7 +66,12 @@ def make_layer(seed=0, **kw) -> CausalSelfAttention:
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize(
     "kw",
-    [{}, {"bias": True}, {"n_kv_heads": 2}, {"n_kv_heads": 1, "d_k": 5, "d_v": 3, "bias": True}],
+    [
+        {},
+        {"proj_bias": True},
+        {"n_kv_heads": 2},
+        {"n_kv_heads": 1, "d_k": 5, "d_v": 3, "proj_bias": True},
+    ],
     ids=["plain", "bias", "gqa", "mqa-dk5-dv3"],
 )
 def test_layer_matches_hand_written_reference(engine, kw):
@@ -77,7 +82,7 @@ def test_layer_matches_hand_written_reference(engine, kw):
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_lengths_and_key_padding_mask(engine):
-    layer = make_layer(engine=engine, bias=True)
+    layer = make_layer(engine=engine, proj_bias=True)
     x = torch.randn(3, 11, 32)
     lengths = torch.tensor([11, 6, 1])
     out = layer(x, lengths=lengths)
@@ -94,7 +99,7 @@ def test_lengths_and_key_padding_mask(engine):
 def test_padding_positions_never_reach_real_rows():
     # docs/design.md: values at unreadable positions, even NaN, never change a readable
     # output, bit for bit
-    layer = make_layer(engine="auto", n_kv_heads=2, bias=True)
+    layer = make_layer(engine="auto", n_kv_heads=2, proj_bias=True)
     x = torch.randn(2, 10, 32)
     lengths = torch.tensor([10, 6])
     poisoned = x.clone()
@@ -105,7 +110,7 @@ def test_padding_positions_never_reach_real_rows():
 
 @pytest.mark.parametrize("engine", ENGINES)
 def test_kv_cache_decoding_equals_full_pass(engine):
-    layer = make_layer(engine=engine, n_kv_heads=2, bias=True)
+    layer = make_layer(engine=engine, n_kv_heads=2, proj_bias=True)
     x = torch.randn(2, 12, 32)
     full = layer(x)
     cache = KVCache(capacity=2)  # small, so decoding grows it
@@ -120,7 +125,7 @@ def test_backward_matches_reference_engine():
     x = torch.randn(2, 40, 32, requires_grad=True)
     grads = {}
     for engine in ("auto", "reference"):
-        layer = make_layer(engine=engine, n_kv_heads=2, bias=True)
+        layer = make_layer(engine=engine, n_kv_heads=2, proj_bias=True)
         x.grad = None
         layer(x).square().sum().backward()
         grads[engine] = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
@@ -129,7 +134,7 @@ def test_backward_matches_reference_engine():
 
 
 def test_trace_is_the_same_layer():
-    layer = make_layer(engine="reference", n_kv_heads=2, bias=True)
+    layer = make_layer(engine="reference", n_kv_heads=2, proj_bias=True)
     x = torch.randn(2, 6, 32)
     lengths = torch.tensor([6, 4])
     tr = layer.trace(x, lengths=lengths)
@@ -252,10 +257,10 @@ def test_layer_bench_rows():
     [
         {"window": 3},
         {"chunk": 4},
-        {"alibi": True},
+        {"alibi_slopes": True},
         {"softcap": 5.0},
         {"sinks": True},
-        {"window": 2, "alibi": True, "sinks": True, "softcap": 3.0},
+        {"window": 2, "alibi_slopes": True, "sinks": True, "softcap": 3.0},
     ],
 )
 def test_the_layer_equals_its_own_float64_trace(kw):
@@ -273,7 +278,7 @@ def test_the_layer_equals_its_own_float64_trace(kw):
 
 
 def test_learned_sinks_get_a_gradient_and_alibi_slopes_are_not_saved():
-    layer = CausalSelfAttention(8, 2, sinks=True, alibi=True, engine="reference")
+    layer = CausalSelfAttention(8, 2, sinks=True, alibi_slopes=True, engine="reference")
     layer(torch.randn(1, 5, 8)).sum().backward()
     assert layer.sinks.grad is not None and torch.isfinite(layer.sinks.grad).all()
     assert "alibi_slopes" not in layer.state_dict() and "sinks" in layer.state_dict()
@@ -283,7 +288,7 @@ def test_learned_sinks_get_a_gradient_and_alibi_slopes_are_not_saved():
 
 def test_attention_dropout_acts_in_train_mode_only():
     torch.manual_seed(1)
-    layer = CausalSelfAttention(8, 2, attn_dropout=0.5, engine="reference")
+    layer = CausalSelfAttention(8, 2, dropout_p=0.5, engine="reference")
     x = torch.randn(1, 6, 8)
     layer.eval()
     a, b = layer(x), layer(x)
@@ -302,8 +307,8 @@ def test_attention_dropout_acts_in_train_mode_only():
         ({"window": 0}, "window"),
         ({"chunk": 1.5}, "chunk"),
         ({"softcap": -1.0}, "softcap"),
-        ({"attn_dropout": 1.5}, "attn_dropout"),
-        ({"alibi": 1}, "alibi"),
+        ({"dropout_p": 1.5}, "dropout_p"),
+        ({"alibi_slopes": 1}, "alibi_slopes"),
         ({"scale": float("nan")}, "scale"),
         ({"sinks": "yes"}, "sinks"),
     ],

@@ -12,8 +12,8 @@ from hypothesis.extra import numpy as hnp
 
 import causalattn as ca
 from causalattn import masks
-from causalattn.reference import softmax_last, stages, trace, weighted_values
-from causalattn.trace import STAGES, Trace
+from causalattn._trace import STAGES, Trace
+from causalattn.matrix_form import softmax_last, stages, trace, weighted_values
 
 X4 = np.array([[1, 0], [0, 1], [1, 1], [-1, 1]], float)
 I2 = np.eye(2)
@@ -778,14 +778,14 @@ def test_dropout_without_a_seed_draws_it_from_torch():
 
 
 def test_C_is_kept_up_to_its_byte_limit(monkeypatch):
-    from causalattn import reference
+    from causalattn import matrix_form
 
     X, W = _batched()
     W[2] = np.ones((4, 6))  # d_v = 3 per head
     size = 2 * 2 * 4 * 4 * 3 * 8  # B·h·T·T·d_v float64 bytes
-    monkeypatch.setattr(reference, "C_LIMIT_BYTES", size)
+    monkeypatch.setattr(matrix_form, "C_LIMIT_BYTES", size)
     assert trace(X, *W[:3], n_heads=2).C.shape == (2, 2, 4, 4, 3)
-    monkeypatch.setattr(reference, "C_LIMIT_BYTES", size - 1)
+    monkeypatch.setattr(matrix_form, "C_LIMIT_BYTES", size - 1)
     assert "C" not in trace(X, *W[:3], n_heads=2)
 
 

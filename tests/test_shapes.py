@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import causalattn as ca
-from causalattn.reference import trace
+from causalattn.matrix_form import trace
 from causalattn.shapes import BACKWARD_FACTOR, Row, attention_flops, score_flops, shape_table
 
 # The seed's tables, verbatim: (symbol, shape).

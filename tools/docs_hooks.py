@@ -64,14 +64,19 @@ def _package_page() -> str:
     import causalattn
 
     rows = ["| name | defined in |", "|---|---|"]
+    here = []  # public names of private modules (Trace): documented on this page
     for name in causalattn.__all__:
         obj = getattr(causalattn, name)
         module = obj.__name__ if inspect.ismodule(obj) else obj.__module__
+        if any(part.startswith("_") for part in module.split(".")[1:]):
+            rows.append(f"| `causalattn.{name}` | [below](#{module}.{name}) |")
+            here.append(f"::: {module}.{name}\n    options:\n      heading_level: 2\n")
+            continue
         anchor = "" if inspect.ismodule(obj) else f"#{module}.{name}"
         rows.append(f"| `causalattn.{name}` | [`{module}`]({module}.md{anchor}) |")
     return (
         "::: causalattn\n    options:\n      members: false\n      heading_level: 1\n\n"
-        "## Public names (`causalattn.__all__`)\n\n" + "\n".join(rows) + "\n"
+        "## Public names (`causalattn.__all__`)\n\n" + "\n".join(rows) + "\n\n" + "\n".join(here)
     )
 
 

@@ -7,19 +7,19 @@ layers and the conventions are defined in docs/design.md.
 
 Every public name loads on first use (PEP 562), so ``import causalattn`` and the commands
 that compute nothing with torch (``causalattn --help``, ``shapes``, ``masks``, ``learn``'s
-questions) start without importing it (issue 26).
+questions) start without importing it. ``causalattn.trace`` is the function
+(:func:`causalattn.matrix_form.trace`); the Trace it returns lives in the private module
+``_trace``, so no submodule's import rebinds that name.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 
 # public name -> the module that defines it (relative to this package)
 _LAZY = {
-    "trace": ".reference",
-    "Trace": ".trace",
+    "trace": ".matrix_form",
+    "Trace": "._trace",
     "attention": ".engines",
     "KVCache": ".engines",
     "audit": ".check",
@@ -43,7 +43,7 @@ _SUBMODULES = (
     "check",
     "engines",
     "layer",
-    "reference",
+    "matrix_form",
     "dropout",
     "inspect",
     "memory",
@@ -84,18 +84,3 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__, *_LAZY, *_SUBMODULES})
-
-
-class _Package(types.ModuleType):
-    """This package's module type: the import system binds each loaded submodule as an
-    attribute of its package, and ``causalattn.trace`` names the function
-    (:func:`causalattn.reference.trace`), as it always has, not the submodule ``trace.py``
-    (``from causalattn.trace import Trace`` still reads the submodule)."""
-
-    def __setattr__(self, name, value):
-        if name == "trace" and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

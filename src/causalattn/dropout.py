@@ -20,13 +20,16 @@ import math
 import numpy as np
 import torch
 
+from .constants import HASH_C1 as _C1
+from .constants import HASH_C2 as _C2
+from .constants import HASH_COL as _COL
+from .constants import HASH_GOLD as _GOLD
+from .constants import HASH_OFFSET as _OFFSET
+from .constants import HASH_ROW as _ROW
+
 __all__ = ["check_p", "seed_from", "seed_tensor", "keep_mask", "apply", "M32"]
 
 M32 = 0xFFFFFFFF
-_C1, _C2 = 0x85EBCA6B, 0xC2B2AE35  # fmix32's multipliers
-_GOLD = 0x9E3779B9  # spreads consecutive integers before mixing
-_ROW, _COL = 0x632BE5AB, 0x1B873593
-_OFFSET = 0x27D4EB2F  # spreads the offset
 
 
 def check_p(dropout_p, where: str = "attention") -> float:

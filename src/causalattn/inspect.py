@@ -147,7 +147,7 @@ def head_roles(traces) -> list[HeadRole]:
     Traces with A, one per layer); the token ids (``tr.ids``) or else the token strings
     (``tr.tokens``) find each token's earlier copy for the induction score.
     """
-    from .trace import Trace
+    from ._trace import Trace
 
     traces = [traces] if isinstance(traces, Trace) else list(traces)
     if not traces:

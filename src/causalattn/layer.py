@@ -31,9 +31,9 @@ from .engines import KVCache, attention
 from .masks import shape_str as _shape_str
 
 if TYPE_CHECKING:
+    from ._trace import Trace
     from .arrays import ArrayLike, MaskMod, ScoreMod
     from .shapes import Row
-    from .trace import Trace
 
 __all__ = ["CausalSelfAttention", "from_gpt2_attention", "from_nanogpt_state_dict"]
 
@@ -49,19 +49,47 @@ def _positive(name: str, value) -> int:
     return value
 
 
+# the layer's older keywords, by their new names (kept one release, with a warning)
+RENAMED = {"bias": "proj_bias", "alibi": "alibi_slopes", "attn_dropout": "dropout_p"}
+
+
+def _renamed(given: dict, proj_bias, alibi_slopes, dropout_p):
+    """(proj_bias, alibi_slopes, dropout_p) with any older keyword of ``given`` in its new
+    name's place (a DeprecationWarning each); a keyword neither old nor new is refused as
+    Python refuses it, an old one given with its new one names both."""
+    new = {"proj_bias": proj_bias, "alibi_slopes": alibi_slopes, "dropout_p": dropout_p}
+    default = {"proj_bias": False, "alibi_slopes": False, "dropout_p": 0.0}
+    for old, value in given.items():
+        if old not in RENAMED:
+            raise TypeError(f"CausalSelfAttention() got an unexpected keyword argument {old!r}")
+        name = RENAMED[old]
+        if new[name] != default[name]:
+            raise ValueError(f"CausalSelfAttention: {old}= is the older name of {name}=; give one")
+        warnings.warn(
+            f"CausalSelfAttention: {old}= is now {name}= (the older name goes in the next release)",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        new[name] = value
+    return new["proj_bias"], new["alibi_slopes"], new["dropout_p"]
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention on :func:`causalattn.attention`.
 
     ``d_k`` and ``d_v`` default to ``d_model // n_heads``; ``n_kv_heads`` (default
     ``n_heads``) enables grouped-query attention; ``scale`` defaults to 1/√d_k.
     ``engine`` is any name :func:`causalattn.attention` takes ("auto", "tiled", "sdpa",
-    "reference", ...). The pattern (:class:`causalattn.masks.Pattern`): ``window`` (each
-    query reads its last ``window`` positions), ``chunk``, ``alibi`` (fixed ALiBi slopes,
+    "reference", ...). ``proj_bias`` gives the four projections biases b_q, b_k, b_v, b_o.
+    The pattern (:class:`causalattn.masks.Pattern`): ``window`` (each
+    query reads its last ``window`` positions), ``chunk``, ``alibi_slopes`` (True: fixed slopes,
     :func:`causalattn.masks.alibi_slopes`), ``softcap`` and ``sinks`` (one learned sink
     logit per head, the parameter ``sinks``), ``mask_mod`` and ``score_mod`` (any rule or
     function of the scores, :mod:`causalattn.masks_mod`; a score_mod's learned tensors get
-    their gradients). ``attn_dropout`` drops attention weights in ``train()`` mode only, as
-    ``nn.Dropout`` does. ``forward`` takes a call's own pattern keywords (``bias=``, ...).
+    their gradients). ``dropout_p`` drops attention weights in ``train()`` mode only, as
+    ``nn.Dropout`` does. ``forward`` takes a call's own pattern keywords (``bias=``, ...). The
+    older constructor keywords ``bias``, ``alibi`` and ``attn_dropout`` still work for this
+    release, with a DeprecationWarning.
     """
 
     def __init__(
@@ -72,21 +100,23 @@ class CausalSelfAttention(nn.Module):
         d_k: int | None = None,
         d_v: int | None = None,
         n_kv_heads: int | None = None,
-        bias: bool = False,
+        proj_bias: bool = False,
         scale: float | None = None,
         engine: str = "auto",
         window: int | None = None,
         chunk: int | None = None,
-        alibi: bool = False,
+        alibi_slopes: bool = False,
         softcap: float | None = None,
         sinks: bool = False,
         mask_mod: MaskMod | None = None,
         score_mod: ScoreMod | None = None,
-        attn_dropout: float = 0.0,
+        dropout_p: float = 0.0,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        **renamed: object,
     ):
         super().__init__()
+        proj_bias, alibi_slopes, dropout_p = _renamed(renamed, proj_bias, alibi_slopes, dropout_p)
         self.d_model = _positive("d_model", d_model)
         self.n_heads = _positive("n_heads", n_heads)
         if d_k is None and d_model % n_heads:
@@ -117,8 +147,12 @@ class CausalSelfAttention(nn.Module):
         )
         self.window, self.chunk, self.softcap = window, chunk, softcap
         self.mask_mod, self.score_mod = mask_mod, score_mod
-        self.attn_dropout = _dropout.check_p(attn_dropout, "CausalSelfAttention: attn_dropout")
-        for name, flag in (("alibi", alibi), ("sinks", sinks)):
+        self.dropout_p = _dropout.check_p(dropout_p, "CausalSelfAttention: dropout_p")
+        for name, flag in (
+            ("proj_bias", proj_bias),
+            ("alibi_slopes", alibi_slopes),
+            ("sinks", sinks),
+        ):
             if not isinstance(flag, bool):
                 raise ValueError(f"CausalSelfAttention: {name} must be True or False, got {flag!r}")
         f = {"device": device, "dtype": dtype}
@@ -129,7 +163,9 @@ class CausalSelfAttention(nn.Module):
         self.W_o = nn.Parameter(torch.empty(h * self.d_v, d_model, **f))
         # fixed ALiBi slopes (not saved: they follow from n_heads) and learned sink logits
         slopes = (
-            torch.as_tensor(_masks.alibi_slopes(h), dtype=dtype, device=device) if alibi else None
+            torch.as_tensor(_masks.alibi_slopes(h), dtype=dtype, device=device)
+            if alibi_slopes
+            else None
         )
         self.register_buffer("alibi_slopes", slopes, persistent=False)
         self.sinks = nn.Parameter(torch.zeros(h, **f)) if sinks else None
@@ -139,7 +175,7 @@ class CausalSelfAttention(nn.Module):
             ("b_v", g * self.d_v),
             ("b_o", d_model),
         ):
-            self.register_parameter(name, nn.Parameter(torch.zeros(n, **f)) if bias else None)
+            self.register_parameter(name, nn.Parameter(torch.zeros(n, **f)) if proj_bias else None)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -156,7 +192,7 @@ class CausalSelfAttention(nn.Module):
         kv = f", n_kv_heads={self.n_kv_heads}" if self.n_kv_heads != self.n_heads else ""
         return (
             f"d_model={self.d_model}, n_heads={self.n_heads}{kv}, d_k={self.d_k}, d_v={self.d_v}, "
-            f"bias={self.b_q is not None}, engine={self.engine!r}{self._pattern_repr()}"
+            f"proj_bias={self.b_q is not None}, engine={self.engine!r}{self._pattern_repr()}"
         )
 
     def _pattern_repr(self) -> str:
@@ -171,8 +207,8 @@ class CausalSelfAttention(nn.Module):
             for n in ("mask_mod", "score_mod")
             if getattr(self, n) is not None
         ]
-        if self.attn_dropout:
-            parts.append(f"attn_dropout={self.attn_dropout}")
+        if self.dropout_p:
+            parts.append(f"dropout_p={self.dropout_p}")
         return "".join(", " + p for p in parts)
 
     # --- forward -----------------------------------------------------------------------
@@ -337,7 +373,7 @@ class CausalSelfAttention(nn.Module):
             v,
             scale=self.scale,
             engine=self.engine,
-            dropout_p=self.attn_dropout if self.training else 0.0,
+            dropout_p=self.dropout_p if self.training else 0.0,
             **kw,
         )  # (B, h, T, d_v)
         H = H.transpose(1, 2).reshape(B, T, self.n_heads * self.d_v)
@@ -363,7 +399,7 @@ class CausalSelfAttention(nn.Module):
         ``H W_O`` and the layer returns ``O + b_o``. With grouped-query attention each
         query head is shown with its own copy of the K and V head it reads.
         """
-        from .reference import trace as _trace
+        from .matrix_form import trace as _trace
 
         X = (
             x.detach().to("cpu", torch.float64).numpy()
@@ -466,7 +502,7 @@ class CausalSelfAttention(nn.Module):
         layer = cls(
             d_model,
             n_heads,
-            bias=True,
+            proj_bias=True,
             scale=float(scale),
             engine=engine,
             device=c_attn.weight.device,
@@ -498,7 +534,12 @@ class CausalSelfAttention(nn.Module):
         ba, bp = state_dict.get(prefix + "c_attn.bias"), state_dict.get(prefix + "c_proj.bias")
         d_model = Wa.shape[1]
         layer = cls(
-            d_model, n_heads, bias=ba is not None, engine=engine, device=Wa.device, dtype=Wa.dtype
+            d_model,
+            n_heads,
+            proj_bias=ba is not None,
+            engine=engine,
+            device=Wa.device,
+            dtype=Wa.dtype,
         )
         layer._load(Wa.t(), ba, Wp.t(), bp, "from_nanogpt_state_dict")
         return layer

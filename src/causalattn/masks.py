@@ -496,7 +496,7 @@ def additive(allowed, fill: Literal["-inf", "finite"] = "-inf", dtype=np.float64
 
     A finite fill is written once per blocked entry, never summed from two masks, so it
     cannot overflow. Softmax in this package still forces blocked entries to exactly 0
-    (see :mod:`causalattn.reference`), so a finite fill changes no weight.
+    (see :mod:`causalattn.matrix_form`), so a finite fill changes no weight.
     """
     a = np.asarray(allowed)
     if a.dtype != np.bool_:

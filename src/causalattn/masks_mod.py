@@ -34,6 +34,8 @@ import weakref
 
 import numpy as np
 
+from .constants import FULL, PARTIAL_DENSE, PARTIAL_TILE, SKIP  # the kernels' tile kinds
+
 __all__ = [
     "name_of",
     "evaluate_mask",
@@ -50,7 +52,6 @@ __all__ = [
     "or_masks",
 ]
 
-SKIP, FULL, PARTIAL_DENSE, PARTIAL_TILE = 0, 1, 2, 3  # the kernels' tile kinds
 TILE_CELLS = 1 << 18  # cells evaluated at once when a table is made (a few tiles)
 
 

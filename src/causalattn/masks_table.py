@@ -38,6 +38,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from . import constants as _kinds
 from . import masks_mod as _mod
 from ._internals.torch import version as _version
 
@@ -150,7 +151,7 @@ class BlockTable:
             for b, h in (some & ~every).nonzero().tolist():
                 m = torch.zeros((bq, bk), dtype=torch.bool)
                 m[tr0 : tr0 + (a1 - a0), tc0 : tc0 + (b1 - b0)] = cell[b, h]
-                kt[b, h] = _mod.PARTIAL_TILE + self._store(m)
+                kt[b, h] = _kinds.PARTIAL_TILE + self._store(m)
             self.kinds[:, :, qb, kb] = kt
             self.seen_b, self.seen_h = max(self.seen_b, kt.shape[0]), max(self.seen_h, kt.shape[1])
             whole = (a1 - a0, b1 - b0) == (bq, bk)
@@ -220,11 +221,11 @@ class BlockTable:
                 dst = out[:, r0 - p0 : r1 - p0, c0 - j0 : c1 - j0]
                 for h in range(self.seen_h):
                     k_ = int(kind[h])
-                    if k_ == _mod.FULL:
+                    if k_ == _kinds.FULL:
                         dst[h] = True
-                    elif k_ >= _mod.PARTIAL_TILE:
+                    elif k_ >= _kinds.PARTIAL_TILE:
                         dst[h] = self.masks[
-                            k_ - _mod.PARTIAL_TILE, r0 - t0 : r1 - t0, c0 - u0 : c1 - u0
+                            k_ - _kinds.PARTIAL_TILE, r0 - t0 : r1 - t0, c0 - u0 : c1 - u0
                         ]
         return out
 
@@ -459,7 +460,7 @@ def create_block_mask(
     table = kept(mask_mod, Bn, Hn, bq, bk, 0, 0)
     kinds, _ = table.tiles(0, 0, int(Q_LEN), int(KV_LEN), lo, hi)
     kinds = kinds.expand(Bn, Hn, nq, nk).numpy()
-    flex_kinds = np.where(kinds >= _mod.PARTIAL_TILE, _mod.PARTIAL_DENSE, kinds)
+    flex_kinds = np.where(kinds >= _kinds.PARTIAL_TILE, _kinds.PARTIAL_DENSE, kinds)
     num, idx, full_num, full_idx = _mod._kv_blocks(flex_kinds, device or "cpu")
     return BlockMask.from_kv_blocks(
         num,

@@ -43,7 +43,7 @@ def test_a_key_nobody_reads_is_not_taken_for_padding(tr):
 def test_unambiguous_padding_is_inferred_and_said(tr):
     al = masks.Pattern(lengths=[4]).allowed(1, 1, T, T)[0, 0]
     S = tr.S
-    A = ca.reference.softmax_last(np.where(al, S, 0.0), al)
+    A = ca.matrix_form.softmax_last(np.where(al, S, 0.0), al)
     rep = audit({**_qkv(tr), "A": A})
     assert rep.ok, str(rep)
     assert any("padding assumed" in n and "L = 4" in n for n in rep.notes), rep.notes
@@ -273,7 +273,7 @@ def _a_checks(rep):
 
 
 def _masked_softmax(S, al):
-    return ca.reference.softmax_last(np.where(al, S, 0.0), al)
+    return ca.matrix_form.softmax_last(np.where(al, S, 0.0), al)
 
 
 def test_weights_recomputed_from_s_keep_s_precision_and_need_s(tr):
@@ -442,7 +442,7 @@ def test_softmax_hint_over_all_entries_is_per_slice(tr):
 
 def test_softmax_hint_for_a_mask_after_softmax_ignores_non_finite_entries(tr):
     al = masks.causal(T)
-    full = ca.reference.softmax_last(tr.S, np.ones((T, T), bool))
+    full = ca.matrix_form.softmax_last(tr.S, np.ones((T, T), bool))
     A = np.where(al, full, 0.0)  # masked after the softmax, not renormalized
     A[4] = np.nan  # one row NaN: the others still show the fault
     assert _rows_fault({"A": A}) == (

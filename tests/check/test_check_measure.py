@@ -17,7 +17,7 @@ from causalattn import diagnose, masks
 from causalattn.check import CATALOGUE, Diagnosis
 from causalattn.check.faults import table_markdown
 from causalattn.cli import app
-from causalattn.reference import softmax_last
+from causalattn.matrix_form import softmax_last
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
 from faulty import more_faults, mutations, numpy_qkv  # noqa: E402
@@ -624,7 +624,7 @@ def test_projection_against_h_w_o_h_and_h_w_o_transposed():
 
     from causalattn.check.measure import Projection, _projection, tolerance
     from causalattn.check.observe import Run
-    from causalattn.reference import merge_heads, split_heads
+    from causalattn.matrix_form import merge_heads, split_heads
 
     rng = np.random.default_rng(11)
     p = _probe(3, 3, 2, H=2, seed=11)

@@ -25,7 +25,7 @@ def _m(rep):
 
 def _weights(S, al):
     """softmax over the allowed keys, zero rows where none is."""
-    return ca.reference.softmax_last(np.where(al, S, 0.0), al)
+    return ca.matrix_form.softmax_last(np.where(al, S, 0.0), al)
 
 
 CAUSAL_OK = "0 on and below the diagonal, blocked above"

@@ -9,7 +9,7 @@ import pytest
 
 from causalattn import masks
 from causalattn.check import audit
-from causalattn.reference import softmax_last, split_heads
+from causalattn.matrix_form import softmax_last, split_heads
 
 T, D, H, DK = 5, 4, 2, 3  # T, d_model, heads, d_k (H·d_k = 6): a wrong axis shows
 B = 7  # a batch axis

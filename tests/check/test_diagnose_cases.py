@@ -59,7 +59,7 @@ def test_multi_head_alibi_fault_is_named():
 
 
 def test_library_alibi_layer_is_clean():
-    layer = CausalSelfAttention(16, 4, alibi=True)
+    layer = CausalSelfAttention(16, 4, alibi_slopes=True)
     d = diagnose(layer, alibi_slopes=masks.alibi_slopes(4))
     assert d.ok, str(d)
 

@@ -395,7 +395,7 @@ def test_attention_and_layer_shapes_at_zero():
     with pytest.raises(ValueError, match="d_k >= 1 and d_v >= 1"):
         ca.attention(q, k, torch.zeros(1, 1, 3, 0))
     for bias in (False, True):
-        layer = ca.CausalSelfAttention(8, 2, bias=bias)
+        layer = ca.CausalSelfAttention(8, 2, proj_bias=bias)
         assert layer(torch.zeros(0, 3, 8)).shape == (0, 3, 8)  # B = 0: an empty batch
         with pytest.raises(ValueError, match="d_model=8"):
             layer(torch.zeros(2, 3, 0))

@@ -16,7 +16,7 @@ import torch
 
 from causalattn import diagnose
 from causalattn.check import CATALOGUE, compare_masks
-from causalattn.check.files import read_arrays
+from causalattn.io.files import read_arrays
 from causalattn.masks import Pattern
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -24,7 +24,7 @@ from _helpers import peak_run  # noqa: E402
 from faulty import more_faults, numpy_qkv, torch_qkv  # noqa: E402
 
 
-# ---- check/files.py: Fortran order ----------------------------------------------------------
+# ---- io/files.py: Fortran order ----------------------------------------------------------
 def _fortran_arrays():
     rng = np.random.default_rng(5)
     return {
@@ -56,13 +56,13 @@ def test_a_fortran_ordered_npz_member_is_read_as_the_array_it_holds(tmp_path):
             np.testing.assert_array_equal(got[name], a)
 
 
-# ---- check/runner.py: a run inside a run ------------------------------------------------------
+# ---- io/runner.py: a run inside a run ------------------------------------------------------
 # the outer job starts an inner run whose job starts a grandchild (`sleep`) and then hangs;
 # the outer run's deadline is 3 s, the inner one asks for 60 s
 _NESTED = textwrap.dedent(
     """
     import json, os, subprocess, sys, time
-    from causalattn.check import runner
+    from causalattn.io import runner
 
     PIDS = sys.argv[1]
 

@@ -12,9 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from causalattn import masks, text
+from causalattn._trace import Trace
 from causalattn.cli import app
 from causalattn.text import SEED_SENTENCES
-from causalattn.trace import Trace
 
 runner = CliRunner()
 

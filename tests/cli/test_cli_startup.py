@@ -4,6 +4,7 @@ causalattn` is lazy (PEP 562) and keeps every public name."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -108,10 +109,10 @@ def test_import_causalattn_is_lazy_and_keeps_every_public_name():
         env={"PYTHONPATH": SRC, "PATH": "/usr/bin:/bin"},
     )
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
-    from causalattn import check, engines, layer, reference, shapes, text, trace
+    from causalattn import check, engines, layer, matrix_form, shapes, text, trace
 
     want = {
-        "trace": reference.trace,
+        "trace": matrix_form.trace,
         "attention": engines.attention,
         "KVCache": engines.KVCache,
         "audit": check.audit,
@@ -127,12 +128,12 @@ def test_import_causalattn_is_lazy_and_keeps_every_public_name():
     }
     for name, obj in want.items():
         assert getattr(causalattn, name) is obj, name
-    assert trace is reference.trace  # `from causalattn import trace`: the function, as before
+    assert trace is matrix_form.trace  # `from causalattn import trace`: the function, as before
     for name in ("masks", "text", "shapes", "viz", "distributed", "learn", "check", "engines"):
         assert getattr(causalattn, name).__name__ == f"causalattn.{name}"
-    import causalattn.trace as tr_mod  # the submodule is loaded, the name stays the function
-
-    assert tr_mod is reference.trace and causalattn.Trace is sys.modules["causalattn.trace"].Trace
+    importlib.import_module("causalattn._trace")  # Trace's module loaded: trace stays the function
+    assert causalattn.trace is matrix_form.trace
+    assert causalattn.Trace is sys.modules["causalattn._trace"].Trace
     assert {"trace", "Trace", "masks", "learn", "distributed"} <= set(dir(causalattn))
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         causalattn.nope  # noqa: B018

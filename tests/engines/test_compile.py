@@ -160,7 +160,7 @@ def test_return_lse_compiles_and_its_gradient_flows():
 
 def _layer(**kw):
     torch.manual_seed(0)
-    return ca.CausalSelfAttention(32, 4, n_kv_heads=2, bias=True, **kw)
+    return ca.CausalSelfAttention(32, 4, n_kv_heads=2, proj_bias=True, **kw)
 
 
 def test_layer_compiles_forward_and_backward():
@@ -245,7 +245,7 @@ def test_attention_on_meta_tensors_gives_meta_of_the_right_shape():
 def test_layer_built_on_meta_then_materialized_and_loaded():
     src = _layer()
     with torch.device("meta"):
-        layer = ca.CausalSelfAttention(32, 4, n_kv_heads=2, bias=True)
+        layer = ca.CausalSelfAttention(32, 4, n_kv_heads=2, proj_bias=True)
     assert layer.W_q.device.type == "meta"
     x_meta = torch.empty(2, 5, 32, device="meta")
     assert layer(x_meta).shape == (2, 5, 32)

@@ -312,8 +312,11 @@ def test_a_stale_build_lock_is_cleared_in_the_folder_the_build_uses(tmp_path, mo
     """A killed build's lock is removed where the build runs, also under torch's default
     root (which has one folder per Python below it), and the build is told that folder."""
     import time
+    import types
 
     from torch.utils import cpp_extension
+
+    from causalattn import constants
 
     if env == "default root":
         monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
@@ -321,9 +324,10 @@ def test_a_stale_build_lock_is_cleared_in_the_folder_the_build_uses(tmp_path, mo
     else:
         monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     monkeypatch.delenv("CAUSALATTN_NO_CPP", raising=False)
-    monkeypatch.setattr(cpp, "_STATE", dict(cpp._STATE))  # the mocked load's object() stays here
+    monkeypatch.setattr(cpp, "_STATE", dict(cpp._STATE))  # the mocked build stays here
     seen = {}
-    monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.update(kw) or object())
+    built = types.SimpleNamespace(**constants.SHARED)  # a build with the shared constants
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.update(kw) or built)
     monkeypatch.setattr(cpp_extension, "is_ninja_available", lambda: True)
     name = cpp.extension_name()
     folder = cpp.build_folder(cpp_extension, name)

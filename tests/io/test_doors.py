@@ -1,5 +1,5 @@
 """Every door through which a user hands causalattn a file reads it with the one reader
-(check.files): a zip bomb — a 2.6 MB file declaring a 2.5 GiB member — is refused by its
+(io.files): a zip bomb — a 2.6 MB file declaring a 2.5 GiB member — is refused by its
 headers, in under 400 MiB of peak memory, start-up included.
 
 The doors run in one process, address space capped at 3 GiB: a reader that inflated the
@@ -133,8 +133,8 @@ def test_members_are_charged_to_one_budget_before_any_is_inflated(tmp_path):
     refused by the headers alone (a reader that inflated the first would hold 40 MiB)."""
     import tracemalloc
 
-    from causalattn.check.files import read_arrays
     from causalattn.check.report import AuditInputError
+    from causalattn.io.files import read_arrays
 
     member = deflated_zeros(npy_header((40 * 2**20 // 8,)), 40)
     p = write_zip(tmp_path / "two.npz", {"A.npy": member, "B.npy": member})

@@ -1,4 +1,4 @@
-"""The one isolation runner (check.runner) and the doors that use it — diagnose FILE,
+"""The one isolation runner (io.runner) and the doors that use it — diagnose FILE,
 diagnose(callable), learn --check: a result or a typed failure; nothing a job starts
 outlives it; deadlines honoured end to end; memory capped. Whatever could run away runs in
 a subprocess with an address-space cap of its own and short deadlines."""
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from causalattn import diagnose
-from causalattn.check import runner
+from causalattn.io import runner
 from causalattn.learn import grade
 
 sys.path.insert(0, str(Path(__file__).parents[1]))

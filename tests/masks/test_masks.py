@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from causalattn import masks
-from causalattn.reference import softmax_last
+from causalattn.matrix_form import softmax_last
 
 
 def test_causal_square_is_the_lower_triangle():

@@ -459,7 +459,7 @@ def test_2048_tokens_open_quickly(page, tmp_path):
 # Where the page is given Q and K (or X and shared weights), its JavaScript (js/decode.js,
 # `recompute`) computes S and A itself, with softcap, ALiBi and sinks; every mask rule
 # reaches it as the kinds of the cells, so each rule is a case too. Each must give
-# causalattn.reference's S and A to float64 rounding: |ΔA| ≤ 1e-12 and |ΔS| ≤ 1e-12·max(1, |S|)
+# causalattn.matrix_form's S and A to float64 rounding: |ΔA| ≤ 1e-12 and |ΔS| ≤ 1e-12·max(1, |S|)
 # (the page works in float64 from float64 inputs here). Modifiers the page does not apply
 # (bias, rel_bias, score_mod, ALiBi slopes per sequence) travel as the trace's own S and A
 # in float32: |ΔA| ≤ 1e-6·max(1, |A|), as the reference's A rounded to float32.
@@ -500,7 +500,7 @@ AS_THEY_ARE = {  # modifiers the page cannot apply: S and A travel as the trace'
 def _recompute_case(batch, kw):
     rng = np.random.default_rng(11)
     W = [rng.normal(size=(D_REC, D_REC)) for _ in range(3)]
-    tr = ca.reference.trace(rng.normal(size=(batch, T_REC, D_REC)), *W, n_heads=H_REC, **kw)
+    tr = ca.matrix_form.trace(rng.normal(size=(batch, T_REC, D_REC)), *W, n_heads=H_REC, **kw)
     bare = ca.Trace(  # no X nor weights: the page is given Q and K
         {n: tr[n] for n in ("Q", "K", "V", "S", "A", "H")},
         n_heads=H_REC,

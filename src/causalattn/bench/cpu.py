@@ -323,9 +323,9 @@ def run(quick: bool = False, show_progress: bool = True) -> list[dict]:
     return rows
 
 
-# Where the targets come from: the project's issue 22 (the native CPU engine), measured on
-# its 2-core machine; another machine may reach or miss them for its own reasons.
-TARGETS_FROM = "issue 22 (native CPU engine)"
+# Where the targets come from: the project's bars for the native CPU engine, set on a
+# 2-core machine; another machine may reach or miss them for its own reasons.
+TARGETS_FROM = "the project's bars for the native CPU engine, set on a 2-core machine"
 BUILD_TARGET_S = 120.0
 
 

@@ -6,7 +6,7 @@ the command itself (after imports) and the process's peak resident memory (ru_ma
 The peer, measured in the same run and in alternation with every case, is the cheapest
 command there is (``shapes --json``): what importing the package alone costs here.
 
-Bars (issue 16): a 100,000-word sentence to a ``masks --json`` summary in < 10 s and
+Bars: a 100,000-word sentence to a ``masks --json`` summary in < 10 s and
 < 1 GiB; 10,000 sentences to ``explore`` in < 20 s with a page < 20 MB; 2,048-token
 sentences through both.
 """

@@ -1,4 +1,4 @@
-"""The pattern benchmark (issues 11, 12 and 22): what a window, packed documents, softcap,
+"""The pattern benchmark: what a window, packed documents, softcap,
 sinks, ALiBi and dropout cost on the native (cpp) and tiled engines, each against its peer
 in the same run.
 
@@ -13,14 +13,14 @@ and reports each engine's median time and the median paired ratio to each named 
 - softcap, sinks, ALiBi: GPT-2 small (4, 12, 1024, 64) vs the same engine without them.
 - dropout p = 0.1: GPT-2 small fwd+bwd vs the same engine with p = 0, and vs SDPA with
   ``dropout_p = 0.1`` (on the CPU SDPA materializes the weights for dropout).
-- mask_mod (issue 24): a window w = 512 plus 16 packed documents at T = 8192 (1, 8, T, 64)
+- mask_mod: a window w = 512 plus 16 packed documents at T = 8192 (1, 8, T, 64)
   written as a ``mask_mod`` vs the same written as keywords, on tiled and cpp, fwd and
   fwd+bwd, with each call's peak extra memory and the kept table's bytes (made in the
   warm-up: the steady state); and cpp's first call, a new rule each call (its table made
   inside the timing), vs the keywords' call.
-- bias (issue 24): GPT-2 small on cpp with a (1, H, T, T) ``bias`` and with a (H, 2T-1)
+- bias: GPT-2 small on cpp with a (1, H, T, T) ``bias`` and with a (H, 2T-1)
   ``rel_bias`` (learned in fwd+bwd) vs the same engine without.
-- flex (issue 24): causal, a window of 256 and 8 documents, each as a mask_mod at
+- flex: causal, a window of 256 and 8 documents, each as a mask_mod at
   (1, 8, 4096, 64) forward, FlexAttention compiled on the CPU (its BlockMask made once,
   outside the timing) vs cpp (its table made in the warm-up); fwd+bwd, which Flex cannot
   run on the CPU, cpp's mask_mod vs the same rule as keywords.
@@ -63,7 +63,7 @@ def groups(quick: bool = False) -> list[Group]:
         Group("modifiers", gpt2, p, tuple(ENGINES), budget_s=budget)
         for p in (("fwd",) if quick else ("fwd", "fwd+bwd"))
     ]
-    if _native():  # issue 24's biases on the native engine, learned in fwd+bwd
+    if _native():  # the biases on the native engine, learned in fwd+bwd
         out += [
             Group("bias", gpt2, p, ("cpp",), budget_s=budget)
             for p in (("fwd",) if quick else ("fwd", "fwd+bwd"))
@@ -375,12 +375,11 @@ def _find(rows, case, engine, pass_, T=None):
     return None
 
 
-# Where the targets come from: the project's issue 22 (the native engine), issues 11
-# (patterns, modifiers) and 12 (dropout) for the tiled engine, measured on their 2-core
-# machine.
-TARGETS_FROM = "issues 22 (cpp), 11 and 12 (tiled), 24 (mask_mod, Flex, biases)"
+# Where the targets come from: the project's own bars for the native engine and for the
+# tiled engine (patterns, modifiers, dropout, mask_mod, Flex, biases), set on a 2-core machine.
+TARGETS_FROM = "the project's bars for cpp and tiled, set on a 2-core machine"
 LIMITS = {  # engine -> (window speed-up vs SDPA at T=16384, documents' share of the work
-    # ratio, modifier cost, dropout cost): issue 22's for cpp, 11's and 12's for tiled
+    # ratio, modifier cost, dropout cost)
     "cpp": (20.0, 0.9, 1.1, 1.2),
     "tiled": (4.0, 0.8, 1.15, 1.3),
 }

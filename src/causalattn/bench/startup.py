@@ -6,7 +6,7 @@ its output sent to /dev/null, and the peer, ``python -c "import torch"``, runs i
 round: one round runs the peer and the four commands once each, in an order rotated from
 round to round, so drift on a busy machine reaches all five alike. Per command: the wall
 time over the rounds (median, min-max) and its ratio to the peer's time in the same round
-(median, min-max). The bar (issue 26): each command in <= 25% of the peer's time, which it
+(median, min-max). The bar: each command in <= 25% of the peer's time, which it
 can meet only by not importing torch (tests/cli/test_cli_startup.py pins that it does not).
 """
 
@@ -116,5 +116,5 @@ def render(rows: list[dict], console=None) -> None:
     console = show.print_table(t, console)
     console.print(
         f"  bar: each command in <= {BAR:.0%} of `import torch`'s time, median of the paired "
-        "ratios in the same round (issue 26)."
+        "ratios in the same round."
     )

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .. import masks as _masks
-from ..trace import Trace
+from .._trace import Trace
 from .compare import MaskComparison, compare_lone_mask
 from .conventions import MEANING
 from .inputs import DEFAULT_MAX_BYTES, _from_mapping, _from_trace, load_arrays

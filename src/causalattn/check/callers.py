@@ -13,8 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..io.files import read_source
 from . import conventions
-from .files import read_source
 from .probes import Probe, merge_heads
 
 SIGNATURES = ("qkv", "qkv-mask", "x-weights", "module")

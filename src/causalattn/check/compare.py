@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import constants as _kinds
 from .. import masks as _masks
 from .. import masks_mod as _mod
 from . import conventions
@@ -224,9 +225,9 @@ class _Theirs:
         t = self.kinds[b if self.kinds.shape[0] > 1 else 0][None]
         qa, qb, ka, kb = i0 // bq, -(-i1 // bq), k0 // bk, -(-k1 // bk)
         sub = t[:, :, qa:qb, ka:kb]
-        if bool((sub == _mod.PARTIAL_DENSE).any()):
+        if bool((sub == _kinds.PARTIAL_DENSE).any()):
             return None
-        full = (sub == _mod.FULL).repeat_interleave(bq, 2).repeat_interleave(bk, 3)
+        full = (sub == _kinds.FULL).repeat_interleave(bq, 2).repeat_interleave(bk, 3)
         r0, c0 = i0 - qa * bq, k0 - ka * bk
         return full[:, :, r0 : r0 + (q1 - q0), c0 : c0 + (k1 - k0)].contiguous()
 
@@ -438,7 +439,7 @@ def lone_mask(obj, max_bytes: int):
             m = np.asarray(m)
         dtype = np.bool_ if str(m.dtype) in ("bool", "torch.bool") else np.dtype("float64")
         return m if _is_lone_mask(str(name), tuple(m.shape), dtype) else None
-    from .files import open_arrays
+    from ..io.files import open_arrays
 
     f = open_arrays(obj, max_bytes)
     if len(f.headers) != 1:

@@ -14,7 +14,7 @@ differs from the reference (and the catalogued fault, when one fits).
 
 What is expected is declared with the keywords of :func:`causalattn.attention`
 (``window=``, ``chunk=``, ``softcap=``, ``sinks=`` ...; default plain causal), built by
-:class:`causalattn.masks.Pattern` and :mod:`causalattn.reference`; fault ids come from the
+:class:`causalattn.masks.Pattern` and :mod:`causalattn.matrix_form`; fault ids come from the
 one catalogue (:mod:`.faults`).
 
 Calling conventions (``signature=``): ``"qkv"`` — ``fn(q, k, v)``, q, k: ``T×d_k``,
@@ -43,7 +43,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import masks
-from . import mask_arg, runner
+from ..io import runner
+from . import mask_arg
 from .callers import (
     SIGNATURES,
     Subject,
@@ -56,12 +57,12 @@ from .callers import (
     takes_wo,
 )
 from .faults import BY_ID
-from .judge import further_kinds, judge, reads_back, untested
+from .judge import further_kinds, judge, reads_back, untested, verdict
 from .locate import locate
 from .measure import measure
 from .observe import observe, observe_further
 from .probes import Plan
-from .report import Diagnosis, Status, check_declared_scale, verdict
+from .report import Diagnosis, Status, check_declared_scale
 
 if TYPE_CHECKING:
     pass

@@ -12,9 +12,9 @@ from typing import Any
 
 import numpy as np
 
-from ..trace import Trace
+from .._trace import Trace
+from ..io.files import open_arrays
 from . import conventions
-from .files import open_arrays
 from .report import STAGE_ORDER, AuditInputError
 
 DEFAULT_MAX_BYTES = 2 * 2**30

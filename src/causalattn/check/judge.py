@@ -19,7 +19,7 @@ as a softmax's); the normalization (A); weights right in shape but off beyond th
 for the function's own dtype (A: lost precision). Per probe: linearity in V and the d_v
 dependence of the scale (main), overflow and leaks at large scores, the long fp16 rows' sums,
 the output projection (O). A fault in some heads only of a multi-head probe becomes
-``some-heads-only`` at that stage.
+``some-heads-only`` at that stage. ``verdict`` turns the findings into the Diagnosis.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from .. import masks
 from .faults import CATALOGUE
 from .measure import ProbeMeasure, SliceMeasure
 from .probes import KINDS
-from .report import Finding
+from .report import Diagnosis, Finding, Status
 from .words import describe_difference, few, own_key, rows_text
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "probe_findings",
     "match_pattern",
     "untested",
+    "verdict",
     "MAIN_KINDS",
 ]
 
@@ -648,3 +649,50 @@ def untested(
     if sig == "qkv":
         out.append("scale-by-sqrt-dmodel")
     return [f.id for f in CATALOGUE if f.id in out]
+
+
+def verdict(
+    findings: list[Finding],
+    measures: Sequence[ProbeMeasure],
+    *,
+    details: dict,
+    untested: list[str],
+    reads_back: bool = True,
+    located: tuple = (None, "", {}),
+) -> Diagnosis:
+    """The Diagnosis of the judge's ``findings``: the first names fault, stage, message and
+    location (``located``: file:line, code, facts of the white-box pass); the read pattern,
+    the expected one and the scale of the main probe (``measures[0]``), on the slice of the
+    first finding (none when V = I does not read the weights back); which probes ran."""
+    main = measures[0]
+    top = findings[0] if findings else None
+    index = top.slice if top is not None and top.probe == main.probe and top.slice else (0, 0)
+    s = next((x for x in main.slices if tuple(x.index) == tuple(index)), None)
+    top_m = top.measurement if top is not None else {}
+    base = dict(
+        untested=untested,
+        details=details,
+        # (read back through Aᵀ, the pattern is not the one the queries read)
+        pattern=None if s is None or not reads_back or "transposed" in top_m else s.read,
+        expected=None if s is None else s.allowed,
+        scale=None if s is None else main.fitted_scale(s),
+        d_k=main.d_k,
+    )
+    ran = details.get("probes", [])
+    if top is None:
+        message = "matches the reference on every probe (" + ", ".join(ran) + ")"
+        return Diagnosis(None, None, message, status=Status.CLEAN, **base)
+    shown = next((m for m in measures if m.probe == top.probe), None)
+    if shown is not main and shown is not None and top.slice:
+        t = next((x for x in shown.slices if tuple(x.index) == tuple(top.slice)), None)
+        if t is not None:
+            details["pattern_of"] = {
+                "probe": top.probe,
+                "slice": list(top.slice),
+                "pattern": t.read.tolist(),
+                "expected": t.allowed.tolist(),
+            }
+    location, code, facts = located
+    details.update({"whitebox": facts, "code": code})
+    status = Status.FAULT if top.fault else Status.UNKNOWN
+    return Diagnosis(top.fault, top.stage, top.text, location, status, list(findings), **base)

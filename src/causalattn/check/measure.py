@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import masks
-from ..reference import merge_heads, softmax_last, split_heads
+from ..matrix_form import merge_heads, softmax_last, split_heads
 from .observe import Run
 from .probes import Probe
 

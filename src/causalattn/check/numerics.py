@@ -1,5 +1,5 @@
 """Tolerances, comparisons and evidence shared by the stage checks (the head reshapes are
-:func:`causalattn.reference.split_heads` / ``merge_heads``)."""
+:func:`causalattn.matrix_form.split_heads` / ``merge_heads``)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from .. import masks
-from ..reference import merge_heads, split_heads
+from ..matrix_form import merge_heads, split_heads
 
 __all__ = ["Probe", "Plan", "split_heads", "merge_heads", "qkv_probe", "x_probe", "KINDS"]
 

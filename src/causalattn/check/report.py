@@ -1,5 +1,6 @@
 """Reporting: the audit's Check and Report, diagnose's Finding and Diagnosis (built from the
-judge's findings by :func:`verdict`), the errors for unusable input, the one JSON converter."""
+judge's findings by :func:`.judge.verdict`), the errors for unusable input, the one JSON
+converter."""
 
 from __future__ import annotations
 
@@ -8,21 +9,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 
+from ..io.files import AuditInputError  # noqa: F401  (re-exported: one class for both)
 from .faults import BY_ID
-
-if TYPE_CHECKING:
-    from .measure import ProbeMeasure
 
 STAGE_ORDER = ("X", "Q", "K", "V", "S", "M", "A", "H", "C", "O")
 STAGES = ("S", "M", "A", "H", "O")  # diagnose's, in dependency order
-
-
-class AuditInputError(ValueError):
-    """The input cannot be audited (unreadable file, wrong ranks, non-numeric data ...)."""
 
 
 def check_declared_scale(who: str, scale, error: type[ValueError] = ValueError) -> None:
@@ -399,50 +394,3 @@ class Diagnosis:
         for k, v in self.details.get("whitebox", {}).items():
             lines.append(f"  white-box: {k} = {v}")
         return "\n".join(lines)
-
-
-def verdict(
-    findings: list[Finding],
-    measures: Sequence[ProbeMeasure],
-    *,
-    details: dict,
-    untested: list[str],
-    reads_back: bool = True,
-    located: tuple = (None, "", {}),
-) -> Diagnosis:
-    """The Diagnosis of the judge's ``findings``: the first names fault, stage, message and
-    location (``located``: file:line, code, facts of the white-box pass); the read pattern,
-    the expected one and the scale of the main probe (``measures[0]``), on the slice of the
-    first finding (none when V = I does not read the weights back); which probes ran."""
-    main = measures[0]
-    top = findings[0] if findings else None
-    index = top.slice if top is not None and top.probe == main.probe and top.slice else (0, 0)
-    s = next((x for x in main.slices if tuple(x.index) == tuple(index)), None)
-    top_m = top.measurement if top is not None else {}
-    base = dict(
-        untested=untested,
-        details=details,
-        # (read back through Aᵀ, the pattern is not the one the queries read)
-        pattern=None if s is None or not reads_back or "transposed" in top_m else s.read,
-        expected=None if s is None else s.allowed,
-        scale=None if s is None else main.fitted_scale(s),
-        d_k=main.d_k,
-    )
-    ran = details.get("probes", [])
-    if top is None:
-        message = "matches the reference on every probe (" + ", ".join(ran) + ")"
-        return Diagnosis(None, None, message, status=Status.CLEAN, **base)
-    shown = next((m for m in measures if m.probe == top.probe), None)
-    if shown is not main and shown is not None and top.slice:
-        t = next((x for x in shown.slices if tuple(x.index) == tuple(top.slice)), None)
-        if t is not None:
-            details["pattern_of"] = {
-                "probe": top.probe,
-                "slice": list(top.slice),
-                "pattern": t.read.tolist(),
-                "expected": t.allowed.tolist(),
-            }
-    location, code, facts = located
-    details.update({"whitebox": facts, "code": code})
-    status = Status.FAULT if top.fault else Status.UNKNOWN
-    return Diagnosis(top.fault, top.stage, top.text, location, status, list(findings), **base)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import masks as _masks
-from ..reference import softmax_last
+from ..matrix_form import softmax_last
 from . import faults
 from .conventions import additive_allowed
 from .numerics import BLOCKED_BELOW, _locate

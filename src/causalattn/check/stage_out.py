@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..reference import merge_heads, split_heads, weighted_values
+from ..matrix_form import merge_heads, split_heads, weighted_values
 from .numerics import _close, _locate, _rtol
 from .state import AuditState
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import masks as _masks
-from ..reference import split_heads
+from ..matrix_form import split_heads
 from .numerics import BLOCKED_BELOW, _close, _locate, _looks_masked, _rtol
 from .state import AuditState
 

@@ -1,6 +1,6 @@
 """What the commands read and build before they compute: sentences (encoded, or a corpus
 file), a trace's input arrays, the seeded random weights, a Hugging Face model's traces.
-Every file is read by the one reader, :mod:`causalattn.check.files` (headers first, one
+Every file is read by the one reader, :mod:`causalattn.io.files` (headers first, one
 budget); every problem is one ``error:`` line."""
 
 from __future__ import annotations
@@ -12,9 +12,8 @@ import numpy as np
 import typer
 
 from .. import text
-from ..check import AuditInputError
-from ..check.files import read_arrays, read_text
-from ..reference import trace as run_trace
+from ..io.files import AuditInputError, read_arrays, read_text
+from ..matrix_form import trace as run_trace
 from ._app import DEFAULT_MAX_BYTES, _fail, _library_errors
 from ._positions import given, given_list, shown
 
@@ -54,7 +53,7 @@ _TRACE_OPTIONAL = ("W_o", "mask", "tokens")
 
 def _load_trace_inputs(path: Path, max_bytes: int) -> dict:
     """X, W_q, W_k, W_v (optional W_o, mask, tokens) from a .npz or .json file, read by the
-    one reader (:mod:`causalattn.check.files`: headers first, one budget); the format is
+    one reader (:mod:`causalattn.io.files`: headers first, one budget); the format is
     read off the content, so a .txt holding JSON works; every problem is one ``error:`` line.
     """
     try:

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from .. import masks
-from ..check import runner
+from ..io import runner
 from ._app import _fail
 
 

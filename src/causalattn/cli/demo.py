@@ -8,7 +8,7 @@ from rich.text import Text
 
 from .. import text
 from ..check import audit
-from ..reference import trace as run_trace
+from ..matrix_form import trace as run_trace
 from ._app import _MAX_BYTES_HELP, DEFAULT_MAX_BYTES, _Json, _library_errors, command_app
 from ._inputs import _CHAPTER, _check_width_options, _check_widths, _encode_quiet, _seeded_attention
 from ._output import _console, _explain_json, _fmt, _one_based, _print_json

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from .. import learn, text, viz
-from ..trace import Trace
+from .._trace import Trace
 from ._app import (
     _MAX_BYTES_HELP,
     DEFAULT_MAX_BYTES,

@@ -8,7 +8,7 @@ import numpy as np
 import typer
 
 from .. import text
-from ..reference import trace as run_trace
+from ..matrix_form import trace as run_trace
 from ._app import _MAX_BYTES_HELP, DEFAULT_MAX_BYTES, _fail, _Json, _library_errors, command_app
 from ._figures import _write_pngs
 from ._inputs import _CHAPTER, _load_trace_inputs

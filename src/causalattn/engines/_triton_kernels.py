@@ -57,17 +57,16 @@ as +inf: ``exp2(s - lse)`` = 0).
 import triton
 import triton.language as tl
 
-from .. import dropout as _dropout
-from . import problem as _problem
+from .. import constants as _constants
 
-LOG2E = tl.constexpr(_problem.LOG2E)
-# causalattn.dropout's hash constants, the one definition
-_C1 = tl.constexpr(_dropout._C1)
-_C2 = tl.constexpr(_dropout._C2)
-_GOLD = tl.constexpr(_dropout._GOLD)
-_ROW = tl.constexpr(_dropout._ROW)
-_COL = tl.constexpr(_dropout._COL)
-_OFFSET = tl.constexpr(_dropout._OFFSET)
+LOG2E = tl.constexpr(_constants.LOG2E)
+# causalattn.dropout's hash constants (causalattn.constants: the one definition)
+_C1 = tl.constexpr(_constants.HASH_C1)
+_C2 = tl.constexpr(_constants.HASH_C2)
+_GOLD = tl.constexpr(_constants.HASH_GOLD)
+_ROW = tl.constexpr(_constants.HASH_ROW)
+_COL = tl.constexpr(_constants.HASH_COL)
+_OFFSET = tl.constexpr(_constants.HASH_OFFSET)
 
 
 # ---- dropout: causalattn.dropout.keep_mask in uint32 ------------------------------------

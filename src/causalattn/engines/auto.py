@@ -2,14 +2,14 @@
 
 CPU: the native engine (``cpp``) wherever it is built and runs the call (with a backward and
 T_k <= ``SDPA_GRAD_T``, SDPA where it runs the call) — it is measured the fastest on every
-shape of ``causalattn bench`` (docs/design.md), so no timing table measured on another
-machine decides. (``causalattn bench shape 1,4,256,64``, paired on 2 cores: cpp 1.44x
+shape of ``causalattn bench`` (docs/design.md's tables), so no timing table measured on
+another machine decides (``causalattn bench shape 1,4,256,64``, paired on 2 cores: cpp 1.44x
 SDPA's speed at load 7, 1.6-1.7x with one thread each; past load 10 both engines' 2-thread
 calls stall for tens of ms on descheduled threads, cpp more often, which a user's own table
-measures.) Where it is
-unavailable (no compiler) the choice between ``tiled`` and ``sdpa`` comes from a table of
-paired timings measured by ``causalattn bench tune``: the entry of the same dtype, kind
-and pass whose (d, T) is nearest on a log scale names the winner. The table shipped in the
+measures). Where it is unavailable (no compiler) the choice between ``tiled`` and ``sdpa``
+comes from a table of paired timings measured by ``causalattn bench tune``: the entry of the
+same dtype, kind and pass whose (d, T) is nearest on a log scale names the winner. The table
+shipped in the
 package (``auto_table.json``, with its provenance) is replaced by the user's own,
 ``auto_table.json`` in platformdirs' user cache directory (on Linux
 ``$XDG_CACHE_HOME/causalattn``, default ``~/.cache/causalattn``), once

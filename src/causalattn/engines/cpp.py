@@ -42,15 +42,27 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import constants as _constants
 from .. import dropout as _dropout
+from ..constants import LOG2E
 from . import autograd as _autograd
-from .problem import LOG2E, Problem, compute_dtype
+from .problem import Problem, compute_dtype
 from .registry import captured_of
 
 SOURCES = ("ops.cpp", "forward.cpp", "backward.cpp")
 CSRC = Path(__file__).with_name("csrc")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
+
+
+def _literal(value) -> str:
+    """A constant as a C++ literal: a double by its shortest repr (it reads back exactly), an
+    integer as an unsigned hex (the hash's uint32 multipliers)."""
+    return repr(value) if isinstance(value, float) else f"{value:#x}u"
+
+
+# causalattn/constants.py's constants, the one definition, handed to the compiler
+DEFINES = tuple(f"-DCAUSALATTN_{n}={_literal(v)}" for n, v in _constants.SHARED.items())
 DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 DTYPE_NAMES = "fp64, fp32, bf16 or fp16"
 DTYPE_NAMES_OF = tuple(str(t).replace("torch.", "") for t in DTYPES)
@@ -83,7 +95,7 @@ def cache_key() -> str:
     for src in sorted(CSRC.iterdir()):
         if src.suffix in (".cpp", ".h"):
             h.update(src.name.encode() + b"\0" + src.read_bytes() + b"\0")
-    h.update("|".join((*FLAGS, *LDFLAGS)).encode())
+    h.update("|".join((*FLAGS, *DEFINES, *LDFLAGS)).encode())
     h.update(f"|{torch.__version__}|{os.path.realpath(torch.__file__)}".encode())
     h.update(f"|{platform.python_version()}|{_machine_tag()}".encode())
     return h.hexdigest()[:16]
@@ -132,14 +144,25 @@ def _build() -> str:
             _STATE["ext"] = cpp_extension.load(
                 name=name,
                 sources=[str(CSRC / s) for s in SOURCES],
-                extra_cflags=list(FLAGS),
+                extra_cflags=[*FLAGS, *DEFINES],
                 extra_ldflags=list(LDFLAGS),
                 build_directory=str(folder),
                 verbose=False,
             )
         except Exception as exc:  # noqa: BLE001 - any build failure leaves the engine unavailable
             return f"engine 'cpp': the C++ extension did not build: {_first_error(str(exc))}"
-    return ""
+    return _disagreeing(_STATE["ext"])
+
+
+def _disagreeing(ext) -> str:
+    """Empty when the extension was compiled with causalattn/constants.py's values (exported
+    as module attributes), else which differ: it would compute with other numbers."""
+    off = [n for n, v in _constants.SHARED.items() if getattr(ext, n, None) != v]
+    return (
+        f"engine 'cpp': the extension was built with other constants ({', '.join(off)})"
+        if off
+        else ""
+    )
 
 
 BUILDING = "building the native engine (first use, about 1-2 minutes)"
@@ -287,8 +310,18 @@ def _intervals(p: Problem):
     return torch.from_numpy(np.ascontiguousarray(lo)), torch.from_numpy(np.ascontiguousarray(hi))
 
 
-def _pattern_args(p: Problem, bq: int, bk: int) -> tuple:
-    """The operators' pattern and modifier arguments, in their order (see csrc/ops.cpp)."""
+def _call(**fields):
+    """The extension's ``Call`` (csrc/ops.cpp) with these fields set; None leaves a field at
+    its default (none, off)."""
+    c = _ops().Call()
+    for name, value in fields.items():
+        if value is not None:
+            setattr(c, name, value)
+    return c
+
+
+def _pattern_call(p: Problem, bq: int, bk: int, **more):
+    """The kernels' ``Call`` of the pattern and the modifiers (and ``more`` fields)."""
     pt = p.pattern
     B, H, T_q, T_k = p.dims
     lo, hi = _intervals(p)
@@ -316,27 +349,28 @@ def _pattern_args(p: Problem, bq: int, bk: int) -> tuple:
         thr = _dropout.threshold(p.dropout_p)
         drop_scale = 0.0 if p.dropout_p >= 1 else 1.0 / (1.0 - p.dropout_p)
         seed, offset = p.dropout_seed
-    return (
-        lo,
-        hi,
-        key_padding,
-        kinds,
-        mask,
-        tile_masks,
-        slopes,
-        sinks,
-        bias,
-        rel,
-        float(p.scale),
-        float(pt.softcap or 0.0),
-        int(pt.query_start(T_q, T_k)),
-        int(pt.k_start),
-        int(thr),
-        float(drop_scale),
-        int(seed),
-        int(offset),
-        bq,
-        bk,
+    return _call(
+        lo=lo,
+        hi=hi,
+        key_padding=key_padding,
+        kinds=kinds,
+        mask=mask,
+        tile_masks=tile_masks,
+        slopes=slopes,
+        sinks=sinks,
+        bias=bias,
+        rel=rel,
+        scale=float(p.scale),
+        softcap=float(pt.softcap or 0.0),
+        q_start=int(pt.query_start(T_q, T_k)),
+        k_start=int(pt.k_start),
+        drop_thr=int(thr),
+        drop_scale=float(drop_scale),
+        seed=int(seed),
+        offset=int(offset),
+        bq=bq,
+        bk=bk,
+        **more,
     )
 
 
@@ -413,25 +447,23 @@ def fwd(p: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     q, k, v = (t.detach() for t in (p.q, p.k, p.v))  # any strides
     B, H, T_q, T_k = p.dims
     bq, bk, splits, decode = _plan(B, k.shape[1], T_q, T_k)
-    smod = _smod_args(p)
-    if smod[0] is not None:  # a score_mod runs on blocks (the decoding path has none)
+    smod = _smod_fields(p)
+    if smod:  # a score_mod runs on blocks (the decoding path has none)
         bq, bk = blocks(B, k.shape[1], T_q)
         splits, decode = 1, False
+    call = _pattern_call(p, bq, bk, splits=splits, decode=decode, **smod)
     with _index_errors():
-        return _ops().fwd(q, k, v, *_pattern_args(p, bq, bk), splits, decode, *smod[:6])
+        return _ops().fwd(q, k, v, call)
 
 
 # ---- the score_mod as a program (causalattn.engines.score_program) --------------------------
-NO_SMOD = (None, None, None, None, 0, 0, 0)
-
-
-def _smod_args(p: Problem, grad: tuple = ()) -> tuple:
-    """(code, consts, data, meta, out, regs, grad bits) of the pattern's score_mod for the
-    kernels (:data:`NO_SMOD` without one); ``grad``: the tensors whose gradients are wanted.
+def _smod_fields(p: Problem, grad: tuple = ()) -> dict:
+    """The ``Call``'s ``smod_*`` fields of the pattern's score_mod (code, consts, data, meta,
+    out, regs, grad bits; {} without one); ``grad``: the tensors whose gradients are wanted.
     A score_mod that returned the wrong shape or dtype, or no tensor, is named here."""
     fn = p.pattern.score_mod
     if fn is None:
-        return NO_SMOD
+        return {}
     from .score_program import program
 
     prog = program(fn)
@@ -440,10 +472,18 @@ def _smod_args(p: Problem, grad: tuple = ()) -> tuple:
     if prog.why:  # refusal() said so before a Problem was built; a direct call lands here
         raise ValueError(f"engine 'cpp': {prog.why}; engines that run it: 'tiled', 'reference'")
     if not prog.code and prog.out == 0:
-        return NO_SMOD  # the identity
+        return {}  # the identity
     code, consts, data, meta = prog.arrays(compute_dtype(p.q.dtype))
     bits = sum(1 << i for i, t in enumerate(prog.tables) if any(t is g for g in grad))
-    return (code, consts, data, meta, prog.out, prog.regs, bits)
+    return dict(
+        smod_code=code,
+        smod_consts=consts,
+        smod_data=data,
+        smod_meta=meta,
+        smod_out=prog.out,
+        smod_regs=prog.regs,
+        smod_grad=bits,
+    )
 
 
 class _index_errors:
@@ -469,45 +509,32 @@ def prepare(q, k, causal: bool, window, chunk, grad: bool):
         return _scalar_pattern(causal, window, chunk)
     lo, hi = _scalar_intervals(causal, window, chunk, None, 0, T_q, T_k)
     bq, bk, splits, decode = _plan(B, H_kv, T_q, T_k)
-    return (lo, hi, T_k - T_q, bq, bk, splits, decode)
+    return _Prepared(lo=lo, hi=hi, q_start=T_k - T_q, bq=bq, bk=bk, splits=splits, decode=decode)
 
 
-def plain(q, k, v, prep: tuple, scale: float):
+class _Prepared(dict):
+    """A plain call's ``Call`` per scale (made on the first call with it: a call then only
+    looks its Call up), from the fields :func:`prepare` chose."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self, **fields):
+        super().__init__()
+        self.fields = fields
+
+    def __missing__(self, scale: float):
+        if len(self) >= 16:  # a caller sweeping scales: keep a few
+            self.clear()
+        call = self[scale] = _call(scale=scale, **self.fields)
+        return call
+
+
+def plain(q, k, v, prep, scale: float):
     """H for checked q, k, v from :func:`prepare`'s arguments: the shortest path from
     :func:`causalattn.attention` to the kernel (no Problem) when nothing needs a gradient."""
-    if type(prep) is not tuple:
+    if type(prep) is not _Prepared:
         return forward(Problem(q, k, v, scale, prep))
-    lo, hi, q_start, bq, bk, splits, decode = prep
-    return _STATE[
-        "ext"
-    ].fwd(
-        q,
-        k,
-        v,
-        lo,
-        hi,
-        None,  # key padding, kinds, mask, tile masks, slopes, sinks, bias, rel
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        scale,
-        0.0,
-        q_start,
-        0,
-        0,
-        1.0,
-        0,
-        0,
-        bq,
-        bk,
-        splits,
-        decode,
-        *NO_SMOD[:6],
-    )[0]
+    return _STATE["ext"].fwd(q, k, v, prep[scale])[0]
 
 
 @functools.lru_cache(maxsize=64)
@@ -580,27 +607,18 @@ def _bwd(p: Problem, out, lse, dout, dlse, want: int, caps: tuple = ()) -> list:
     if dlse is not None:
         dlse = dlse.detach().to(compute_dtype(dt)).contiguous()
     lanes = _lanes(B, k.shape[1], T_q, T_k, q.shape[-1], p.group, bk)
-    smod = _smod_args(p, tuple(caps))
-    with _index_errors():
-        return _bwd_call(p, q, k, v, out, dout, lse, dlse, bq, bk, lanes, want, smod)
-
-
-def _bwd_call(p, q, k, v, out, dout, lse, dlse, bq, bk, lanes, want, smod) -> list:
-    return _ops().bwd(
-        q,
-        k,
-        v,
-        out,
-        dout,
-        lse,
-        dlse,
-        *_pattern_args(p, bq, bk),
-        BWD_BLOCKS[0],
-        BWD_BLOCKS[1],
-        lanes,
-        want,
-        *smod,
+    call = _pattern_call(
+        p,
+        bq,
+        bk,
+        bwd_q=BWD_BLOCKS[0],
+        bwd_k=BWD_BLOCKS[1],
+        lanes=lanes,
+        want=want,
+        **_smod_fields(p, tuple(caps)),
     )
+    with _index_errors():
+        return _ops().bwd(q, k, v, out, dout, lse, dlse, call)
 
 
 def sinks_grad(p: Problem, out, lse, dout, dlse=None) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The engine named "reference": materialized attention in float64 torch, the truth the fast
-engines are tested against (``causalattn.reference`` is the NumPy trace of every stage).
+engines are tested against (``causalattn.matrix_form`` is the NumPy trace of every stage).
 
 O(T_q·T_k) memory; differentiable by autograd (in q, k, v and learned sinks), so it also
 gives reference gradients (to q, k, v and every learned pattern tensor: sinks, ALiBi slopes,

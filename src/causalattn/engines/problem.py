@@ -26,8 +26,6 @@ from .. import dropout as _dropout
 from ..masks import Pattern, default_scale, takes_pattern
 from ..masks import shape_str as _shape_str
 
-# log2(e): the tiled and Triton engines keep scores in log2 units (exp2 is the fast exponential)
-LOG2E = math.log2(math.e)
 FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .problem import LOG2E
+from ..constants import LN2, LOG2E
 from .tiled_pool import _balanced, _parallel
 from .tiled_scores import _Grads, _keep, _modify
-from .tiled_tiles import LN2, NEG_INF, _acc, _finite, _flag, _stack, _tile, _Tiles
+from .tiled_tiles import NEG_INF, _acc, _finite, _flag, _stack, _tile, _Tiles
 
 
 @dataclass

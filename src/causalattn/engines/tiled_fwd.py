@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from .problem import LOG2E
+from ..constants import LN2, LOG2E
 from .tiled_pool import _balanced, _parallel
 from .tiled_scores import _keep, _modify
-from .tiled_tiles import LN2, NEG_INF, _acc, _finite, _flag, _tile, _Tiles
+from .tiled_tiles import NEG_INF, _acc, _finite, _flag, _tile, _Tiles
 
 
 def _fwd_job(p, Q, K, V, hd, b, O_out, L_out, workers, plan):

@@ -9,10 +9,10 @@ from dataclasses import replace
 
 import torch
 
+from ..constants import LN2, LOG2E
 from ..masks_mod import apply_score_mod
-from .problem import LOG2E, Problem
+from .problem import Problem
 from .registry import captured_of
-from .tiled_tiles import LN2
 
 
 class _Heads:

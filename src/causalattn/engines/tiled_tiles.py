@@ -13,8 +13,8 @@ from .problem import Problem
 
 NEG_INF = float("-inf")
 # exp2 is about twice as fast as exp here (torch's exp goes through MKL's VML, which has no
-# fast path on some CPUs): scores are kept in base 2, S₂ = S·log₂e, and P = 2^(S₂ - m₂).
-LN2 = 0.6931471805599453
+# fast path on some CPUs): scores are kept in base 2, S₂ = S·log₂e, and P = 2^(S₂ - m₂)
+# (LOG2E, LN2: causalattn.constants).
 
 
 # ---- non-finite guards ---------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 A :class:`CapturedTrace` keeps what is O(T·d) — Q, K, V, H, O and W_O, in float32 — and
 computes the T×T stages (S, [S_cap, E,] M, Z, A, and C while it stays under
-``reference.C_LIMIT_BYTES``) in float64 by :func:`causalattn.reference.stages`, the one
+``matrix_form.C_LIMIT_BYTES``) in float64 by :func:`causalattn.matrix_form.stages`, the one
 float64 reference, from Q, K, V and the pattern the layer was handed; they are returned as
 float32. The traces of one capture share a :class:`_StageCache` that holds the stages of the
 one layer read last, so reading S, M, Z, A of a layer (as the audit does) computes them once
@@ -17,9 +17,9 @@ from functools import cache, partial
 
 import numpy as np
 
-from .. import masks, reference
-from ..reference import C_LIMIT_BYTES
-from ..trace import Trace
+from .. import masks, matrix_form
+from .._trace import Trace
+from ..matrix_form import C_LIMIT_BYTES
 
 __all__ = ["CapturedTrace", "token_strings"]
 
@@ -156,7 +156,7 @@ class CapturedTrace(Trace):
         the received pattern by the reference (M as its compact ``(B|1, H|1, T, T)``)."""
         r = self._rec
         Q, K, V = (np.asarray(a, np.float64) for a in (r.Q, r.expand(r.K), r.expand(r.V)))
-        st, allowed, _ = reference.stages(Q, K, V, r.received, scale=r.scale, with_C=False)
+        st, allowed, _ = matrix_form.stages(Q, K, V, r.received, scale=r.scale, with_C=False)
         st["M"] = masks.additive(allowed)
         return st
 

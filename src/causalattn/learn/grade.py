@@ -1,11 +1,11 @@
 """Grade a filled-in exercise stage by stage with :func:`causalattn.diagnose`.
 
-    check("attention.py") -> Grade      # runs the file in an isolated worker (check.runner)
+    check("attention.py") -> Grade      # runs the file in an isolated worker (io.runner)
     grade_file("attention.py")          # the same in this process
     grade_function(attention)           # a function defined here (a notebook cell)
 
 The learner's function is placed inside the reference pipeline (the stages it does not
-cover are the library's: :mod:`causalattn.masks`, :func:`causalattn.reference.softmax_last`),
+cover are the library's: :mod:`causalattn.masks`, :func:`causalattn.matrix_form.softmax_last`),
 so the composite is an ordinary attention function that ``diagnose`` probes and compares
 with its catalogue of faults. Before that, one call on a small input checks the shape the
 function returns against :func:`causalattn.shapes.shape_table`. A :class:`Grade` lists
@@ -15,8 +15,8 @@ a hint, and for the mask shows the learner's M against the expected one. Never a
 Exit codes (``Grade.exit_code``): 0 every stage right, 1 a stage is wrong, 2 the file could
 not run (it does not load, raises, or does not finish within the timeout).
 
-The file is read by the one reader of user files (:func:`causalattn.check.files.read_source`)
-and, in ``check``, executed in the one isolation runner (:mod:`causalattn.check.runner`): a
+The file is read by the one reader of user files (:func:`causalattn.io.files.read_source`)
+and, in ``check``, executed in the one isolation runner (:mod:`causalattn.io.runner`): a
 session of its own killed whole at the end, a deadline that the inner ``diagnose`` honours,
 capped memory and output.
 """
@@ -31,12 +31,12 @@ from pathlib import Path
 import numpy as np
 
 from .. import masks
-from ..check import runner
 from ..check.callers import exec_source, framework
 from ..check.diagnose import diagnose
 from ..check.faults import CATALOGUE
-from ..check.files import read_source
-from ..reference import softmax_last
+from ..io import runner
+from ..io.files import read_source
+from ..matrix_form import softmax_last
 from ..shapes import shape_table
 from .exercises import EXERCISES, MARK, Exercise
 

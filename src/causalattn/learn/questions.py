@@ -31,8 +31,8 @@ import numpy as np
 
 from .. import masks, text
 from ..check.words import spans
-from ..reference import softmax_last
-from ..reference import trace as run_trace
+from ..matrix_form import softmax_last
+from ..matrix_form import trace as run_trace
 from ..shapes import shape_table
 
 __all__ = ["questions", "KINDS"]

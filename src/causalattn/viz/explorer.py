@@ -32,7 +32,7 @@ The steps, a module each: :mod:`.explorer_read` (what was given, as sequences ×
 may recompute, checked against the trace), :mod:`.explorer_encode` (the JSON blocks); this
 module groups the layers, assembles the page and inlines its script, the modules of
 ``js/`` in the order of :data:`SCRIPTS`. The page's recompute (``js/decode.js``) is pinned
-to :mod:`causalattn.reference` for every modifier and mask rule by the browser tests.
+to :mod:`causalattn.matrix_form` for every modifier and mask rule by the browser tests.
 """
 
 from __future__ import annotations

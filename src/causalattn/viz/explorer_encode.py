@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 
-from ..trace import Trace
+from .._trace import Trace
 from .explorer_precision import DTYPE, V_SHOWN, cast, narrower, v_at
 from .explorer_read import Layer, Seq
 from .explorer_verify import Scores

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..trace import Trace
+from .._trace import Trace
 from .kinds import sequences
 from .sentences import batch_traces, sentence_names
 

@@ -7,7 +7,7 @@ the trace's own S and A; and Q, K, V as X W from shared weights only where that 
 them too. H is checked against A V: an H that is not (a recorded bug) travels as it is.
 
 The modifiers are applied as the reference applies them (:meth:`causalattn.masks.Pattern.
-modify_scores`, :func:`causalattn.reference.softmax_last`); the page's own recompute is
+modify_scores`, :func:`causalattn.matrix_form.softmax_last`); the page's own recompute is
 pinned to the reference, modifier by modifier, by ``tests/viz/test_explorer_browser.py``.
 """
 
@@ -18,9 +18,9 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import masks
+from .._trace import Trace
 from ..masks import _numpy
-from ..reference import softmax_last
-from ..trace import Trace
+from ..matrix_form import softmax_last
 from .explorer_read import Layer
 
 __all__ = ["CHUNK_CELLS", "Scores", "modifiers", "from_weights", "check_scores", "check_values"]

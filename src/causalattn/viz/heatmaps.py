@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from .. import masks
-from ..trace import Trace
+from .._trace import Trace
 from .kinds import (
     KINDS,
     READABLE,

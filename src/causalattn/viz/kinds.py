@@ -20,9 +20,9 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import masks
+from .._trace import Trace
 from ..masks import CHUNK, DOCUMENT, FUTURE, MASK, MASK_MOD, PADDING, READABLE, REASONS, WINDOW
 from ..text import PAD
-from ..trace import Trace
 
 __all__ = [
     "READABLE",

@@ -12,7 +12,7 @@ import json
 
 import numpy as np
 
-from ..reference import trace as _trace
+from ..matrix_form import trace as _trace
 from .kinds import sequences, tokens_of
 from .sentences import batch_traces
 

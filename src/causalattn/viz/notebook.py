@@ -6,8 +6,8 @@ Registered from here (viz) onto the core classes, so that core modules never imp
 
 from __future__ import annotations
 
+from .._trace import Trace
 from ..text import Batch
-from ..trace import Trace
 from .explorer import explorer_fragment
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..reference import trace as _trace
-from ..trace import Trace
+from .._trace import Trace
+from ..matrix_form import trace as _trace
 
 __all__ = ["batch_traces", "sentence_traces", "sentence_names"]
 

@@ -19,12 +19,15 @@
 
 namespace causalattn {
 
-constexpr double LOG2E = 1.4426950408889634;
-constexpr double LN2 = 0.6931471805599453;
-
+// From causalattn/constants.py, as simd.h's LOG2E and LN2 (-DCAUSALATTN_<NAME>).
 // Tile kinds on the bq × bk grid: skipped, fully readable, partly readable through the
-// dense mask, and from PARTIAL_TILE on: partly readable through tile mask (kind - 3).
-enum : int32_t { SKIP = 0, FULL = 1, PARTIAL_DENSE = 2, PARTIAL_TILE = 3 };
+// dense mask, and from PARTIAL_TILE on: partly readable through tile mask (kind - PARTIAL_TILE).
+enum : int32_t {
+  SKIP = CAUSALATTN_SKIP,
+  FULL = CAUSALATTN_FULL,
+  PARTIAL_DENSE = CAUSALATTN_PARTIAL_DENSE,
+  PARTIAL_TILE = CAUSALATTN_PARTIAL_TILE
+};
 
 // rel_bias rows' padding on each side (>= any NR): a vector load at a panel's last real
 // column stays inside the row
@@ -55,23 +58,24 @@ struct View4 {
 
 // The dropout keep decision of causalattn.dropout, bit for bit: MurmurHash3's fmix32 in
 // three levels over (seed, offset, b, h), the global row and the global column.
+constexpr uint32_t HASH_C1 = CAUSALATTN_HASH_C1, HASH_C2 = CAUSALATTN_HASH_C2;
+constexpr uint32_t HASH_GOLD = CAUSALATTN_HASH_GOLD, HASH_ROW = CAUSALATTN_HASH_ROW,
+                   HASH_COL = CAUSALATTN_HASH_COL, HASH_OFFSET = CAUSALATTN_HASH_OFFSET;
 inline uint32_t fmix32(uint32_t x) {
   x ^= x >> 16;
-  x *= 0x85EBCA6Bu;
+  x *= HASH_C1;
   x ^= x >> 13;
-  x *= 0xC2B2AE35u;
+  x *= HASH_C2;
   x ^= x >> 16;
   return x;
 }
-constexpr uint32_t GOLD = 0x9E3779B9u, ROW = 0x632BE5ABu, COL = 0x1B873593u,
-                   OFFSET = 0x27D4EB2Fu;
 inline uint32_t head_key(uint32_t seed, uint32_t offset, int64_t b, int64_t h) {
-  return fmix32(fmix32(uint32_t(b) * GOLD + uint32_t(h) + offset * OFFSET) ^ seed);
+  return fmix32(fmix32(uint32_t(b) * HASH_GOLD + uint32_t(h) + offset * HASH_OFFSET) ^ seed);
 }
 inline uint32_t row_key(uint32_t head, int64_t pos) {
-  return fmix32(head ^ (uint32_t(pos) * GOLD + ROW));
+  return fmix32(head ^ (uint32_t(pos) * HASH_GOLD + HASH_ROW));
 }
-inline uint32_t col_key(int64_t pos) { return fmix32(uint32_t(pos) * GOLD + COL); }
+inline uint32_t col_key(int64_t pos) { return fmix32(uint32_t(pos) * HASH_GOLD + HASH_COL); }
 
 struct Problem {
   int64_t B = 0, Hq = 0, Hkv = 0, g = 1, Tq = 0, Tk = 0, dk = 0, dv = 0;

@@ -106,7 +106,7 @@ inline void smod_run(const ScoreProg& S, T* r, int64_t W, int64_t which, Read&& 
         break;
       case OP_EXP:
         for (int64_t l = 0; l < W; l += Vec<T>::N)
-          vstore(d + l, exp2v(vload(a + l) * T(1.4426950408889634)));
+          vstore(d + l, exp2v(vload(a + l) * T(LOG2E)));
         break;
       case OP_LOG: for (int64_t l = 0; l < W; ++l) d[l] = std::log(a[l]); break;
       case OP_ABS: for (int64_t l = 0; l < W; ++l) d[l] = a[l] < T(0) ? -a[l] : a[l]; break;

@@ -10,6 +10,14 @@
 
 namespace causalattn {
 
+// The constants Python computes with too are defined once, in causalattn/constants.py; the
+// build (causalattn/engines/cpp.py's DEFINES) passes each one as -DCAUSALATTN_<NAME>.
+#ifndef CAUSALATTN_LOG2E
+#error "build through causalattn.engines.cpp: it passes causalattn/constants.py's constants"
+#endif
+constexpr double LOG2E = CAUSALATTN_LOG2E;
+constexpr double LN2 = CAUSALATTN_LN2;
+
 #if defined(__AVX512F__)
 constexpr int VBYTES = 64;
 #elif defined(__AVX__)
@@ -101,7 +109,7 @@ __attribute__((always_inline)) inline vd exp2v(vd x) {
   vd f = x - n;
   // ln2^i / i!, i = 0..13
   const double c[14] = {1.,
-                        0.6931471805599453,
+                        LN2,
                         0.2402265069591007,
                         0.05550410866482158,
                         0.009618129107628477,
@@ -143,7 +151,7 @@ __attribute__((always_inline)) inline V tanhv(V x) {
   const V lim = vset<T>(T(10));
   x = x > lim ? lim : x;
   x = x < -lim ? -lim : x;
-  const V t = exp2v(x * T(2.8853900817779268));
+  const V t = exp2v(x * T(2 * LOG2E));
   return (t - T(1)) * recip(t + T(1));
 }
 

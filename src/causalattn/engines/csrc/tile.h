@@ -405,9 +405,9 @@ inline void drop_cols(T* x, const uint32_t* rk, uint32_t ck, uint32_t thr) {
       std::memcpy(&k, rk + h * Vec<T>::N, sizeof(k));
       k ^= ck;
       k ^= k >> 16;
-      k *= 0x85EBCA6Bu;
+      k *= HASH_C1;
       k ^= k >> 13;
-      k *= 0xC2B2AE35u;
+      k *= HASH_C2;
       k ^= k >> 16;
       typename Vec<T>::v y = vload(x + h * Vec<T>::N);
       y = (k >> 8) < thr ? typename Vec<T>::v{} : y;

@@ -4,7 +4,7 @@
  * when a sequence or layer is opened. Matrices arrive as base64 little-endian numbers.
  * Everything decoded is cached: a layer's mask (layerInfo), a head's S, A, V and colour
  * ranges (headInfo). Where the page carries Q and K (or X and shared weights), S and A are
- * recomputed here (recompute), as causalattn.reference computes them; Python checked that
+ * recomputed here (recompute), as causalattn.matrix_form computes them; Python checked that
  * this reproduces the trace, and tests/test_explorer_browser.py pins it to the reference
  * for every score modifier and mask rule.
  */
@@ -178,7 +178,7 @@ function caDecode(root, data) {
   }
   // S = Q Kᵀ·scale on the readable entries; Z = softcap, then ALiBi, of S; then the row
   // softmax over Z (max subtracted; a sink logit joins the denominator), as
-  // reference.softmax_last does. The page is given Q and K only when Python checked that
+  // matrix_form.softmax_last does. The page is given Q and K only when Python checked that
   // this reproduces the trace's S and A (and says how closely).
   function recompute(info, Q, K, dk, scale, md) {
     var T = info.T, al = info.allowed, S = new Float64Array(info.start[T]), A = new Float64Array(info.start[T]);

@@ -361,9 +361,9 @@ class Trace:
     @classmethod
     def load(cls, path: str | Path, max_bytes: int = 2**30) -> Trace:
         """Read a .npz written by :meth:`save` with the one reader of user files
-        (:mod:`causalattn.check.files`: headers first, ``max_bytes`` for all arrays,
+        (:mod:`causalattn.io.files`: headers first, ``max_bytes`` for all arrays,
         numbers only, ``tokens`` as text; nothing executed), then :meth:`from_arrays`."""
-        from .check.files import read_arrays  # the one reader: see .importlinter
+        from .io.files import read_arrays
 
         try:
             data = read_arrays(path, max_bytes, formats=("npz",), text=("tokens",))

@@ -199,7 +199,11 @@ def _worker() -> None:
     sys.path[:0] = [p for p in payload.pop("sys_path") if p not in sys.path]
     deadline = time.monotonic() + payload.pop("timeout")
     pickled = payload.pop("job")
-    _in_worker(lambda: pickle.loads(pickled)(), payload, deadline, Path(payload.pop("result")))
+    try:  # the job's modules load here, before the cap: the worker's start-up, not the job
+        job = pickle.loads(pickled)
+    except BaseException:  # noqa: BLE001 - the same error again, inside: the job's failure
+        job = lambda: pickle.loads(pickled)()  # noqa: E731
+    _in_worker(job, payload, deadline, Path(payload.pop("result")))
 
 
 # -- starting and stopping it -----------------------------------------------------------------
@@ -235,7 +239,7 @@ def _spawn(pickled: bytes, limits: dict, timeout: float, result: Path, log: Path
     env = dict(os.environ)
     pkg_root = str(Path(__file__).resolve().parents[2])  # so the worker finds causalattn
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [pkg_root, env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-c", "from causalattn.check.runner import _worker; _worker()"]
+    cmd = [sys.executable, "-c", "from causalattn.io.runner import _worker; _worker()"]
     with open(job_file, "rb") as stdin, open(log, "wb") as out:
         proc = subprocess.Popen(
             cmd,

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from . import masks as _masks
-from .trace import Trace
+from ._trace import Trace
 
 if TYPE_CHECKING:
     from .arrays import ArrayLike

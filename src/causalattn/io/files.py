@@ -29,9 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .report import AuditInputError
-
 __all__ = [
+    "AuditInputError",
     "ArrayFile",
     "open_arrays",
     "read_arrays",
@@ -40,6 +39,11 @@ __all__ = [
     "ARRAY_FORMATS",
     "FORMATS",
 ]
+
+
+class AuditInputError(ValueError):
+    """The input cannot be audited or read (unreadable file, wrong ranks, non-numeric data ...)."""
+
 
 MAX_MEMBERS = 256
 MAX_SAFETENSORS_HEADER = 16 * 2**20
