@@ -5,7 +5,7 @@
  * Everything decoded is cached: a layer's mask (layerInfo), a head's S, A, V and colour
  * ranges (headInfo). Where the page carries Q and K (or X and shared weights), S and A are
  * recomputed here (recompute), as causalattn.matrix_form computes them; Python checked that
- * this reproduces the trace, and tests/test_explorer_browser.py pins it to the reference
+ * this reproduces the trace, and tests/viz/test_explorer_browser.py pins it to the reference
  * for every score modifier and mask rule.
  */
 function caDecode(root, data) {
