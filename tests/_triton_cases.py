@@ -174,7 +174,10 @@ def test_errors_and_choice():
     from causalattn.engines import auto, registry
 
     q, k, v = _inputs(1, 1, 1, 4, 4, 16)
-    with pytest.raises(ValueError, match="fp16, bf16 or fp32"):
+    with pytest.raises(
+        ValueError,
+        match=r"float64 is not one of its float16, bfloat16, float32; engines that run",
+    ):
         attention(q.double(), k.double(), v.double(), engine="triton")
     p = make_problem(q, k, v)
     on_cpu = make_problem(q.cpu(), k.cpu(), v.cpu())
