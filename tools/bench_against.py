@@ -52,7 +52,8 @@ def _bench(tree: Path, mode: str, quick: bool) -> list[dict]:
     )
     if res.returncode != 0:
         raise SystemExit(f"error: bench {mode} failed in {tree}: {res.stderr.strip()[-400:]}")
-    return json.loads(res.stdout)
+    out = json.loads(res.stdout)
+    return out["rows"] if isinstance(out, dict) else out  # the CLI's document, or bare rows
 
 
 def _median(runs: list[list[dict]]) -> dict:
