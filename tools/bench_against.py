@@ -61,6 +61,8 @@ def _median(runs: list[list[dict]]) -> dict:
     peer: dict = {}
     for rows in runs:
         for r in rows:
+            if r.get("ms") is None:  # a row the peer cannot run (Flex's backward): no time
+                continue
             ms.setdefault(_key(r), []).append(r["ms"])
             if _peer(r) is not None:
                 peer.setdefault(_key(r), []).append(_peer(r))
