@@ -5,6 +5,7 @@ it; `causalattn bench --tune` writes what auto then reads."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ def _forget():
     """The choices remembered per call shape and per features."""
     registry._refusal.cache_clear()
     auto._ladder_for.cache_clear()
+    auto._cached_scalar_refusal.cache_clear()
     engines._PLAIN.clear()
 
 
@@ -188,3 +190,172 @@ def test_a_table_that_timed_cpp_picks_the_faster_engine_per_shape(tmp_path, monk
         monkeypatch.undo()
         auto.table(reload=True)
         _forget()
+
+
+def _entry(d=8, T=16, best="sdpa", **kw):
+    """One measurement of a hand-written table (no timings: only the winner is read)."""
+    return {"dtype": "float32", "kind": "causal", "d": d, "T": T, "pass": "fwd", "best": best,
+            **kw}  # fmt: skip
+
+
+@pytest.fixture()
+def user_table(tmp_path, monkeypatch):
+    """write(document): this machine's table is the given JSON document (no forcing
+    variable), read anew; the package's table back afterwards."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(auto.ENV, raising=False)
+    path = auto.user_table_path()
+    path.parent.mkdir(parents=True)
+
+    def write(document):
+        path.write_text(json.dumps(document))
+        auto.table(reload=True)
+        _forget()
+        return path
+
+    yield write
+    monkeypatch.undo()
+    auto.table(reload=True)
+    _forget()
+
+
+def _pick(T_q, T_k, d=8, dtype=torch.float32, grad=False, **kw):
+    q = torch.zeros(1, 2, T_q, d, dtype=dtype).requires_grad_(grad)
+    k = torch.zeros(1, 2, T_k, d, dtype=dtype)
+    with torch.enable_grad():
+        return pick_engine(make_problem(q, k, k, **kw))
+
+
+@pytest.mark.parametrize("document", [{"entries": {"a": 1}}, {"provenance": {}}, [1, 2], "x"])
+def test_a_user_table_without_a_list_of_entries_leaves_the_packages(user_table, document):
+    path = user_table(document)
+    assert auto.table()["source"] == str(auto.PACKAGED) != str(path)
+    assert auto.table()["entries"] == json.loads(auto.PACKAGED.read_text())["entries"]
+
+
+def test_the_table_is_read_once_and_again_only_on_reload(user_table):
+    """A table written (or removed) later changes nothing until table(reload=True)."""
+    path = user_table({"entries": [_entry()]})
+    assert auto.table()["source"] == str(path)
+    path.unlink()
+    assert auto.table()["source"] == str(path)  # still the one read
+    assert auto.table(reload=True)["source"] == str(auto.PACKAGED)
+
+
+def test_with_no_readable_table_at_all_auto_runs_tiled(user_table, without_cpp, monkeypatch):
+    monkeypatch.setattr(auto, "PACKAGED", auto.PACKAGED.with_name("missing.json"))
+    user_table("not a table")
+    assert auto.table()["entries"] == []
+    assert _pick(16, 16) == "tiled"
+
+
+def test_a_head_size_of_one_reads_the_entries_measured_at_one(user_table, without_cpp):
+    user_table({"entries": [_entry(d=1, best="sdpa"), _entry(d=4, best="tiled")]})
+    assert _pick(16, 16, d=1) == "sdpa"
+    assert _pick(16, 16, d=4) == "tiled"
+
+
+def test_entries_without_a_device_are_cpu_ones_and_cuda_ones_are_left_out(user_table, without_cpp):
+    """(d = 8) a CPU measurement at T = 16 (no "device": CPU) names sdpa; a CUDA one at
+    T = 1024 names tiled: on the CPU at T = 1024 the CPU one still decides."""
+    user_table({"entries": [_entry(T=16), _entry(T=1024, best="tiled", device="cuda")]})
+    assert _pick(1024, 1024) == "sdpa"
+
+
+def test_an_unmeasured_dtype_reads_the_float32_entries(user_table, without_cpp):
+    user_table({"entries": [_entry(best="sdpa")]})
+    assert _pick(16, 16, dtype=torch.float64) == "sdpa"
+
+
+def test_a_call_without_a_mask_reads_the_causal_entries_and_no_other_kind_does(
+    user_table, without_cpp
+):
+    """Only causal entries, naming sdpa: a call without a mask (kind "full") reads them; a
+    decoding step (kind "decode") has none of its kind and runs tiled."""
+    user_table({"entries": [_entry(best="sdpa")]})
+    assert _pick(16, 16, causal=False) == "sdpa"
+    assert _pick(1, 16) == "tiled"
+
+
+def test_a_table_without_timings_leaves_cpp_the_choice(user_table):
+    """Entries naming only their winner (no "ms"): nothing measured cpp, so it runs."""
+    if cpp.unavailable():
+        pytest.skip(cpp.unavailable())
+    user_table({"entries": [_entry(best="sdpa")]})
+    assert _pick(16, 16) == "cpp"
+
+
+def test_the_variable_set_to_auto_is_as_if_unset(packaged, monkeypatch):
+    want = _pick(16, 16)
+    monkeypatch.setenv(auto.ENV, "auto")
+    _forget()
+    assert _pick(16, 16) == want != "auto"
+
+
+def test_the_variable_forces_its_engine_at_every_length(packaged, monkeypatch):
+    monkeypatch.setenv(auto.ENV, "reference")
+    for T in (1, 200, 5000):
+        assert _pick(T, T) == "reference", T
+
+
+def test_while_tracing_the_tiny_backward_step_is_left_out(packaged, monkeypatch):
+    """A bound at SDPA_GRAD_T would guard T_k in the traced graph: traced, a tiny backward
+    runs the native engine, as a long one does."""
+    if cpp.unavailable():
+        pytest.skip(cpp.unavailable())
+    assert _pick(8, 8, grad=True) == "sdpa"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert _pick(8, 8, grad=True) == "cpp"
+
+
+def test_hint_gives_a_sizes_int_or_its_hint():
+    """An int as it is; a symbolic size: its example value (its hint), 1024 with none."""
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    assert auto.hint(7) == 7
+    env = ShapeEnv()
+    backed = env.create_symintnode(env.create_symbol(37, ConstantSource("T")), hint=37)
+    assert type(backed) is torch.SymInt and auto.hint(backed) == 37
+    assert auto.hint(env.create_unbacked_symint()) == 1024
+
+
+@pytest.mark.parametrize("shortcut", [True, False], ids=["plain call", "with a softcap"])
+def test_bad_scalar_keywords_are_refused_by_name_and_good_ones_run(shortcut):
+    """Each of causal, window, chunk (and softcap) refused with the value it was given,
+    also an unhashable one; the same keywords with good values run."""
+    _forget()
+    q = torch.randn(1, 2, 6, 8)
+    extra = {} if shortcut else {"softcap": 30.0}
+    for kw, words in (
+        ({"causal": "yes"}, "causal must be True or False, got 'yes'"),
+        ({"window": 0}, "window must be >= 1, got 0"),
+        ({"window": [2]}, "window must be a positive integer, got [2]"),
+        ({"chunk": 0}, "chunk must be >= 1, got 0"),
+        ({"chunk": 2.5}, "chunk must be a positive integer, got 2.5"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            ca.attention(q, q, q, **kw, **extra)
+    if not shortcut:
+        with pytest.raises(ValueError, match=re.escape("softcap must be finite and > 0, got -1.0")):
+            ca.attention(q, q, q, softcap=-1.0)
+    for kw in ({"causal": False}, {"causal": True, "window": 3}, {"chunk": 4}, {}):
+        out = ca.attention(q, q, q, **kw, **extra)
+        want = ca.attention(q, q, q, engine="reference", **kw, **extra)
+        torch.testing.assert_close(out, want)
+
+
+def test_scalar_refusal_is_the_patterns_own_message_or_empty():
+    """What the checks before any engine runs read: "" for good values, else Pattern's
+    message naming the keyword and its value (an unhashable value too)."""
+    _forget()
+    assert auto.scalar_refusal(True, None, None, None) == ""
+    assert auto.scalar_refusal(False, 3, 4, 30.0) == ""
+    for args, words in (
+        (("yes", None, None, None), "causal must be True or False, got 'yes'"),
+        ((True, 0, None, None), "window must be >= 1, got 0"),
+        ((True, [2], None, None), "window must be a positive integer, got [2]"),
+        ((True, None, 0, None), "chunk must be >= 1, got 0"),
+        ((True, None, None, -1.0), "softcap must be finite and > 0, got -1.0"),
+    ):
+        assert words in auto.scalar_refusal(*args), args
