@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from causalattn import masks, text
@@ -261,3 +262,39 @@ def test_bad_rules_are_one_error_line(args):
     assert (
         r.returncode == 2 and r.stderr.startswith("error:") and len(r.stderr.splitlines()) == 1
     ), r.stderr
+
+
+# -- the group ---------------------------------------------------------------------------
+def test_version_prints_the_packages_version_and_exits_0():
+    import causalattn
+
+    res = run("--version")
+    assert res.stdout == f"causalattn {causalattn.__version__}\n"
+    # called from Python (click's standalone_mode=False), the exit code is returned: 0
+    group = typer.main.get_command(app)
+    assert group.main(["--version"], standalone_mode=False) == 0
+
+
+def test_no_arguments_print_the_help_with_the_one_line_summary():
+    res = runner.invoke(app, [], env={"COLUMNS": "120", "NO_COLOR": "1"})
+    assert "Usage:" in res.output and "--version" in res.output, res.output
+    assert "Causal self-attention in matrix form" in res.output
+
+
+def test_a_command_added_to_the_group_is_listed_after_the_documented_ones_and_runs():
+    """click's add_command on the built group: a new name is listed last; one under a
+    documented name replaces that command."""
+    import click
+    import click.testing
+
+    from causalattn.cli import COMMANDS
+
+    group = typer.main.get_command(app)
+    group.add_command(click.Command("extra", callback=lambda: click.echo("extra ran")))
+    group.add_command(click.Command("demo", callback=lambda: click.echo("my demo")))
+    ctx = click.Context(group)
+    assert group.list_commands(ctx) == [*COMMANDS, "extra"]
+    for name, said in (("extra", "extra ran"), ("demo", "my demo")):
+        res = click.testing.CliRunner().invoke(group, [name])
+        assert res.exit_code == 0 and res.stdout == said + "\n", (name, res.output)
+    assert group.list_commands(ctx) == [*COMMANDS, "extra"]  # once each, also when loaded
