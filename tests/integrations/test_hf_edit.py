@@ -194,3 +194,66 @@ def test_a_family_with_its_own_attention_code_is_refused():
         ):
             call()
     assert model.config._attn_implementation == impl  # refused before anything changed
+
+
+def _two_heads_in_layer_1(model):
+    """Llama's layer 1 cut to query heads 0 and 2 (one per key head; the config still
+    says 4), as pruning heads leaves a layer."""
+    from transformers.pytorch_utils import prune_linear_layer
+
+    attn = model.get_submodule(_attention_name(model, 1))
+    keep = torch.cat([torch.arange(h * D_V, (h + 1) * D_V) for h in (0, 2)])
+    attn.q_proj = prune_linear_layer(attn.q_proj, keep, dim=0)
+    attn.o_proj = prune_linear_layer(attn.o_proj, keep, dim=1)
+    attn.num_key_value_groups = 1
+    return model
+
+
+def test_a_head_past_a_layers_own_count_is_refused_naming_it():
+    """Layer 1 with 2 heads: head 2 of layer 1 passes the model's range, not the layer's."""
+    model = _two_heads_in_layer_1(tiny.model("llama"))
+    for heads in ([(1, 2)], [(0, 3), (1, 3)]):
+        with pytest.raises(ValueError) as err:
+            with ablate(model, heads=heads), torch.no_grad():
+                model(IDS)
+        assert str(err.value) == f"ablate: heads: layer 1 has 2 heads, not {heads[-1][1] + 1}"
+    with ablate(model, heads=[(1, 1)]), torch.no_grad():  # the last one it has: runs
+        model(IDS)
+
+
+def test_patch_reads_the_source_with_its_attention_mask():
+    """A left-padded source (row 1: 4 pads): the heads' outputs patched in are those of the
+    source run with its mask (at the real tokens: a pad's row reads nothing, which the eager
+    model and the attention function fill differently); a wrong shape is refused."""
+    model = tiny.model("llama")
+    mask = torch.ones(2, T, dtype=torch.long)
+    mask[1, :4] = 0
+    seen = []
+    handle = _proj(model, 1).register_forward_pre_hook(lambda m, a: seen.append(a[0]))
+    try:
+        with torch.no_grad():
+            model(SOURCE, attention_mask=mask)
+    finally:
+        handle.remove()
+    src = seen[0][..., D_V : 2 * D_V]
+    assert (src - _projection_input(model, 1, SOURCE)[..., D_V : 2 * D_V]).abs().max() > 1e-2
+    want = _by_hand(model, 1, 1, lambda x: src)
+    for given in (mask, mask.bool()):
+        with patch(model, SOURCE, heads=[(1, 1)], attention_mask=given), torch.no_grad():
+            ours = model(IDS).logits
+        assert (ours[0] - want[0]).abs().max() < 1e-4
+        assert (ours[1, 4:] - want[1, 4:]).abs().max() < 1e-4
+    with pytest.raises(ValueError, match=r"patch: attention_mask must be \(B, T\) = \(2, 12\)"):
+        patch(model, SOURCE, heads=[(1, 1)], attention_mask=mask[:, :5])
+
+
+def test_a_run_unlike_the_source_is_refused_with_both_shapes():
+    model = tiny.model("gpt2")
+    with pytest.raises(ValueError) as err:
+        with patch(model, SOURCE, heads=[(1, 0)]), torch.no_grad():
+            model(IDS[:1, :7])
+    assert str(err.value) == (
+        "patch: layer 1 is called with (B, T_q) = (1, 7) but source_ids gave (2, 12); patch "
+        "runs of the source's length and batch (or a source of one sequence), whole (no KV "
+        "cache)"
+    )
