@@ -121,7 +121,13 @@ def test_a_17_mib_npy_is_read_in_pieces_and_bytes_after_its_data_are_ignored(tmp
 def test_json_object_of_lists_is_read_with_text_only_where_allowed(tmp_path):
     d = {"X": [[1, 0], [0, 1.5]], "flags": [True, False], "tokens": ["a", "bb"]}
     p = write(tmp_path / "t.txt", json.dumps(d))  # read by content, not by suffix
-    got = read_arrays(p, 2**20, formats=("json",), text=("tokens", "X"))  # X: numbers anyway
+    af = open_arrays(p, 2**20, formats=("json",), text=("tokens", "X"))  # X: numbers anyway
+    assert af.headers == {
+        "X": ((2, 2), np.dtype(float)),
+        "flags": ((2,), np.dtype(bool)),
+        "tokens": ((2,), np.dtype("<U2")),
+    }
+    got = af.read()
     np.testing.assert_array_equal(got["X"], [[1, 0], [0, 1.5]])
     assert got["flags"].dtype == bool and got["tokens"].tolist() == ["a", "bb"]
     assert got["X"].flags.writeable
@@ -334,6 +340,13 @@ def test_json_values_that_are_not_numbers_are_refused_by_name(tmp_path):
         "L" * 80 + " is not a rectangular array",
     )
     assert "tail" not in msg
+    lp = write(tmp_path / "long.json", json.dumps({long: ["a"]}))
+    msg = refused(
+        partial(open_arrays, lp, 2**20, formats=("json",)),
+        lp,
+        "L" * 80 + " must hold numbers or booleans, got dtype <U1",
+    )
+    assert "tail" not in msg
 
 
 def test_json_that_does_not_parse_is_refused_with_where(tmp_path):
@@ -498,6 +511,12 @@ def test_npz_members_must_be_npy_arrays(tmp_path):
         partial(open_arrays, long, 2**20),
         long,
         f"member '{'m' * 80}' is not a .npy array; an .npz holds only arrays (np.savez)",
+    )
+    assert "TAIL" not in msg
+    with zipfile.ZipFile(long, "w") as zf:
+        zf.writestr("m" * 80 + "TAIL.npy", b"junk")
+    msg = refused(
+        partial(open_arrays, long, 2**20), long, f"member '{'m' * 80}' is not a .npy array"
     )
     assert "TAIL" not in msg
 
