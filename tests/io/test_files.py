@@ -617,6 +617,10 @@ def test_safetensors_entries_must_declare_a_numeric_dtype_a_shape_and_their_offs
             "tensor 'A': data_offsets span 12 bytes but shape (2, 2) needs 16",
         ),
         ({"dtype": "BF16"}, "tensor 'A': data_offsets span 16 bytes but shape (2, 2) needs 8"),
+        (
+            {"data_offsets": [4, 16]},
+            "tensor 'A': data_offsets span 12 bytes but shape (2, 2) needs 16",
+        ),
     ):
         p = _st(tmp_path, {"A": ok | change})
         refused(partial(open_arrays, p, 2**20), p, says)
@@ -700,48 +704,63 @@ def test_text_must_be_utf8_and_source_must_not_be_binary(tmp_path):
     assert read_source(write(tmp_path / "ok.py", "x = 'PK'\n")) == b"x = 'PK'\n"
 
 
-# -- huge headers: in a capped subprocess ------------------------------------------------------
-_HUGE_HEADERS = """
-import json, struct, sys
-from pathlib import Path
-from causalattn.io.files import AuditInputError, open_arrays, read_text
-
-folder = Path(sys.argv[1])
-
-def npy(n, shape=(1,)):  # a version 2 .npy of float64 whose header is n bytes long
+# -- header lengths, and files larger than what is read ----------------------------------------
+def _npy_v2(header_length: int, shape=(1,)) -> bytes:
+    """A version 2 .npy header of float64, ``header_length`` bytes long (no data)."""
     head = repr({"descr": "<f8", "fortran_order": False, "shape": shape}).encode()
-    head += b" " * (n - len(head) - 1) + b"\\n"
-    return b"\\x93NUMPY\\x02\\x00" + struct.pack("<I", n) + head + bytes(8)
-
-def outcome(path):
-    try:
-        return sorted(open_arrays(path, 2**30).read())
-    except AuditInputError as exc:
-        return str(exc)
-
-(folder / "limit.npy").write_bytes(npy(2**20))
-(folder / "over.npy").write_bytes(npy(2**20 + 1))
-st = folder / "over.safetensors"  # a header of 16 MiB + 1 bytes, the file long enough
-with open(st, "wb") as fh:
-    fh.write(struct.pack("<Q", 16 * 2**20 + 1) + b"{")
-    fh.truncate(8 + 16 * 2**20 + 1)
-big = folder / "big.npy"  # 2 GiB declared and there (sparse): only its header is read
-with open(big, "wb") as fh:
-    fh.write(npy(128, (2**28,))[:-8])
-    fh.truncate(12 + 128 + 2**31)
-got = {p.name: outcome(p) for p in sorted(folder.iterdir())}
-try:  # a regular file of size 0 that holds 8 bytes per page of the address space
-    got["pagemap"] = read_text("/proc/self/pagemap", 100)
-except AuditInputError as exc:
-    got["pagemap"] = str(exc)
-print(json.dumps(got))
-"""
+    head += b" " * (header_length - len(head) - 1) + b"\n"
+    return b"\x93NUMPY\x02\x00" + struct.pack("<I", header_length) + head
 
 
 def test_headers_past_their_length_limit_are_refused_before_they_are_read(tmp_path):
     """A .npy header of 1 MiB is read, one byte more is not; a .safetensors header of more
-    than 16 MiB is refused by its declared length; a file whose size says 0 is read only up
-    to the limit (/proc/self/pagemap would give gigabytes)."""
+    than 16 MiB is refused by its declared length (the file is long enough: sparse)."""
+    limit = write(tmp_path / "limit.npy", _npy_v2(MiB) + bytes(8))
+    assert read_arrays(limit, KiB)["limit"].tolist() == [0.0]
+    over = write(tmp_path / "over.npy", _npy_v2(MiB + 1) + bytes(8))
+    refused(partial(open_arrays, over, KiB), over, f"cannot be read as {ANY} {UNREADABLE}")
+    st = tmp_path / "over.safetensors"
+    with open(st, "wb") as fh:
+        fh.write(struct.pack("<Q", 16 * MiB + 1) + b"{")
+        fh.truncate(8 + 16 * MiB + 1)
+    refused(
+        partial(open_arrays, st, GiB),
+        st,
+        "not a .safetensors file (its header length is impossible)",
+    )
+
+
+_LARGER_THAN_READ = """
+import json, sys
+from pathlib import Path
+from causalattn.io.files import AuditInputError, open_arrays, read_text
+
+got = {}
+for name, read in (
+    ("pagemap", lambda: read_text("/proc/self/pagemap", 100)),
+    ("big.npy", lambda: open_arrays(Path(sys.argv[1]), 2**30)),
+):
+    try:
+        read()
+    except AuditInputError as exc:
+        got[name] = str(exc)
+print(json.dumps(got))
+"""
+
+
+def test_files_larger_than_what_is_read_are_refused_by_what_was_read(tmp_path):
+    """A file whose size says 0 is read only up to the limit (/proc/self/pagemap would give
+    8 bytes per page of the address space), and a 2 GiB .npy (sparse) by its header alone:
+    in a capped subprocess, and their small twins here."""
+    big = tmp_path / "big.npy"
+    with open(big, "wb") as fh:
+        fh.write(_npy_v2(128, (2**28,)))
+        fh.truncate(12 + 128 + 2 * GiB)
+    small = write(tmp_path / "small.npy", _npy_v2(128, (2**28,)))  # no data at all
+    declares = "its arrays declare 2 GiB in all (up to '…', (268435456,) float64), above the limit…"
+    refused(partial(open_arrays, small, GiB), small, declares)
+    size_zero = "is larger than the limit of 100 bytes for a text file"
+    refused(partial(read_text, "/proc/self/status", 100), "/proc/self/status", size_zero)
     mem = 2 * GiB
 
     def caps():
@@ -750,7 +769,7 @@ def test_headers_past_their_length_limit_are_refused_before_they_are_read(tmp_pa
 
     src = str(Path(causalattn.__file__).parents[1])  # the package this process tests
     res = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(_HUGE_HEADERS), str(tmp_path)],
+        [sys.executable, "-c", textwrap.dedent(_LARGER_THAN_READ), str(big)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -759,14 +778,5 @@ def test_headers_past_their_length_limit_are_refused_before_they_are_read(tmp_pa
     )
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout)
-    assert got["limit.npy"] == ["limit"]
-    assert got["big.npy"].startswith(f"{tmp_path / 'big.npy'}: its arrays declare 2 GiB in all")
-    assert got["over.npy"].startswith(f"{tmp_path / 'over.npy'}: cannot be read as")
-    assert got["over.safetensors"] == (
-        f"{tmp_path / 'over.safetensors'}: not a .safetensors file (its header length is "
-        "impossible)"
-    )
-    assert (
-        got["pagemap"]
-        == "/proc/self/pagemap: is larger than the limit of 100 bytes for a text file"
-    )
+    assert got["pagemap"] == f"/proc/self/pagemap: {size_zero}"
+    assert got["big.npy"].startswith(f"{big}: its arrays declare 2 GiB in all")
