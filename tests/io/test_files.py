@@ -1,7 +1,9 @@
 """The one reader of user files (io.files), in process: every format read back as the arrays
 it holds, every refusal one AuditInputError that names the file and what is wrong, and the
-one budget weighed before any array byte is read. Hostile files (huge headers) are read in
-a capped subprocess; everything here is a few KiB, except one 17 MiB .npy read in pieces."""
+one budget weighed before any array byte is read. What would take gigabytes if the reader
+read too far (a file whose size says 0, a sparse 2 GiB .npy) is read in a capped subprocess,
+next to a small twin read here (mutmut maps a test to what it reaches in its own process);
+everything else is a few KiB, except a 17 MiB .npy read in pieces and a 1 MiB .npy header."""
 
 from __future__ import annotations
 
