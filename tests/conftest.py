@@ -63,6 +63,7 @@ MUTATION_TESTS = {
     "causalattn.check.measure.": ("test_check_measure.py", "test_diagnose.py"),
     "causalattn.check.judge.": ("test_judge.py", "test_diagnose.py", "test_promises_check.py"),
     "causalattn.io.files.": (
+        "test_files.py",
         "test_hostile.py",
         "test_promises_check.py",
     ),
