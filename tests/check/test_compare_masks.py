@@ -356,6 +356,8 @@ def test_the_comparison_as_data_counts_from_zero_unless_told():
     assert r.to_dict(base=1)["message"] == r.format(base=1) != r.format()
     b, h, i, j = diff.cells[0]
     assert r.to_dict(base=1)["differences"][0]["cells"][0] == [b, h, i + 1, j + 1]
+    assert diff.describe().startswith("window off by 3: ") and diff.offset == 3
+    assert diff.describe(base=1).startswith("window off by 3: ") and diff.window == 8
     ok = compare_masks(_off_window(T), Pattern(), T=T)
     assert ok.ok and ok.format(base=1) == ok.format() == ok.message
     assert ok.to_dict()["differences"] == [] and ok.window_offset is None
@@ -417,6 +419,9 @@ def test_a_block_mask_whose_tables_do_not_fit_its_block_size_is_named():
         bm = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=(16, 16), seq_lengths=(64, 64))
         r = compare_masks(bm, Pattern())
         assert not r.ok and [d.kind for d in r.differences] == ["block size"], r.message
+        (d,) = r.differences
+        assert d.count == 0 and d.cells == () and d.to_dict()["cells"] == []
+        assert d.describe(base=1) == d.detail
         assert r.kinds == {} and r.window_offset is None
         assert (
             f"BLOCK_SIZE (16, 16) needs 4×4 blocks for (64, 64), but its tables hold {nq}×{nk}"
@@ -424,6 +429,15 @@ def test_a_block_mask_whose_tables_do_not_fit_its_block_size_is_named():
         ), r.message
     # tables that fit: no such difference
     assert compare_masks(Pattern().to_block_mask(64, 64, block_size=16), Pattern()).ok
+
+
+def test_a_block_mask_for_another_length_is_one_difference_with_no_cells():
+    bm = Pattern().to_block_mask(48, 48, block_size=16)
+    r = compare_masks(bm, Pattern(), T=T)
+    d = r.differences[0]
+    assert d.kind == "length" and d.count == 0 and d.cells == () and d.to_dict()["cells"] == []
+    assert d.describe(base=1) == d.detail and d.detail in r.format(base=1)
+    assert "it would mask the wrong cells or be cut" in d.detail
 
 
 def test_a_pattern_that_does_not_fit_the_sizes_is_refused_by_name():
