@@ -427,6 +427,12 @@ def test_a_block_mask_whose_tables_do_not_fit_its_block_size_is_named():
             f"BLOCK_SIZE (16, 16) needs 4×4 blocks for (64, 64), but its tables hold {nq}×{nk}"
             in r.message
         ), r.message
+    # (32, 64) at 16: 2×4 blocks needed; tables of 1×2, rows and columns each in their place
+    num = torch.full((1, 1, 1), 2, dtype=torch.int32)
+    idx = torch.arange(2, dtype=torch.int32).reshape(1, 1, 1, 2)
+    bm = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=(16, 16), seq_lengths=(32, 64))
+    r = compare_masks(bm, Pattern())
+    assert "needs 2×4 blocks for (32, 64), but its tables hold 1×2" in r.message, r.message
     # tables that fit: no such difference
     assert compare_masks(Pattern().to_block_mask(64, 64, block_size=16), Pattern()).ok
 
@@ -438,6 +444,37 @@ def test_a_block_mask_for_another_length_is_one_difference_with_no_cells():
     assert d.kind == "length" and d.count == 0 and d.cells == () and d.to_dict()["cells"] == []
     assert d.describe(base=1) == d.detail and d.detail in r.format(base=1)
     assert "it would mask the wrong cells or be cut" in d.detail
+
+
+def test_a_block_mask_of_one_batch_row_stands_for_every_row():
+    """Their BlockMask (B=1) against a pattern of two batch rows (lengths 64, 50): each
+    row is compared, the second's padding named there."""
+    bm = Pattern().to_block_mask(64, 64, block_size=16)
+    for block in (16, 1024):
+        r = compare_masks(bm, Pattern(lengths=[64, 50]), block=block)
+        assert r.shape == (2, 1, 64, 64) and list(r.kinds) == ["padding read"], r.message
+        assert {c[0] for c in r.differences[0].cells} == {1}
+        assert r.kinds["padding read"] == _differing_cells(
+            torch.as_tensor(Pattern().allowed(1, 1, 64, 64)).repeat(2, 1, 1, 1),
+            Pattern(lengths=[64, 50]),
+        )
+
+
+def test_a_block_mask_at_queries_past_its_own_reads_nothing_there():
+    """A BlockMask of (32, 64) read at query positions 40..71 (q_start=40): FlexAttention's
+    query i is position i + 32, so rows 0..23 read keys up to their position and rows
+    24..31 (its queries 32..39: not in it) read nothing, whatever the block."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bm = create_block_mask(
+        lambda b, h, q, k: q + 32 >= k, None, None, 32, 64, BLOCK_SIZE=16, device="cpu"
+    )
+    pos = torch.arange(32)[:, None] + 40
+    reads = (torch.arange(64)[None, :] <= pos) & (pos < 64)
+    meant = Pattern(causal=False, mask=reads, q_start=40)
+    for block in (8, 24, 1024):
+        r = compare_masks(bm, meant, T_q=32, T_k=64, block=block)
+        assert r.ok, (block, r.message)
 
 
 def test_a_pattern_that_does_not_fit_the_sizes_is_refused_by_name():

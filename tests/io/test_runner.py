@@ -20,6 +20,7 @@ from causalattn.io import runner
 from causalattn.learn import grade
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
+import _runner_jobs  # noqa: E402  (tests/io: on sys.path as this file's folder)
 from _helpers import cli_many  # noqa: E402
 
 MiB = 2**20
@@ -279,24 +280,6 @@ def test_a_memory_hog_ends_as_memory_within_the_cap(tmp_path):
 
 
 # -- the runner's promises, one by one (each a few forks: well under a second each) ----------
-def _facts():
-    """What a fresh worker says about itself (module level: it pickles by reference)."""
-    import causalattn
-
-    return {
-        "remaining": runner.remaining(),
-        "session_leader": os.getsid(0) == os.getpid(),
-        "fresh": sys.argv == ["-c"],  # a new interpreter's command line, not a fork of pytest
-        "causalattn": causalattn.__file__,
-    }
-
-
-def _say_and_exit(code: int):
-    print("to stdout", flush=True)
-    print("to stderr", file=sys.stderr, flush=True)
-    os._exit(code)
-
-
 def test_a_fresh_worker_is_a_new_interpreter_in_a_session_of_its_own(monkeypatch):
     """fresh=True: a new interpreter (nothing of this one loaded), leading its own session,
     that finds causalattn where this process did (PYTHONPATH unset included) and this
@@ -308,12 +291,14 @@ def test_a_fresh_worker_is_a_new_interpreter_in_a_session_of_its_own(monkeypatch
     monkeypatch.delenv("PYTHONPATH", raising=False)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        got = runner.run(_facts, timeout=60, fresh=True)
+        got = runner.run(_runner_jobs.facts, timeout=60, fresh=True)
     assert not [w for w in seen if issubclass(w.category, ResourceWarning)], seen
     assert got["causalattn"] == causalattn.__file__ and got["session_leader"], got
     assert got["fresh"], got
     assert 0 < got["remaining"] <= 60, got
-    f = runner.run(functools.partial(_say_and_exit, 3), timeout=60, fresh=True, what="it")
+    f = runner.run(
+        functools.partial(_runner_jobs.say_and_exit, 3), timeout=60, fresh=True, what="it"
+    )
     assert f.kind == "crashed" and f.message == "it crashed (exit code 3): to stdout | to stderr"
 
 
