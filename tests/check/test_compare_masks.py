@@ -477,6 +477,21 @@ def test_a_block_mask_at_queries_past_its_own_reads_nothing_there():
         assert r.ok, (block, r.message)
 
 
+def test_a_block_mask_for_a_shorter_length_is_judged_on_every_cell():
+    """Their full (bidirectional) BlockMask for (48, 48) against causal at T = 64: past its
+    own length it reads nothing; within it, its 48·47/2 future reads are each counted, and
+    the causal rows 48..63 it does not read (49 + ... + 64 keys) too, whatever the block."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bm = create_block_mask(
+        lambda b, h, q, k: q >= 0, None, None, 48, 48, device="cpu", BLOCK_SIZE=16
+    )
+    for block in (16, 32, 1024):
+        r = compare_masks(bm, Pattern(), T=T, block=block)
+        assert r.kinds == {"future key read": 48 * 47 // 2, "readable key blocked": 904}, block
+        assert r.differences[0].kind == "length"
+
+
 def test_a_pattern_that_does_not_fit_the_sizes_is_refused_by_name():
     with pytest.raises(ValueError, match=r"compare_masks: expected: lengths: .*\(3,\)"):
         compare_masks(torch.ones(3, 1, 10, 10, dtype=torch.bool).tril(), Pattern(lengths=[10, 6]))
@@ -492,6 +507,8 @@ def test_a_lone_mask_is_one_array_boolean_or_named_like_a_mask(tmp_path):
     for m in (causal, torch.as_tensor(causal), causal[None], causal[None, None], causal.tolist()):
         got = lone_mask({"anything": m if not isinstance(m, list) else np.asarray(m)}, 10**6)
         assert got is not None and tuple(got.shape) == np.shape(m)
+    t = torch.as_tensor(causal)
+    assert lone_mask({"x": causal}, 10**6) is causal and lone_mask({"x": t}, 10**6) is t  # as given
     floats = causal.astype(np.float32)
     for name in ("mask", "Attention_Mask", "attn_mask", "allowed", "causal_mask"):
         assert lone_mask({name: floats}, 10**6) is floats
