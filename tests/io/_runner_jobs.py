@@ -17,6 +17,7 @@ def facts():
         "session_leader": os.getsid(0) == os.getpid(),
         "fresh": sys.argv == ["-c"],  # a new interpreter's command line, not a fork of pytest
         "causalattn": causalattn.__file__,
+        "pythonpath": os.environ.get("PYTHONPATH", ""),
     }
 
 

@@ -282,19 +282,21 @@ def test_a_memory_hog_ends_as_memory_within_the_cap(tmp_path):
 # -- the runner's promises, one by one (each a few forks: well under a second each) ----------
 def test_a_fresh_worker_is_a_new_interpreter_in_a_session_of_its_own(monkeypatch):
     """fresh=True: a new interpreter (nothing of this one loaded), leading its own session,
-    that finds causalattn where this process did (PYTHONPATH unset included) and this
+    that finds causalattn where this process did (whatever PYTHONPATH says) and this
     test's own module (sys.path), with the deadline given; its output is kept for a crash."""
     import warnings
 
     import causalattn
 
-    monkeypatch.delenv("PYTHONPATH", raising=False)
+    elsewhere = os.path.join(os.sep, "nowhere", "causalattn-test")  # (holds no causalattn)
+    monkeypatch.setenv("PYTHONPATH", elsewhere)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         got = runner.run(_runner_jobs.facts, timeout=60, fresh=True)
     assert not [w for w in seen if issubclass(w.category, ResourceWarning)], seen
     assert got["causalattn"] == causalattn.__file__ and got["session_leader"], got
     assert got["fresh"], got
+    assert elsewhere in got["pythonpath"].split(os.pathsep), got  # the caller's, kept
     assert 0 < got["remaining"] <= 60, got
     f = runner.run(
         functools.partial(_runner_jobs.say_and_exit, 3), timeout=60, fresh=True, what="it"
@@ -415,6 +417,14 @@ def test_the_output_cap_counts_files_written_and_the_result(tmp_path):
     assert runner.run(lambda: exact, timeout=30, max_output=MiB) == exact
     f = runner.run(lambda: exact + "z", timeout=30, max_output=MiB)
     assert f.kind == "error" and "output cap" in f.message, f
+
+
+def test_the_memory_cap_is_on_top_of_what_the_worker_started_with():
+    """max_memory is more than the worker's start (this process's address space, torch
+    included): 64 MiB fits under a cap of 256 MiB."""
+    assert (
+        runner.run(lambda: len(bytearray(64 * MiB)), timeout=30, max_memory=256 * MiB) == 64 * MiB
+    )
 
 
 def test_a_worker_runs_one_torch_thread():
