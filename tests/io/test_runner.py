@@ -398,6 +398,9 @@ def test_the_job_errors_are_sorted_and_cut():
 
         f = runner.run(job, timeout=30, what="it")
         assert f.kind == "error" and len(f.message) == len("it ") + 2000, f
+    f = runner.run(lambda: {"x": object()}, timeout=30, what="it")  # a result not JSON
+    assert f.kind == "error" and f.message.startswith("it TypeError: "), f
+    assert "not JSON serializable" in f.message, f
     f = runner.run(lambda: sys.exit("bye"), timeout=30, what="it")
     assert f.kind == "crashed" and f.message == "it called sys.exit('bye')", f
 
