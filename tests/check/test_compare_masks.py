@@ -214,6 +214,19 @@ def test_a_narrower_window_is_named_as_off_by_minus_k():
     assert not r.ok and r.window_offset == -3
     (d,) = r.differences
     assert d.kind == "readable key blocked" and "window off by -3" in d.detail
+    assert "their rows read the last 5 positions, the pattern's window is 8" in d.detail
+
+
+def test_a_window_off_by_k_leaves_the_other_kinds_worded_as_themselves():
+    """Their window 3 wider and one future key read: "window off by 3" for the window's
+    cells; the future read keeps its own sentence."""
+    theirs = _theirs_for("window").clone()
+    theirs[0, 3, 40] = True
+    r = compare_masks(theirs, Pattern(window=8), T=T)
+    assert r.window_offset == 3 and set(r.kinds) == {"window", "future key read"}
+    words = {d.kind: d.detail for d in r.differences}
+    assert words["window"].startswith("window off by 3: their rows read the last 11 positions")
+    assert words["future key read"].startswith("future key read: 1 cells read a key after")
 
 
 def test_a_mask_with_no_window_is_not_named_a_window_off_by_k():

@@ -385,6 +385,8 @@ def test_the_job_errors_are_sorted_and_cut():
         f = runner.run(job, timeout=30, max_memory=64 * MiB, what="it")
         assert f.kind == kind, (exc, f)
         if kind == "memory":
+            peak = float(f.message.split("at a peak of ")[1].split(" MiB")[0])
+            assert 1 < peak < 64 * 1024, f  # this worker's high-water mark, in MiB
             assert (
                 "capped at 0.0625 GiB more than it started with; max_memory / --max-memory"
                 in f.message
