@@ -11,6 +11,7 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 import torch
 
@@ -213,6 +214,19 @@ def test_a_narrower_window_is_named_as_off_by_minus_k():
     assert not r.ok and r.window_offset == -3
     (d,) = r.differences
     assert d.kind == "readable key blocked" and "window off by -3" in d.detail
+    assert "their rows read the last 5 positions, the pattern's window is 8" in d.detail
+
+
+def test_a_window_off_by_k_leaves_the_other_kinds_worded_as_themselves():
+    """Their window 3 wider and one future key read: "window off by 3" for the window's
+    cells; the future read keeps its own sentence."""
+    theirs = _theirs_for("window").clone()
+    theirs[0, 3, 40] = True
+    r = compare_masks(theirs, Pattern(window=8), T=T)
+    assert r.window_offset == 3 and set(r.kinds) == {"window", "future key read"}
+    words = {d.kind: d.detail for d in r.differences}
+    assert words["window"].startswith("window off by 3: their rows read the last 11 positions")
+    assert words["future key read"].startswith("future key read: 1 cells read a key after")
 
 
 def test_a_mask_with_no_window_is_not_named_a_window_off_by_k():
@@ -223,3 +237,332 @@ def test_a_mask_with_no_window_is_not_named_a_window_off_by_k():
     assert not r.ok and r.window_offset is None
     assert "window: 18528 cells read before the window's start" in r.message
     assert "off by" not in r.message
+
+
+# ---- the answer's wording and data, block by block ------------------------------------------
+def _rect_case():
+    """Their (2, 1, 40, 56) window-11 mask with a padding key and a window cell planted,
+    against a window-8 + chunk-16 + lengths (56, 45) pattern: T_q < T_k, two batch rows."""
+    T_q, T_k = 40, 56
+    a = np.broadcast_to(Pattern(window=11).allowed(2, 1, T_q, T_k), (2, 1, T_q, T_k))
+    theirs = torch.as_tensor(np.array(a))
+    theirs[1, 0, 5, 50] = True  # (row 1's keys from 45 on are padding)
+    theirs[0, 0, 30, 2] = True
+    return theirs, Pattern(window=8, chunk=16, lengths=[56, 45]), T_q, T_k
+
+
+def _differing_cells(theirs: torch.Tensor, meant: Pattern) -> int:
+    B, H, T_q, T_k = theirs.shape
+    want = np.broadcast_to(meant.allowed(B, H, T_q, T_k), theirs.shape)
+    return int((theirs.numpy() ^ want).sum())
+
+
+@pytest.mark.parametrize("form", ["bool", "mask_mod", "block_mask"])
+def test_the_answer_does_not_depend_on_the_block_or_the_form(form):
+    """(2, 1, 40, 56): every form of the same mask, compared `block` × `block` cells at a
+    time for blocks that cut BlockMask blocks (16) or not, gives the dense answer; and
+    the counts add up to the cells that differ."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    theirs, meant, T_q, T_k = _rect_case()
+    A = theirs[:, 0]
+    ref = compare_masks(theirs, meant)
+    assert sum(ref.kinds.values()) == _differing_cells(theirs, meant)
+    assert ref.shape == (2, 1, T_q, T_k) and not ref.ok
+    forms = {
+        "bool": theirs,
+        # positions: the queries bottom-right (query i at position i + T_k - T_q)
+        "mask_mod": lambda b, h, q, k: A[b, q - (T_k - T_q), k],
+        # FlexAttention's own indices
+        "block_mask": create_block_mask(
+            lambda b, h, q, k: A[b, q, k], 2, None, T_q, T_k, device="cpu", BLOCK_SIZE=16
+        ),
+    }
+    size = {"T_q": T_q, "T_k": T_k, **({"B": 2} if form == "mask_mod" else {})}  # (no B of its own)
+    for block in (7, 16, 24, 1000):
+        got = compare_masks(forms[form], meant, **size, block=block)
+        assert got.kinds == ref.kinds and got.window_offset == ref.window_offset, block
+        assert [(d.kind, d.cells) for d in got.differences] == [
+            (d.kind, d.cells) for d in ref.differences
+        ], block
+        # their mask written as the pattern meant: agreement, whatever the block
+        assert compare_masks(
+            forms[form], Pattern(causal=False, mask=theirs), **size, block=block
+        ).ok
+
+
+def _off_window(T_: int) -> torch.Tensor:
+    """Plain causal (T, T): no window of its own (named "window", not "off by k")."""
+    return torch.ones(T_, T_, dtype=torch.bool).tril()
+
+
+# kind -> (their mask, the pattern meant, the words its sentence says)
+_BLOCKED = _off_window(T).clone()
+_BLOCKED[10, 2] = False
+WORDED = {
+    "future key read": (
+        lambda: _theirs_for("future key read"),
+        Pattern(),
+        "read a key after the query",
+    ),
+    "read across documents": (
+        lambda: _theirs_for("read across documents"),
+        PLANTED["read across documents"][0],
+        "read another document",
+    ),
+    "padding read": (
+        lambda: _theirs_for("padding read"),
+        PLANTED["padding read"][0],
+        "read a padding key or come from a padding query",
+    ),
+    "chunk boundary crossed": (
+        lambda: _theirs_for("chunk boundary crossed"),
+        PLANTED["chunk boundary crossed"][0],
+        "read another chunk",
+    ),
+    "window": (lambda: _off_window(T), Pattern(window=8), "read before the window's start"),
+    "readable key blocked": (
+        lambda: _theirs_for("readable key blocked"),
+        Pattern(),
+        "the pattern reads are blocked",
+    ),
+    "mask": (lambda: _off_window(T), Pattern(mask=_BLOCKED), "read what the mask blocks"),
+    "mask_mod": (
+        lambda: _off_window(T),
+        Pattern(mask_mod=lambda b, h, q, k: (q != 10) | (k != 2)),
+        "read what the mask_mod blocks",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(WORDED))
+def test_each_kind_is_worded_with_its_count_and_first_cell(kind):
+    """Each kind's sentence: its name, how many cells, what they did, where the first is
+    (0-based in the data and the default text; ``base=1`` on the CLI)."""
+    theirs, meant, words = WORDED[kind]
+    r = compare_masks(theirs(), meant, T=T)
+    (d,) = (d for d in r.differences if d.kind == kind)
+    b, h, i, j = d.cells[0]
+    assert d.cells == tuple(sorted(d.cells)) and len(d.cells) == min(d.count, 5)
+    assert d.detail == d.describe() == d.to_dict()["detail"]
+    assert d.detail.startswith(f"{kind}: {d.count} cells ") and words in d.detail, d.detail
+    assert d.detail.endswith(f"(first at b={b}, h={h}, query {i}, key {j})"), d.detail
+    assert f"(first at b={b}, h={h}, query {i + 1}, key {j + 1})" in d.describe(base=1)
+    assert d.to_dict()["cells"][0] == [b, h, i, j] and d.to_dict()["kind"] == kind
+    assert d.to_dict(base=1)["cells"][0] == [b, h, i + 1, j + 1]
+    assert d.to_dict()["count"] == d.count == r.kinds[kind]
+    assert "  " + d.detail in r.message.splitlines()
+
+
+def test_the_comparison_as_data_counts_from_zero_unless_told():
+    """to_dict() / format(): 0-based by default, ``base=1`` for the CLI; an agreement's
+    text is its one line, whatever the base."""
+    r = compare_masks(_theirs_for("window"), Pattern(window=8), T=T)
+    d = r.to_dict()
+    assert d["ok"] is False and d["shape"] == [1, 1, T, T] and d["convention"] == "bool"
+    assert d["expected"] == r.expected == Pattern(window=8).describe()
+    assert d["window_offset"] == r.window_offset == 3
+    assert d["message"] == r.format() and [x["kind"] for x in d["differences"]] == ["window"]
+    (diff,) = r.differences
+    assert d["differences"][0]["cells"] == [list(c) for c in diff.cells]
+    assert r.format().splitlines() == [r.message.splitlines()[0], "  " + diff.describe()]
+    assert r.to_dict(base=1)["message"] == r.format(base=1) != r.format()
+    b, h, i, j = diff.cells[0]
+    assert r.to_dict(base=1)["differences"][0]["cells"][0] == [b, h, i + 1, j + 1]
+    assert diff.describe().startswith("window off by 3: ") and diff.offset == 3
+    assert diff.describe(base=1).startswith("window off by 3: ") and diff.window == 8
+    ok = compare_masks(_off_window(T), Pattern(), T=T)
+    assert ok.ok and ok.format(base=1) == ok.format() == ok.message
+    assert ok.to_dict()["differences"] == [] and ok.window_offset is None
+
+
+def test_how_their_dense_mask_was_read_is_said():
+    """A dense mask's convention goes into the answer (and its text); a mask_mod has none."""
+    allowed = _off_window(16)
+    additive = torch.zeros(16, 16).masked_fill(~allowed, float("-inf"))
+    for theirs, conv in ((allowed, "bool"), (additive, "additive"), (allowed.int(), "1/0")):
+        r = compare_masks(theirs, Pattern())
+        assert r.ok and r.convention == conv, r.message
+        assert "agree on all 1×1×16×16 cells (causal; theirs read as " in r.message, r.message
+    r = compare_masks(lambda b, h, q, k: q >= k, Pattern(), T=16)
+    assert r.ok and r.convention is None and "read as" not in r.message
+    assert r.message == "the masks agree on all 1×1×16×16 cells (causal)"
+
+
+def test_the_sizes_compared_come_from_theirs_or_the_arguments():
+    """(B, H, T_q, T_k): a dense mask's own axes, a BlockMask's tables and lengths, or B=,
+    H=, T= / T_q= / T_k= (one of T_q, T_k stands for both)."""
+    causal = lambda b, h, q, k: q >= k  # noqa: E731
+    assert compare_masks(causal, Pattern(), T_q=12).shape == (1, 1, 12, 12)
+    assert compare_masks(causal, Pattern(), T_k=12).shape == (1, 1, 12, 12)
+    assert compare_masks(causal, Pattern(), T=12, B=2, H=3).shape == (2, 3, 12, 12)
+    dense = torch.as_tensor(Pattern().allowed(1, 1, 8, 12)).repeat(2, 3, 1, 1)
+    assert compare_masks(dense, Pattern()).shape == (2, 3, 8, 12)
+    assert compare_masks(dense[0, 0], Pattern(), B=4, H=5).shape == (4, 5, 8, 12)
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bottom_right = lambda b, h, q, k: q + 16 >= k  # noqa: E731  (FlexAttention's indices)
+    bm = create_block_mask(bottom_right, 2, 3, 24, 40, device="cpu", BLOCK_SIZE=8)
+    r = compare_masks(bm, Pattern())
+    assert r.ok and r.shape == (2, 3, 24, 40), r.message
+    # one future key in head 2 of batch row 1 only: named at (1, 2, i, j), nowhere else
+    late = lambda b, h, q, k: (q >= k) | ((b == 1) & (h == 2) & (q == 3) & (k == 9))  # noqa: E731
+    r = compare_masks(late, Pattern(), T=12, B=2, H=3)
+    assert r.kinds == {"future key read": 1} and r.differences[0].cells == ((1, 2, 3, 9),)
+
+
+def test_their_dense_mask_of_another_size_names_both_sizes():
+    r = compare_masks(_dense(Pattern(), 32)[0, 0], Pattern(), T_q=48, T_k=T)
+    d = r.differences[0]
+    assert d.kind == "length" and d.count == 0 and d.cells == ()
+    assert d.detail == d.describe(base=1) == d.to_dict(base=1)["detail"]
+    assert "their mask is 32×32 but the sequence is T_q×T_k = 48×64" in d.detail
+    assert d.to_dict()["cells"] == [] and r.shape == (1, 1, 48, T)
+    assert compare_masks(_dense(Pattern(), 32)[0, 0], Pattern(), T=32).ok  # the same size
+
+
+def test_a_block_mask_whose_tables_do_not_fit_its_block_size_is_named():
+    """(64, 64) at BLOCK_SIZE 16 needs 4×4 blocks; tables of 2×2 (or 4×2) are named, and
+    no cell is judged (the tables cannot say what the missing blocks read)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    for nq, nk in ((2, 2), (4, 2), (2, 4)):
+        num = torch.full((1, 1, nq), nk, dtype=torch.int32)
+        idx = torch.arange(nk, dtype=torch.int32).expand(1, 1, nq, nk).contiguous()
+        bm = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=(16, 16), seq_lengths=(64, 64))
+        r = compare_masks(bm, Pattern())
+        assert not r.ok and [d.kind for d in r.differences] == ["block size"], r.message
+        (d,) = r.differences
+        assert d.count == 0 and d.cells == () and d.to_dict()["cells"] == []
+        assert d.describe(base=1) == d.detail
+        assert r.kinds == {} and r.window_offset is None
+        assert (
+            f"BLOCK_SIZE (16, 16) needs 4×4 blocks for (64, 64), but its tables hold {nq}×{nk}"
+            in r.message
+        ), r.message
+    # (32, 64) at 16: 2×4 blocks needed; tables of 1×2, rows and columns each in their place
+    num = torch.full((1, 1, 1), 2, dtype=torch.int32)
+    idx = torch.arange(2, dtype=torch.int32).reshape(1, 1, 1, 2)
+    bm = BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=(16, 16), seq_lengths=(32, 64))
+    r = compare_masks(bm, Pattern())
+    assert "needs 2×4 blocks for (32, 64), but its tables hold 1×2" in r.message, r.message
+    # tables that fit: no such difference
+    assert compare_masks(Pattern().to_block_mask(64, 64, block_size=16), Pattern()).ok
+
+
+def test_a_block_mask_for_another_length_is_one_difference_with_no_cells():
+    bm = Pattern().to_block_mask(48, 48, block_size=16)
+    r = compare_masks(bm, Pattern(), T=T)
+    d = r.differences[0]
+    assert d.kind == "length" and d.count == 0 and d.cells == () and d.to_dict()["cells"] == []
+    assert d.describe(base=1) == d.detail and d.detail in r.format(base=1)
+    assert "it would mask the wrong cells or be cut" in d.detail
+
+
+def test_a_block_mask_of_one_batch_row_stands_for_every_row():
+    """Their BlockMask (B=1) against a pattern of two batch rows (lengths 64, 50): each
+    row is compared, the second's padding named there."""
+    bm = Pattern().to_block_mask(64, 64, block_size=16)
+    for block in (16, 1024):
+        r = compare_masks(bm, Pattern(lengths=[64, 50]), block=block)
+        assert r.shape == (2, 1, 64, 64) and list(r.kinds) == ["padding read"], r.message
+        assert {c[0] for c in r.differences[0].cells} == {1}
+        assert r.kinds["padding read"] == _differing_cells(
+            torch.as_tensor(Pattern().allowed(1, 1, 64, 64)).repeat(2, 1, 1, 1),
+            Pattern(lengths=[64, 50]),
+        )
+
+
+def test_a_block_mask_at_queries_past_its_own_reads_nothing_there():
+    """A BlockMask of (32, 64) read at query positions 40..71 (q_start=40): FlexAttention's
+    query i is position i + 32, so rows 0..23 read keys up to their position and rows
+    24..31 (its queries 32..39: not in it) read nothing, whatever the block."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bm = create_block_mask(
+        lambda b, h, q, k: q + 32 >= k, None, None, 32, 64, BLOCK_SIZE=16, device="cpu"
+    )
+    pos = torch.arange(32)[:, None] + 40
+    reads = (torch.arange(64)[None, :] <= pos) & (pos < 64)
+    meant = Pattern(causal=False, mask=reads, q_start=40)
+    for block in (8, 24, 1024):
+        r = compare_masks(bm, meant, T_q=32, T_k=64, block=block)
+        assert r.ok, (block, r.message)
+
+
+def test_a_block_mask_for_a_shorter_length_is_judged_on_every_cell():
+    """Their full (bidirectional) BlockMask for (48, 48) against causal at T = 64: past its
+    own length it reads nothing; within it, its 48·47/2 future reads are each counted, and
+    the causal rows 48..63 it does not read (49 + ... + 64 keys) too, whatever the block."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bm = create_block_mask(
+        lambda b, h, q, k: q >= 0, None, None, 48, 48, device="cpu", BLOCK_SIZE=16
+    )
+    for block in (16, 32, 1024):
+        r = compare_masks(bm, Pattern(), T=T, block=block)
+        assert r.kinds == {"future key read": 48 * 47 // 2, "readable key blocked": 904}, block
+        assert r.differences[0].kind == "length"
+
+
+def test_a_pattern_that_does_not_fit_the_sizes_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"compare_masks: expected: lengths: .*\(3,\)"):
+        compare_masks(torch.ones(3, 1, 10, 10, dtype=torch.bool).tril(), Pattern(lengths=[10, 6]))
+
+
+# ---- a lone mask (audit's door) ---------------------------------------------------------------
+def test_a_lone_mask_is_one_array_boolean_or_named_like_a_mask(tmp_path):
+    """lone_mask: a mapping or file of exactly one array of 2 to 4 axes that is boolean
+    (NumPy or torch) or named like a mask (any case) is the mask; anything else is None."""
+    from causalattn.check.compare import lone_mask
+
+    causal = Pattern().allowed(1, 1, 6, 6)[0, 0]
+    for m in (causal, torch.as_tensor(causal), causal[None], causal[None, None], causal.tolist()):
+        got = lone_mask({"anything": m if not isinstance(m, list) else np.asarray(m)}, 10**6)
+        assert got is not None and tuple(got.shape) == np.shape(m)
+    t = torch.as_tensor(causal)
+    assert lone_mask({"x": causal}, 10**6) is causal and lone_mask({"x": t}, 10**6) is t  # as given
+    floats = causal.astype(np.float32)
+    for name in ("mask", "Attention_Mask", "attn_mask", "allowed", "causal_mask"):
+        assert lone_mask({name: floats}, 10**6) is floats
+    assert lone_mask({"mask": floats.tolist()}, 10**6).shape == (6, 6)  # a list: as an array
+    for obj in (
+        {"scores": floats},  # not boolean, not named like a mask
+        {"mask": floats[0]},  # 1 axis
+        {"mask": floats[None, None, None]},  # 5 axes
+        {"mask": floats, "q": floats},  # more than one array
+        {},
+    ):
+        assert lone_mask(obj, 10**6) is None, obj
+    # a file: the same test, on its headers
+    np.save(tmp_path / "mask.npy", floats)
+    np.save(tmp_path / "scores.npy", floats)
+    np.save(tmp_path / "whatever.npy", causal)
+    np.savez(tmp_path / "two.npz", mask=causal, q=floats)
+    np.save(tmp_path / "row.npy", causal[0])
+    np.testing.assert_array_equal(lone_mask(tmp_path / "mask.npy", 10**6), floats)
+    np.testing.assert_array_equal(lone_mask(tmp_path / "whatever.npy", 10**6), causal)
+    for name in ("scores.npy", "two.npz", "row.npy"):
+        assert lone_mask(tmp_path / name, 10**6) is None, name
+
+
+def test_a_lone_mask_is_compared_with_the_pattern_declared(tmp_path):
+    """compare_lone_mask: the mask against Pattern(**declared); None for what is not a lone
+    mask; every refusal an AuditInputError (compare_masks' own ones say audit)."""
+    from causalattn.check.compare import compare_lone_mask
+    from causalattn.io.files import AuditInputError
+
+    causal = Pattern().allowed(1, 1, 16, 16)[0, 0]
+    assert compare_lone_mask({"mask": causal}, 10**6, {}).ok
+    r = compare_lone_mask({"mask": causal}, 10**6, {"window": 4})
+    assert not r.ok and "causal + window 4 expected" in r.message and r.kinds["window"] > 0
+    assert compare_lone_mask({"q": causal.astype(float)}, 10**6, {}) is None
+    np.save(tmp_path / "mask.npy", causal)
+    assert compare_lone_mask(tmp_path / "mask.npy", 10**6, {}).ok
+    with pytest.raises(AuditInputError, match="^audit: .*ambiguous mask convention"):
+        compare_lone_mask({"mask": np.full((4, 4), 0.5)}, 10**6, {})
+    with pytest.raises(AuditInputError, match="^audit: .*window"):
+        compare_lone_mask({"mask": causal}, 10**6, {"window": -1})
+    # the file reader's own refusal goes through as it is (it names the file)
+    with pytest.raises(AuditInputError, match="^[^ ]*mask.npy: .*above the limit of 100 bytes"):
+        compare_lone_mask(tmp_path / "mask.npy", 100, {})  # 256 bytes of mask
