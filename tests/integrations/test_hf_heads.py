@@ -203,7 +203,9 @@ def test_the_rows_are_1_based_dicts_with_none_for_what_is_not_a_number():
     assert [r["loss_ratio"] for r in rows] == [None] * 3
     assert rows[0]["ablated_loss"] == 0.5
     assert "(ratio 0.0000)" in _table(ABLATED, loss_second=0.0).format()
-    # and a first-repeat loss of 0: the text has no ratio either, and no error
+
+
+def test_a_first_repeat_loss_of_0_prints_no_ratio():
     table = hf_heads.HeadTable("Arch", [], 8, 4, 7, 0.0, 0.0)
     assert table.format().splitlines()[1].endswith("on the second 0.0000 (ratio -)")
 
