@@ -239,3 +239,10 @@ def test_the_scores_are_float64_whatever_the_weights_dtype():
     for k in want:
         assert got[k].dtype == np.float64, k
         np.testing.assert_allclose(got[k], want[k], rtol=1e-5, err_msg=k)
+
+
+def test_tokens_repeat_only_when_they_are_equal_as_python_values():
+    """Tokens of mixed kinds compare as themselves: 1 and "1" are two tokens, not a repeat."""
+    A = masks.causal(4) / masks.causal(4).sum(-1, keepdims=True)
+    assert math.isnan(head_scores(A, ids=[1, "1", 2, "2"])["induction"][0])
+    assert head_scores(A, ids=[1, "1", 1, "2"])["induction"][0] == pytest.approx(1 / 3)
