@@ -246,3 +246,31 @@ def test_tokens_repeat_only_when_they_are_equal_as_python_values():
     A = masks.causal(4) / masks.causal(4).sum(-1, keepdims=True)
     assert math.isnan(head_scores(A, ids=[1, "1", 2, "2"])["induction"][0])
     assert head_scores(A, ids=[1, "1", 1, "2"])["induction"][0] == pytest.approx(1 / 3)
+
+
+def test_head_roles_scores_each_trace_with_the_mask_it_was_computed_with():
+    """A trace of a 3-key window: the key after each copy (5 back) is outside it, so no row
+    counts and induction is NaN (read as if every key were readable, it would be 0)."""
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(T, 8))
+    tr = ca.trace(X, *(rng.normal(size=(8, 8)) for _ in range(3)), n_heads=2, window=3)
+    tr.ids = np.array(IDS)
+    roles = head_roles([tr])
+    assert all(math.isnan(r.induction) for r in roles)
+    np.testing.assert_array_equal(head_scores(tr.A, None, IDS)["induction"], 0.0)
+    masked = head_scores(tr.A, tr.allowed, IDS)
+    for k in ("previous_token", "first_token", "mean_distance", "entropy"):
+        assert [r[k] for r in roles] == pytest.approx(masked[k]), k
+
+
+def test_head_roles_refuses_no_traces_in_words():
+    with pytest.raises(ValueError) as e:
+        head_roles([])
+    assert str(e.value) == "head_roles: no traces; give the traces of a model's layers"
+
+
+def test_repeated_tokens_without_a_seed_is_seed_0_and_may_use_the_whole_vocabulary():
+    assert (repeated_tokens(range(3, 40), 3, 5) == repeated_tokens(range(3, 40), 3, 5, 0)).all()
+    assert not (repeated_tokens(range(3, 40), 3, 5, 1) == repeated_tokens(range(3, 40), 3, 5)).all()
+    ids = repeated_tokens(range(6), 2, 6)  # every token of the vocabulary, in each repeat
+    assert ids.shape == (2, 12) and all(sorted(row[:6]) == list(range(6)) for row in ids)
