@@ -274,3 +274,16 @@ def test_repeated_tokens_without_a_seed_is_seed_0_and_may_use_the_whole_vocabula
     assert not (repeated_tokens(range(3, 40), 3, 5, 1) == repeated_tokens(range(3, 40), 3, 5)).all()
     ids = repeated_tokens(range(6), 2, 6)  # every token of the vocabulary, in each repeat
     assert ids.shape == (2, 12) and all(sorted(row[:6]) == list(range(6)) for row in ids)
+
+
+def test_repeated_tokens_are_int64_distinct_within_a_repeat_and_counts_are_checked():
+    ids = repeated_tokens(np.arange(20, dtype=np.int32), 50, 10)  # ids of a narrower dtype
+    assert ids.dtype == np.int64 and ids.shape == (50, 20)
+    assert all(len(set(row[:10])) == 10 for row in ids)  # drawn without replacement
+    for kw, name in [({"n": True}, "n"), ({"length": 0}, "length"), ({"length": 2.0}, "length")]:
+        args = {"n": 2, "length": 3, **kw}
+        with pytest.raises(ValueError) as e:
+            repeated_tokens(range(20), **args)
+        assert str(e.value) == (
+            f"repeated_tokens: {name} must be a positive integer, got {kw[name]!r}"
+        )
