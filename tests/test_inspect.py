@@ -230,15 +230,16 @@ def test_head_roles_reads_a_captured_traces_layer_and_ids():
         head_roles([no_weights])
 
 
-def test_the_scores_are_float64_whatever_the_weights_dtype():
-    """float32 weights (a captured bf16/fp16 model's) give float64 scores, the same numbers."""
+def test_the_scores_are_computed_in_float64_whatever_the_weights_dtype():
+    """float32 weights (a captured bf16/fp16 model's) score exactly as the same numbers in
+    float64 do: float64 sums, not float32 ones."""
     rng = np.random.default_rng(3)
-    A = _softmax_rows(rng.normal(size=(2, T, T)) * 3, masks.causal(T))
-    want = head_scores(A, masks.causal(T), IDS)
-    got = head_scores(A.astype(np.float32), masks.causal(T), IDS)
+    A = _softmax_rows(rng.normal(size=(2, T, T)) * 3, masks.causal(T)).astype(np.float32)
+    want = head_scores(A.astype(np.float64), masks.causal(T), IDS)
+    got = head_scores(A, masks.causal(T), IDS)
     for k in want:
         assert got[k].dtype == np.float64, k
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, err_msg=k)
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
 
 
 def test_tokens_repeat_only_when_they_are_equal_as_python_values():
