@@ -256,6 +256,7 @@ class _Tok:
     BOS attribute at all, and a flag where an eos id would be)."""
 
     eos_token_id = True  # a bool names no token (True is not id 1)
+    pad_token_id = 9  # named by the tokenizer only, not among its special ids
 
     def __init__(self, size, special=()):
         self.size, self.all_special_ids = size, list(special)
@@ -268,12 +269,12 @@ def test_the_probe_draws_every_id_of_the_smaller_vocabulary_but_the_special_ones
     model = tiny.model("gpt2")
     model.config.eos_token_id = [2, 5]  # a config's eos may be a list
     model.config.bos_token_id = None
-    # the tokenizer's 12 ids (not the model's 320) less its special one, the pad and both eos
-    allowed = {1, 3, 4, 6, 8, 9, 10, 11}
-    ids, bos = hf_heads.probe_ids(model, _Tok(12, [7]), length=8, sequences=3, seed=0)
-    assert not bos and ids.shape == (3, 16) and ids.dtype == torch.int64
-    assert all(set(row.tolist()) == allowed for row in ids)  # 8 distinct of 8: all of them
-    assert (ids[:, :8] == ids[:, 8:]).all()
+    # the tokenizer's 12 ids (not the model's 320) less its special one, both pads, both eos
+    allowed = {1, 3, 4, 6, 8, 10, 11}
+    ids, bos = hf_heads.probe_ids(model, _Tok(12, [7]), length=7, sequences=3, seed=0)
+    assert not bos and ids.shape == (3, 14) and ids.dtype == torch.int64
+    assert all(set(row.tolist()) == allowed for row in ids)  # 7 distinct of 7: all of them
+    assert (ids[:, :7] == ids[:, 7:]).all()
     # a tokenizer larger than the model's embeddings: only ids the model has
     ids, _ = hf_heads.probe_ids(model, _Tok(400), length=31, sequences=16, seed=0)
     assert ids.max() < model.get_input_embeddings().num_embeddings
