@@ -111,11 +111,13 @@ class HeadTable:
         """The table as plain lines (never wrapped), layers and heads counted from ``base``."""
         layers = len({r.layer for r in self.roles})
         heads = len(self.roles) // max(layers, 1)
+        # a first-repeat loss of 0 (a model sure of random tokens) has no ratio, as in rows()
+        ratio = _finite(self.loss_second / self.loss_first) if self.loss_first else None
         lines = [
             f"{self.architecture}: {layers} layers × {heads} heads, on {self.sequences} random "
             f"sequences of {self.length} tokens repeated twice (seed {self.seed})",
             f"loss on the first repeat {self.loss_first:.3f}, on the second {self.loss_second:.4f}"
-            f" (ratio {self.loss_second / self.loss_first:.4f})",
+            f" (ratio {_num(ratio, 4)})",
         ]
         cols = ["previous_token", "induction", "first_token", "mean_distance", "entropy"]
         extra = ["ablated_loss", "loss_ratio"] if self.ablated else []
