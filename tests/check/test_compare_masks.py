@@ -566,3 +566,37 @@ def test_a_lone_mask_is_compared_with_the_pattern_declared(tmp_path):
     # the file reader's own refusal goes through as it is (it names the file)
     with pytest.raises(AuditInputError, match="^[^ ]*mask.npy: .*above the limit of 100 bytes"):
         compare_lone_mask(tmp_path / "mask.npy", 100, {})  # 256 bytes of mask
+
+
+def test_each_refusal_is_its_whole_message():
+    """The refusals name the argument and the shape in full (re.search would pass a message
+    with words around it or parts missing)."""
+
+    def refusal(call) -> str:
+        with pytest.raises(ValueError) as err:
+            call()
+        return str(err.value)
+
+    assert refusal(
+        lambda: compare_masks(torch.ones(4, 4, dtype=torch.bool), expected="causal")
+    ) == ("compare_masks: expected must be a causalattn.masks.Pattern, got str")
+    assert refusal(lambda: compare_masks(lambda b, h, q, k: q >= k, Pattern())) == (
+        "compare_masks: a mask_mod has no size of its own; give T (or T_q and T_k)"
+    )
+    for shape in ((4,), (1, 1, 1, 4, 4)):
+        assert refusal(
+            lambda s=shape: compare_masks(torch.ones(s, dtype=torch.bool), Pattern())
+        ) == (
+            f"compare_masks: a dense mask needs 2 to 4 axes (B|1, H|1, T_q, T_k), got shape {shape}"
+        )
+    assert refusal(lambda: compare_masks(torch.full((4, 4), 0.5), Pattern())).startswith(
+        "their mask: ambiguous mask convention, not judged: "
+    )
+
+
+def test_without_expected_the_mask_is_compared_with_plain_causal():
+    """expected defaults to Pattern(): a lower triangle agrees, a full mask reads the future."""
+    assert compare_masks(torch.ones(4, 4, dtype=torch.bool).tril()).ok
+    full = compare_masks(torch.ones(4, 4, dtype=torch.bool))
+    assert not full.ok and full.kinds == {"future key read": 6}
+    assert full.expected == "causal"
