@@ -229,3 +229,158 @@ def test_measuring_is_pure_on_a_hand_made_run():
     wrong = Run(p, {"eye": A @ G, "random": A @ G @ V, "zero": 0 * V}, np.dtype("float64"))
     (s,) = measure(wrong, scale=None, sig="qkv").slices
     assert np.allclose(s.value_map, G) and s.value_misfit < 1e-9
+
+
+def _found(*measures):
+    return [(f.stage, f.fault, f.rows, f.message, f.measurement) for f in judge(list(measures))]
+
+
+def test_each_normalization_finding_is_worded_whole_with_its_measurement():
+    on = " (on main probe)"
+    neg = REF.copy()
+    neg[3, 1], neg[3, 0] = -0.1, neg[3, 0] + 0.1
+    not_softmax = ": no softmax gives a negative weight, so the normalization is not a softmax"
+    assert _found(_probe(_slice(neg))) == [
+        (
+            "A",
+            None,
+            (3,),
+            f"A: row 4 holds negative weights (down to -0.1){not_softmax}"
+            f" (is the exp missing?){on}",
+            {"min_weight": -0.1},
+        )
+    ]
+    neg[4, 2], neg[4, 0] = -0.25, neg[4, 0] + 0.25
+    assert _found(_probe(_slice(neg)))[0][2:4] == (
+        (3, 4),
+        f"A: rows 4..5 hold negative weights (down to -0.25){not_softmax}"
+        f" (is the exp missing?){on}",
+    )
+    off = REF.copy()
+    off[2] *= 0.5
+    ((stage, fault, rows, msg, m),) = _found(_probe(_slice(off, mode="none")))
+    assert (stage, fault, rows, msg) == ("A", None, (2,), f"A: row 3 sums to 0.5 instead of 1{on}")
+    assert np.allclose(m["row_sums"], off.sum(-1)) and list(m) == ["row_sums"]
+    off[4] *= 1.5
+    assert _found(_probe(_slice(off, mode="none")))[0][3] == (
+        f"A: rows 3, 5 sum to 0.5, 1.5 instead of 1, 1 (more than 1: no softmax sums so){on}"
+    )
+    assert _found(_probe(_slice(REF * 0.99, mode="none"))) == [
+        (
+            "H",
+            None,
+            (),
+            "H: the output is 0.99·A V: every row's weights sum to 0.99, and "
+            f"divided by that they are right{on}",
+            {"factor": 0.99},
+        )
+    ]
+    by_column = CAUSAL / CAUSAL.sum(0, keepdims=True)
+    ((stage, fault, rows, msg, m),) = _found(_probe(_slice(by_column, mode="cols")))
+    assert (stage, fault, msg) == (
+        "A",
+        "softmax-query-axis",
+        "A: columns sum to 1, rows do not (row sums 0.1667, 0.3667, 0.6167, 0.95 ...): the "
+        "softmax ran over the query axis",
+    )
+    assert np.allclose(m["row_sums"], by_column.sum(-1))
+    ((stage, fault, rows, msg, m),) = _found(_probe(_slice(CAUSAL / CAUSAL.sum(), mode="all")))
+    assert (stage, fault, msg) == (
+        "A",
+        "softmax-all-entries",
+        "A: the whole 6×6 matrix sums to 1 (row sums 0.04762, 0.09524, 0.1429, 0.1905 ...): "
+        "one softmax over all entries",
+    )
+    assert np.allclose(m["row_sums"], np.arange(1, T + 1) / 21)
+
+
+def test_a_function_that_is_not_deterministic_is_named_at_h_alone():
+    (f,) = judge([_probe(_slice(REF.copy(), mode="cols"), repeat=0.5)])
+    assert (f.stage, f.fault, f.probe, f.measurement) == ("H", None, "main probe", {"repeat": 0.5})
+    assert f.message == (
+        "H: the function is not deterministic: called twice on the same input (main probe, "
+        "V = I) its outputs differ by up to 0.5 (the accuracy rule allows 1e-12); something "
+        "random runs in it (dropout left on in eval?)"
+    )
+    assert judge([_probe(_slice(REF.copy()), repeat=1e-13)]) == []  # within the rule
+
+
+def test_some_heads_only_names_the_heads_that_match():
+    ok = [_slice(REF.copy(), index=(0, h)) for h in (0, 2)]
+    bad = _slice(REF.copy(), index=(0, 1), mode="cols")
+    (f,) = judge([_probe(_slice(REF.copy())), _probe(ok[0], bad, ok[1], kind="two-head", H=3)])
+    assert f.message.startswith("head 2 of 3: A: columns sum to 1")
+    assert f.message.endswith("; heads 1, 3 match the reference")
+    assert f.measurement["heads"] == [1] and f.probe == "two-head probe"
+
+
+def test_values_from_other_rows_list_four_moves_then_an_ellipsis():
+    head = "H: the weights are right (V = I reads back A = softmax(S + M)) but H takes the values"
+    for perm, moves in (
+        ([1, 2, 3, 4, 5, 0], "key 1 → v_2, key 2 → v_3, key 3 → v_4, key 4 → v_5 ..."),
+        ([1, 0, 2, 3, 4, 5], "key 1 → v_2, key 2 → v_1"),
+    ):
+        G = np.eye(T)[perm]
+        (f,) = judge([_probe(_slice(REF @ G, value_map=G, value_misfit=0.0))])
+        assert f.message == f"{head} from the wrong rows: {moves} (on main probe)"
+        assert f.measurement == {"value_rows": perm}
+
+
+def test_lost_precision_records_what_it_measured():
+    rng = np.random.default_rng(0)
+    rounded = REF * (1 + 0.003 * rng.choice([-1, 1], size=REF.shape))
+    (f,) = judge([_probe(_slice(rounded, fit=(C0 * 1.0005, 0.004)))])
+    m = f.measurement
+    assert sorted(m) == ["bits", "dtype", "err", "rel_err", "scale", "tol"]
+    assert abs(m["err"] - 0.003) < 1e-9 and abs(m["rel_err"] - 0.003) < 1e-9
+    assert m["tol"] == 1e-12 and m["scale"] == pytest.approx(C0 * 1.0005)
+    assert f.message.startswith("A: the weights have the reference's pattern, scale and sums, ")
+    assert "about 8 significant bits; the accuracy rule allows 1e-12 in float64" in f.message
+
+
+def test_what_the_probes_that_ran_cannot_show():
+    from causalattn.check.judge import untested
+
+    full = dict(sig="qkv", has_wo=True, pad_kind="lengths", declared={"window": 3})
+    ran = ["main probe", "decoding probe", "long fp16 rows"]
+    assert untested(**full, ran=ran, main_kind="main") == [
+        "k-not-transposed",
+        "scale-by-sqrt-dmodel",
+    ]
+    assert untested(**full, ran=ran, main_kind="T = d_k") == ["scale-by-sqrt-dmodel"]
+    assert untested(**full, ran=[*ran, "T = d_k probe"], main_kind="main") == [
+        "scale-by-sqrt-dmodel"
+    ]
+    assert untested("sdpa", True, "lengths", {"window": 3}, ran, "main") == []
+    # in the catalogue's order
+    assert untested("sdpa", False, None, {}, ["main probe"], "main") == [
+        "causal-top-left",
+        "window-off-by-one",
+        "padding-ignored",
+        "padding-queries-only",
+        "finite-min-added-twice",
+        "softmax-fp16-accumulation",
+        "nan-on-empty-rows",
+        "output-projection-missing",
+        "output-projection-transposed",
+    ]
+
+
+def test_the_verdict_names_the_probes_and_the_pattern_it_shows():
+    from causalattn.check.judge import verdict
+
+    main = _probe(_slice(REF.copy()))
+    clean = verdict([], [main], details={"probes": ["main probe", "large probe"]}, untested=[])
+    assert clean.message == "matches the reference on every probe (main probe, large probe)"
+    bad = _slice(REF.copy(), index=(0, 1), mode="cols")
+    two = _probe(_slice(REF.copy()), bad, kind="two-head", H=2)
+    found = judge([main, two])
+    details = {"probes": ["main probe", "two-head probe"]}
+    d = verdict(found, [main, two], details=details, untested=[])
+    assert d.fault == "some-heads-only" and d.stage == "A"
+    assert details["pattern_of"] == {
+        "probe": "two-head probe",
+        "slice": [0, 1],
+        "pattern": bad.read.tolist(),
+        "expected": bad.allowed.tolist(),
+    }
