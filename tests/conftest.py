@@ -82,9 +82,15 @@ MUTATION_TESTS = {
     "causalattn.distributed.ring.": ("test_ring_local.py", "test_ring.py"),
     "causalattn.integrations.hf_pattern.": ("test_hf.py",),
     "causalattn.engines.cache.": ("test_cache.py",),
-    "causalattn.engines.cpp.": ("test_cpp.py", "test_promises_cpp.py"),
+    # score_mod in the native kernels (its tables, grads) and the tile tables of mask_mods
+    "causalattn.engines.cpp.": ("test_cpp.py", "test_promises_cpp.py", "test_cpp_score_mod.py"),
     "causalattn.engines.auto.": ("test_auto.py", "test_promises_auto_cli.py"),
-    "causalattn.masks_mod.": ("test_mask_mod.py", "test_promises_cpp.py"),
+    "causalattn.masks_mod.": (
+        "test_mask_mod.py",
+        "test_promises_cpp.py",
+        "test_flex_catalogue.py",  # and_masks, or_masks, block_kind: FlexAttention's catalogue
+        "test_cpp_score_mod.py",  # apply_score_mod, captured_tensors
+    ),
     "causalattn.inspect.": ("test_inspect.py", "test_induction.py", "test_promises_heads.py"),
     "causalattn.integrations.hf_edit.": ("test_hf_edit.py", "test_promises_heads.py"),
     "causalattn.integrations.hf_heads.": ("test_hf_heads.py", "test_promises_heads.py"),
