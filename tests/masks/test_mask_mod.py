@@ -421,3 +421,95 @@ def test_tile_kinds_differ_by_head_only_where_the_rule_reads_h():
     assert kinds.shape == (1, 3, 4, 4) and not torch.equal(kinds[0, 0], kinds[0, 2])
     kinds, _ = table(lambda b, h, q, kv: (kv <= q) | (b == 1), B=2)  # rows: B's own axis
     assert kinds.shape == (2, 1, 4, 4) and bool((kinds[1, 0] == 1).all())
+
+
+# -- what a score_mod's gradient can flow to ---------------------------------------------------
+_GLOBAL_W = None  # set by the test below: a tensor a score_mod reads by its global name
+
+
+def _reads_global(score, b, h, q_idx, kv_idx):
+    return score + _GLOBAL_W[h]
+
+
+def test_captured_tensors_finds_each_place_a_rule_can_read_a_tensor_from():
+    import functools
+
+    from causalattn.masks_mod import captured_tensors
+
+    global _GLOBAL_W
+
+    def w():
+        return torch.zeros(2, requires_grad=True)
+
+    def ids(fn, **kw):
+        return {id(t) for t in captured_tensors(fn, **kw)}
+
+    a, frozen = w(), torch.zeros(2)
+    assert ids(lambda s, b, h, q, k: s + a[h] + frozen[h]) == {id(a)}  # closure; grad only
+    assert ids(lambda s, b, h, q, k, t=a: s + t[h]) == {id(a)}  # default
+    assert ids(lambda s, b, h, q, k, *, t=a: s + t[h]) == {id(a)}  # keyword-only default
+    _GLOBAL_W = w()
+    assert ids(_reads_global) == {id(_GLOBAL_W)}
+    assert ids(functools.partial(lambda s, b, h, q, k, t: s + t[h], t=a)) == {id(a)}
+    assert ids(functools.partial(lambda t, s, b, h, q, k: s + t[h], a)) == {id(a)}
+
+    class Bias(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = torch.nn.Parameter(torch.zeros(2))
+
+        def forward(self, s, b, h, q, k):
+            return s + self.p[h] + _GLOBAL_W[h]
+
+    mod = Bias()
+    assert ids(mod) == {id(mod.p), id(_GLOBAL_W)}  # its parameters and its forward's globals
+    assert ids(mod.forward) == {id(mod.p), id(_GLOBAL_W)}  # a bound method: its object too
+
+    class Callable:
+        def __init__(self, t):
+            self.t = t
+
+        def __call__(self, s, b, h, q, k):
+            return s + self.t[h]
+
+    c = w()
+    assert ids(Callable(c)) == {id(c)}  # a callable object's attributes
+    nested = Callable(Callable(c))  # attributes of attributes, within the depth
+    assert ids(nested) == {id(c)}
+    assert ids(lambda s, b, h, q, k: s + a[h] + c[h], limit=1) in ({id(a)}, {id(c)})
+
+    def chain(n):  # a function whose closure holds one that holds ... the tensor, n deep
+        f = lambda s, b, h, q, k: s + a[h]  # noqa: E731
+        for _ in range(n):
+            f = (lambda g: lambda s, b, h, q, k: g(s, b, h, q, k))(f)
+        return f
+
+    assert ids(chain(3)) == {id(a)} and ids(chain(4)) == set()  # followed to depth 4 only
+    loop = [a]
+    loop.append(loop)  # a cycle is walked once
+    assert ids(lambda s, b, h, q, k: s + loop[0][h]) == {id(a)}
+
+
+def test_and_masks_and_or_masks_pass_every_index_to_every_rule():
+
+    lengths = torch.tensor([2, 3])
+    in_length = lambda b, h, q, k: k < lengths[b]  # noqa: E731 - reads b
+    head_one = lambda b, h, q, k: h == 1  # noqa: E731 - reads h
+    b = torch.arange(2).view(2, 1, 1, 1)
+    h = torch.arange(2).view(1, 2, 1, 1)
+    q = torch.arange(4).view(1, 1, 4, 1)
+    k = torch.arange(4).view(1, 1, 1, 4)
+    want_len = (k < lengths.view(2, 1, 1, 1)).expand(2, 2, 4, 4)
+    want_head = (h == 1).expand(2, 2, 4, 4)
+    for rules in ((in_length, head_one), (head_one, in_length)):  # each rule first and later
+        both = masks.and_masks(*rules)(b, h, q, k)
+        either = masks.or_masks(*rules)(b, h, q, k)
+        assert torch.equal(both.expand(2, 2, 4, 4), want_len & want_head)
+        assert torch.equal(either.expand(2, 2, 4, 4), want_len | want_head)
+    for combine, what in ((masks.and_masks, "and_masks"), (masks.or_masks, "or_masks")):
+        with pytest.raises(ValueError) as e:
+            combine(in_length, 3)
+        assert str(e.value) == (
+            f"{what}: argument 1 must be a mask_mod (mask_mod(b, h, q_idx, kv_idx) -> bool), "
+            "got int"
+        )
