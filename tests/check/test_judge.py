@@ -384,3 +384,70 @@ def test_the_verdict_names_the_probes_and_the_pattern_it_shows():
         "pattern": bad.read.tolist(),
         "expected": bad.allowed.tolist(),
     }
+
+
+def test_scores_that_are_no_multiple_of_qk_and_weights_read_transposed():
+    (f,) = judge([_probe(_slice(REF.copy(), fit=(C0, 0.5)))])
+    assert (f.stage, f.fault, f.measurement) == ("S", None, {"misfit": 0.5})
+    assert f.message == (
+        "S: log A is not c·Q Kᵀ plus a constant per row on the keys each row reads (misfit "
+        "0.5 in log space): the scores are not a multiple of Q Kᵀ (on main probe)"
+    )
+    (f,) = judge([_probe(_slice(REF.T.copy()))])
+    assert (f.stage, f.fault, f.measurement) == ("H", None, {"transposed": True})
+    assert f.message.startswith("H: the output is Aᵀ V: V = I reads back the reference's")
+    details = {"probes": ["main probe"]}
+    d = verdict_of([f], details)
+    assert d.pattern is None and (d.expected == CAUSAL).all()  # Aᵀ does not show what rows read
+
+
+def verdict_of(found, details, main=None):
+    from causalattn.check.judge import verdict
+
+    main = main or _probe(_slice(REF.T.copy()))
+    return verdict(found, [main], details=details, untested=[])
+
+
+def test_the_verdict_shows_the_main_probes_pattern_expected_and_scale():
+    A = _renorm(np.ones((T, T)))  # reads the future: no mask
+    main = _probe(_slice(A, fit=(C0, 0.0)))
+    found = judge([main])
+    d = verdict_of(found, {"probes": ["main probe"]}, main)
+    assert (d.pattern == np.ones((T, T), bool)).all() and (d.expected == CAUSAL).all()
+    assert d.scale == pytest.approx(C0) and d.d_k == 3
+
+
+def test_large_scores_name_their_probe_and_what_they_saw():
+    main = _probe(_slice(REF.copy()))
+    nan = REF.copy()
+    nan[4] = np.nan
+    (f,) = probe_findings(_probe(_slice(nan), kind="large", S_max=40.0), main)
+    assert (f.probe, f.rows) == ("large probe", (4,))
+    assert f.message.startswith("A: at scores up to |S| = 40 row 5 come")
+    assert f.message.endswith("out NaN or inf: exp overflows without the row maximum subtracted")
+    leak = REF.copy()
+    leak[2, 5] = 0.2
+    (f,) = probe_findings(_probe(_slice(leak), kind="large", S_max=40.0), main)
+    assert (f.probe, f.rows, f.measurement) == ("large probe", (2,), {"weight": 0.2, "S_max": 40.0})
+    assert f.message == (
+        "M: at scores up to |S| = 40 blocked keys get weight (up to 0.2) on row 3: the fill "
+        "that blocks them is finite and the scores overcome it"
+    )
+
+
+def test_weights_that_change_with_the_width_of_v():
+    from causalattn.check.measure import Width
+
+    d_v = 6
+    by_dv = 1 / math.sqrt(d_v)  # Q Kᵀ / √d_v: the weights follow d_v
+    wide = Width(diff=0.1, tol=1e-12, fit=(1 / math.sqrt(2 * d_v), 0.0), d_v=d_v)
+    (f,) = judge([_probe(_slice(REF.copy(), fit=(by_dv, 0.0)), width=wide)])[-1:]
+    assert (f.stage, f.fault, f.measurement) == ("S", "scale-by-sqrt-dv", {"diff": 0.1})
+    assert f.message == (
+        f"S: the weights change with the width of V (d_v): Q Kᵀ · {by_dv:.4g} with d_v = 6, "
+        f"· {1 / math.sqrt(12):.4g} with d_v = 12; expected · {C0:.4g} (1/√d_k, d_k = 3)"
+    )
+    other = Width(diff=0.1, tol=1e-12, fit=(0.9, 0.0), d_v=d_v)
+    (f,) = judge([_probe(_slice(REF.copy(), fit=(by_dv, 0.0)), width=other)])[-1:]
+    assert f.fault is None and f.message.startswith("S: the weights change with the width of V")
+    assert judge([_probe(_slice(REF.copy()), width=Width(1e-13, 1e-12, None, d_v))]) == []
