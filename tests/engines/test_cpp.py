@@ -432,3 +432,27 @@ def test_build_command_reports_compiler_flags_and_folder():
     assert info["flags"] == list(cpp.FLAGS) and info["cache_key"] == cpp.cache_key()
     assert info["folder"].endswith(cpp.extension_name())
     assert cpp.BUILDING not in res.stderr
+
+
+@pytest.mark.parametrize(
+    "kw", [{}, {"window": 3}, {"chunk": 3}, {"window": 4, "chunk": 3}, {"causal": False}]
+)
+@pytest.mark.parametrize("T_q", [7, 3])  # square, and decoding (bottom-right)
+def test_the_plain_shortcut_reads_its_keywords_forward_and_backward(kw, T_q):
+    """A plain call (causal, window, chunk only) takes the remembered shortcut to the
+    kernels: it must give the reference's H and gradients, for each keyword and for fewer
+    queries than keys, and on a second call with the same shape (the remembered one)."""
+    g = torch.Generator().manual_seed(T_q)
+    q = torch.randn(2, 2, T_q, 8, generator=g)
+    k, v = (torch.randn(2, 1, 7, 8, generator=g) for _ in range(2))
+    want = exact.forward(make_problem(q.double(), k.double(), v.double(), **kw))
+    for _ in range(2):
+        got = attention(q, k, v, engine="cpp", **kw)
+        assert _err(got, want) < 1e-5
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+    attention(*leaves, engine="cpp", **kw).square().sum().backward()
+    ref = exact.forward(make_problem(*leaves64, **kw))
+    ref.square().sum().backward()
+    for a, b in zip(leaves, leaves64):
+        assert _err(a.grad, b.grad) < 1e-4
