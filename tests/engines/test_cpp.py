@@ -456,3 +456,27 @@ def test_the_plain_shortcut_reads_its_keywords_forward_and_backward(kw, T_q):
     ref.square().sum().backward()
     for a, b in zip(leaves, leaves64):
         assert _err(a.grad, b.grad) < 1e-4
+
+
+def test_learned_sinks_get_the_references_gradient_with_and_without_lse():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    sinks0 = torch.tensor([0.5, -1.0], dtype=torch.float64)
+    grads = []
+    for engine in ("cpp", "reference"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, sinks0)]
+        out, lse = attention(*leaves[:3], sinks=leaves[3], engine=engine, return_lse=True)
+        (out.square().sum() + lse.sin().sum()).backward()  # dout and dlse both non-zero
+        grads.append([t.grad for t in leaves])
+    for a, b in zip(*grads):
+        assert _err(a, b) < 1e-9
+
+
+def test_build_info_names_what_a_build_uses():
+    info = cpp.build_info()
+    assert sorted(info) == ["cache_key", "compiler", "flags", "folder", "ldflags", "ninja", "torch"]
+    assert info["cache_key"] == cpp.cache_key() and info["flags"] == list(cpp.FLAGS)
+    assert info["torch"].startswith(torch.__version__ + " (")
+    from torch.utils import cpp_extension
+
+    assert info["folder"] == str(cpp.build_folder(cpp_extension, cpp.extension_name()))
