@@ -423,8 +423,13 @@ def test_large_scores_name_their_probe_and_what_they_saw():
     nan[4] = np.nan
     (f,) = probe_findings(_probe(_slice(nan), kind="large", S_max=40.0), main)
     assert (f.probe, f.rows) == ("large probe", (4,))
-    assert f.message.startswith("A: at scores up to |S| = 40 row 5 come")
-    assert f.message.endswith("out NaN or inf: exp overflows without the row maximum subtracted")
+    assert f.message == (
+        "A: at scores up to |S| = 40 row 5 comes out NaN or inf: exp overflows without the "
+        "row maximum subtracted"
+    )
+    nan[1] = np.inf
+    (f,) = probe_findings(_probe(_slice(nan), kind="large", S_max=40.0), main)
+    assert f.message.startswith("A: at scores up to |S| = 40 rows 2, 5 come out NaN or inf: ")
     leak = REF.copy()
     leak[2, 5] = 0.2
     (f,) = probe_findings(_probe(_slice(leak), kind="large", S_max=40.0), main)

@@ -526,9 +526,11 @@ def _stability(pm: ProbeMeasure, main: ProbeMeasure) -> list[Finding]:
     for s in pm.slices:
         bad[s.nonfinite_rows] = True
     if bad.any():
+        rows = np.flatnonzero(bad)
         msg = (
-            f"A: at scores up to |S| = {pm.S_max:.3g} {rows_text(np.flatnonzero(bad))} come "
-            "out NaN or inf: exp overflows without the row maximum subtracted"
+            f"A: at scores up to |S| = {pm.S_max:.3g} {rows_text(rows)} "
+            f"{_verb(rows, 'comes', 'come')} out NaN or inf: exp overflows without the row "
+            "maximum subtracted"
         )
         return [Finding("A", "unstable-softmax", msg, probe=pm.probe, rows=_rows(bad))]
     seen = main.read if main.read.shape == pm.read.shape else np.zeros_like(pm.read)
