@@ -137,6 +137,13 @@ def test_a_score_defined_on_one_row_only_is_that_rows_value():
     assert sc["induction"][0] == 0.75  # A[1, 0 + 1]: the token after its copy (itself here)
 
 
+def test_a_one_token_trace_has_scores_where_they_are_defined_and_nan_elsewhere():
+    """T = 1 (one query, one key): no previous token, no earlier copy, all weight on key 0."""
+    sc = head_scores(np.ones((1, 1)), masks.causal(1), ids=[7])
+    assert math.isnan(sc["previous_token"][0]) and math.isnan(sc["induction"][0])
+    assert (sc["first_token"][0], sc["mean_distance"][0], sc["entropy"][0]) == (1.0, 0.0, 0.0)
+
+
 def test_rows_that_read_no_key_do_not_count_and_the_first_readable_key_is_the_sink():
     """A mask where row i reads keys j < i only: row 0 reads nothing (left out of every
     score), no row reads key T - 1; each row spreads its weight evenly."""
