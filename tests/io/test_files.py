@@ -313,6 +313,19 @@ def test_pickles_structured_complex_and_text_dtypes_are_refused_by_name(tmp_path
     assert read_arrays(tmp_path / "ids.npy", 2**20, text=("ids",))["ids"].tolist() == [0, 1, 2]
 
 
+def test_json_after_leading_whitespace_of_any_length_is_json(tmp_path):
+    """The format is told by the first byte past the whitespace, however far it is (past the
+    64 bytes looked at first, and past one 64 KiB read); whitespace alone is no format."""
+    for pad in (0, 63, 64, 65, 70 * KiB, 130 * KiB):
+        p = write(tmp_path / f"w{pad}.json", " \n" * (pad // 2) + " " * (pad % 2) + '{"q": [[1]]}')
+        assert open_arrays(p, GiB, formats=("json",)).read()["q"].tolist() == [[1]], pad
+    blank = write(tmp_path / "blank.json", "\n" * (70 * KiB))
+    refused(lambda: open_arrays(blank, GiB, formats=("json",)), blank, f"… {UNREADABLE}")
+    far = write(tmp_path / "far.json", " " * (70 * KiB) + '{"q": [[1]]}')
+    # read on only as far as the budget: past it the file is no JSON it could read anyway
+    refused(lambda: open_arrays(far, 64 * KiB, formats=("json",)), far, f"… {UNREADABLE}")
+
+
 def test_json_values_that_are_not_numbers_are_refused_by_name(tmp_path):
     p = write(
         tmp_path / "x.json",

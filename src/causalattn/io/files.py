@@ -7,7 +7,8 @@ Every command and function that reads a user's file goes through here: ``audit``
 
 Array formats: .npy, .npz (a zip of .npy members), a folder of .npy files, .safetensors
 (parsed here, bf16 included, so no extra package is needed: hand-written on purpose, for
-hostile files) and a JSON object of (nested) lists. Before a single array byte is read,
+hostile files) and a JSON object of (nested) lists. A JSON file is told by its first
+byte past any leading whitespace, not by its name. Before a single array byte is read,
 every header is read and checked: only regular files (a FIFO would block forever), only
 numeric arrays (no pickles, no structured or object dtypes, zip members must be .npy; text
 only under the names a caller allows, such as ``tokens``), declared sizes against ONE total
@@ -249,7 +250,7 @@ def open_arrays(path: str | Path, max_bytes: int, *, formats=ARRAY_FORMATS, text
             af._add(p.stem, shape, dtype, ("npy", p))
         elif head.startswith((_ZIP_MAGIC, _EMPTY_ZIP)) and "npz" in formats:
             _zip_headers(p, af)
-        elif head.lstrip()[:1] in (b"{", b"[") and "json" in formats:
+        elif "json" in formats and _opens_json(p, head, max_bytes):
             _json_arrays(p, af, st.st_size)
         elif "safetensors" in formats and (suffix == ".safetensors" or len(head) >= 8):
             _safetensors_headers(p, af, st.st_size)
@@ -321,6 +322,20 @@ def read_text(path: str | Path, max_bytes: int) -> str:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         _refuse(p, f"is not UTF-8 text (byte {exc.start})")
+
+
+def _opens_json(p: Path, head: bytes, max_bytes: int) -> bool:
+    """Whether the first byte after the leading whitespace (of any length, read on past
+    ``head`` within ``max_bytes``) opens a JSON object or list."""
+    if head.strip():
+        return head.lstrip()[:1] in (b"{", b"[")
+    with open(p, "rb") as fh:
+        fh.seek(len(head))
+        for _ in range(0, max_bytes, 1 << 16):
+            chunk = fh.read(1 << 16)
+            if chunk.strip() or not chunk:
+                return chunk.lstrip()[:1] in (b"{", b"[")
+    return False
 
 
 def _folder_headers(p: Path, af: ArrayFile) -> None:
