@@ -600,3 +600,107 @@ def test_without_expected_the_mask_is_compared_with_plain_causal():
     full = compare_masks(torch.ones(4, 4, dtype=torch.bool))
     assert not full.ok and full.kinds == {"future key read": 6}
     assert full.expected == "causal"
+
+
+# ---- sizes, placements and rows that the tiles must not get wrong ---------------------------
+@pytest.mark.parametrize("size, mask_shape", [((8, 8), (6, 6)), ((8, 8), (2, 2)), ((4, 5), (2, 5))])
+def test_a_dense_mask_smaller_than_the_sequence_is_judged_the_same_whatever_the_block(
+    size, mask_shape
+):
+    """Their dense causal mask shorter than (T_q, T_k): the length is named, and past its
+    own rows and keys it reads nothing; every cell that differs is counted, whatever the
+    block (blocks that cut the mask's edge included)."""
+    T_q, T_k = size
+    mine = torch.as_tensor(Pattern().allowed(1, 1, *mask_shape)[0, 0])
+    padded = torch.zeros(T_q, T_k, dtype=torch.bool)
+    padded[: mask_shape[0], : mask_shape[1]] = mine
+    n = _differing_cells(padded[None, None], Pattern())
+    for block in (1, 2, 3, 4, 5, 8, 1024):
+        r = compare_masks(mine, Pattern(), T_q=T_q, T_k=T_k, block=block)
+        assert r.differences[0].kind == "length", block
+        assert sum(r.kinds.values()) == n, block
+
+
+def test_a_mask_mod_is_read_at_the_patterns_placed_positions():
+    """A Pattern placed at keys 10.. (k_start=10, queries bottom-right: 10..17): their
+    mask_mod is asked at those positions, so an absolute causal rule agrees."""
+    theirs = lambda b, h, q, k: k <= q  # noqa: E731
+    assert compare_masks(theirs, Pattern(k_start=10), T=8).ok
+    r = compare_masks(lambda b, h, q, k: k <= q - 10, Pattern(k_start=10), T=8)
+    assert set(r.kinds) == {"readable key blocked"} and r.kinds["readable key blocked"] == 36
+
+
+def test_a_block_mask_of_whole_blocks_is_read_at_its_own_rows_when_t_q_is_shorter():
+    """(T_q, T_k) = (32, 64), documents of 16 keys: every block of the BlockMask is full or
+    empty, so its kinds alone give its cells; FlexAttention's query i is position i + 32."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bm = create_block_mask(
+        lambda b, h, q, k: (q + 32) // 16 == k // 16,
+        None,
+        None,
+        32,
+        64,
+        BLOCK_SIZE=16,
+        device="cpu",
+    )
+    pos = torch.arange(32)[:, None] + 32
+    reads = pos // 16 == torch.arange(64)[None, :] // 16
+    for block in (8, 16, 24, 1024):
+        r = compare_masks(bm, Pattern(causal=False, mask=reads), T_q=32, T_k=64, block=block)
+        assert r.ok, (block, r.message)
+
+
+def test_rows_that_read_nothing_say_nothing_of_the_window():
+    """Their window 2 wider than 8, and rows 40..63 read nothing: the offset is measured on
+    the rows that read (+2 on all of them); the blocked rows keep their own sentence."""
+    theirs = _dense(Pattern(window=10), T)[0, 0].clone()
+    theirs[40:] = False
+    r = compare_masks(theirs, Pattern(window=8), T=T)
+    assert r.window_offset == 2 and set(r.kinds) == {"window", "readable key blocked"}
+    words = {d.kind: d.detail for d in r.differences}
+    assert words["window"].startswith("window off by 2: their rows read the last 10 positions")
+    assert words["readable key blocked"].startswith("readable key blocked: 192 cells the ")
+
+
+def test_a_window_that_bites_one_row_is_measured_on_that_row():
+    """T = window + 1: only the last row's window starts after key 0; plain causal reads
+    that key too, so their rows read one position further back."""
+    r = compare_masks(torch.ones(9, 9).tril().bool(), Pattern(window=8))
+    assert r.window_offset == 1 and r.kinds == {"window": 1}
+    assert r.differences[0].detail.startswith("window off by 1: their rows read the last 9 ")
+
+
+def test_a_per_head_rule_names_the_cells_each_head_blocks():
+    """Head 1 of the pattern reads only even keys (a mask_mod reading h); plain causal
+    theirs reads its odd keys: those cells are the mask_mod's, on head 1 only."""
+    rule = lambda b, h, q, k: (h == 0) | (k % 2 == 0)  # noqa: E731
+    theirs = torch.ones(1, 2, 6, 6).tril().bool()
+    r = compare_masks(theirs, Pattern(mask_mod=rule))
+    assert r.kinds == {"mask_mod": 9} and {c[1] for c in r.differences[0].cells} == {1}
+
+
+def test_a_lone_mask_may_be_any_array_like():
+    """An object with a shape and __array__ but no dtype (a table type, say) is read as
+    the array it gives."""
+    from causalattn.check.compare import lone_mask
+
+    causal = Pattern().allowed(1, 1, 4, 4)[0, 0]
+
+    class Grid:
+        shape = (4, 4)
+
+        def __array__(self, dtype=None, copy=None):
+            return causal
+
+    got = lone_mask({"mask": Grid()}, 10**6)
+    np.testing.assert_array_equal(got, causal)
+
+
+def test_a_bfloat16_additive_mask_is_read_as_its_values():
+    """HF keeps additive masks in the model's dtype: a bfloat16 one (which NumPy lacks)."""
+    allowed = torch.ones(T, T).tril().bool()
+    additive = torch.zeros(T, T, dtype=torch.bfloat16).masked_fill(
+        ~allowed, torch.finfo(torch.bfloat16).min
+    )
+    assert compare_masks(additive, Pattern()).ok
