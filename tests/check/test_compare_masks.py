@@ -704,3 +704,19 @@ def test_a_bfloat16_additive_mask_is_read_as_its_values():
         ~allowed, torch.finfo(torch.bfloat16).min
     )
     assert compare_masks(additive, Pattern()).ok
+
+
+def test_the_differences_are_listed_by_their_first_cell_and_the_message_has_a_line_each():
+    """One tile: their blocked cell (1, 0) comes before their future read (5, 6) in row
+    order, though the future read is found first; a size difference (no cells) leads."""
+    theirs = torch.ones(8, 8).tril().bool()
+    theirs[1, 0], theirs[5, 6] = False, True
+    r = compare_masks(theirs, Pattern())
+    assert [d.kind for d in r.differences] == ["readable key blocked", "future key read"]
+    head = "the masks differ (causal expected; theirs read as bool (True = may read)):\n"
+    assert r.message == head + "\n".join("  " + d.detail for d in r.differences)
+    wide = torch.zeros(8, 9, dtype=torch.bool)
+    wide[:, :8] = torch.ones(8, 8).tril().bool()
+    wide[2, 3] = True
+    r = compare_masks(wide, Pattern(), T=8)
+    assert [(d.kind, d.count) for d in r.differences] == [("length", 0), ("future key read", 1)]
