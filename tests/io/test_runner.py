@@ -525,3 +525,14 @@ def test_the_default_memory_cap_is_a_quarter_of_the_machine_at_most_4_gib(monkey
 
     monkeypatch.setattr(os, "sysconf", no_sysconf)
     assert runner._physical_memory() == 16 * 2**30  # where it cannot be read: 16 GiB assumed
+
+
+def test_the_peak_is_the_workers_high_water_mark_in_mib(monkeypatch):
+    """VmHWM (KiB) / 1024, to the MiB; where /proc cannot tell it, no peak is said."""
+    monkeypatch.setattr(runner, "status_kib", lambda name: {"VmHWM": 3 * 2**20}[name])
+    assert runner._out_of_memory(2**30)["message"] == (
+        "ran out of memory at a peak of 3072 MiB (the worker is capped at 1 GiB more than it "
+        "started with; max_memory / --max-memory)"
+    )
+    monkeypatch.setattr(runner, "status_kib", lambda name: None)
+    assert runner._out_of_memory(2**30)["message"].startswith("ran out of memory (the worker")
