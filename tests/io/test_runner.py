@@ -536,3 +536,12 @@ def test_the_peak_is_the_workers_high_water_mark_in_mib(monkeypatch):
     )
     monkeypatch.setattr(runner, "status_kib", lambda name: None)
     assert runner._out_of_memory(2**30)["message"].startswith("ran out of memory (the worker")
+
+
+def test_a_fresh_worker_loads_the_jobs_modules_before_the_cap():
+    """Unpickling the job imports its module (torch here, ~600 MiB of address space): that
+    is the worker's start-up, outside the job's max_memory."""
+    import _runner_torch_job
+
+    got = runner.run(_runner_torch_job.total, timeout=120, fresh=True, max_memory=256 * MiB)
+    assert got == 3, got
