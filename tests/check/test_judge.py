@@ -456,3 +456,50 @@ def test_weights_that_change_with_the_width_of_v():
     (f,) = judge([_probe(_slice(REF.copy(), fit=(by_dv, 0.0)), width=other)])[-1:]
     assert f.fault is None and f.message.startswith("S: the weights change with the width of V")
     assert judge([_probe(_slice(REF.copy()), width=Width(1e-13, 1e-12, None, d_v))]) == []
+
+
+def test_the_factor_is_named_by_the_one_size_it_equals():
+    """_scale_name: each size the factor may be, named with its value; two sizes that fit
+    (d_v = T_k here) name neither unless the run with d_v doubled tells them apart."""
+    from causalattn.check.judge import _scale_name
+    from causalattn.check.measure import Width
+
+    pm = _probe(T_k=6)  # d_k = 3, d_v = T_k = 6 (V = I)
+    assert _scale_name(pm, 1.0, None) == ("missing-scale", "; the factor is 1")
+    assert _scale_name(pm, 1 / 3, None) == ("scale-by-dk", "; the factor is 1/d_k (d_k = 3)")
+    assert _scale_name(pm, 12**-0.5, 12) == (
+        "scale-by-sqrt-dmodel",
+        "; the factor is 1/√d_model (d_model = 12)",
+    )
+    both = "; the factor is 1/√d_v (d_v = 6) or 1/√T_k (T_k = 6)"
+    assert _scale_name(pm, 6**-0.5, None) == (None, both)
+    assert _scale_name(_probe(T_k=8, H=2), 6**-0.5, None) == (
+        None,
+        "; the factor is 1/√(H·d_k) (H·d_k = 6)",
+    )
+    assert _scale_name(_probe(T_k=8, d_v=5), 8**-0.5, None) == (
+        None,
+        "; the factor is 1/√T_k (T_k = 8)",
+    )
+    # with d_v doubled (12) the factor follows d_v: it is 1/√d_v
+    wide = Width(diff=1.0, tol=1e-3, fit=(12**-0.5, 0.0), d_v=6)
+    assert _scale_name(_probe(T_k=6, width=wide), 6**-0.5, None) == (
+        "scale-by-sqrt-dv",
+        "; the factor is 1/√d_v (d_v = 6)",
+    )
+    # it stays: it is 1/√T_k; and where the weights did not change at all, that is said
+    still = Width(diff=1e-3, tol=1e-3, fit=(6**-0.5, 0.0), d_v=6)
+    assert _scale_name(_probe(T_k=6, width=still), 6**-0.5, None) == (
+        None,
+        "; the factor is 1/√T_k (T_k = 6); with d_v = 12 the weights do not change",
+    )
+    moved = Width(diff=1.0, tol=1e-3, fit=(6**-0.5, 0.0), d_v=6)
+    assert _scale_name(_probe(T_k=6, width=moved), 6**-0.5, None) == (
+        None,
+        "; the factor is 1/√T_k (T_k = 6)",
+    )
+    # the d_v rule is read only when 1/√d_v fits
+    assert _scale_name(_probe(T_k=6, width=still), 1.0, None) == (
+        "missing-scale",
+        "; the factor is 1",
+    )
