@@ -4,6 +4,7 @@ calls. Each record says what a function did on a probe; the judge names the find
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -503,3 +504,65 @@ def test_the_factor_is_named_by_the_one_size_it_equals():
         "missing-scale",
         "; the factor is 1",
     )
+
+
+def test_a_row_scaled_by_one_factor_of_its_own_is_a_normalization_fault_not_rounding():
+    """_row_scaled: every row that differs is the reference times one factor (rows 2 and 4,
+    by their own factors; the others exact); scattered rounding, or no row that differs, is not."""
+    from causalattn.check.judge import _row_scaled
+
+    scaled = REF.copy()
+    scaled[2] *= 0.99
+    scaled[4] *= 0.995
+    assert _row_scaled(_slice(scaled))
+    scattered = scaled.copy()
+    scattered[4, 0] *= 1.001  # row 4's factor no longer one
+    assert not _row_scaled(_slice(scattered))
+    noise = REF * (1 + 1e-6 * np.cos(np.arange(T * T).reshape(T, T)))
+    assert not _row_scaled(_slice(noise))
+    assert not _row_scaled(_slice(REF.copy()))
+    # each row is judged by its own offset: row 2's large factor does not excuse row 4
+    uneven = scaled.copy()
+    uneven[4] = REF[4] * (1 - 1e-4)
+    uneven[4, 1] = REF[4, 1] * (1 - 1e-4 + 1e-6)  # a spread of 1e-6 on an offset of 1e-4
+    assert not _row_scaled(_slice(uneven))
+    tiny_factor = REF.copy()
+    tiny_factor[3] *= 1 - 1e-10
+    assert _row_scaled(_slice(tiny_factor))
+    wide = np.tril(np.ones((3, 5)), 2) / np.tril(np.ones((3, 5)), 2).sum(-1, keepdims=True)
+    wide_scaled = wide.copy()
+    wide_scaled[1] *= 0.98  # T_q = 3 < T_k = 5: rows are rows
+    assert _row_scaled(_slice(wide_scaled, ref=wide, allowed=wide > 0))
+    tiny = REF.copy()
+    tiny[5] = 0.0
+    tiny[5, 0] = 1e-4  # a reference weight of at most 1e-3 is not compared
+    ref = REF.copy()
+    ref[5] = 0.0
+    ref[5, 0] = 1e-3
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (a row with nothing to compare warns no one)
+        assert not _row_scaled(_slice(tiny, ref=ref))
+
+
+def test_what_the_main_probe_explains_of_a_further_probes_finding():
+    """_explained: the same fault; an unnamed finding of a stage the main probe found at;
+    for S, M and A: values from other rows or through Aᵀ, or an unnamed one beside a value
+    (H) fault; nothing else."""
+    from causalattn.check.judge import _explained
+    from causalattn.check.report import Finding
+
+    def f(stage, fault=None, measurement=None, **more):
+        return Finding(stage, fault, "", measurement={**(measurement or {}), **more})
+
+    assert _explained(f("M", "no-mask"), [f("S", "no-mask")])
+    assert _explained(f("M", None, {"fault": "no-mask"}), [f("A", "no-mask")])
+    assert _explained(f("M"), [f("M", "window-off-by-one")])
+    assert not _explained(f("M"), [f("S", "missing-scale")])
+    assert not _explained(f("O", "output-projection-missing"), [f("A", None, value_rows=[1])])
+    for stage in ("S", "M", "A"):
+        assert _explained(f(stage, "x"), [f("H", None, value_rows=[1])]), stage
+        assert _explained(f(stage, "x"), [f("H", None, transposed=True)]), stage
+        assert not _explained(f(stage, "x"), [f("H", "y")]), stage
+        assert _explained(f(stage), [f("H", "y")]), stage
+        assert not _explained(f(stage, "x"), [f("O", "y")]), stage
+    assert not _explained(f("M", "x"), [])

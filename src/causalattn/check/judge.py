@@ -25,6 +25,7 @@ the output projection (O). A fault in some heads only of a multi-head probe beco
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -320,7 +321,8 @@ def _row_scaled(s: SliceMeasure) -> bool:
     as an epsilon in the denominator), not scattered rounding."""
     big = s.ref > 1e-3
     ratio = np.where(big, s.A / np.where(big, s.ref, 1), np.nan)
-    with np.errstate(all="ignore"):
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # a row with no weight above 1e-3
         off = np.nanmax(np.abs(ratio - 1), -1)
         spread = np.nanmax(ratio, -1) - np.nanmin(ratio, -1)
     rows = np.isfinite(off) & (off > 0)
