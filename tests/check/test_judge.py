@@ -566,3 +566,107 @@ def test_what_the_main_probe_explains_of_a_further_probes_finding():
         assert _explained(f(stage), [f("H", "y")]), stage
         assert not _explained(f(stage, "x"), [f("O", "y")]), stage
     assert not _explained(f("M", "x"), [])
+
+
+def _band(T_q, T_k, lo, hi):
+    """T_q×T_k bool: query i (at position i + T_k - T_q) reads keys p - hi .. p - lo."""
+    p = np.arange(T_q)[:, None] + T_k - T_q
+    d = p - np.arange(T_k)[None, :]
+    return (d >= lo) & (d <= hi)
+
+
+@pytest.mark.parametrize(
+    "pattern, T_q, T_k, nopad, real",
+    [
+        # padding beside a window: the forms keep the window (positions 4, 5 are padding)
+        (masks.Pattern(lengths=[4], window=3), 6, 6, _band(6, 6, 0, 2), np.arange(6) < 4),
+        # a window of 2: one key narrower is the own key alone
+        (masks.Pattern(lengths=[4], window=2), 6, 6, _band(6, 6, 0, 1), np.arange(6) < 4),
+        # beside chunks of 3: queries read their own chunk only
+        (
+            masks.Pattern(lengths=[5], chunk=3),
+            6,
+            6,
+            _band(6, 6, 0, 5) & (np.arange(6)[:, None] // 3 == np.arange(6)[None, :] // 3),
+            np.arange(6) < 5,
+        ),
+        # decoding (3 queries at positions 4..6 of 7 keys), key 2 padding
+        (
+            masks.Pattern(key_padding_mask=np.array([[1, 1, 0, 1, 1, 1, 1]], bool)),
+            3,
+            7,
+            _band(3, 7, 0, 6),
+            np.array([1, 1, 0, 1, 1, 1, 1], bool),
+        ),
+    ],
+)
+def test_each_form_of_m_on_a_padded_probe(pattern, T_q, T_k, nopad, real):
+    """_forms: each catalogued fault's read pattern, written here from its definition
+    (``nopad``: the pattern without its padding; ``real``: the keys that are not padding)."""
+    from causalattn.check.judge import _forms
+
+    E = pattern.allowed(1, 1, T_q, T_k)[0, 0]
+    pm = _probe(pattern=pattern, T_q=T_q, T_k=T_k)
+    got = {}
+    for fid, F in _forms(pm, E, E, 0):
+        got.setdefault(fid, []).append(F)
+    assert (got.pop("no-mask")[0] == np.ones((T_q, T_k), bool)).all()
+    assert (got.pop("padding-ignored")[0] == nopad).all()
+    assert got.pop("finite-min-added-twice") == [None]
+    assert (got.pop("diagonal-blocked")[0] == E & ~np.eye(T_q, T_k, T_k - T_q, bool)).all()
+    if T_q == T_k:  # padding on the queries only: padding query rows read as if not padded
+        assert (got.pop("padding-queries-only")[0] == nopad & real[:, None]).all()
+        assert (got.pop("anti-causal-mask")[0] == nopad.T).all()
+    if pattern.window is not None:
+        w, both = pattern.window, real[:, None] & real[None, :]
+        narrow, wide = got.pop("window-off-by-one")
+        assert (narrow == _band(T_q, T_k, 0, w - 2) & both).all()
+        assert (wide == _band(T_q, T_k, 0, w) & both).all()
+    if T_q < T_k:  # top-left aligned, and no padded key read: the padded key 2 is not read
+        top_left = np.tril(np.ones((T_q, T_k), bool))
+        assert (got.pop("causal-top-left")[0] == top_left & real[None, :]).all()
+    assert not got, sorted(got)
+
+
+def test_rows_patched_are_named_one_or_many():
+    """Padding ignored (causal + padding expected, plain causal read) with row 1 patched to
+    read every key and the padding row 6 to read its own key only: both are patched."""
+    pat = masks.Pattern(lengths=[4])
+    E = pat.allowed(1, 1, T, T)[0, 0]
+    P = CAUSAL.copy()
+    P[0] = True
+    probe = _probe(
+        _slice(_renorm(P.astype(float)), ref=_renorm(E.astype(float)), allowed=E), pattern=pat
+    )
+    (f,) = judge([probe])
+    assert f.message.endswith("; every row but row 1 has padding-ignored's form (it is patched)")
+    P[5] = False
+    P[5, 5] = True
+    probe = _probe(
+        _slice(_renorm(P.astype(float)), ref=_renorm(E.astype(float)), allowed=E), pattern=pat
+    )
+    (f,) = judge([probe])
+    assert f.fault == "padding-ignored" and f.measurement == {"patched_rows": [0, 5]}
+    assert f.message.endswith(
+        "; every row but rows 1, 6 has padding-ignored's form (they are patched)"
+    )
+
+
+def test_a_further_finding_is_shown_once():
+    """_duplicate: the same fault (named, or by its measurement's "fault"), or two unnamed
+    findings of one stage, are one; anything else is another."""
+    from causalattn.check.judge import _duplicate
+    from causalattn.check.report import Finding
+
+    def f(stage, fault=None, measurement=None):
+        return Finding(stage, fault, "", measurement=measurement or {})
+
+    assert _duplicate(f("M", "no-mask"), [f("S", "no-mask")])
+    assert _duplicate(f("M", None, {"fault": "no-mask"}), [f("A", "no-mask")])
+    assert _duplicate(f("M", "no-mask"), [f("A", None, {"fault": "no-mask"})])
+    assert _duplicate(f("A"), [f("A")])
+    assert not _duplicate(f("A"), [f("M")])
+    assert not _duplicate(f("A", "x"), [f("A")])
+    assert not _duplicate(f("A"), [f("A", "x")])
+    assert not _duplicate(f("A", "x"), [f("A", "y")])
+    assert not _duplicate(f("A"), [])
