@@ -670,3 +670,33 @@ def test_a_further_finding_is_shown_once():
     assert not _duplicate(f("A"), [f("A", "x")])
     assert not _duplicate(f("A", "x"), [f("A", "y")])
     assert not _duplicate(f("A"), [])
+
+
+def test_mask_after_softmax_is_worded_whole_and_every_normalization_finding_names_its_slice():
+    """Softmax over all keys, then zeroed: row i sums to (i + 1)/6; rows 1..5 fall short."""
+    mask_after = np.tril(np.ones((T, T))) / T
+    (f,) = judge([_probe(_slice(mask_after, mode="none", full_err=0.0, index=(0, 0)))])
+    assert (f.stage, f.fault, f.rows, f.slice) == (
+        "A",
+        "mask-after-softmax",
+        (0, 1, 2, 3, 4),
+        (0, 0),
+    )
+    assert f.message == (
+        "A: rows sum to less than 1 (0.1667, 0.3333, 0.5, 0.6667 ...): the weights are softmax "
+        "over all keys, then zeroed at blocked keys without renormalizing"
+    )
+    assert np.allclose(f.measurement["row_sums"], np.arange(1, T + 1) / T)
+    neg = REF.copy()
+    neg[3, 1], neg[3, 0] = -0.1, neg[3, 0] + 0.1
+    off = REF.copy()
+    off[2] *= 0.5
+    cases = [
+        _slice(neg),
+        _slice(off, mode="none"),
+        _slice(REF * 0.99, mode="none"),
+        _slice(CAUSAL / CAUSAL.sum(), mode="all"),
+    ]
+    for s in cases:
+        (g,) = judge([_probe(s)])
+        assert g.slice == (0, 0), g
