@@ -50,8 +50,10 @@ lint: $(STAMP)
 # Results: mutmut results (survivors), mutmut show NAME, mutmut export-cicd-stats.
 MUTANTS  ?=
 CHILDREN ?= 2
+# One OpenMP thread: the fork server's children otherwise hang in the pool a test module's
+# import-time torch op started (seen: every hf_edit mutant waiting in a futex, the run stalled).
 mutate: $(STAMP)
-	PATH=$(CURDIR)/.venv/bin:$$PATH nice -n 19 .venv/bin/mutmut run --max-children $(CHILDREN) $(MUTANTS)
+	PATH=$(CURDIR)/.venv/bin:$$PATH OMP_NUM_THREADS=1 nice -n 19 .venv/bin/mutmut run --max-children $(CHILDREN) $(MUTANTS)
 	.venv/bin/mutmut results
 
 # The site, offline: API pages from the docstrings, the CLI page from the typer app and the
