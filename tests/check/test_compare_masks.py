@@ -222,11 +222,17 @@ def test_a_window_off_by_k_leaves_the_other_kinds_worded_as_themselves():
     cells; the future read keeps its own sentence."""
     theirs = _theirs_for("window").clone()
     theirs[0, 3, 40] = True
+    _off_by(theirs, 3, "future key read", "future key read: 1 cells read a key after")
+
+
+def _off_by(theirs, k: int, other: str, other_words: str) -> None:
+    """Against a window of 8: their window k wider, worded so, and the one other kind with
+    its own sentence."""
     r = compare_masks(theirs, Pattern(window=8), T=T)
-    assert r.window_offset == 3 and set(r.kinds) == {"window", "future key read"}
+    assert r.window_offset == k and set(r.kinds) == {"window", other}
     words = {d.kind: d.detail for d in r.differences}
-    assert words["window"].startswith("window off by 3: their rows read the last 11 positions")
-    assert words["future key read"].startswith("future key read: 1 cells read a key after")
+    assert words["window"].startswith(f"window off by {k}: their rows read the last {8 + k} ")
+    assert words[other].startswith(other_words)
 
 
 def test_a_mask_with_no_window_is_not_named_a_window_off_by_k():
@@ -656,11 +662,7 @@ def test_rows_that_read_nothing_say_nothing_of_the_window():
     the rows that read (+2 on all of them); the blocked rows keep their own sentence."""
     theirs = _dense(Pattern(window=10), T)[0, 0].clone()
     theirs[40:] = False
-    r = compare_masks(theirs, Pattern(window=8), T=T)
-    assert r.window_offset == 2 and set(r.kinds) == {"window", "readable key blocked"}
-    words = {d.kind: d.detail for d in r.differences}
-    assert words["window"].startswith("window off by 2: their rows read the last 10 positions")
-    assert words["readable key blocked"].startswith("readable key blocked: 192 cells the ")
+    _off_by(theirs, 2, "readable key blocked", "readable key blocked: 192 cells the ")
 
 
 def test_a_window_that_bites_one_row_is_measured_on_that_row():
