@@ -544,16 +544,20 @@ def test_a_row_scaled_by_one_factor_of_its_own_is_a_normalization_fault_not_roun
         assert not _row_scaled(_slice(tiny, ref=ref))
 
 
+def _bare(stage, fault=None, measurement=None, **more):
+    """A hand-made Finding with no message: its stage, fault and measurement."""
+    from causalattn.check.report import Finding
+
+    return Finding(stage, fault, "", measurement={**(measurement or {}), **more})
+
+
 def test_what_the_main_probe_explains_of_a_further_probes_finding():
     """_explained: the same fault; an unnamed finding of a stage the main probe found at;
     for S, M and A: values from other rows or through Aᵀ, or an unnamed one beside a value
     (H) fault; nothing else."""
     from causalattn.check.judge import _explained
-    from causalattn.check.report import Finding
 
-    def f(stage, fault=None, measurement=None, **more):
-        return Finding(stage, fault, "", measurement={**(measurement or {}), **more})
-
+    f = _bare
     assert _explained(f("M", "no-mask"), [f("S", "no-mask")])
     assert _explained(f("M", None, {"fault": "no-mask"}), [f("A", "no-mask")])
     assert _explained(f("M"), [f("M", "window-off-by-one")])
@@ -633,19 +637,19 @@ def test_rows_patched_are_named_one_or_many():
     read every key and the padding row 6 to read its own key only: both are patched."""
     pat = masks.Pattern(lengths=[4])
     E = pat.allowed(1, 1, T, T)[0, 0]
+
+    def judged(P):
+        ref = _renorm(E.astype(float))
+        (f,) = judge([_probe(_slice(_renorm(P.astype(float)), ref=ref, allowed=E), pattern=pat)])
+        return f
+
     P = CAUSAL.copy()
     P[0] = True
-    probe = _probe(
-        _slice(_renorm(P.astype(float)), ref=_renorm(E.astype(float)), allowed=E), pattern=pat
-    )
-    (f,) = judge([probe])
+    f = judged(P)
     assert f.message.endswith("; every row but row 1 has padding-ignored's form (it is patched)")
     P[5] = False
     P[5, 5] = True
-    probe = _probe(
-        _slice(_renorm(P.astype(float)), ref=_renorm(E.astype(float)), allowed=E), pattern=pat
-    )
-    (f,) = judge([probe])
+    f = judged(P)
     assert f.fault == "padding-ignored" and f.measurement == {"patched_rows": [0, 5]}
     assert f.message.endswith(
         "; every row but rows 1, 6 has padding-ignored's form (they are patched)"
@@ -656,11 +660,8 @@ def test_a_further_finding_is_shown_once():
     """_duplicate: the same fault (named, or by its measurement's "fault"), or two unnamed
     findings of one stage, are one; anything else is another."""
     from causalattn.check.judge import _duplicate
-    from causalattn.check.report import Finding
 
-    def f(stage, fault=None, measurement=None):
-        return Finding(stage, fault, "", measurement=measurement or {})
-
+    f = _bare
     assert _duplicate(f("M", "no-mask"), [f("S", "no-mask")])
     assert _duplicate(f("M", None, {"fault": "no-mask"}), [f("A", "no-mask")])
     assert _duplicate(f("M", "no-mask"), [f("A", None, {"fault": "no-mask"})])

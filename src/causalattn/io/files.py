@@ -327,15 +327,16 @@ def read_text(path: str | Path, max_bytes: int) -> str:
 def _opens_json(p: Path, head: bytes, max_bytes: int) -> bool:
     """Whether the first byte after the leading whitespace (of any length, read on past
     ``head`` within ``max_bytes``) opens a JSON object or list."""
-    if head.strip():
-        return head.lstrip()[:1] in (b"{", b"[")
-    with open(p, "rb") as fh:
-        fh.seek(len(head))
-        for _ in range(0, max_bytes, 1 << 16):
-            chunk = fh.read(1 << 16)
-            if chunk.strip() or not chunk:
-                return chunk.lstrip()[:1] in (b"{", b"[")
-    return False
+    rest = head.lstrip()
+    if not rest:  # whitespace so far: read on, a chunk at a time
+        with open(p, "rb") as fh:
+            fh.seek(len(head))
+            for _ in range(0, max_bytes, 1 << 16):
+                chunk = fh.read(1 << 16)
+                rest = chunk.lstrip()
+                if rest or not chunk:
+                    break
+    return rest[:1] in (b"{", b"[")
 
 
 def _folder_headers(p: Path, af: ArrayFile) -> None:
