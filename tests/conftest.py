@@ -61,7 +61,14 @@ MUTATION_TESTS = {
     "causalattn.text.": ("test_text.py",),
     "causalattn.matrix_form.": ("test_reference.py",),
     "causalattn.check.measure.": ("test_check_measure.py", "test_diagnose.py"),
-    "causalattn.check.judge.": ("test_judge.py", "test_diagnose.py", "test_promises_check.py"),
+    "causalattn.check.judge.": (
+        "test_judge.py",
+        "test_judge_slices.py",
+        "test_judge_scale.py",
+        "test_judge_probes.py",
+        "test_diagnose.py",
+        "test_promises_check.py",
+    ),
     "causalattn.io.files.": (
         "test_files.py",
         "test_hostile.py",
