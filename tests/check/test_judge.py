@@ -8,31 +8,11 @@ import warnings
 
 import numpy as np
 import pytest
+from _judge_records import C0, CAUSAL, REF, T, _bare, _probe, _renorm, _slice
 
 from causalattn import masks
 from causalattn.check.judge import further_kinds, judge, match_pattern, probe_findings
-from causalattn.check.measure import Linearity, ProbeMeasure, RowSums, SliceMeasure
-
-T = 6
-C0 = 1 / math.sqrt(3)  # the declared scale of a d_k = 3 probe
-CAUSAL = np.tril(np.ones((T, T), bool))
-REF = CAUSAL / CAUSAL.sum(-1, keepdims=True)  # uniform weights over each row's keys
-
-
-def _slice(A, *, ref=REF, allowed=CAUSAL, index=(0, 0), mode="rows", fit=(C0, 0.0), **kw):
-    read = (np.abs(A) > 0) | np.isnan(A)
-    return SliceMeasure(index, A, ref, allowed, read, mode, fit, **kw)
-
-
-def _probe(*slices, kind="main", probe=None, H=1, **kw) -> ProbeMeasure:
-    T_q, T_k = slices[0].A.shape if slices else (T, T)
-    base = dict(T_q=T_q, T_k=T_k, d_k=3, B=1, H=H, dtype="float64", scale0=C0, tol=1e-12)
-    return ProbeMeasure(probe or f"{kind} probe", kind, **{**base, **kw}, slices=slices)
-
-
-def _renorm(A):
-    s = A.sum(-1, keepdims=True)
-    return np.where(s > 0, A / np.where(s > 0, s, 1), 0.0)
+from causalattn.check.measure import Linearity, RowSums
 
 
 def test_a_clean_record_has_no_findings():
@@ -542,13 +522,6 @@ def test_a_row_scaled_by_one_factor_of_its_own_is_a_normalization_fault_not_roun
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # (a row with nothing to compare warns no one)
         assert not _row_scaled(_slice(tiny, ref=ref))
-
-
-def _bare(stage, fault=None, measurement=None, **more):
-    """A hand-made Finding with no message: its stage, fault and measurement."""
-    from causalattn.check.report import Finding
-
-    return Finding(stage, fault, "", measurement={**(measurement or {}), **more})
 
 
 def test_what_the_main_probe_explains_of_a_further_probes_finding():
