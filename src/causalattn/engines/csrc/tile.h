@@ -244,9 +244,14 @@ struct PanelMods {
         }
       smod_reverse<T>(S, r, g, sm->ga.data(), sm->varies.data(), W, 1, live, capg,
                       sm->tmp.data());
+      // d score where the seed was not 0, tested on ds again (the sweep leaves it), not
+      // on live: as a select on live's uint8_t lanes, GCC 12 (-O3, AVX2) gave the second
+      // vector of each panel wrong values (seen on an AVX2 machine; AVX-512 and SSE right)
       for (int64_t row = 0; row < rows; ++row)
-        for (int l = 0; l < nr; ++l)
-          ds[(a + row - j0) * ldd + l] = live[row * nr + l] ? g[row * nr + l] : T(0);
+        for (int l = 0; l < nr; ++l) {
+          T* d = ds + (a + row - j0) * ldd + l;
+          *d = *d != T(0) ? g[row * nr + l] : T(0);
+        }
     }
   }
 
@@ -267,7 +272,7 @@ struct PanelMods {
     }
     smod_reverse<T>(S, sm->r.data(), sm->g.data(), sm->ga.data(), sm->varies.data(), nr, 1,
                     live, capg, sm->tmp.data());
-    for (int l = 0; l < nr; ++l) ds[l] = live[l] ? sm->g[l] : T(0);
+    for (int l = 0; l < nr; ++l) ds[l] = ds[l] != T(0) ? sm->g[l] : T(0);  // (as smod_block)
   }
 
   // after the panel's keys: the invariant instructions' reverse sweep (their adjoints
