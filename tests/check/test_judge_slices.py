@@ -3,3 +3,92 @@ wrong rows or through Aᵀ, the read pattern against the catalogue's forms, weig
 softmax gives, lost precision and rows scaled by a factor of their own."""
 
 from __future__ import annotations
+
+import numpy as np
+from _judge_records import C0, CAUSAL, REF, T, _probe, _renorm, _slice
+
+from causalattn import masks
+from causalattn.check.judge import judge, match_pattern
+
+
+def _stages(found):
+    return [(f.stage, f.fault) for f in found]
+
+
+def test_no_scale_is_measured_in_weights_no_softmax_gives():
+    """A loose fit of log A is an S finding (the scores are no multiple of Q Kᵀ) only where
+    the weights could be a softmax's: negative weights, or rows that sum as no softmax's
+    (mode "none"), say A alone."""
+    loose = (C0, 0.5)
+    (f,) = judge([_probe(_slice(REF.copy(), fit=loose))])  # a softmax: the fit speaks
+    assert (f.stage, f.fault) == ("S", None) and f.measurement == {"misfit": 0.5}
+    neg = REF.copy()
+    neg[3, 1], neg[3, 0] = -0.1, neg[3, 0] + 0.1
+    (f,) = judge([_probe(_slice(neg, fit=loose))])  # rows still sum to 1
+    assert (f.stage, f.fault, f.rows) == ("A", None, (3,)) and "negative" in f.message
+    off = REF.copy()
+    off[2] *= 0.5
+    (f,) = judge([_probe(_slice(off, mode="none", fit=loose))])
+    assert (f.stage, f.fault, f.rows) == ("A", None, (2,))
+    assert f.message.startswith("A: row 3 sums to 0.5 instead of 1")
+    # the same rows, summing as a softmax's: the loose fit is S again
+    assert _stages(judge([_probe(_slice(off, mode="rows", fit=loose))])) == [("S", None)]
+
+
+def test_a_patched_row_that_the_form_leaves_with_nothing_to_read():
+    """Chunks of 3 with the own key blocked: the first query of each chunk (rows 1 and 4)
+    has nothing left to read, so a function patches both rows (here: to read their own key,
+    as the reference does). Row 4 is no first row, yet it is patchable: the fault's form
+    reads no key there."""
+    pat = masks.Pattern(chunk=3)
+    E = pat.allowed(1, 1, T, T)[0, 0]
+    form = E & ~np.eye(T, dtype=bool)
+    assert not form[3].any() and E[3].any()  # row 4: nothing left to read in the form
+    P = form.copy()
+    P[0, 0] = P[3, 3] = True
+    pm = _probe(pattern=pat)
+    assert match_pattern(pm, form, E) == ("diagonal-blocked", [])
+    assert match_pattern(pm, P, E) == ("diagonal-blocked", [0, 3])
+    ref = _renorm(E.astype(float))
+    (f,) = judge([_probe(_slice(_renorm(P.astype(float)), ref=ref, allowed=E), pattern=pat)])
+    assert (f.stage, f.fault, f.rows) == ("M", "diagonal-blocked", (1, 2, 4, 5))
+    assert f.measurement == {"patched_rows": [0, 3]}
+    tail = "; every row but rows 1, 4 has diagonal-blocked's form (they are patched)"
+    assert f.message.endswith(tail)
+    # a row of the form that reads keys is no patch: row 5 reading its own key too is not the form
+    P[4, 4] = True
+    assert match_pattern(pm, P, E) == (None, [])
+
+
+def test_a_row_scaled_answers_whatever_numpys_error_setting():
+    """_row_scaled is silent and does not raise where the caller set NumPy to raise on
+    floating-point errors: a row of inf weights (no factor: not judged), a subnormal weight
+    where the reference is 0 (not compared)."""
+    from causalattn.check.judge import _row_scaled
+
+    scaled = REF.copy()
+    scaled[2] *= 0.99
+    inf_row = scaled.copy()
+    inf_row[4] = np.where(CAUSAL[4], np.inf, 0.0)
+    tiny = scaled.copy()
+    tiny[0, 5] = 5e-324  # on a blocked key
+    with np.errstate(all="raise"):
+        assert _row_scaled(_slice(inf_row))
+        assert _row_scaled(_slice(tiny))
+        assert not _row_scaled(_slice(REF.copy()))
+
+
+def test_a_spread_of_exactly_the_bound_is_still_one_factor():
+    """_row_scaled's bound is inclusive: a row whose ratios to the reference spread by
+    exactly 1e-3 of its offset from 1, plus 1e-12, is one factor (r1, r2: floats found so
+    that r2 - r1 equals that bound exactly)."""
+    from causalattn.check.judge import _row_scaled
+
+    r1, r2 = float.fromhex("0x1.d23be827b5b24p-3"), float.fromhex("0x1.d3d0d6c56680bp-3")
+    off = abs(r1 - 1)
+    assert r2 - r1 == 1e-3 * off + 1e-12  # the bound, exactly
+    A = REF.copy()
+    A[1, :2] = 0.5 * r1, 0.5 * r2  # row 2's reference: 0.5, 0.5 (ratios exact)
+    assert _row_scaled(_slice(A))
+    A[1, 1] = 0.5 * np.nextafter(r2, 2)  # one step wider: two factors
+    assert not _row_scaled(_slice(A))
