@@ -92,3 +92,71 @@ def test_a_spread_of_exactly_the_bound_is_still_one_factor():
     assert _row_scaled(_slice(A))
     A[1, 1] = 0.5 * np.nextafter(r2, 2)  # one step wider: two factors
     assert not _row_scaled(_slice(A))
+
+
+def test_window_off_by_one_beside_score_modifiers_that_name_the_heads():
+    """A sliding window with attention sinks or ALiBi (one per head): the forms one key
+    narrower or wider keep the pattern's other fields, checked against the probe's heads."""
+    narrow = masks.Pattern(window=2).allowed(1, 1, T, T)[0, 0]
+    for extra in (dict(sinks=np.zeros(2)), dict(alibi_slopes=np.array([0.5, 0.25]))):
+        pat = masks.Pattern(window=3, **extra)
+        E = pat.allowed(1, 2, T, T)[0, 0]
+        assert match_pattern(_probe(pattern=pat, H=2), narrow, E) == ("window-off-by-one", [])
+
+
+# scattered rounding of the reference: 0.3% up and down in turn along each row
+ROUNDED = REF * (1 + 0.003 * (-1.0) ** np.add.outer(np.arange(T), np.arange(T)))
+
+
+def _tiny_first_key(first: float):
+    """The reference with row 6 weighing key 1 at 1e-4 (below the 1e-3 that relative error
+    compares), and weights equal to it but for row 6's key 1, which is ``first``."""
+    ref = REF.copy()
+    ref[5] = [1e-4] + [(1 - 1e-4) / 5] * 5
+    A = ref.copy()
+    A[5, 0] = first
+    return A, ref
+
+
+def test_lost_precision_is_named_within_the_shape_rules():
+    (f,) = judge([_probe(_slice(ROUNDED))])  # the control: 0.3% scattered, in shape
+    assert (f.stage, f.fault) == ("A", None) and "precision is lost" in f.message
+    # rows that sum 0.05 over the reference's: a normalization fault, not precision
+    A, ref = _tiny_first_key(0.05)
+    (f,) = judge([_probe(_slice(A, ref=ref, mode="none"))])
+    assert f.message == (
+        "A: row 6 sums to 1.05 instead of 1 (more than 1: no softmax sums so) (on main probe)"
+    )
+    A, ref = _tiny_first_key(0.01)  # 0.01 over: within the 0.02 the rule allows
+    (f,) = judge([_probe(_slice(A, ref=ref, mode="none"))])
+    assert "precision is lost" in f.message
+
+
+def test_a_loose_fit_is_the_scores_not_lost_precision():
+    """log A off c·Q Kᵀ beyond 0.02, or a scale off by more than 5e-3 where the fit is not
+    tight: the scores are at fault (S), whatever the rounding; a misfit of 0.02 itself is
+    still the shape."""
+    for fit in ((C0 * 1.01, 0.01), (C0, 0.03)):
+        (f,) = judge([_probe(_slice(ROUNDED, fit=fit))])
+        assert (f.stage, f.fault, f.measurement) == ("S", None, {"misfit": fit[1]}), fit
+    (f,) = judge([_probe(_slice(ROUNDED, fit=(C0, 0.02)))])
+    assert (f.stage, f.fault) == ("A", None) and "precision is lost" in f.message
+
+
+def test_weights_off_by_exactly_what_the_accuracy_rule_allows_are_right():
+    tol = 2.0**-20
+    A = REF.copy()
+    A[1] = [0.5 + tol, 0.5 - tol, 0, 0, 0, 0]
+    assert judge([_probe(_slice(A), tol=tol)]) == []
+    A[1] = [0.5 + 2 * tol, 0.5 - 2 * tol, 0, 0, 0, 0]
+    (f,) = judge([_probe(_slice(A), tol=tol)])
+    assert f.stage == "A" and "precision is lost" in f.message
+
+
+def test_weights_off_only_where_the_reference_is_below_1e3_count_60_bits():
+    """No weight the relative error compares is off (relative error 0): the bits are
+    counted from 2⁻⁶⁰, not infinite."""
+    A, ref = _tiny_first_key(1e-4 + 1e-6)
+    (f,) = judge([_probe(_slice(A, ref=ref))])
+    assert f.measurement["rel_err"] == 0.0 and f.measurement["bits"] == 60
+    assert "(relative 0: about 60 significant bits;" in f.message
