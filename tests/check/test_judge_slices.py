@@ -121,6 +121,7 @@ def _tiny_first_key(first: float):
 def test_lost_precision_is_named_within_the_shape_rules():
     (f,) = judge([_probe(_slice(ROUNDED))])  # the control: 0.3% scattered, in shape
     assert (f.stage, f.fault) == ("A", None) and "precision is lost" in f.message
+    assert f.slice == (0, 0)  # the slice it was measured on
     # rows that sum 0.05 over the reference's: a normalization fault, not precision
     A, ref = _tiny_first_key(0.05)
     (f,) = judge([_probe(_slice(A, ref=ref, mode="none"))])
@@ -160,3 +161,22 @@ def test_weights_off_only_where_the_reference_is_below_1e3_count_60_bits():
     (f,) = judge([_probe(_slice(A, ref=ref))])
     assert f.measurement["rel_err"] == 0.0 and f.measurement["bits"] == 60
     assert "(relative 0: about 60 significant bits;" in f.message
+
+
+def test_rows_off_the_reference_sums_by_exactly_002_are_still_in_shape():
+    """The sums rule allows 0.02 itself. Near 1 no two sums differ by the float 0.02 exactly
+    (their spacing, 2⁻⁵³, does not divide it); a reference row summing to 1/128 (as rows
+    beside an attention sink may) does: weights adding 0.02 on a key the reference weighs
+    0 there are off by exactly 0.02."""
+    ref, allowed = REF.copy(), CAUSAL.copy()
+    ref[1, :2] = 2.0**-8
+    allowed[1, 2] = True
+    A = ref.copy()
+    A[1, 2] = 0.02
+    s = _slice(A, ref=ref, allowed=allowed, mode="none")
+    assert s.sums[1] - s.ref_sums[1] == 0.02  # exactly
+    (f,) = judge([_probe(s)])
+    assert (f.stage, f.fault) == ("A", None) and "precision is lost" in f.message
+    A[1, 2] = np.nextafter(0.02, 1)  # beyond: the row's sum is at fault
+    (f,) = judge([_probe(_slice(A, ref=ref, allowed=allowed, mode="none"))])
+    assert f.rows == (1,) and f.message.startswith("A: row 2 sums to 0.02781 instead of 0.007812")
