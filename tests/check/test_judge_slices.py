@@ -231,6 +231,7 @@ def test_each_batch_row_is_matched_against_its_own_padding():
     (f,) = judge([_probe(ok, bad, pattern=pat, B=2)])
     assert (f.stage, f.fault, f.slice) == ("M", "padding-queries-only", (1, 0))
     assert f.rows == (2, 3, 4, 5)  # query 3 reads nothing, queries 4..6 read key 3
+    assert f.measurement == {"patched_rows": []}  # the form itself, no row patched
 
 
 def test_rows_holding_nan_are_left_to_stage_a_and_no_other_row():
