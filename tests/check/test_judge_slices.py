@@ -265,3 +265,42 @@ def test_one_row_of_nan_is_worded_in_the_singular():
     (f,) = judge([_probe(_slice(A, ref=ref, allowed=E), pattern=pat)])
     assert f.fault == "nan-on-empty-rows"
     assert f.message.startswith("A: row 6 has no readable key and comes out NaN, not zero")
+
+
+def _values_via(R, misfit=0.0):
+    """The record of H = ref R V: V = I reads back A = ref R, whose value map is R."""
+    return judge([_probe(_slice(REF @ R, value_map=R, value_misfit=misfit))])
+
+
+def _value_rows(found):
+    return [f.measurement["value_rows"] for f in found if "value_rows" in f.measurement]
+
+
+def test_values_from_wrong_rows_need_a_gather_other_than_the_identity():
+    """A = ref G with G a gather of value rows (one 1 per row, the rest 0) other than I;
+    the value map's misfit to it up to 1e-3."""
+    assert _values_via(np.eye(T)) == []  # a right function's value map is I
+    G = np.eye(T)[[1, 1, 2, 3, 4, 5]]  # keys 1 and 2 both take v_2: a gather, no permutation
+    (f,) = _values_via(G)
+    assert f.measurement == {"value_rows": [1, 1, 2, 3, 4, 5]}
+    assert "from the wrong rows: key 1 → v_2 (on main probe)" in f.message
+    (f,) = _values_via(G, misfit=1e-3)  # a misfit of 1e-3 itself: still the gather
+    assert f.measurement == {"value_rows": [1, 1, 2, 3, 4, 5]}
+    off = G.copy()
+    off[3, 0] = 0.01  # 0.01 off a gather: not one
+    assert _value_rows(_values_via(off, misfit=0.01)) == []
+    two = np.eye(T)
+    two[0, 1] = 1  # key 1's weight multiplies v_1 + v_2: no gather
+    assert _value_rows(_values_via(two)) == []
+
+
+@pytest.mark.parametrize(
+    "perm, moves",
+    [
+        ([1, 0, 3, 2, 4, 5], "key 1 → v_2, key 2 → v_1, key 3 → v_4, key 4 → v_3"),
+        ([1, 2, 3, 4, 0, 5], "key 1 → v_2, key 2 → v_3, key 3 → v_4, key 4 → v_5 ..."),
+    ],
+)
+def test_four_moves_are_all_listed_a_fifth_is_an_ellipsis(perm, moves):
+    (f,) = _values_via(np.eye(T)[perm])
+    assert f.message.endswith(f"from the wrong rows: {moves} (on main probe)")
