@@ -304,3 +304,43 @@ def test_values_from_wrong_rows_need_a_gather_other_than_the_identity():
 def test_four_moves_are_all_listed_a_fifth_is_an_ellipsis(perm, moves):
     (f,) = _values_via(np.eye(T)[perm])
     assert f.message.endswith(f"from the wrong rows: {moves} (on main probe)")
+
+
+def test_a_weight_below_zero_by_exactly_the_accuracy_rule_is_not_negative():
+    """-tol on a blocked key (read back as unread): within the rule, the weights are right;
+    one step further below zero they are not."""
+    from causalattn.check.measure import SliceMeasure
+
+    tol = 2.0**-20
+
+    def judged(w):
+        A = REF.copy()
+        A[3, 5] = w
+        return judge(
+            [_probe(SliceMeasure((0, 0), A, REF, CAUSAL, CAUSAL, "rows", (C0, 0.0)), tol=tol)]
+        )
+
+    assert judged(-tol) == []
+    assert [f.stage for f in judged(np.nextafter(-tol, -1))] == ["A"]
+
+
+def test_weights_read_back_transposed_within_the_accuracy_rule():
+    """Aᵀ is named where V = I reads back the reference's weights transposed, within the
+    accuracy rule (off by tol itself: still Aᵀ); weights within the rule of a symmetric
+    reference are right, not transposed; Aᵀ with a NaN row is left to stage A."""
+    tol = 2.0**-20
+    A = REF.T.copy()
+    A[0, 0] += tol
+    (f,) = judge([_probe(_slice(A), tol=tol)])
+    assert (f.stage, f.measurement) == ("H", {"transposed": True})
+    full = np.ones((T, T), bool)
+    flat = full / T  # bidirectional, uniform: the reference is its own transpose
+    near = flat.copy()
+    near[0, :2] += tol, -tol
+    pm = _probe(_slice(near, ref=flat, allowed=full), pattern=masks.Pattern(causal=False), tol=tol)
+    assert judge([pm]) == []
+    A = REF.T.copy()
+    A[2, 4] = np.nan
+    found = judge([_probe(_slice(A))])
+    assert "transposed" not in str([f.measurement for f in found])
+    assert ("A", (2,)) in [(f.stage, f.rows) for f in found]
