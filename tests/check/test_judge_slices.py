@@ -242,7 +242,8 @@ def test_rows_holding_nan_are_left_to_stage_a_and_no_other_row():
     A[1] = [0.25, 0.25, 0.5, 0, 0, 0]  # row 2 reads key 3
     found = judge([_probe(_slice(A))])
     assert [(f.stage, f.rows) for f in found] == [("M", (1,)), ("A", (3,))]
-    assert "NaN or inf weights at ordinary scores" in found[1].message
+    nan = found[1].message
+    assert nan.startswith("A: row 4 ") and "NaN or inf weights at ordinary scores" in nan
     A[1] = REF[1]
     assert [(f.stage, f.rows) for f in judge([_probe(_slice(A))])] == [("A", (3,))]
 
@@ -344,3 +345,26 @@ def test_weights_read_back_transposed_within_the_accuracy_rule():
     found = judge([_probe(_slice(A))])
     assert "transposed" not in str([f.measurement for f in found])
     assert ("A", (2,)) in [(f.stage, f.rows) for f in found]
+
+
+def test_rows_with_no_key_to_read_that_come_out_nan():
+    """Padding: row 6 (a padding query) reads no key; NaN there, not zero, is
+    nan-on-empty-rows, and nothing else is wrong."""
+    pat = masks.Pattern(lengths=[5])
+    E = pat.allowed(1, 1, T, T)[0, 0]
+    ref = _renorm(E.astype(float))
+    A = ref.copy()
+    A[5] = np.nan
+    (f,) = judge([_probe(_slice(A, ref=ref, allowed=E), pattern=pat)])
+    assert (f.stage, f.fault, f.rows, f.slice) == ("A", "nan-on-empty-rows", (5,), (0, 0))
+    assert f.message.startswith("A: row 6 ") and "no readable key" in f.message
+    assert f.message.endswith(" out NaN, not zero (on main probe)")
+
+
+def test_the_scale_is_named_by_d_model_where_the_code_has_one():
+    c = 12**-0.5
+    (f,) = judge([_probe(_slice(REF.copy(), fit=(c, 0.0)))], d_model=12)
+    assert (f.stage, f.fault) == ("S", "scale-by-sqrt-dmodel")
+    assert f.message.endswith("; the factor is 1/√d_model (d_model = 12) (on main probe)")
+    (f,) = judge([_probe(_slice(REF.copy(), fit=(c, 0.0)))])  # no d_model: no size fits
+    assert (f.stage, f.fault) == ("S", None) and "d_model" not in f.message
