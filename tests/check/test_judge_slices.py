@@ -368,3 +368,25 @@ def test_the_scale_is_named_by_d_model_where_the_code_has_one():
     assert f.message.endswith("; the factor is 1/√d_model (d_model = 12) (on main probe)")
     (f,) = judge([_probe(_slice(REF.copy(), fit=(c, 0.0)))])  # no d_model: no size fits
     assert (f.stage, f.fault) == ("S", None) and "d_model" not in f.message
+
+
+def test_a_scale_that_fits_tightly_but_differs_is_s_not_lost_precision():
+    """The fit is tight (misfit 1e-4) and the factor 0.3% off 1/√d_k: S names it, though
+    0.3% is within the 0.5% that lost precision allows its scale."""
+    fine = REF * (1 + 1e-4 * (-1.0) ** np.add.outer(np.arange(T), np.arange(T)))
+    (f,) = judge([_probe(_slice(fine, fit=(C0 * 1.003, 1e-4)))])
+    assert (f.stage, f.fault) == ("S", None)
+    assert f.measurement == {"scale": C0 * 1.003, "expected": C0}
+
+
+def test_mask_after_softmax_is_named_only_where_the_scale_fits():
+    """Rows summing to less than 1 as softmax over all keys zeroed at blocked keys: named
+    mask-after-softmax where log A fits c·Q Kᵀ tightly (the softmax over all keys is taken
+    at that c); with a loose fit the rows' sums are all that is said."""
+    mask_after = np.tril(np.ones((T, T))) / T
+    (f,) = judge([_probe(_slice(mask_after, mode="none", full_err=0.0))])
+    assert f.fault == "mask-after-softmax"
+    loose = _slice(mask_after, mode="none", full_err=0.0, fit=(C0, 0.5))
+    (f,) = judge([_probe(loose)])
+    assert (f.stage, f.fault, f.rows) == ("A", None, (0, 1, 2, 3, 4))
+    assert f.message.startswith("A: rows 1..5 sum to 0.1667, 0.3333")
