@@ -333,7 +333,10 @@ def test_weights_read_back_transposed_within_the_accuracy_rule():
     A = REF.T.copy()
     A[0, 0] += tol
     (f,) = judge([_probe(_slice(A), tol=tol)])
-    assert (f.stage, f.measurement) == ("H", {"transposed": True})
+    assert (f.stage, f.fault, f.measurement) == ("H", None, {"transposed": True})
+    assert f.message.startswith("H: the output is Aᵀ V: V = I reads back the reference's ")
+    assert f.message.endswith(" through the transposed weights (on main probe)")
+    assert f.slice == (0, 0) and f.probe == "main probe"
     full = np.ones((T, T), bool)
     flat = full / T  # bidirectional, uniform: the reference is its own transpose
     near = flat.copy()
