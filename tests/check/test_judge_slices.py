@@ -54,6 +54,7 @@ def test_a_patched_row_that_the_form_leaves_with_nothing_to_read():
     (f,) = judge([_probe(_slice(_renorm(P.astype(float)), ref=ref, allowed=E), pattern=pat)])
     assert (f.stage, f.fault, f.rows) == ("M", "diagonal-blocked", (1, 2, 4, 5))
     assert f.measurement == {"patched_rows": [0, 3]}
+    assert f.message.startswith("M: ") and "; expected causal + chunk 3 (on main probe" in f.message
     tail = "; every row but rows 1, 4 has diagonal-blocked's form (they are patched)"
     assert f.message.endswith(tail)
     # a row of the form that reads keys is no patch: row 5 reading its own key too is not the form
@@ -283,6 +284,7 @@ def test_values_from_wrong_rows_need_a_gather_other_than_the_identity():
     assert _values_via(np.eye(T)) == []  # a right function's value map is I
     G = np.eye(T)[[1, 1, 2, 3, 4, 5]]  # keys 1 and 2 both take v_2: a gather, no permutation
     (f,) = _values_via(G)
+    assert (f.stage, f.fault, f.slice) == ("H", None, (0, 0))
     assert f.measurement == {"value_rows": [1, 1, 2, 3, 4, 5]}
     assert "from the wrong rows: key 1 → v_2 (on main probe)" in f.message
     (f,) = _values_via(G, misfit=1e-3)  # a misfit of 1e-3 itself: still the gather
@@ -393,3 +395,12 @@ def test_mask_after_softmax_is_named_only_where_the_scale_fits():
     (f,) = judge([_probe(loose)])
     assert (f.stage, f.fault, f.rows) == ("A", None, (0, 1, 2, 3, 4))
     assert f.message.startswith("A: rows 1..5 sum to 0.1667, 0.3333")
+
+
+def test_every_slice_of_a_probe_is_judged_not_the_last_alone():
+    """Head 1 of 2 reads the future, head 2 is right: the finding is head 1's."""
+    bad = _slice(_renorm(np.ones((T, T))), index=(0, 0))
+    ok = _slice(REF.copy(), index=(0, 1))
+    (f,) = judge([_probe(bad, ok, H=2)])
+    assert (f.stage, f.fault, f.slice) == ("M", "some-heads-only", (0, 0))
+    assert f.measurement["heads"] == [0] and f.measurement["fault"] == "no-mask"
