@@ -245,6 +245,7 @@ def test_rows_holding_nan_are_left_to_stage_a_and_no_other_row():
     assert [(f.stage, f.rows) for f in found] == [("M", (1,)), ("A", (3,))]
     nan = found[1].message
     assert nan.startswith("A: row 4 ") and "NaN or inf weights at ordinary scores" in nan
+    assert found[1].slice == (0, 0) and found[1].probe == "main probe"
     A[1] = REF[1]
     assert [(f.stage, f.rows) for f in judge([_probe(_slice(A))])] == [("A", (3,))]
 
