@@ -405,3 +405,26 @@ def test_every_slice_of_a_probe_is_judged_not_the_last_alone():
     (f,) = judge([_probe(bad, ok, H=2)])
     assert (f.stage, f.fault, f.slice) == ("M", "some-heads-only", (0, 0))
     assert f.measurement["heads"] == [0] and f.measurement["fault"] == "no-mask"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="judge._forms builds window-off-by-one from head 0 of the pattern ([b, 0]): "
+    "match_pattern is given the batch row only, so a per-head mask's other heads get "
+    "head 1's form",
+)
+def test_window_off_by_one_in_a_head_whose_mask_differs_from_head_1():
+    """A window of 3 beside a per-head mask (head 2 may not read key 1); head 2 reads a
+    window of 2: that is window-off-by-one in head 2's own pattern."""
+    m = np.ones((2, T, T), bool)
+    m[1, :, 0] = False
+    pat = masks.Pattern(window=3, mask=m)
+    E = pat.allowed(1, 2, T, T)[0]
+    P = masks.Pattern(window=2, mask=m).allowed(1, 2, T, T)[0]
+    ok = _slice(_renorm(E[0].astype(float)), ref=_renorm(E[0].astype(float)), allowed=E[0])
+    narrow = _slice(
+        _renorm(P[1].astype(float)), ref=_renorm(E[1].astype(float)), allowed=E[1], index=(0, 1)
+    )
+    (f,) = judge([_probe(ok, narrow, pattern=pat, H=2)])
+    assert (f.stage, f.fault) == ("M", "some-heads-only")
+    assert f.measurement["fault"] == "window-off-by-one"
