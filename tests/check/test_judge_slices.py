@@ -250,11 +250,6 @@ def test_rows_holding_nan_are_left_to_stage_a_and_no_other_row():
     assert [(f.stage, f.rows) for f in judge([_probe(_slice(A))])] == [("A", (3,))]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="judge._one_slice words one row as many: 'row 4 hold NaN or inf', "
-    "'row 6 have no readable key' (no _verb for one row)",
-)
 def test_one_row_of_nan_is_worded_in_the_singular():
     A = REF.copy()
     A[3, 5] = np.nan
@@ -407,12 +402,6 @@ def test_every_slice_of_a_probe_is_judged_not_the_last_alone():
     assert f.measurement["heads"] == [0] and f.measurement["fault"] == "no-mask"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="judge._forms builds window-off-by-one from head 0 of the pattern ([b, 0]): "
-    "match_pattern is given the batch row only, so a per-head mask's other heads get "
-    "head 1's form",
-)
 def test_window_off_by_one_in_a_head_whose_mask_differs_from_head_1():
     """A window of 3 beside a per-head mask (head 2 may not read key 1); head 2 reads a
     window of 2: that is window-off-by-one in head 2's own pattern."""

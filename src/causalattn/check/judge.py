@@ -140,11 +140,17 @@ def _one_slice(pm: ProbeMeasure, s: SliceMeasure, d_model) -> list[Finding]:
     if m is not None:
         out.append(m)
     if bad.size:
-        msg = f"A: {rows_text(bad)} hold NaN or inf weights at ordinary scores ({on})"
+        msg = (
+            f"A: {rows_text(bad)} {_verb(bad, 'holds', 'hold')} NaN or inf weights at ordinary "
+            f"scores ({on})"
+        )
         return out + [_finding(pm, s, "A", None, msg, bad)]
     empty = s.empty_nan_rows
     if empty.size:
-        msg = f"A: {rows_text(empty)} have no readable key and come out NaN, not zero ({on})"
+        msg = (
+            f"A: {rows_text(empty)} {_verb(empty, 'has', 'have')} no readable key and "
+            f"{_verb(empty, 'comes', 'come')} out NaN, not zero ({on})"
+        )
         out.append(_finding(pm, s, "A", "nan-on-empty-rows", msg, empty))
     fit_ok = pm.fitted_scale(s) is not None
     if m is None and not (fit_ok and abs(s.fit[0] / pm.scale0 - 1) > SCALE_RTOL):
@@ -214,7 +220,7 @@ def _pattern(pm: ProbeMeasure, s: SliceMeasure) -> Finding | None:
         P[E & ~P & (s.ref <= 10 * pm.noise)] = True
     if (P == E).all():
         return None
-    fault, patched = match_pattern(pm, P, E, s.index[0])
+    fault, patched = match_pattern(pm, P, E, *s.index[:2])
     msg = (
         f"M: {describe_difference(P, E, pm.T_q, pm.T_k)}; expected {pm.pattern.describe()}"
         f" (on {pm.probe}, T_q×T_k = {pm.T_q}×{pm.T_k})"
@@ -233,11 +239,12 @@ def _it(rows) -> str:
     return "it is" if len(rows) == 1 else "they are"
 
 
-def match_pattern(pm: ProbeMeasure, P: np.ndarray, E: np.ndarray, b: int = 0):
+def match_pattern(pm: ProbeMeasure, P: np.ndarray, E: np.ndarray, b: int = 0, h: int = 0):
     """(catalogue id or None, patched rows): the catalogued fault whose read pattern P is,
     exactly, else on every row but a patched first row or patched rows with no readable key
-    (in the fault's form or in the reference). P, E: T_q×T_k; ``b``: the batch row."""
-    forms = _forms(pm, P, E, b)
+    (in the fault's form or in the reference). P, E: T_q×T_k; ``b``, ``h``: the batch row and
+    head (a per-head mask gives each head its own form)."""
+    forms = _forms(pm, P, E, b, h)
     for fid, F in forms:
         if F is not None and (P == F).all():
             return fid, []
@@ -253,7 +260,7 @@ def match_pattern(pm: ProbeMeasure, P: np.ndarray, E: np.ndarray, b: int = 0):
     return None, []
 
 
-def _forms(pm: ProbeMeasure, P, E, b) -> list:
+def _forms(pm: ProbeMeasure, P, E, b, h=0) -> list:
     """(id, the read pattern of that fault on this probe) in the catalogue's order of
     preference; a form None was decided otherwise (finite-min-added-twice: by its rows)."""
     pat, T_q, T_k = pm.pattern, pm.T_q, pm.T_k
@@ -285,7 +292,7 @@ def _forms(pm: ProbeMeasure, P, E, b) -> list:
             if w >= 1:
                 fields = {n: getattr(pat, n) for n in masks.PATTERN_KEYWORDS}
                 F = masks.Pattern(**{**fields, "window": w}).allowed(pm.B, pm.H, T_q, T_k)
-                out.append(("window-off-by-one", np.broadcast_to(F, (pm.B, pm.H, T_q, T_k))[b, 0]))
+                out.append(("window-off-by-one", np.broadcast_to(F, (pm.B, pm.H, T_q, T_k))[b, h]))
     return out
 
 
