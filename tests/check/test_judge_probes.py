@@ -4,3 +4,202 @@ by head, what a further probe adds to the main one, what the probes that ran can
 and the verdict."""
 
 from __future__ import annotations
+
+import math
+
+import numpy as np
+from _judge_records import C0, REF, _probe, _slice
+
+from causalattn.check.judge import judge
+from causalattn.check.measure import Linearity, Projection, Width
+from causalattn.check.report import Finding
+
+ON_MAIN = " (on main probe)"
+
+
+def _nan_row(row=4):
+    A = REF.copy()
+    A[row] = np.nan
+    return A
+
+
+# -- determinism ------------------------------------------------------------------------------
+def test_two_calls_that_differ_by_the_tolerance_exactly_are_within_the_rule():
+    """The accuracy rule allows ``tol``: a repeat of exactly ``tol`` is deterministic."""
+    assert judge([_probe(_slice(REF.copy()), repeat=1e-12)]) == []
+    (f,) = judge([_probe(_slice(REF.copy()), repeat=2e-12)])
+    assert (f.stage, f.fault, f.measurement) == ("H", None, {"repeat": 2e-12})
+
+
+def test_a_nondeterministic_function_hides_every_further_probe():
+    """Two calls disagree: no record of one call says what it computes, the further probes'
+    records included; the finding names its own probe."""
+    main = _probe(_slice(REF.copy()), kind="T = d_k", probe="T = d_k probe", repeat=0.5)
+    two = _probe(_slice(REF.copy(), mode="cols"), kind="two-head")
+    (f,) = judge([main, two])
+    assert (f.stage, f.fault, f.probe, f.rows, f.slice) == ("H", None, "T = d_k probe", (), ())
+    assert f.message.startswith("H: the function is not deterministic: called twice on the same")
+    assert "same input (T = d_k probe, V = I)" in f.message
+
+
+# -- linearity in V -----------------------------------------------------------------------------
+def test_a_function_not_linear_in_v_is_named_whole_with_what_v_0_gives():
+    head = (
+        "H: the output is not A V: with random values it differs from (its weights measured "
+        "with V = I) · V by up to 0.5 (the accuracy rule allows 1e-12)"
+    )
+    lin = Linearity(err=0.5, tol=1e-12, zero=0.25)
+    main = _probe(_slice(REF.copy()), kind="T = d_k", probe="T = d_k probe", linearity=lin)
+    assert judge([main]) == [
+        Finding(
+            "H",
+            None,
+            head + "; with V = 0 the output is up to 0.25, not 0",
+            probe="T = d_k probe",
+            measurement={"err": 0.5, "zero": 0.25},
+        )
+    ]
+    for zero in (0.0, 1e-12):  # within the rule, V = 0 gives 0
+        lin = Linearity(err=0.5, tol=1e-12, zero=zero)
+        (f,) = judge([_probe(_slice(REF.copy()), linearity=lin)])
+        assert f.message == head + "; with V = 0 it is 0"
+        assert f.measurement == {"err": 0.5, "zero": zero}
+
+
+def test_linear_within_the_rule_exactly_reads_its_weights_back():
+    lin = Linearity(err=1e-12, tol=1e-12, zero=0.0)
+    main = _probe(_slice(REF.copy()), linearity=lin)
+    assert judge([main]) == []
+    from causalattn.check.judge import further_kinds, reads_back
+
+    assert reads_back(main) and "two-head" in further_kinds(main)
+
+
+def test_nan_weights_at_ordinary_scores_are_stage_a_not_a_nonlinear_h():
+    """A NaN in the weights makes every random-V output NaN: the linearity check is left
+    to stage A, which names the rows."""
+    lin = Linearity(err=math.inf, tol=1e-12, zero=0.0)
+    (f,) = judge([_probe(_slice(_nan_row(4)), linearity=lin)])
+    assert (f.stage, f.fault, f.rows) == ("A", None, (4,))
+    assert f.message.startswith("A: row 5 hold NaN or inf weights at ordinary scores")
+
+
+def test_a_nonlinear_function_is_judged_on_the_weights_it_recorded_with_d_model():
+    """The recorded weights are judged like the main probe's, d_model included: their
+    scale 1/√12 is the one size d_model = 12 names."""
+    lin = Linearity(err=0.5, tol=1e-12, zero=0.0)
+    recorded = (_slice(REF.copy(), fit=(12**-0.5, 0.0)),)
+    main = _probe(_slice(REF.copy()), linearity=lin, recorded=recorded)
+    (f,) = judge([main], d_model=12)
+    assert (f.stage, f.fault) == ("S", "scale-by-sqrt-dmodel")
+    (f,) = judge([main])
+    assert (f.stage, f.fault) == ("S", None)
+    clean = _probe(_slice(REF.copy()), linearity=lin, recorded=(_slice(REF.copy()),))
+    (f,) = judge([clean])
+    assert (f.stage, f.fault) == ("H", None) and "not A V" in f.message
+
+
+# -- the width of V -------------------------------------------------------------------------------
+WIDTH_HEAD = "S: the weights change with the width of V (d_v)"
+
+
+def test_weights_that_move_by_the_tolerance_exactly_do_not_change_with_d_v():
+    assert judge([_probe(_slice(REF.copy()), width=Width(1e-12, 1e-12, (0.2, 0.0), 6))]) == []
+
+
+def test_the_width_finding_names_its_probe_and_says_only_what_was_measured():
+    """Without a fitted scale for d_v doubled, or for the main probe's own weights, the
+    finding says that the weights change and no more (and names no fault)."""
+    w = Width(diff=0.1, tol=1e-12, fit=None, d_v=6)
+    (f,) = judge([_probe(_slice(REF.copy()), kind="T = d_k", probe="T = d_k probe", width=w)])
+    assert f == Finding("S", None, WIDTH_HEAD, probe="T = d_k probe", measurement={"diff": 0.1})
+    wide = Width(diff=0.1, tol=1e-12, fit=(12**-0.5, 0.0), d_v=6)
+    loose = _probe(_slice(REF.copy(), fit=(6**-0.5, 0.5)), width=wide)  # no tight fit
+    plain = Finding("S", None, WIDTH_HEAD, probe="main probe", measurement={"diff": 0.1})
+    assert judge([loose])[-1] == plain
+    assert judge([_probe(width=wide)]) == [plain]  # no slice to fit
+
+
+def test_nan_weights_leave_the_width_of_v_unjudged():
+    w = Width(diff=math.inf, tol=1e-12, fit=None, d_v=6)
+    (f,) = judge([_probe(_slice(_nan_row(2)), width=w)])
+    assert (f.stage, f.rows) == ("A", (2,))
+
+
+def test_the_factor_follows_d_v_only_when_both_widths_fit_it():
+    """1/√d_v named only when the main probe fits 1/√d_v and d_v doubled fits 1/√(2 d_v)."""
+    d_v = 6
+    cases = [
+        ((d_v**-0.5, 0.0), (12**-0.5, 0.0), "scale-by-sqrt-dv"),
+        ((C0, 0.0), (12**-0.5, 0.0), None),  # the main probe's scale is right
+        ((d_v**-0.5, 0.0), (0.2, 0.0), None),  # d_v doubled does not follow
+    ]
+    for fit, wide_fit, want in cases:
+        w = Width(diff=0.1, tol=1e-12, fit=wide_fit, d_v=d_v)
+        f = judge([_probe(_slice(REF.copy(), fit=fit), width=w)])[-1]
+        assert (f.stage, f.fault) == ("S", want), (fit, wide_fit)
+        assert f.message == (
+            f"{WIDTH_HEAD}: Q Kᵀ · {fit[0]:.4g} with d_v = 6, · {wide_fit[0]:.4g} with d_v = "
+            f"12; expected · {C0:.4g} (1/√d_k, d_k = 3)"
+        )
+
+
+# -- the output projection ------------------------------------------------------------------------
+def _o(**kw):
+    """The main probe's findings with this projection record (its weights right)."""
+    return judge([_probe(_slice(REF.copy()), projection=Projection(tol=1e-6, **kw))])
+
+
+def _o_finding(fault, what, err):
+    return Finding(
+        "O", fault, f"O: {what} (H from the measured weights)", "main probe", {"err": err}
+    )
+
+
+def test_an_output_projection_within_the_rule_has_no_finding():
+    assert _o(err=0.0, err_missing=0.3, err_transposed=0.2) == []
+    assert _o(err=1e-6, err_missing=0.3, err_transposed=None) == []  # the rule allows tol
+    assert judge([_probe(_slice(REF.copy()))]) == []  # no projection record
+
+
+def test_each_output_projection_fault_is_worded_whole():
+    assert _o(err=0.5, err_missing=1e-6, err_transposed=0.4) == [
+        _o_finding("output-projection-missing", "O equals H: W_O is never applied", 0.5)
+    ]
+    assert _o(err=0.5, err_missing=0.4, err_transposed=1e-6) == [
+        _o_finding("output-projection-transposed", "O equals H W_Oᵀ", 0.5)
+    ]
+    assert _o(err=0.5, err_missing=0.4, err_transposed=0.3) == [
+        _o_finding(None, "O differs from H W_O by up to 0.5", 0.5)
+    ]
+    # W_O not square: neither O = H nor H W_Oᵀ has H W_O's shape
+    assert _o(err=0.5, err_missing=None, err_transposed=None) == [
+        _o_finding(None, "O differs from H W_O by up to 0.5", 0.5)
+    ]
+    assert _o(err=0.5, err_missing=None, err_transposed=0.0) == [
+        _o_finding("output-projection-transposed", "O equals H W_Oᵀ", 0.5)
+    ]
+    shapes = dict(shape=(6, 4), expected_shape=(6, 5))
+    assert _o(err=None, err_missing=None, err_transposed=None, **shapes) == [
+        _o_finding(None, "O has shape (6, 4), H W_O is (6, 5)", None)
+    ]
+    assert _o(err=None, err_missing=0.0, err_transposed=None, **shapes) == [
+        _o_finding("output-projection-missing", "O equals H: W_O is never applied", None)
+    ]
+
+
+def test_an_output_projection_that_raised_says_what_it_raised():
+    pm = _probe(
+        _slice(REF.copy()),
+        probe="T = d_k probe",
+        kind="T = d_k",
+        projection=Projection(error="ValueError: bad shapes"),
+    )
+    assert judge([pm]) == [
+        Finding(
+            "O",
+            None,
+            "O: with random W_V, W_O the function raised ValueError: bad shapes",
+            "T = d_k probe",
+        )
+    ]
