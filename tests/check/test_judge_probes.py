@@ -8,10 +8,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from _judge_records import C0, REF, _probe, _slice
+from _judge_records import C0, CAUSAL, REF, T, _probe, _slice
 
-from causalattn.check.judge import judge
-from causalattn.check.measure import Linearity, Projection, Width
+from causalattn.check.judge import judge, probe_findings
+from causalattn.check.measure import Linearity, Projection, RowSums, Width
 from causalattn.check.report import Finding
 
 ON_MAIN = " (on main probe)"
@@ -203,3 +203,214 @@ def test_an_output_projection_that_raised_says_what_it_raised():
             "T = d_k probe",
         )
     ]
+
+
+# -- large scores ---------------------------------------------------------------------------------
+def _large(*slices, kind="large", **kw):
+    return _probe(*slices, kind=kind, S_max=40.0, **kw)
+
+
+def test_every_stability_probe_kind_is_judged_for_overflow():
+    """The large, huge and negative probes: NaN where ordinary scores gave none is the
+    unstable softmax, named on the probe, with its rows and nothing measured beside them."""
+    main = _probe(_slice(REF.copy()))
+    for kind in ("large", "huge", "negative"):
+        pm = _large(_slice(_nan_row(4)), kind=kind, probe=f"{kind} probe")
+        assert probe_findings(pm, main) == [
+            Finding(
+                "A",
+                "unstable-softmax",
+                "A: at scores up to |S| = 40 row 5 comes out NaN or inf: exp overflows "
+                "without the row maximum subtracted",
+                f"{kind} probe",
+                rows=(4,),
+            )
+        ], kind
+        assert probe_findings(_large(_slice(REF.copy()), kind=kind), main) == []
+
+
+def test_overflow_is_not_judged_where_ordinary_scores_gave_nan_already():
+    main = _probe(_slice(_nan_row(4)))
+    assert probe_findings(_large(_slice(_nan_row(4))), main) == []
+    assert probe_findings(_large(_slice(_nan_row(1))), main) == []
+    leak = REF.copy()
+    leak[2, 5] = 0.2
+    assert probe_findings(_large(_slice(leak)), main) == []
+
+
+def test_overflow_in_any_head_names_every_row_once():
+    main = _probe(_slice(REF.copy()))
+    pm = _large(
+        _slice(_nan_row(4), index=(0, 0)),
+        _slice(_nan_row(1), index=(0, 1)),
+        _slice(_nan_row(4), index=(0, 2)),
+        H=3,
+    )
+    (f,) = probe_findings(pm, main)
+    assert (f.fault, f.rows) == ("unstable-softmax", (1, 4))
+    assert f.message.startswith("A: at scores up to |S| = 40 rows 2, 5 come out NaN or inf: ")
+
+
+def test_weight_on_blocked_keys_in_any_head_or_batch_row():
+    """The rows of every slice that leak, the largest weight of any (its size: a negative
+    weight leaks too), the probe's largest score."""
+    main = _probe(_slice(REF.copy()))
+    a, b = REF.copy(), REF.copy()
+    a[2, 5] = 0.1
+    b[4, 5] = -0.3
+    b[1, 3] = 0.05
+    pm = _large(
+        _slice(a, index=(0, 0)),
+        _slice(REF.copy(), index=(0, 1)),
+        _slice(REF.copy(), index=(1, 0)),
+        _slice(b, index=(1, 1)),
+        B=2,
+        H=2,
+    )
+    (f,) = probe_findings(pm, main)
+    assert f == Finding(
+        "M",
+        "finite-fill-too-weak",
+        "M: at scores up to |S| = 40 blocked keys get weight (up to 0.3) on rows 2..3, 5: the "
+        "fill that blocks them is finite and the scores overcome it",
+        "large probe",
+        {"weight": 0.3, "S_max": 40.0},
+        (1, 2, 4),
+    )
+
+
+def test_weight_at_or_below_the_read_back_noise_is_not_read():
+    main = _probe(_slice(REF.copy()))
+    for w, leaks in ((0.005, False), (0.01, False), (0.02, True)):
+        leak = REF.copy()
+        leak[2, 5] = w
+        found = probe_findings(_large(_slice(leak), noise=0.01), main)
+        assert [f.fault for f in found] == (["finite-fill-too-weak"] if leaks else []), w
+
+
+def test_a_row_with_no_readable_key_does_not_leak():
+    """A row that may read no key gets whatever the fill gives it, whatever the scores: a
+    weight there is no sign that the scores overcame the fill."""
+    allowed = CAUSAL.copy()
+    allowed[0] = False
+    ref = REF.copy()
+    ref[0] = 0.0
+    main = _probe(_slice(ref.copy(), ref=ref, allowed=allowed))
+    A = ref.copy()
+    A[0] = 1 / T  # the empty row reads every key alike
+    assert probe_findings(_large(_slice(A, ref=ref, allowed=allowed)), main) == []
+    A[3, 4] = 0.2
+    (f,) = probe_findings(_large(_slice(A, ref=ref, allowed=allowed)), main)
+    assert (f.rows, f.measurement["weight"]) == ((3,), 0.2)
+
+
+def test_keys_the_main_probe_read_count_only_where_its_record_has_the_same_shape():
+    """A key the main probe read already is no news; on a probe of another shape (more
+    heads, or more tokens) no key of the main probe's lines up with it, so every one counts."""
+    leak = REF.copy()
+    leak[2, 5] = 0.2
+    main = _probe(_slice(leak.copy()))
+    assert probe_findings(_large(_slice(leak.copy())), main) == []
+    two = _large(_slice(REF.copy(), index=(0, 0)), _slice(leak.copy(), index=(0, 1)), H=2)
+    (f,) = probe_findings(two, main)
+    assert (f.fault, f.rows) == ("finite-fill-too-weak", (2,))
+    E8 = np.tril(np.ones((8, 8), bool))
+    A8 = E8 / E8.sum(-1, keepdims=True)
+    A8[2, 5] = 0.2
+    longer = _large(_slice(A8, ref=E8 / E8.sum(-1, keepdims=True), allowed=E8))
+    (f,) = probe_findings(longer, main)
+    assert (f.fault, f.rows) == ("finite-fill-too-weak", (2,))
+
+
+# -- the long fp16 rows ---------------------------------------------------------------------------
+def _long(sums, tol=3e-3):
+    r = RowSums(np.array(sums, float), 2500, 1e-3, tol)
+    return _probe(kind="long fp16", probe="long fp16 rows", sums=r)
+
+
+def test_long_fp16_rows_within_the_rule_have_no_finding():
+    main = _probe(_slice(REF.copy()))
+    assert probe_findings(_long([1.0, 1.001, 0.999, 1.0]), main) == []
+    assert probe_findings(_long([1.0, 1.25, 0.75, 1.0], tol=0.25), main) == []  # at the rule
+
+
+def test_long_fp16_rows_off_either_way_or_nan_are_worded_whole():
+    main = _probe(_slice(REF.copy()))
+    for sums, said in (
+        ([0.9, 0.91, 0.9, 0.92], "0.9, 0.91, 0.9, 0.92"),
+        ([1.0, 1.1, 1.0, 1.0], "1, 1.1, 1, 1"),
+        ([1.0, np.nan, 1.0, 1.0], "1, nan, 1, 1"),
+    ):
+        (f,) = probe_findings(_long(sums), main)
+        assert (f.stage, f.fault, f.probe, f.rows, f.slice) == (
+            "A",
+            "softmax-fp16-accumulation",
+            "long fp16 rows",
+            (),
+            (),
+        )
+        assert f.message == (
+            f"A: in fp16, rows reading 2500 keys sum to {said} instead of 1 (plain fp16 math "
+            "with fp32 accumulation is off by 0.001): the softmax accumulates in fp16"
+        )
+        m = f.measurement
+        assert sorted(m) == ["keys", "plain_err", "sums"]
+        assert (m["keys"], m["plain_err"]) == (2500, 1e-3)
+        assert np.array_equal(m["sums"], sums, equal_nan=True) and isinstance(m["sums"], list)
+
+
+def test_long_fp16_rows_are_judged_only_where_the_main_probe_reads_back_summing_rows():
+    off = _long([0.9, 0.91, 0.9, 0.92])
+    for main in (
+        _probe(_slice(REF.copy(), mode="cols")),
+        _probe(_slice(_nan_row(3))),
+        _probe(_slice(REF.copy()), repeat=0.5),
+        _probe(_slice(REF.copy()), linearity=Linearity(0.5, 1e-12, 0.0)),
+    ):
+        assert probe_findings(off, main) == []
+    assert len(probe_findings(off, _probe(_slice(REF.copy())))) == 1
+
+
+def test_the_further_probes_that_can_still_show_something():
+    from causalattn.check.judge import further_kinds, reads_back
+
+    rest = ("two-head", "decoding", "padding", "large", "huge", "negative", "fp16")
+    ok = _probe(_slice(REF.copy()), _slice(REF.copy(), index=(0, 1)), H=2)
+    assert reads_back(ok) and further_kinds(ok) == (*rest, "long fp16")
+    cols = _probe(_slice(REF.copy()), _slice(REF.copy(), index=(0, 1), mode="cols"), H=2)
+    assert reads_back(cols) and further_kinds(cols) == rest
+    nan = _probe(_slice(REF.copy()), _slice(_nan_row(3), index=(0, 1)), H=2)
+    assert reads_back(nan) and further_kinds(nan) == rest
+    for main in (
+        _probe(_slice(REF.copy()), repeat=0.5),
+        _probe(_slice(REF.copy()), linearity=Linearity(0.5, 1e-12, 0.0)),
+    ):
+        assert not reads_back(main) and further_kinds(main) == ()
+
+
+# -- a further probe's findings -------------------------------------------------------------------
+def test_an_fp16_probe_names_no_scale():
+    """Rounding the inputs to fp16 moves the fitted scale: an fp16 probe's S findings are
+    left out, its other findings kept; another probe's scale is its own finding."""
+    main = _probe(_slice(REF.copy()))
+    scaled = _slice(REF.copy(), fit=(1.0, 0.0))
+    assert probe_findings(_probe(scaled, kind="fp16"), main) == []
+    both = _slice(REF.copy(), fit=(1.0, 0.0), mode="cols")
+    assert [(f.stage, f.fault) for f in probe_findings(_probe(both, kind="fp16"), main)] == [
+        ("A", "softmax-query-axis")
+    ]
+    assert [(f.stage, f.fault) for f in probe_findings(_probe(both, kind="decoding"), main)] == [
+        ("S", "missing-scale"),
+        ("A", "softmax-query-axis"),
+    ]
+
+
+def test_a_further_probes_scale_is_named_with_d_model():
+    main = _probe(_slice(REF.copy()))
+    pm = _probe(_slice(REF.copy(), fit=(12**-0.5, 0.0)), kind="decoding")
+    (f,) = probe_findings(pm, main, 12)
+    assert (f.stage, f.fault, f.probe) == ("S", "scale-by-sqrt-dmodel", "decoding probe")
+    (f,) = probe_findings(pm, main)
+    assert (f.stage, f.fault) == ("S", None)
+    found = judge([main, pm], d_model=12)
+    assert [(f.fault, f.probe) for f in found] == [("scale-by-sqrt-dmodel", "decoding probe")]
