@@ -414,3 +414,316 @@ def test_a_further_probes_scale_is_named_with_d_model():
     assert (f.stage, f.fault) == ("S", None)
     found = judge([main, pm], d_model=12)
     assert [(f.fault, f.probe) for f in found] == [("scale-by-sqrt-dmodel", "decoding probe")]
+
+
+# -- findings merged by head ----------------------------------------------------------------------
+def _heads(*slices, **kw):
+    """A further probe of the given slices (B×H as their indices say)."""
+    B = 1 + max(s.index[0] for s in slices)
+    H = 1 + max(s.index[1] for s in slices)
+    return _probe(*slices, kind="two-head", B=B, H=H, **kw)
+
+
+def test_some_heads_only_keeps_the_first_findings_stage_rows_slice_and_measurement():
+    """Heads 1 and 2 of 3 differ (head 2 at S, head 1 at A): the one finding is the earliest
+    stage's, of head 2, with its rows, slice and measurement, and the fault it carries."""
+    main = _probe(_slice(REF.copy()))
+    off = REF.copy()
+    off[2] *= 0.5
+    pm = _heads(
+        _slice(off, index=(0, 0), mode="none"),
+        _slice(REF.copy(), index=(0, 1), fit=(1.0, 0.0)),
+        _slice(REF.copy(), index=(0, 2)),
+    )
+    (f,) = probe_findings(pm, main)
+    (scale,) = probe_findings(_probe(_slice(REF.copy(), fit=(1.0, 0.0)), kind="two-head"), main)
+    assert (f.stage, f.fault, f.probe, f.rows, f.slice) == (
+        "S",
+        "some-heads-only",
+        "two-head probe",
+        (),
+        (0, 1),
+    )
+    assert f.message == f"heads 1, 2 of 3: {scale.message}; head 3 matches the reference"
+    assert f.measurement == {**scale.measurement, "heads": [0, 1], "fault": "missing-scale"}
+
+
+def test_some_heads_only_keeps_the_rows_of_the_head_it_shows():
+    main = _probe(_slice(REF.copy()))
+    off = REF.copy()
+    off[2] *= 0.5
+    off[4] *= 0.5
+    pm = _heads(_slice(REF.copy(), index=(0, 0)), _slice(off, index=(0, 1), mode="none"))
+    (f,) = probe_findings(pm, main)
+    assert (f.stage, f.fault, f.rows, f.slice) == ("A", "some-heads-only", (2, 4), (0, 1))
+    assert f.message.startswith("head 2 of 2: A: rows 3, 5 sum to 0.5, 0.5 instead of 1, 1")
+    assert f.message.endswith("; head 1 matches the reference")
+    assert np.allclose(f.measurement.pop("row_sums"), off.sum(-1))
+    assert f.measurement == {"heads": [1], "fault": None}
+
+
+def test_a_fault_in_every_head_is_named_once_from_the_first_slice():
+    main = _probe(_slice(REF.copy()))
+    cols = [_slice(REF.copy(), index=(0, h), mode="cols") for h in range(2)]
+    (f,) = probe_findings(_heads(*cols), main)
+    assert (f.stage, f.fault, f.slice) == ("A", "softmax-query-axis", (0, 0))
+    # the same head in two batch rows is one head: the others match
+    bad = [_slice(REF.copy(), index=(b, 0), mode="cols") for b in range(2)]
+    good = [_slice(REF.copy(), index=(b, 1)) for b in range(2)]
+    (f,) = probe_findings(_heads(bad[0], good[0], bad[1], good[1]), main)
+    assert (f.fault, f.slice, f.measurement["heads"]) == ("some-heads-only", (0, 0), [0])
+    assert f.message.startswith("head 1 of 2: A: columns sum to 1")
+    # one head in two batch rows: each (stage, fault) once, the first row's
+    pm = _heads(_slice(REF.copy(), index=(0, 0), mode="cols"), _slice(REF.copy(), index=(1, 0)))
+    (f,) = probe_findings(pm, main)
+    assert (f.fault, f.slice) == ("softmax-query-axis", (0, 0))
+
+
+def test_findings_of_one_stage_are_kept_when_their_faults_differ():
+    """Merged by (stage, fault): one A finding per fault; each stage's unnamed one too."""
+    main = _probe(_slice(REF.copy()))
+    off = REF.copy()
+    off[2] *= 0.5
+    pm = _probe(
+        _slice(off, index=(0, 0), mode="none", fit=(1.0, 0.0)),
+        _slice(REF.copy(), index=(1, 0), mode="cols"),
+        _slice(off, index=(2, 0), mode="none"),
+        kind="decoding",
+        B=3,
+    )
+    found = probe_findings(pm, main)
+    assert [(f.stage, f.fault, f.slice) for f in found] == [
+        ("S", "missing-scale", (0, 0)),
+        ("A", None, (0, 0)),
+        ("A", "softmax-query-axis", (1, 0)),
+    ]
+    scaled = _probe(_slice(off, mode="none", fit=(0.9, 0.0)), kind="decoding")  # no size
+    assert [(f.stage, f.fault) for f in probe_findings(scaled, main)] == [("S", None), ("A", None)]
+
+
+def test_a_multi_head_probe_that_matches_has_no_finding():
+    main = _probe(_slice(REF.copy()))
+    assert probe_findings(_heads(*[_slice(REF.copy(), index=(0, h)) for h in range(3)]), main) == []
+
+
+# -- the main probe first, then what it does not explain ------------------------------------------
+def test_the_main_probes_findings_come_in_stage_order():
+    """Its weights (M), the width of V (S) and the output projection (O): S, M, O."""
+    w = Width(diff=0.1, tol=1e-12, fit=None, d_v=6)
+    A = np.tril(np.ones((T, T)), 1)
+    main = _probe(
+        _slice(A / A.sum(-1, keepdims=True)),
+        width=w,
+        projection=Projection(err=0.5, err_missing=0.0, tol=1e-6),
+    )
+    assert [(f.stage, f.fault) for f in judge([main])] == [
+        ("S", None),
+        ("M", None),
+        ("O", "output-projection-missing"),
+    ]
+
+
+def test_a_further_probes_findings_come_in_stage_order_each_once():
+    """Two further probes that both find the same unnamed A: shown once (the first's);
+    each probe's own findings in stage order."""
+    main = _probe(_slice(REF.copy()))
+    off = REF.copy()
+    off[2] *= 0.5
+    first = _probe(
+        _slice(off, mode="none", fit=(1.0, 0.0)), kind="decoding", probe="decoding probe"
+    )
+    second = _probe(_slice(off, mode="none"), kind="padding", probe="padding probe")
+    found = judge([main, first, second])
+    assert [(f.stage, f.fault, f.probe) for f in found] == [
+        ("S", "missing-scale", "decoding probe"),
+        ("A", None, "decoding probe"),
+    ]
+    assert [(f.stage, f.probe) for f in judge([main, second, first])] == [
+        ("A", "padding probe"),
+        ("S", "decoding probe"),
+    ]
+
+
+def test_a_further_finding_the_main_probe_explains_is_not_shown():
+    cols = _probe(_slice(REF.copy(), mode="cols"))
+    again = _probe(_slice(REF.copy(), mode="cols"), kind="decoding")
+    assert [(f.probe, f.fault) for f in judge([cols, again])] == [
+        ("main probe", "softmax-query-axis")
+    ]
+
+
+# -- what the probes that ran cannot show ---------------------------------------------------------
+def test_padding_faults_are_shown_by_a_padding_probe_or_a_declared_padding():
+    from causalattn.check.judge import untested
+
+    ran = ["main probe", "decoding probe", "long fp16 rows"]
+    padding = ["padding-ignored", "padding-queries-only", "finite-min-added-twice"]
+    padding.append("nan-on-empty-rows")
+    win = {"window": 3}
+    assert untested("sdpa", True, None, win, ran, "main") == [
+        "padding-ignored",
+        "padding-queries-only",
+        "finite-min-added-twice",
+        "nan-on-empty-rows",
+    ]
+    for pad_kind, declared in (
+        ("lengths", win),
+        ("key_padding_mask", win),
+        (None, {**win, "lengths": [4]}),
+        (None, {**win, "key_padding_mask": np.ones((1, T), bool)}),
+    ):
+        got = untested("sdpa", True, pad_kind, declared, ran, "main")
+        assert got == [], (pad_kind, sorted(declared))
+    got = untested("sdpa", True, "lengths", {}, ran, "main")
+    assert got == ["window-off-by-one"]
+
+
+def test_decoding_long_rows_projection_and_k_transposed_each_by_what_ran():
+    from causalattn.check.judge import untested
+
+    win = {"window": 3}
+    assert untested("sdpa", True, "lengths", win, ["main probe"], "main") == [
+        "causal-top-left",
+        "softmax-fp16-accumulation",
+    ]
+    ran = ["main probe", "decoding (T_q < T_k)", "long fp16 rows"]
+    assert untested("sdpa", True, "lengths", win, ran, "main") == []
+    assert untested("sdpa", False, "lengths", win, ran, "main") == [
+        "output-projection-missing",
+        "output-projection-transposed",
+    ]
+    assert untested("qkv", True, "lengths", win, ran, "main") == [
+        "k-not-transposed",
+        "scale-by-sqrt-dmodel",
+    ]
+    assert untested("qkv", True, "lengths", win, ran, "T = d_k") == ["scale-by-sqrt-dmodel"]
+    assert untested("x", True, "lengths", win, ran, "main") == []
+
+
+# -- the verdict ----------------------------------------------------------------------------------
+def _verdict(found, measures, details=None, **kw):
+    from causalattn.check.judge import verdict
+
+    details = {"probes": [m.probe for m in measures]} if details is None else details
+    return verdict(found, measures, details=details, untested=kw.pop("untested", []), **kw)
+
+
+def test_a_clean_verdict_shows_the_main_probes_first_slice():
+    from causalattn.check.report import Status
+
+    main = _probe(_slice(REF.copy()), _slice(REF.copy(), index=(0, 1), fit=(1.0, 0.0)), H=2)
+    details = {"probes": ["main probe", "large probe"]}
+    d = _verdict([], [main], details, untested=["window-off-by-one"])
+    assert (d.fault, d.stage, d.status, d.location, d.findings) == (
+        None,
+        None,
+        Status.CLEAN,
+        None,
+        [],
+    )
+    assert d.message == "matches the reference on every probe (main probe, large probe)"
+    assert d.untested == ["window-off-by-one"] and d.details is details
+    assert (d.pattern == CAUSAL).all() and (d.expected == CAUSAL).all()
+    assert d.scale == C0 and d.d_k == 3
+    assert details == {"probes": ["main probe", "large probe"]}
+    assert _verdict([], [main], {}).message == "matches the reference on every probe ()"
+    bare = _verdict([], [_probe()])  # no weights read back: nothing to show
+    assert (bare.pattern, bare.expected, bare.scale, bare.d_k) == (None, None, None, 3)
+
+
+def test_the_verdict_names_the_first_finding_and_where_the_white_box_pass_put_it():
+    from causalattn.check.report import Status
+
+    main = _probe(_slice(REF.copy(), fit=(1.0, 0.0), mode="cols"))
+    found = judge([main])
+    assert [f.fault for f in found] == ["missing-scale", "softmax-query-axis"]
+    details = {"probes": ["main probe"]}
+    facts = {"line": 12}
+    d = _verdict(found, [main], details, located=("attn.py:12", "s = q @ k.T", facts))
+    assert (d.fault, d.stage, d.location, d.status) == (
+        "missing-scale",
+        "S",
+        "attn.py:12",
+        Status.FAULT,
+    )
+    assert d.message == "missing-scale: " + found[0].message and d.findings == found
+    assert details == {"probes": ["main probe"], "whitebox": facts, "code": "s = q @ k.T"}
+    assert d.scale == 1.0 and (d.pattern == CAUSAL).all()
+    unnamed = _probe(_slice(REF.copy(), fit=(C0, 0.5)))
+    found = judge([unnamed])
+    details = {"probes": ["main probe"]}
+    d = _verdict(found, [unnamed], details)
+    assert (d.fault, d.stage, d.status, d.location) == (None, "S", Status.UNKNOWN, None)
+    assert d.message == found[0].message and d.scale is None  # no tight fit
+    assert details == {"probes": ["main probe"], "whitebox": {}, "code": ""}
+
+
+def test_the_verdict_shows_the_slice_of_the_first_finding_on_the_main_probe():
+    """Head 2 of the main probe lacks its scale: the pattern, expected pattern and scale
+    shown are head 2's; a finding of no slice or of another probe shows head 1."""
+    allowed1 = CAUSAL.copy()
+    allowed1[5, 5] = False  # head 2's expected pattern, told apart from head 1's
+    ref1 = allowed1 / allowed1.sum(-1, keepdims=True)
+    head2 = _slice(ref1.copy(), ref=ref1, allowed=allowed1, index=(0, 1), fit=(1.0, 0.0))
+    main = _probe(_slice(REF.copy()), head2, H=2)
+    found = judge([main])
+    assert [(f.fault, f.slice) for f in found] == [("some-heads-only", (0, 1))]
+    d = _verdict(found, [main])
+    assert (d.pattern == allowed1).all() and (d.expected == allowed1).all() and d.scale == 1.0
+    head2 = _slice(ref1.copy(), ref=ref1, allowed=allowed1, index=(0, 1))  # right
+    w = Width(diff=0.1, tol=1e-12, fit=None, d_v=6)
+    main_w = _probe(_slice(REF.copy()), head2, H=2, width=w)
+    found = judge([main_w])
+    assert [(f.stage, f.slice) for f in found] == [("S", ())]
+    d = _verdict(found, [main_w])
+    assert (d.pattern == CAUSAL).all() and (d.expected == CAUSAL).all() and d.scale == C0
+    cols = _slice(REF.copy(), index=(0, 1), mode="cols")
+    other = _probe(_slice(REF.copy()), cols, kind="two-head", H=2)
+    main_ok = _probe(_slice(REF.copy()), head2, H=2)
+    found = judge([main_ok, other])
+    assert [(f.probe, f.slice) for f in found] == [("two-head probe", (0, 1))]
+    d = _verdict(found, [main_ok, other])
+    assert (d.pattern == CAUSAL).all() and (d.expected == CAUSAL).all() and d.scale == C0
+
+
+def test_the_verdict_shows_no_read_pattern_where_v_i_does_not_read_the_weights_back():
+    main = _probe(_slice(REF.copy(), mode="cols"))
+    found = judge([main])
+    d = _verdict(found, [main], reads_back=False)
+    assert d.pattern is None and (d.expected == CAUSAL).all() and d.scale == C0
+    assert (_verdict(found, [main]).pattern == CAUSAL).all()  # reads back unless told
+
+
+def test_the_pattern_of_a_further_probe_is_shown_only_for_its_own_slice():
+    """details["pattern_of"]: the read and expected pattern of the first finding's slice
+    when that finding is a further probe's, not the main probe's; none where the finding
+    has no slice or names a slice or probe not measured."""
+    main = _probe(_slice(REF.copy(), mode="cols"))
+    found = judge([main])
+    details = {"probes": ["main probe"]}
+    _verdict(found, [main], details)
+    assert "pattern_of" not in details
+    ok = _probe(_slice(REF.copy()))
+    nan = _nan_row(4)
+    large = _large(_slice(nan))
+    found = judge([ok, large])
+    assert [(f.probe, f.slice) for f in found] == [("large probe", ())]
+    details = {"probes": ["main probe", "large probe"]}
+    _verdict(found, [ok, large], details)
+    assert "pattern_of" not in details
+    stray = [Finding("M", "no-mask", "M: ...", "elsewhere", slice=(0, 0))]
+    details = {"probes": ["main probe"]}
+    _verdict(stray, [ok], details)
+    assert "pattern_of" not in details
+    off_slice = [Finding("M", "no-mask", "M: ...", "large probe", slice=(0, 3))]
+    details = {"probes": ["main probe", "large probe"]}
+    _verdict(off_slice, [ok, large], details)
+    assert "pattern_of" not in details
+
+
+def test_the_main_probes_scale_is_named_with_d_model():
+    main = _probe(_slice(REF.copy(), fit=(12**-0.5, 0.0)))
+    (f,) = judge([main], d_model=12)
+    assert (f.stage, f.fault, f.probe) == ("S", "scale-by-sqrt-dmodel", "main probe")
+    (f,) = judge([main])
+    assert (f.stage, f.fault) == ("S", None)
