@@ -622,10 +622,10 @@ def test_a_clean_verdict_shows_the_main_probes_first_slice():
         [],
     )
     assert d.message == "matches the reference on every probe (main probe, large probe)"
-    assert d.untested == ["window-off-by-one"] and d.details is details
+    assert d.untested == ["window-off-by-one"]
+    assert d.details == {"probes": ["main probe", "large probe"]}
     assert (d.pattern == CAUSAL).all() and (d.expected == CAUSAL).all()
     assert d.scale == C0 and d.d_k == 3
-    assert details == {"probes": ["main probe", "large probe"]}
     assert _verdict([], [main], {}).message == "matches the reference on every probe ()"
     bare = _verdict([], [_probe()])  # no weights read back: nothing to show
     assert (bare.pattern, bare.expected, bare.scale, bare.d_k) == (None, None, None, 3)
