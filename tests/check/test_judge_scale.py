@@ -2,3 +2,84 @@
 the fitted factor and the size it is named by, and rows that do not sum as a softmax's."""
 
 from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from _judge_records import C0, REF, _probe, _slice
+
+from causalattn.check.judge import SCALE_RTOL, judge
+from causalattn.check.measure import Width
+
+# a float64 ratio r never lies exactly SCALE_RTOL from 1 (r - 1 is a multiple of 2^-53 there,
+# SCALE_RTOL is not): only a wider float reaches the bound itself
+WIDE = np.longdouble
+wide_enough = pytest.mark.skipif(
+    np.finfo(WIDE).nmant < 60, reason="long double is no wider than float64 here"
+)
+
+
+def _scale_finding(found):
+    """The one S finding of a slice (the one that records the fitted scale)."""
+    (f,) = [f for f in found if f.stage == "S" and "scale" in f.measurement]
+    return f
+
+
+def test_one_head_has_no_size_h_times_d_k():
+    """With one head, H·d_k is d_k itself: a function that scales by 1/√d_k where another
+    scale was declared is not told its factor is "1/√(H·d_k)"."""
+    declared = 0.5
+    pm = _probe(_slice(REF.copy(), fit=(C0, 0.0)), scale0=declared)
+    (f,) = judge([pm])
+    assert (f.stage, f.fault) == ("S", None)
+    assert f.measurement == {"scale": C0, "expected": declared}
+    assert "H·d_k" not in f.message
+    # with two heads of d_k = 4 the size is there: 1/√8 is 1/√(H·d_k)
+    heads = [_slice(REF.copy(), index=(0, h), fit=(8**-0.5, 0.0)) for h in (0, 1)]
+    (f,) = judge([_probe(*heads, H=2, d_k=4, scale0=0.5, d_v=5)])  # one finding for the probe
+    assert f.fault is None and "; the factor is 1/√(H·d_k) (H·d_k = 8) (" in f.message
+
+
+@wide_enough
+def test_a_factor_exactly_the_tolerance_off_a_size_is_that_size():
+    """SCALE_RTOL: a fitted scale *within* it of a size is that size, the bound included."""
+    at = WIDE(1) + WIDE(SCALE_RTOL)  # 1/1 - 1 is exactly SCALE_RTOL
+    assert abs(at / 1.0 - 1) == SCALE_RTOL
+    f = _scale_finding(judge([_probe(_slice(REF.copy(), fit=(at, 0.0)))]))
+    assert f.fault == "missing-scale" and "; the factor is 1 (on main probe)" in f.message
+    past = WIDE(1) + WIDE(SCALE_RTOL) * WIDE(1.001)  # just outside: no size
+    f = _scale_finding(judge([_probe(_slice(REF.copy(), fit=(past, 0.0)))]))
+    assert f.fault is None and "the factor is" not in f.message
+
+
+@wide_enough
+def test_the_run_with_d_v_doubled_follows_exactly_at_the_tolerance():
+    """1/√d_v is named when the run with d_v doubled fits 1/√(2 d_v) within SCALE_RTOL,
+    the bound included (d_v = 2: the doubled run's factor is 1/2)."""
+    d_v = 2
+    at = (WIDE(1) + WIDE(SCALE_RTOL)) / 2  # · √(2 d_v) = 2: exactly SCALE_RTOL off 1
+    assert abs(at * math.sqrt(2 * d_v) - 1) == SCALE_RTOL
+    by_dv = d_v**-0.5
+    wide = Width(diff=0.1, tol=1e-12, fit=(at, 0.0), d_v=d_v)
+    pm = _probe(_slice(REF.copy(), fit=(by_dv, 0.0)), d_v=d_v, width=wide)
+    f = _scale_finding(judge([pm]))
+    assert f.fault == "scale-by-sqrt-dv" and "the factor is 1/√d_v (d_v = 2)" in f.message
+    past = (WIDE(1) + WIDE(SCALE_RTOL) * WIDE(1.001)) / 2  # does not follow: not 1/√d_v
+    wide = Width(diff=0.1, tol=1e-12, fit=(past, 0.0), d_v=d_v)
+    pm = _probe(_slice(REF.copy(), fit=(by_dv, 0.0)), d_v=d_v, width=wide)
+    f = _scale_finding(judge([pm]))
+    assert f.fault is None and "1/√d_v" not in f.message
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="judge._scale words the expected scale as '(1/√d_k, d_k = …)' even where the "
+    "declared scale (diagnose(scale=…)) is another number",
+)
+def test_a_declared_scale_is_not_called_one_over_root_d_k():
+    """diagnose(fn, scale=0.5) on a d_k = 3 probe expects · 0.5, which is not 1/√3: the
+    finding must not say that the expected factor is 1/√d_k."""
+    (f,) = judge([_probe(_slice(REF.copy(), fit=(C0, 0.0)), scale0=0.5)])
+    assert "expected · 0.5 " in f.message
+    assert "1/√d_k, d_k = 3" not in f.message
