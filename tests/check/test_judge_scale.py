@@ -72,6 +72,43 @@ def test_the_run_with_d_v_doubled_follows_exactly_at_the_tolerance():
     assert f.fault is None and "1/√d_v" not in f.message
 
 
+def test_a_scale_off_the_declared_one_is_one_finding_with_its_factor_and_size():
+    """S: the fitted factor, the declared one, the size it equals (here 1/√d_model, named
+    only because the judge is told d_model), on the slice and probe it was measured on."""
+    c = 12**-0.5
+    s = _slice(REF.copy(), index=(0, 1), fit=(c, 0.0))
+    ok = _slice(REF.copy(), index=(0, 0))
+    pm = _probe(ok, s, probe="two-head probe", H=2, d_v=5)
+    (f,) = judge([_probe(_slice(REF.copy())), pm], d_model=12)
+    assert (f.stage, f.fault, f.probe, f.slice, f.rows) == (
+        "S",
+        "some-heads-only",
+        "two-head probe",
+        (0, 1),
+        (),
+    )
+    assert f.measurement == {
+        "scale": c,
+        "expected": C0,
+        "heads": [1],
+        "fault": ("scale-by-sqrt-dmodel"),
+    }
+    assert f.message == (
+        "head 2 of 2: S: the weights are the softmax of Q Kᵀ · 0.2887; expected · 0.5774 "
+        "(1/√d_k, d_k = 3); the factor is 1/√d_model (d_model = 12) (on two-head probe); "
+        "head 1 matches the reference"
+    )
+    # not told d_model, the factor is no size of the probe's
+    (f,) = judge([_probe(_slice(REF.copy(), fit=(c, 0.0)), d_v=5)])
+    assert f.fault is None and f.message == (
+        "S: the weights are the softmax of Q Kᵀ · 0.2887; expected · 0.5774 (1/√d_k, d_k = 3) "
+        "(on main probe)"
+    )
+    # the declared scale itself, within SCALE_RTOL: nothing to say
+    assert judge([_probe(_slice(REF.copy(), fit=(C0 * (1 + 0.9 * SCALE_RTOL), 0.0)))]) == []
+    assert judge([_probe(_slice(REF.copy(), fit=(C0 * (1 - 0.9 * SCALE_RTOL), 0.0)))]) == []
+
+
 @pytest.mark.xfail(
     strict=True,
     reason="judge._scale words the expected scale as '(1/√d_k, d_k = …)' even where the "
@@ -83,3 +120,44 @@ def test_a_declared_scale_is_not_called_one_over_root_d_k():
     (f,) = judge([_probe(_slice(REF.copy(), fit=(C0, 0.0)), scale0=0.5)])
     assert "expected · 0.5 " in f.message
     assert "1/√d_k, d_k = 3" not in f.message
+
+
+# -- K not transposed: only the T = d_k probe can show it ---------------------------------
+D6 = 6**-0.5  # the declared scale of a T = d_k = 6 probe
+KT_TIGHT = 2e-3 + 1e3 * float(np.finfo(np.float32).eps)  # log A fits c·Q K this tightly
+
+
+def _t_eq_dk(fit_kt, fit=(D6, 0.5)):
+    """A T = d_k = 6 probe whose weights are no multiple of Q Kᵀ (misfit 0.5)."""
+    s = _slice(REF.copy(), fit=fit, fit_kt=fit_kt)
+    return _probe(s, kind="T = d_k", probe="T = d_k probe", d_k=6, scale0=D6)
+
+
+def test_weights_that_fit_q_k_not_q_kt_name_k_not_transposed():
+    (f,) = judge([_t_eq_dk((0.75, 0.0))])
+    assert (f.stage, f.fault, f.probe, f.slice, f.rows) == (
+        "S",
+        "k-not-transposed",
+        "T = d_k probe",
+        (0, 0),
+        (),
+    )
+    assert f.measurement == {"scale": 0.75}  # the factor on Q K, not the misfit
+    assert f.message == (
+        "S: the weights are the softmax of Q K · 0.75 (K not transposed; only runs when "
+        "T = d_k = 6)"
+    )
+
+
+def test_q_k_fits_up_to_its_tolerance_then_the_scores_are_no_multiple():
+    """The fit to Q K counts up to 2e-3 in log space plus a thousand float32 epsilons,
+    the bound included; past it the scores are just not a multiple of Q Kᵀ (unnamed S)."""
+    for misfit in (0.0, 2e-3, KT_TIGHT):
+        (f,) = judge([_t_eq_dk((D6, misfit))])
+        assert f.fault == "k-not-transposed", misfit
+    for misfit in (np.nextafter(KT_TIGHT, 1.0), 0.01, 0.5):
+        (f,) = judge([_t_eq_dk((D6, misfit))])
+        assert (f.fault, f.measurement) == (None, {"misfit": 0.5}), misfit
+    (f,) = judge([_t_eq_dk(None)])  # no fit to Q K (T ≠ d_k)
+    assert (f.fault, f.measurement) == (None, {"misfit": 0.5})
+    assert judge([_t_eq_dk((0.75, 0.0), fit=(D6, 0.0))]) == []  # Q Kᵀ fits: nothing to say
