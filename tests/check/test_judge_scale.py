@@ -4,10 +4,11 @@ the fitted factor and the size it is named by, and rows that do not sum as a sof
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 import pytest
-from _judge_records import C0, REF, _probe, _slice
+from _judge_records import C0, REF, T, _probe, _slice
 
 from causalattn.check.judge import SCALE_RTOL, judge
 from causalattn.check.measure import Width
@@ -161,3 +162,93 @@ def test_q_k_fits_up_to_its_tolerance_then_the_scores_are_no_multiple():
     (f,) = judge([_t_eq_dk(None)])  # no fit to Q K (T ≠ d_k)
     assert (f.fault, f.measurement) == (None, {"misfit": 0.5})
     assert judge([_t_eq_dk((0.75, 0.0), fit=(D6, 0.0))]) == []  # Q Kᵀ fits: nothing to say
+
+
+def test_scores_no_multiple_of_q_kt_are_one_unnamed_finding_on_their_slice():
+    s = _slice(REF.copy(), index=(1, 0), fit=(C0, 0.25))
+    (f,) = judge([_probe(s, B=2)])
+    assert (f.stage, f.fault, f.probe, f.slice, f.rows) == ("S", None, "main probe", (1, 0), ())
+    assert f.measurement == {"misfit": 0.25}
+    assert f.message == (
+        "S: log A is not c·Q Kᵀ plus a constant per row on the keys each row reads (misfit "
+        "0.25 in log space): the scores are not a multiple of Q Kᵀ (on main probe)"
+    )
+
+
+def test_a_fitted_scale_exactly_the_tolerance_off_the_declared_one_is_the_declared_one():
+    """SCALE_RTOL, the bound included (a declared 1/2 = 1/√d_k, d_k = 4: c/c0 is exact)."""
+    if np.finfo(WIDE).nmant < 60:
+        pytest.skip("long double is no wider than float64 here")
+    at = WIDE(0.5) * (WIDE(1) + WIDE(SCALE_RTOL))
+    assert abs(at / 0.5 - 1) == SCALE_RTOL
+    assert judge([_probe(_slice(REF.copy(), fit=(at, 0.0)), d_k=4, scale0=0.5)]) == []
+    past = WIDE(0.5) * (WIDE(1) + WIDE(SCALE_RTOL) * WIDE(1.001))
+    (f,) = judge([_probe(_slice(REF.copy(), fit=(past, 0.0)), d_k=4, scale0=0.5)])
+    assert f.stage == "S" and f.measurement["expected"] == 0.5
+
+
+# -- A: the normalization ------------------------------------------------------------------
+def _a_findings(found):
+    return [f for f in found if f.stage in ("A", "H")]
+
+
+def test_a_row_with_no_readable_key_is_left_to_m_whatever_it_sums_to():
+    """Key 1 is padding, so row 1 has no key to read; here it reads key 1 anyway (sums to 1,
+    the reference's row sums to 0). That is M's to say; A names only row 4, which reads its
+    keys but sums to 0.5."""
+    from causalattn import masks
+
+    pat = masks.Pattern(key_padding_mask=[[False, True, True, True, True, True]])
+    allowed = pat.allowed(1, 1, T, T)[0, 0]
+    ref = allowed / np.maximum(allowed.sum(-1, keepdims=True), 1)
+    A = ref.copy()
+    A[0, 0] = 1.0  # the row with no key reads the padded key
+    A[3] *= 0.5
+    s = _slice(A, ref=ref, allowed=allowed, mode="none", fit=None)
+    found = judge([_probe(s, pattern=pat)])
+    assert [f.stage for f in found] == ["M", "A"]
+    assert found[0].rows == (0,)
+    (a,) = _a_findings(found)
+    assert (a.fault, a.rows) == (None, (3,))
+    assert a.message == "A: row 4 sums to 0.5 instead of 1 (on main probe)"
+
+
+def test_a_row_that_reads_nothing_is_left_to_m():
+    """Row 3 reads no key at all (it sums to 0): M says so; its zero sum is no A finding,
+    neither a missing normalization nor a softmax masked after (the other rows are the full
+    softmax, which on this non-causal probe is the reference)."""
+    from causalattn import masks
+
+    pat = masks.Pattern(causal=False)
+    allowed = np.ones((T, T), bool)
+    ref = np.full((T, T), 1 / T)
+    A = ref.copy()
+    A[2] = 0.0
+    s = _slice(A, ref=ref, allowed=allowed, mode="none", full_err=0.0)
+    (f,) = judge([_probe(s, pattern=pat)])
+    assert (f.stage, f.rows) == ("M", (2,))
+
+
+def test_weights_that_read_nothing_anywhere_are_judged_without_a_warning():
+    """No row reads a key (all weights 0): no factor to take a median of, and no warning."""
+    s = _slice(np.zeros((T, T)), mode="none", fit=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = judge([_probe(s)])
+    assert [f.stage for f in found] == ["M"]
+
+
+def test_weights_that_sum_to_zero_are_no_multiple_of_the_reference():
+    """Each row reads two keys with weights +5e-4 and -5e-4 (within the tolerance of 0,
+    not negative beyond it): the rows sum to 0, and 0·A V is no finding; A names the sums."""
+    from causalattn import masks
+
+    tol = 1e-3
+    A = np.zeros((T, T))
+    A[:, 0], A[:, 1] = 5e-4, -5e-4
+    ref = np.full((T, T), 1 / T)
+    s = _slice(A, ref=ref, allowed=np.ones((T, T), bool), mode="none", fit=None)
+    found = judge([_probe(s, pattern=masks.Pattern(causal=False), tol=tol)])
+    (a,) = _a_findings(found)
+    assert (a.stage, a.fault, a.rows) == ("A", None, tuple(range(T)))
+    assert a.measurement == {"row_sums": [0.0] * T}
