@@ -252,3 +252,110 @@ def test_weights_that_sum_to_zero_are_no_multiple_of_the_reference():
     (a,) = _a_findings(found)
     assert (a.stage, a.fault, a.rows) == ("A", None, tuple(range(T)))
     assert a.measurement == {"row_sums": [0.0] * T}
+
+
+TOL = 2.0**-10  # a tolerance, and weights, exact in binary: the bounds are met exactly
+
+
+def _times(k, off):
+    """The reference times k, row 1's weight off by ``off`` (mode 'none': rows sum to k)."""
+    A = k * REF
+    A[0, 0] += off
+    return _probe(_slice(A, mode="none"), tol=TOL)
+
+
+def test_a_multiple_of_the_reference_within_the_tolerance_scaled_by_the_factor():
+    """H k·A V: every weight within tol·max(1, k) of k times the reference's, the bound
+    included; past it the rows' sums are A's."""
+    for k, off in ((0.5, TOL), (2.0, 2 * TOL), (2.0, 1.5 * TOL), (1.5, 1.5 * TOL)):
+        (f,) = judge([_times(k, off)])
+        assert (f.stage, f.measurement) == ("H", {"factor": k}), (k, off)
+    for k, off in ((0.5, 1.5 * TOL), (2.0, 2.5 * TOL)):
+        (f,) = judge([_times(k, off)])
+        assert (f.stage, f.fault, f.rows) == ("A", None, tuple(range(T))), (k, off)
+
+
+def _masked_after(n=8, tol=2.0**-20, **kw):
+    """An n×n causal probe whose function took the softmax over all n keys (equal scores:
+    1/n each) and zeroed the blocked ones: row i sums to (i + 1)/n. Exact in binary."""
+    causal = np.tril(np.ones((n, n), bool))
+    ref = causal / causal.sum(-1, keepdims=True)
+    A = np.where(causal, 1 / n, 0.0)
+    return A, dict(ref=ref, allowed=causal, mode="none", full_err=0.0, **kw), tol
+
+
+def _judged(A, fields, tol):
+    return judge([_probe(_slice(A, **fields), tol=tol)])
+
+
+def test_mask_after_softmax_needs_every_row_at_most_one():
+    """A row that sums to more than 1 (here by 1e-7, beyond a tolerance of 2⁻⁴⁰ but within
+    the 1e-6 the full softmax is matched to) is no softmax zeroed after: A names the sums."""
+    A, fields, tol = _masked_after(tol=2.0**-40)
+    (f,) = _judged(A, fields, tol)
+    assert (f.fault, f.rows) == ("mask-after-softmax", tuple(range(7)))
+    A[7, 7] += 1e-7
+    (f,) = _judged(A, {**fields, "full_err": 1e-7}, tol)
+    assert (f.stage, f.fault, f.rows) == ("A", None, tuple(range(8)))
+    assert "(more than 1: no softmax sums so)" in f.message
+
+
+def test_mask_after_softmax_rows_sum_to_one_within_the_tolerance_bounds_included():
+    """Rows within tol of 1 sum to 1: the last row at exactly 1 + tol still lets the rest be
+    a softmax zeroed after; at exactly 1 - tol it is not one of the rows that sum short."""
+    A, fields, tol = _masked_after()
+    A[7, 7] += tol  # the last row sums to 1 + tol exactly
+    assert A.sum(-1)[7] == 1 + tol
+    (f,) = _judged(A, {**fields, "full_err": tol}, tol)
+    assert (f.fault, f.rows) == ("mask-after-softmax", tuple(range(7)))
+    A[7, 7] -= 2 * tol  # 1 - tol exactly
+    assert A.sum(-1)[7] == 1 - tol
+    (f,) = _judged(A, {**fields, "full_err": tol}, tol)
+    assert (f.fault, f.rows) == ("mask-after-softmax", tuple(range(7)))
+
+
+def test_mask_after_softmax_matches_the_full_softmax_to_1e_6_or_the_tolerance():
+    """The weights are the softmax over all keys, zeroed, when they are within max(tol, 1e-6)
+    of it, the bound included: 1e-6 with a tolerance of 2⁻⁴⁰; 1e-6 beyond it is not."""
+    A, fields, _ = _masked_after()
+    tiny = 2.0**-40
+    for err in (0.0, 1e-9, 1e-6):
+        (f,) = _judged(A, {**fields, "full_err": err}, tiny)
+        assert f.fault == "mask-after-softmax", err
+    for err in (np.nextafter(1e-6, 1.0), 1e-3, 0.5):
+        (f,) = _judged(A, {**fields, "full_err": err}, tiny)
+        assert (f.fault, f.rows) == (None, tuple(range(7))), err
+    # a tolerance above 1e-6 is the bound
+    (f,) = _judged(A, {**fields, "full_err": TOL}, TOL)
+    assert f.fault == "mask-after-softmax"
+    (f,) = _judged(A, {**fields, "full_err": 2 * TOL}, TOL)
+    assert f.fault is None
+
+
+def test_rows_exactly_the_tolerance_short_beside_a_row_that_reads_nothing():
+    """Non-causal, 8 keys: row 1 reads nothing (M's); row 2 sums to exactly 1 - tol, which
+    is 1 within the tolerance: no A finding, not even a softmax masked after."""
+    from causalattn import masks
+
+    tol, n = 2.0**-20, 8
+    A = np.full((n, n), 1 / n)
+    A[0] = 0.0
+    A[1, 0] -= tol
+    assert A.sum(-1)[1] == 1 - tol
+    ref = np.full((n, n), 1 / n)
+    s = _slice(A, ref=ref, allowed=np.ones((n, n), bool), mode="none", full_err=tol)
+    (f,) = judge([_probe(s, pattern=masks.Pattern(causal=False), tol=tol)])
+    assert (f.stage, f.rows) == ("M", (0,))
+
+
+def test_a_row_off_by_exactly_the_tolerance_sums_right():
+    """Row 4 (four keys of 1/4: the reference's sum is exactly 1) sums to 1 - tol: right;
+    row 2 sums to 0.5: A names row 2 alone."""
+    tol = 2.0**-20
+    A = REF.copy()
+    A[3, 0] -= tol
+    A[1] *= 0.5
+    assert A.sum(-1)[3] == 1 - tol and REF.sum(-1)[3] == 1
+    (f,) = judge([_probe(_slice(A, mode="none", fit=None), tol=tol)])
+    assert (f.stage, f.fault, f.rows) == ("A", None, (1,))
+    assert f.message == "A: row 2 sums to 0.5 instead of 1 (on main probe)"
