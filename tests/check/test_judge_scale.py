@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from _judge_records import C0, REF, T, _probe, _slice
 
+from causalattn import masks
 from causalattn.check.judge import SCALE_RTOL, judge
-from causalattn.check.measure import Width
+from causalattn.check.measure import SliceMeasure, Width
 
 # a float64 ratio r never lies exactly SCALE_RTOL from 1 (r - 1 is a multiple of 2^-53 there,
 # SCALE_RTOL is not): only a wider float reaches the bound itself
@@ -45,7 +46,7 @@ def test_one_head_has_no_size_h_times_d_k():
 @wide_enough
 def test_a_factor_exactly_the_tolerance_off_a_size_is_that_size():
     """SCALE_RTOL: a fitted scale *within* it of a size is that size, the bound included."""
-    at = WIDE(1) + WIDE(SCALE_RTOL)  # 1/1 - 1 is exactly SCALE_RTOL
+    at = WIDE(1) + WIDE(SCALE_RTOL)  # at/1 - 1 is exactly SCALE_RTOL
     assert abs(at / 1.0 - 1) == SCALE_RTOL
     f = _scale_finding(judge([_probe(_slice(REF.copy(), fit=(at, 0.0)))]))
     assert f.fault == "missing-scale" and "; the factor is 1 (on main probe)" in f.message
@@ -92,7 +93,7 @@ def test_a_scale_off_the_declared_one_is_one_finding_with_its_factor_and_size():
         "scale": c,
         "expected": C0,
         "heads": [1],
-        "fault": ("scale-by-sqrt-dmodel"),
+        "fault": "scale-by-sqrt-dmodel",
     }
     assert f.message == (
         "head 2 of 2: S: the weights are the softmax of Q Kᵀ · 0.2887; expected · 0.5774 "
@@ -175,10 +176,9 @@ def test_scores_no_multiple_of_q_kt_are_one_unnamed_finding_on_their_slice():
     )
 
 
+@wide_enough
 def test_a_fitted_scale_exactly_the_tolerance_off_the_declared_one_is_the_declared_one():
     """SCALE_RTOL, the bound included (a declared 1/2 = 1/√d_k, d_k = 4: c/c0 is exact)."""
-    if np.finfo(WIDE).nmant < 60:
-        pytest.skip("long double is no wider than float64 here")
     at = WIDE(0.5) * (WIDE(1) + WIDE(SCALE_RTOL))
     assert abs(at / 0.5 - 1) == SCALE_RTOL
     assert judge([_probe(_slice(REF.copy(), fit=(at, 0.0)), d_k=4, scale0=0.5)]) == []
@@ -196,8 +196,6 @@ def test_a_row_with_no_readable_key_is_left_to_m_whatever_it_sums_to():
     """Key 1 is padding, so row 1 has no key to read; here it reads key 1 anyway (sums to 1,
     the reference's row sums to 0). That is M's to say; A names only row 4, which reads its
     keys but sums to 0.5."""
-    from causalattn import masks
-
     pat = masks.Pattern(key_padding_mask=[[False, True, True, True, True, True]])
     allowed = pat.allowed(1, 1, T, T)[0, 0]
     ref = allowed / np.maximum(allowed.sum(-1, keepdims=True), 1)
@@ -217,8 +215,6 @@ def test_a_row_that_reads_nothing_is_left_to_m():
     """Row 3 reads no key at all (it sums to 0): M says so; its zero sum is no A finding,
     neither a missing normalization nor a softmax masked after (the other rows are the full
     softmax, which on this non-causal probe is the reference)."""
-    from causalattn import masks
-
     pat = masks.Pattern(causal=False)
     allowed = np.ones((T, T), bool)
     ref = np.full((T, T), 1 / T)
@@ -241,8 +237,6 @@ def test_weights_that_read_nothing_anywhere_are_judged_without_a_warning():
 def test_weights_that_sum_to_zero_are_no_multiple_of_the_reference():
     """Each row reads two keys with weights +5e-4 and -5e-4 (within the tolerance of 0,
     not negative beyond it): the rows sum to 0, and 0·A V is no finding; A names the sums."""
-    from causalattn import masks
-
     tol = 1e-3
     A = np.zeros((T, T))
     A[:, 0], A[:, 1] = 5e-4, -5e-4
@@ -335,8 +329,6 @@ def test_mask_after_softmax_matches_the_full_softmax_to_1e_6_or_the_tolerance():
 def test_rows_exactly_the_tolerance_short_beside_a_row_that_reads_nothing():
     """Non-causal, 8 keys: row 1 reads nothing (M's); row 2 sums to exactly 1 - tol, which
     is 1 within the tolerance: no A finding, not even a softmax masked after."""
-    from causalattn import masks
-
     tol, n = 2.0**-20, 8
     A = np.full((n, n), 1 / n)
     A[0] = 0.0
@@ -379,8 +371,6 @@ def test_rows_that_sum_as_the_references_within_the_tolerance_have_no_a_finding(
     non-causal reference (1/6 each: its rows sum to 1 - 2⁻⁵³) sums to exactly tol below
     that, so below 1 - tol, and the weights are within tol of the full softmax: still no
     finding (not a softmax zeroed after)."""
-    from causalattn import masks
-
     tol = 2.0**-20
     ref = np.full((T, T), 1 / T)
     rs = ref.sum(-1)[0]
@@ -403,8 +393,6 @@ def test_rows_that_sum_as_the_references_within_the_tolerance_have_no_a_finding(
 def test_the_factor_of_weights_exactly_half_the_references_is_one_half():
     """k is each row's sum over the reference's: weights exactly half the reference's give
     0.5 exactly, also where the reference's rows sum to 1 - 2⁻⁵³ in binary (1/6 each)."""
-    from causalattn import masks
-
     ref = np.full((T, T), 1 / T)
     assert (ref.sum(-1) == 1 - 2.0**-53).all()
     s = _slice(0.5 * ref, ref=ref, allowed=np.ones((T, T), bool), mode="none")
@@ -421,9 +409,6 @@ def test_the_factor_of_weights_exactly_half_the_references_is_one_half():
 def test_weights_all_below_the_noise_are_not_said_to_sum_to_one():
     """Every weight is below the read-back noise (0.02), so no row 'reads' a key; they are
     1.5 times the reference's (rows sum to 1.5). The judge must not say they sum to 1."""
-    from causalattn import masks
-    from causalattn.check.measure import SliceMeasure
-
     n = 100
     ref = np.full((n, n), 1 / n)
     A = 1.5 * ref
