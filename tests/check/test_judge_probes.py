@@ -81,7 +81,7 @@ def test_nan_weights_at_ordinary_scores_are_stage_a_not_a_nonlinear_h():
     lin = Linearity(err=math.inf, tol=1e-12, zero=0.0)
     (f,) = judge([_probe(_slice(_nan_row(4)), linearity=lin)])
     assert (f.stage, f.fault, f.rows) == ("A", None, (4,))
-    assert f.message.startswith("A: row 5 hold NaN or inf weights at ordinary scores")
+    assert f.message.startswith("A: row 5 holds NaN or inf weights at ordinary scores")
 
 
 def test_a_nonlinear_function_is_judged_on_the_weights_it_recorded_with_d_model():

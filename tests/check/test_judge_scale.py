@@ -111,11 +111,6 @@ def test_a_scale_off_the_declared_one_is_one_finding_with_its_factor_and_size():
     assert judge([_probe(_slice(REF.copy(), fit=(C0 * (1 - 0.9 * SCALE_RTOL), 0.0)))]) == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="judge._scale words the expected scale as '(1/√d_k, d_k = …)' even where the "
-    "declared scale (diagnose(scale=…)) is another number",
-)
 def test_a_declared_scale_is_not_called_one_over_root_d_k():
     """diagnose(fn, scale=0.5) on a d_k = 3 probe expects · 0.5, which is not 1/√3: the
     finding must not say that the expected factor is 1/√d_k."""
@@ -401,11 +396,6 @@ def test_the_factor_of_weights_exactly_half_the_references_is_one_half():
     assert f.message.startswith("H: the output is 0.5·A V: every row's weights sum to 0.5,")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="judge._normalization takes the factor k = 1 when no row reads a key above the "
-    "read-back noise, and then calls weights 1.5 times the reference's '1·A V'",
-)
 def test_weights_all_below_the_noise_are_not_said_to_sum_to_one():
     """Every weight is below the read-back noise (0.02), so no row 'reads' a key; they are
     1.5 times the reference's (rows sum to 1.5). The judge must not say they sum to 1."""

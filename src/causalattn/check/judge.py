@@ -347,7 +347,7 @@ def _scale(pm: ProbeMeasure, s: SliceMeasure, fit_ok: bool, d_model) -> list[Fin
         name, said = _scale_name(pm, c, d_model)
         msg = (
             f"S: the weights are the softmax of Q Kᵀ · {c:.4g}; expected · {c0:.4g} "
-            f"(1/√d_k, d_k = {dk}){said} ({on})"
+            f"({_expected_is(pm)}){said} ({on})"
         )
         return [_finding(pm, s, "S", name, msg, scale=c, expected=c0)]
     kt = s.fit_kt
@@ -362,6 +362,13 @@ def _scale(pm: ProbeMeasure, s: SliceMeasure, fit_ok: bool, d_model) -> list[Fin
         f"{s.fit[1]:.3g} in log space): the scores are not a multiple of Q Kᵀ ({on})"
     )
     return [_finding(pm, s, "S", None, msg, misfit=s.fit[1])]
+
+
+def _expected_is(pm: ProbeMeasure) -> str:
+    """What the expected factor is: 1/√d_k, or the scale the caller declared instead."""
+    if abs(pm.scale0 * math.sqrt(pm.d_k) - 1) <= SCALE_RTOL:
+        return f"1/√d_k, d_k = {pm.d_k}"
+    return "the declared scale"
 
 
 def _scale_name(pm: ProbeMeasure, c: float, d_model) -> tuple[str | None, str]:
@@ -414,7 +421,9 @@ def _normalization(pm: ProbeMeasure, s: SliceMeasure, fit) -> list[Finding]:
         return []
     # a row that reads no key sums to 0: M already says why (it reads nothing)
     has, sums = s.has_key & s.read.any(-1), s.sums
-    k = float(np.median(sums[has] / r.sum(-1)[has])) if has.any() else 1.0
+    # the rows' common factor; where no row reads a key above the noise, the rows with one
+    base = has if has.any() else s.has_key
+    k = float(np.median(sums[base] / r.sum(-1)[base])) if base.any() else 1.0
     if mode == "none" and k > 0 and np.abs(a - k * r).max() <= tol * max(1.0, k):
         msg = (
             f"H: the output is {k:.6g}·A V: every row's weights sum to {k:.6g}, and divided "
@@ -500,7 +509,7 @@ def _width(main: ProbeMeasure) -> list[Finding]:
     if w.fit is not None and c1 is not None:
         msg += (
             f": Q Kᵀ · {c1:.4g} with d_v = {w.d_v}, · {w.fit[0]:.4g} with d_v = {2 * w.d_v}; "
-            f"expected · {main.scale0:.4g} (1/√d_k, d_k = {main.d_k})"
+            f"expected · {main.scale0:.4g} ({_expected_is(main)})"
         )
     return [Finding("S", name, msg, probe=main.probe, measurement={"diff": w.diff})]
 
