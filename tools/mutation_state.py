@@ -9,10 +9,12 @@ longer on two cores than one sitting, so its run only ends if it can be taken up
     python tools/mutation_state.py save      # mutants/**.meta -> tools/mutation/<module>.json
     python tools/mutation_state.py restore   # tools/mutation/<module>.json -> mutants/**.meta
     python tools/mutation_state.py score     # a table per module, equivalent ones left out
+    python tools/mutation_state.py recheck   # forget the saved survivors (after new tests)
 
 Only decided verdicts are kept (mutmut's exit codes: 1 or 3 killed, 0 survived, 33 no
-tests, and the timeouts). A survivor stays a survivor until a run names it again: mutmut
-reruns the mutants a run names, so after a new test, ``make mutate MUTANTS="<name>"``.
+tests, and the timeouts). A survivor stays a survivor until a run names it again (mutmut
+reruns the mutants a run names: ``make mutate MUTANTS="<name>"``) or ``recheck`` forgets the
+saved survivors, so that the next run tries each against the tests as they are then.
 
 ``tools/mutation/equivalent.tsv`` names the survivors read and found equivalent (name, tab,
 why): they leave the score's denominator. docs/mutation.md says, in words, what each run found.
@@ -82,6 +84,19 @@ def restore() -> list[Path]:
     return written
 
 
+def recheck() -> int:
+    """Forget every saved survivor (the next run checks it again); how many were forgotten."""
+    n = 0
+    for saved in sorted(STATE.glob("*.json")):
+        body = json.loads(saved.read_text())
+        codes = body["exit_code_by_key"]
+        kept = {k: v for k, v in codes.items() if v not in SURVIVED}
+        n += len(codes) - len(kept)
+        body["exit_code_by_key"] = kept
+        saved.write_text(json.dumps(body, indent=0) + "\n")
+    return n
+
+
 def _order(name: str):
     """causalattn.x_f__mutmut_12 sorts by function, then by number."""
     head, _, n = name.rpartition("__mutmut_")
@@ -139,15 +154,17 @@ def main(argv: list[str]) -> int:
     elif verb == "restore":
         for p in restore():
             print(f"restored {p.relative_to(ROOT)}")
+    elif verb == "recheck":
+        print(f"forgot {recheck()} survivors: the next run checks them again")
     elif verb == "score":
         cols = ["decided", "killed", "timeout", "survived", "no tests", "equivalent", "other"]
-        print("| module | " + " | ".join(cols) + " | score of non-equivalent |")
+        print("| module | " + " | ".join(cols) + " | score of the decided, non-equivalent |")
         print("|---" * (len(cols) + 2) + "|")
         for r in score():
             cells = " | ".join(str(r.get(c, 0)) for c in cols)
             print(f"| {r['module']} | {cells} | {r['score']:.1%} |")
     else:
-        print("error: usage: mutation_state.py save|restore|score", file=sys.stderr)
+        print("error: usage: mutation_state.py save|restore|score|recheck", file=sys.stderr)
         return 2
     return 0
 
