@@ -117,6 +117,7 @@ def test_a_declared_scale_is_not_called_one_over_root_d_k():
     (f,) = judge([_probe(_slice(REF.copy(), fit=(C0, 0.0)), scale0=0.5)])
     assert "expected · 0.5 " in f.message
     assert "1/√d_k, d_k = 3" not in f.message
+    assert "expected · 0.5 (the declared scale)" in f.message
 
 
 # -- K not transposed: only the T = d_k probe can show it ---------------------------------

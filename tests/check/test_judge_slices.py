@@ -265,6 +265,21 @@ def test_one_row_of_nan_is_worded_in_the_singular():
     assert f.message.startswith("A: row 6 has no readable key and comes out NaN, not zero")
 
 
+def test_several_rows_of_nan_are_worded_in_the_plural():
+    A = REF.copy()
+    A[3, 2] = A[4, 0] = np.nan
+    (f,) = judge([_probe(_slice(A))])
+    assert f.message == "A: rows 4..5 hold NaN or inf weights at ordinary scores (on main probe)"
+    pat = masks.Pattern(lengths=[4])
+    E = pat.allowed(1, 1, T, T)[0, 0]
+    ref = _renorm(E.astype(float))
+    A = ref.copy()
+    A[4:] = np.nan  # rows 5 and 6 read no key (padding) and come out NaN
+    (f,) = judge([_probe(_slice(A, ref=ref, allowed=E), pattern=pat)])
+    assert f.fault == "nan-on-empty-rows"
+    assert f.message.startswith("A: rows 5..6 have no readable key and come out NaN, not zero")
+
+
 def _values_via(R, misfit=0.0):
     """The record of H = ref R V: V = I reads back A = ref R, whose value map is R."""
     return judge([_probe(_slice(REF @ R, value_map=R, value_misfit=misfit))])
@@ -417,3 +432,4 @@ def test_window_off_by_one_in_a_head_whose_mask_differs_from_head_1():
     (f,) = judge([_probe(ok, narrow, pattern=pat, H=2)])
     assert (f.stage, f.fault) == ("M", "some-heads-only")
     assert f.measurement["fault"] == "window-off-by-one"
+    assert f.measurement["patched_rows"] == []  # head 2's own form, exactly: nothing patched
