@@ -409,3 +409,30 @@ def test_weights_all_below_the_noise_are_not_said_to_sum_to_one():
     found = judge([pm])
     assert found and all("sum to 1," not in f.message for f in found)
     assert any("1.5" in f.message for f in found)
+
+
+def test_the_common_factor_comes_from_the_rows_that_read():
+    """60 of 100 rows read nothing (their weights are 0, within the accuracy rule of the
+    reference's 0.01 each); the 40 that read hold 1.5 times the reference's weights. The
+    factor is theirs, 1.5, not the median over every row with a key (0)."""
+    n = 100
+    ref = np.full((n, n), 1 / n)
+    A = 1.5 * ref
+    A[:60] = 0.0
+    read = A > 0
+    s = SliceMeasure((0, 0), A, ref, np.ones((n, n), bool), read, "none", None)
+    pm = _probe(s, pattern=masks.Pattern(causal=False), tol=0.02)
+    found = [f for f in judge([pm]) if f.stage == "H"]
+    (f,) = found
+    assert f.measurement["factor"] == pytest.approx(1.5, rel=1e-12)
+
+
+def test_no_row_with_a_key_is_no_normalization_finding():
+    """Every row is empty (a pattern that lets no query read): all-zero weights are the
+    reference's, whatever mode their sums measured; nothing is said, and nothing warns."""
+    z = np.zeros((T, T))
+    s = SliceMeasure((0, 0), z, z, np.zeros((T, T), bool), np.zeros((T, T), bool), "none", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = judge([_probe(s, tol=0.02)])
+    assert [f for f in found if f.stage in ("A", "H")] == []

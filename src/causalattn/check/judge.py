@@ -417,13 +417,13 @@ def _normalization(pm: ProbeMeasure, s: SliceMeasure, fit) -> list[Finding]:
             f"a softmax (is the exp missing?) ({on})"
         )
         return [_finding(pm, s, "A", None, msg, rows, min_weight=low)]
-    if mode == "rows":
+    if mode == "rows" or not s.has_key.any():  # (no row has a key: nothing to normalize)
         return []
     # a row that reads no key sums to 0: M already says why (it reads nothing)
     has, sums = s.has_key & s.read.any(-1), s.sums
     # the rows' common factor; where no row reads a key above the noise, the rows with one
     base = has if has.any() else s.has_key
-    k = float(np.median(sums[base] / r.sum(-1)[base])) if base.any() else 1.0
+    k = float(np.median(sums[base] / r.sum(-1)[base]))
     if mode == "none" and k > 0 and np.abs(a - k * r).max() <= tol * max(1.0, k):
         msg = (
             f"H: the output is {k:.6g}·A V: every row's weights sum to {k:.6g}, and divided "
