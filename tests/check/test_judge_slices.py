@@ -250,34 +250,28 @@ def test_rows_holding_nan_are_left_to_stage_a_and_no_other_row():
     assert [(f.stage, f.rows) for f in judge([_probe(_slice(A))])] == [("A", (3,))]
 
 
-def test_one_row_of_nan_is_worded_in_the_singular():
+# (NaN cells, their words; the padded length, the empty rows' words): one row, then two
+NAN_WORDS = [
+    ([(3, 5)], "row 4 holds", 5, "row 6 has no readable key and comes out"),
+    ([(3, 2), (4, 0)], "rows 4..5 hold", 4, "rows 5..6 have no readable key and come out"),
+]
+
+
+@pytest.mark.parametrize("cells, said, length, empty_said", NAN_WORDS)
+def test_rows_of_nan_are_worded_in_the_singular_or_the_plural(cells, said, length, empty_said):
     A = REF.copy()
-    A[3, 5] = np.nan
+    for i, j in cells:
+        A[i, j] = np.nan
     (f,) = judge([_probe(_slice(A))])
-    assert f.message == "A: row 4 holds NaN or inf weights at ordinary scores (on main probe)"
-    pat = masks.Pattern(lengths=[5])
+    assert f.message == f"A: {said} NaN or inf weights at ordinary scores (on main probe)"
+    pat = masks.Pattern(lengths=[length])
     E = pat.allowed(1, 1, T, T)[0, 0]
     ref = _renorm(E.astype(float))
     A = ref.copy()
-    A[5] = np.nan  # row 6 reads no key (padding) and comes out NaN
+    A[length:] = np.nan  # the rows past the length read no key (padding) and come out NaN
     (f,) = judge([_probe(_slice(A, ref=ref, allowed=E), pattern=pat)])
     assert f.fault == "nan-on-empty-rows"
-    assert f.message.startswith("A: row 6 has no readable key and comes out NaN, not zero")
-
-
-def test_several_rows_of_nan_are_worded_in_the_plural():
-    A = REF.copy()
-    A[3, 2] = A[4, 0] = np.nan
-    (f,) = judge([_probe(_slice(A))])
-    assert f.message == "A: rows 4..5 hold NaN or inf weights at ordinary scores (on main probe)"
-    pat = masks.Pattern(lengths=[4])
-    E = pat.allowed(1, 1, T, T)[0, 0]
-    ref = _renorm(E.astype(float))
-    A = ref.copy()
-    A[4:] = np.nan  # rows 5 and 6 read no key (padding) and come out NaN
-    (f,) = judge([_probe(_slice(A, ref=ref, allowed=E), pattern=pat)])
-    assert f.fault == "nan-on-empty-rows"
-    assert f.message.startswith("A: rows 5..6 have no readable key and come out NaN, not zero")
+    assert f.message.startswith(f"A: {empty_said} NaN, not zero")
 
 
 def _values_via(R, misfit=0.0):
