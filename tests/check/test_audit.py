@@ -530,7 +530,7 @@ def test_stage_A_blocked_entries_nonfinite_rows_empty_rows_and_the_softmax(parts
     A[1, 3] = 0.25  # a future key with weight
     A[1, 0] -= 0.25
     c = _check(audit({"A": A, "V": st["V"]}), "forbidden entries exactly 0")
-    assert not c.ok and c.message == "1 blocked entries have nonzero weight (max 0.25)"
+    assert not c.ok and c.message == "1 blocked entry has nonzero weight (max 0.25)"
     assert c.evidence == {"rows": [1], "cols": [3]}
     assert c.hint.endswith(
         "the mask must be applied before the softmax, with -inf (or a fill whose weight comes "
@@ -541,8 +541,13 @@ def test_stage_A_blocked_entries_nonfinite_rows_empty_rows_and_the_softmax(parts
     A = st["A"].copy()
     A[3, 1] = np.inf
     c = _check(audit({"A": A, "V": st["V"]}), "readable rows finite")
-    assert not c.ok and c.message == "1 readable rows hold NaN or inf"
+    assert not c.ok and c.message == "1 readable row holds NaN or inf"
     assert c.evidence == {"rows": [3]} and c.hint == "NaN/inf weights in rows that can read a key"
+    A[2, 0], A[1, 2], A[0, 3] = np.nan, 0.5, 0.25  # one more row of NaN, two blocked entries
+    c = _check(audit({"A": A, "V": st["V"]}), "readable rows finite")
+    assert c.message == "2 readable rows hold NaN or inf"
+    c = _check(audit({"A": A, "V": st["V"]}), "forbidden entries exactly 0")
+    assert c.message == "2 blocked entries have nonzero weight (max 0.5)"
     big = {**st, "S": st["S"] * 100, "A": A}
     c = _check(audit(big), "readable rows finite")
     assert c.hint.endswith(

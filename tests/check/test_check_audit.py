@@ -322,7 +322,7 @@ def test_rows_that_do_not_sum_to_1_are_counted_with_their_sums_and_stop_the_soft
     rep = audit({**_qkv(tr), "S": tr.S, "A": A})
     c = _a_checks(rep)["rows sum to 1"]
     assert not c.ok and c.message == (
-        "1 readable rows do not sum to 1 over their readable columns (e.g. 0.1235)"
+        "1 readable row does not sum to 1 over its readable columns (e.g. 0.1235)"
     )
     assert c.evidence == {"rows": [3], "row_sums": [0.1235]}
     assert "A = softmax_last(S + M)" not in _a_checks(rep)  # A already failed its own checks
@@ -360,7 +360,7 @@ def test_nan_rows_are_blamed_on_exp_overflow_only_past_80_in_a_readable_score(tr
     S[0, 5] = 1000.0  # blocked: softmax never exponentiates it
     S[2, 1] = 80.0
     c = finite_check(S)
-    assert not c.ok and c.message == "1 readable rows hold NaN or inf"
+    assert not c.ok and c.message == "1 readable row holds NaN or inf"
     assert c.evidence == {"rows": [3]}
     assert c.fault is None and c.hint == "NaN/inf weights in rows that can read a key"
     S[2, 1] = 80.5

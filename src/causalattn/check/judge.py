@@ -35,7 +35,7 @@ from .faults import CATALOGUE
 from .measure import ProbeMeasure, SliceMeasure
 from .probes import KINDS
 from .report import Diagnosis, Finding, Status
-from .words import describe_difference, few, own_key, rows_text
+from .words import describe_difference, few, own_key, rows_text, verb
 
 __all__ = [
     "judge",
@@ -141,15 +141,15 @@ def _one_slice(pm: ProbeMeasure, s: SliceMeasure, d_model) -> list[Finding]:
         out.append(m)
     if bad.size:
         msg = (
-            f"A: {rows_text(bad)} {_verb(bad, 'holds', 'hold')} NaN or inf weights at ordinary "
+            f"A: {rows_text(bad)} {verb(bad, 'holds', 'hold')} NaN or inf weights at ordinary "
             f"scores ({on})"
         )
         return out + [_finding(pm, s, "A", None, msg, bad)]
     empty = s.empty_nan_rows
     if empty.size:
         msg = (
-            f"A: {rows_text(empty)} {_verb(empty, 'has', 'have')} no readable key and "
-            f"{_verb(empty, 'comes', 'come')} out NaN, not zero ({on})"
+            f"A: {rows_text(empty)} {verb(empty, 'has', 'have')} no readable key and "
+            f"{verb(empty, 'comes', 'come')} out NaN, not zero ({on})"
         )
         out.append(_finding(pm, s, "A", "nan-on-empty-rows", msg, empty))
     fit_ok = pm.fitted_scale(s) is not None
@@ -229,10 +229,6 @@ def _pattern(pm: ProbeMeasure, s: SliceMeasure) -> Finding | None:
         msg += f"; every row but {rows_text(patched)} has {fault}'s form ({_it(patched)} patched)"
     rows = np.flatnonzero((P != E).any(-1))
     return _finding(pm, s, "M", fault, msg, rows, patched_rows=list(patched))
-
-
-def _verb(rows, one: str, many: str) -> str:
-    return one if len(rows) == 1 else many
 
 
 def _it(rows) -> str:
@@ -412,7 +408,7 @@ def _normalization(pm: ProbeMeasure, s: SliceMeasure, fit) -> list[Finding]:
         rows = np.flatnonzero(neg.any(-1))
         low = float(a[neg].min())
         msg = (
-            f"A: {rows_text(rows)} {_verb(rows, 'holds', 'hold')} negative weights (down to "
+            f"A: {rows_text(rows)} {verb(rows, 'holds', 'hold')} negative weights (down to "
             f"{low:.3g}): no softmax gives a negative weight, so the normalization is not "
             f"a softmax (is the exp missing?) ({on})"
         )
@@ -456,7 +452,7 @@ def _normalization(pm: ProbeMeasure, s: SliceMeasure, fit) -> list[Finding]:
     rows = np.flatnonzero(off)
     over = " (more than 1: no softmax sums so)" if (sums[off] > 1 + tol).any() else ""
     msg = (
-        f"A: {rows_text(rows)} {_verb(rows, 'sums', 'sum')} to {few(sums[off])} instead of "
+        f"A: {rows_text(rows)} {verb(rows, 'sums', 'sum')} to {few(sums[off])} instead of "
         f"{few(r.sum(-1)[off])}{over} ({on})"
     )
     return [_finding(pm, s, "A", None, msg, rows, row_sums=sums.tolist())]
@@ -547,7 +543,7 @@ def _stability(pm: ProbeMeasure, main: ProbeMeasure) -> list[Finding]:
         rows = np.flatnonzero(bad)
         msg = (
             f"A: at scores up to |S| = {pm.S_max:.3g} {rows_text(rows)} "
-            f"{_verb(rows, 'comes', 'come')} out NaN or inf: exp overflows without the row "
+            f"{verb(rows, 'comes', 'come')} out NaN or inf: exp overflows without the row "
             "maximum subtracted"
         )
         return [Finding("A", "unstable-softmax", msg, probe=pm.probe, rows=_rows(bad))]

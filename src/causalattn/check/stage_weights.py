@@ -15,6 +15,7 @@ from .numerics import (
 )
 from .stage_mask import softmax_expected
 from .state import AuditState
+from .words import counted
 
 
 def weights(st: AuditState) -> None:
@@ -71,8 +72,12 @@ def weights(st: AuditState) -> None:
             "A",
             "rows sum to 1",
             False,
-            f"{int(row_bad.sum())} readable rows do not sum to 1 over their readable "
-            f"columns (e.g. {float(sums[row_bad][0]):.4g})",
+            counted(
+                row_bad.sum(),
+                "readable row does not sum to 1 over its readable columns",
+                "readable rows do not sum to 1 over their readable columns",
+            )
+            + f" (e.g. {float(sums[row_bad][0]):.4g})",
             {
                 **_locate(row_bad, lead, False),
                 "row_sums": np.round(sums[np.nonzero(row_bad)][:_MAX_LIST], 4).tolist(),
@@ -89,7 +94,7 @@ def weights(st: AuditState) -> None:
         not forb.any(),
         "blocked entries have exactly zero weight"
         if not forb.any()
-        else f"{int(forb.sum())} blocked entries have nonzero weight "
+        else f"{counted(forb.sum(), 'blocked entry has', 'blocked entries have')} nonzero weight "
         f"(max {float(np.abs(np.where(forb & np.isfinite(A), A, 0)).max()):.3g})",
         _locate(forb, lead),
         None
@@ -115,7 +120,7 @@ def weights(st: AuditState) -> None:
         not nonfinite.any(),
         "every readable row is finite"
         if not nonfinite.any()
-        else f"{int(nonfinite.sum())} readable rows hold NaN or inf",
+        else f"{counted(nonfinite.sum(), 'readable row holds', 'readable rows hold')} NaN or inf",
         _locate(nonfinite, lead, False),
         hint,
         fault,

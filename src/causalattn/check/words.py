@@ -8,7 +8,16 @@ import numpy as np
 
 from .. import masks
 
-__all__ = ["spans", "rows_text", "keys_text", "few", "own_key", "describe_difference"]
+__all__ = [
+    "spans",
+    "rows_text",
+    "keys_text",
+    "few",
+    "counted",
+    "verb",
+    "own_key",
+    "describe_difference",
+]
 
 
 def spans(numbers, dash: str = "..") -> list[str]:
@@ -58,7 +67,13 @@ def few(x) -> str:
     return s + (" ..." if x.size > 4 else "")
 
 
-def _verb(rows, one: str, many: str) -> str:
+def counted(n: int, one: str, many: str) -> str:
+    """A count and its noun phrase in agreement: '1 readable row holds', '3 readable rows hold'."""
+    return f"{int(n)} {one if int(n) == 1 else many}"
+
+
+def verb(rows, one: str, many: str) -> str:
+    """The singular or plural phrase, by how many rows (or keys) ``rows`` holds."""
     return one if len(rows) == 1 else many
 
 
@@ -76,8 +91,8 @@ def describe_difference(P: np.ndarray, E: np.ndarray, T_q: int, T_k: int) -> str
     own_missing = np.flatnonzero((diag & E & ~P).any(-1))
     if own_missing.size:
         own_ok = np.flatnonzero((diag & E & P).any(-1))
-        verb = _verb(own_missing, "does not read its", "do not read their")
-        s = f"{rows_text(own_missing)} {verb} own key"
+        does = verb(own_missing, "does not read its", "do not read their")
+        s = f"{rows_text(own_missing)} {does} own key"
         if own_ok.size:
             s += f" ({rows_text(own_ok)} {'does' if own_ok.size == 1 else 'do'})"
         parts.append(s)
@@ -88,7 +103,7 @@ def describe_difference(P: np.ndarray, E: np.ndarray, T_q: int, T_k: int) -> str
         fut = extra & ~masks.causal(T_q, T_k)
         kind = "future keys" if fut.any() else "keys they may not"
         parts.append(
-            f"{rows_text(rows)} {_verb(rows, 'reads', 'read')} {kind} (row {i + 1} reads "
+            f"{rows_text(rows)} {verb(rows, 'reads', 'read')} {kind} (row {i + 1} reads "
             f"{keys_text(np.flatnonzero(extra[i]))})"
         )
     miss = E & ~P & ~diag
@@ -96,7 +111,7 @@ def describe_difference(P: np.ndarray, E: np.ndarray, T_q: int, T_k: int) -> str
     if rows.size:
         i = rows[0]
         parts.append(
-            f"{rows_text(rows)} {_verb(rows, 'does not read keys it', 'do not read keys they')} "
+            f"{rows_text(rows)} {verb(rows, 'does not read keys it', 'do not read keys they')} "
             f"may (row {i + 1} skips "
             f"{keys_text(np.flatnonzero(miss[i]))})"
         )
