@@ -90,13 +90,23 @@ MUTATION_TESTS = {
     "causalattn.integrations.hf_pattern.": ("test_hf.py",),
     "causalattn.engines.cache.": ("test_cache.py",),
     # score_mod in the native kernels (its tables, grads) and the tile tables of mask_mods
-    "causalattn.engines.cpp.": ("test_cpp.py", "test_promises_cpp.py", "test_cpp_score_mod.py"),
+    "causalattn.engines.cpp.": (
+        "test_cpp.py",
+        "test_promises_cpp.py",
+        "test_cpp_score_mod.py",
+        "test_cpp_entry.py",  # the constants handed to the compiler (_literal)
+    ),
     "causalattn.engines.auto.": ("test_auto.py", "test_promises_auto_cli.py"),
     "causalattn.masks_mod.": (
         "test_mask_mod.py",
         "test_promises_cpp.py",
         "test_flex_catalogue.py",  # and_masks, or_masks, block_kind: FlexAttention's catalogue
         "test_cpp_score_mod.py",  # apply_score_mod, captured_tensors
+        "test_pattern.py",  # block_kind, through Pattern.block_kind
+        "test_block_table.py",  # tile_table, through the kept tables
+        "test_table_speed_path.py",
+        "test_mods_bad_input.py",
+        "test_mask_bounds.py",
     ),
     "causalattn.inspect.": ("test_inspect.py", "test_induction.py", "test_promises_heads.py"),
     "causalattn.integrations.hf_edit.": ("test_hf_edit.py", "test_promises_heads.py"),
