@@ -530,3 +530,56 @@ def test_build_from_nothing_times_a_fresh_folder_and_reports_why_it_failed(tmp_p
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     seconds, why = cpp.build_from_nothing()
     assert seconds is None and why.startswith("engine 'cpp': no C++ compiler found")
+
+
+def test_build_info_names_the_compiler_that_cxx_names(tmp_path, monkeypatch):
+    """The compiler a build would use: $CXX (its path when on PATH, else said so), c++ when
+    CXX is unset; and whether ninja is there, as the extension API sees it."""
+    import shutil
+
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("CXX", str(tmp_path / "no-cc"))
+    assert cpp.build_info()["compiler"] == f"{tmp_path / 'no-cc'} (not on PATH)"
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    assert cpp.build_info()["compiler"] == str(fake)
+    monkeypatch.delenv("CXX")
+    assert cpp.build_info()["compiler"] == (shutil.which("c++") or "c++ (not on PATH)")
+    assert cpp.build_info()["ninja"] is bool(cpp_extension.is_ninja_available()) is True
+
+
+def test_a_caller_sweeping_scales_keeps_a_few_calls_each_right():
+    """The shortcut keeps a Call per scale, at most 16 (a sweep over many scales does not
+    grow it without bound), and each scale's H is its own."""
+    from causalattn.engines import _PLAIN
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 9, 8, generator=g) for _ in range(3))
+    attention(q, k, v, engine="cpp", window=4)
+    prep = next(p for p in _PLAIN.values() if isinstance(p, cpp._Prepared))
+    sizes = []
+    for n in range(40):
+        scale = 0.05 + n / 40
+        got = attention(q, k, v, engine="cpp", window=4, scale=scale)
+        want = exact.forward(
+            make_problem(q.double(), k.double(), v.double(), window=4, scale=scale)
+        )
+        assert _err(got, want) < 1e-5
+        sizes.append(len(prep))
+    assert max(sizes) == 16 and min(sizes[16:]) < 16  # cleared when full, then refilled
+
+
+@pytest.mark.parametrize("T_q", [1, 3, 16, 200])
+def test_the_plain_shortcut_gives_the_general_paths_bits(T_q):
+    """The remembered shortcut is the general path without its bookkeeping: the same blocks,
+    the same key splits when decoding, so the same bits."""
+    g = torch.Generator().manual_seed(T_q)
+    q = torch.randn(1, 2, T_q, 8, generator=g)
+    k, v = (torch.randn(1, 1, 1200, 8, generator=g) for _ in range(2))
+    for kw in ({}, {"window": 700}):
+        fast = attention(q, k, v, engine="cpp", **kw)
+        general = cpp.fwd(make_problem(q, k, v, **kw))[0]
+        assert torch.equal(fast, general), kw

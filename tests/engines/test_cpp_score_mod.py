@@ -44,6 +44,8 @@ def _mods(t):
         "softcap": lambda s, b, h, qi, kj: 5.0 * torch.tanh(s / 5.0),
         "buffer": lambda s, b, h, qi, kj: s + t["buf"][kj] * torch.tanh(s) - t["qbuf"][qi] ** 2,
         "where": lambda s, b, h, qi, kj: torch.where(qi - kj < 20, s, s - 2.0 * b),
+        # three tables: each one's gradient found at its own place in the kernels' flat sums
+        "three tables": lambda s, b, h, qi, kj: s + t["buf"][kj] - t["qbuf"][qi] * t["slopes"][h],
     }
 
 
@@ -78,6 +80,27 @@ def test_score_mod_beside_the_keyword_modifiers_and_a_window_in_fp32(name):
     torch.testing.assert_close(out, ref, rtol=2e-4, atol=2e-5)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, rtol=2e-3, atol=2e-4)
+
+
+def test_learned_tensors_get_the_references_gradient_through_lse_too():
+    """A loss that reads the log-sum-exp as well as H: q, k, v, a learned bias, rel_bias,
+    ALiBi slopes and the score_mod's tables all get the reference's gradient."""
+    grads = []
+    for engine in ("cpp", "reference"):
+        (q, k, v), t = _leaves(seed=3)
+        g = torch.Generator().manual_seed(4)
+        learned = {
+            "bias": torch.randn(1, H, T_Q, T_K, generator=g, dtype=F64),
+            "rel_bias": torch.randn(H, 2 * T_K - 1, generator=g, dtype=F64),
+            "alibi_slopes": torch.rand(H, generator=g, dtype=F64),
+        }
+        learned = {n: x.requires_grad_() for n, x in learned.items()}
+        mod = _mods(t)["three tables"]
+        out, lse = ca.attention(q, k, v, engine=engine, score_mod=mod, return_lse=True, **learned)
+        leaves = [q, k, v, *learned.values(), t["buf"], t["qbuf"], t["slopes"]]
+        grads.append(torch.autograd.grad(out.square().sum() + lse.sin().sum(), leaves))
+    for n, a, b in zip(("q", "k", "v", *learned, "buf", "qbuf", "slopes"), *grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=n)
 
 
 def test_the_same_bits_on_one_and_two_threads():
