@@ -583,3 +583,42 @@ def test_the_plain_shortcut_gives_the_general_paths_bits(T_q):
         fast = attention(q, k, v, engine="cpp", **kw)
         general = cpp.fwd(make_problem(q, k, v, **kw))[0]
         assert torch.equal(fast, general), kw
+
+
+def test_the_engine_entry_returns_lse_when_asked_and_says_why_it_cannot_run(monkeypatch):
+    """``forward`` (what ``run`` calls): H, or (H, lse) with ``return_lse``, the reference's;
+    a ValueError naming the device off the CPU, and the build's reason where it is not built."""
+    from causalattn.engines import run
+
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 11, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    p = make_problem(q, k, v, window=6)
+    out, lse = run(p, "cpp", return_lse=True)
+    want, want_lse = run(p, "reference", return_lse=True)
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(lse.double(), want_lse.double(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(cpp.forward(p), out)
+    meta = make_problem(*(t.to("meta") for t in (q, k, v)))
+    with pytest.raises(ValueError, match=r"^engine 'cpp': runs on the CPU; q is on meta$"):
+        cpp.forward(meta)
+    monkeypatch.setitem(cpp._STATE, "why", "engine 'cpp': not built here")
+    with pytest.raises(ValueError, match=r"^engine 'cpp': not built here$"):
+        cpp.forward(p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_raw_backward_reads_out_dout_and_lse_in_any_float_dtype(dtype):
+    """A caller that merged out and lse over key blocks may hold them wider than q (ring
+    attention keeps fp32): the backward reads them in q's and the compute dtype, and its
+    gradients are those of the narrow ones, in q's dtype."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 40, 8, generator=g).to(dtype) for _ in range(3))
+    p = make_problem(q, k, v, window=15)
+    out, lse = cpp.fwd(p)
+    dout = torch.randn(out.shape, generator=g).to(dtype)
+    dlse = torch.randn(lse.shape, generator=g)
+    narrow = cpp.bwd(p, out, lse, dout, dlse)
+    wide = cpp.bwd(p, out.double(), lse.double(), dout.double(), dlse.double())
+    for a, b in zip(narrow, wide):
+        assert a.dtype == b.dtype == dtype
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3)

@@ -116,6 +116,25 @@ def test_a_float32_bias_with_float64_qkv_runs_in_float64():
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+@needs_cpp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_biases_slopes_and_sinks_run_in_the_compute_dtype(dtype):
+    """Each additive modifier given in bf16 or fp16 (NumPy holds neither) is read as the
+    reference reads it."""
+    q, k, v = _qkv(1, 2, 9, 9, dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    for kw in (
+        {"bias": torch.randn(1, 2, 9, 9, generator=g)},
+        {"rel_bias": torch.randn(2, 17, generator=g)},
+        {"alibi_slopes": torch.rand(2, generator=g)},
+        {"sinks": torch.randn(2, generator=g)},
+    ):
+        half = {n: x.to(dtype) for n, x in kw.items()}
+        got = ca.attention(q, k, v, engine="cpp", **half)
+        want = ca.attention(q, k, v, engine="reference", **half)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_from_block_mask_made_for_fewer_queries_than_keys_reads_the_right_cells():
     flex = pytest.importorskip("torch.nn.attention.flex_attention")
     T_q, T_k = 40, 100
