@@ -622,3 +622,23 @@ def test_the_raw_backward_reads_out_dout_and_lse_in_any_float_dtype(dtype):
     for a, b in zip(narrow, wide):
         assert a.dtype == b.dtype == dtype
         torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-3)
+
+
+def test_an_unbuilt_engine_is_refused_on_the_cpu_and_not_asked_on_meta(monkeypatch):
+    """Where the extension is not built, a CPU call's refusal says why (and "auto" leaves the
+    engine out); on meta tensors (tracing: shapes only, nothing runs) the build is not asked."""
+    from causalattn.engines import registry
+
+    q = torch.randn(1, 2, 5, 4)
+    monkeypatch.setitem(cpp._STATE, "why", "engine 'cpp': not built here")
+    registry._refusal.cache_clear()
+    try:
+        cpu = registry.features(q, q, q, tensors={})
+        assert registry.refusal("cpp", cpu).startswith(
+            "engine 'cpp': not built here; engines that run this call: "
+        )
+        assert "cpp" not in registry.runs(cpu)
+        m = q.to("meta")
+        assert registry.refusal("cpp", registry.features(m, m, m, tensors={})) == ""
+    finally:
+        registry._refusal.cache_clear()
