@@ -642,3 +642,22 @@ def test_an_unbuilt_engine_is_refused_on_the_cpu_and_not_asked_on_meta(monkeypat
         assert registry.refusal("cpp", registry.features(m, m, m, tensors={})) == ""
     finally:
         registry._refusal.cache_clear()
+
+
+def test_the_kernels_own_checks_stay_runtime_errors():
+    """Only a captured tensor's out-of-range index is the user's error (a ValueError); the
+    kernels' checks of what Python hands them stay RuntimeErrors, raised, never swallowed."""
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    p = make_problem(q, k, v)
+    out, lse = cpp.fwd(p)
+    with pytest.raises(RuntimeError, match=r"lse must be \(B, H_q, T_q\)"):
+        cpp.bwd(p, out, lse[..., :-1], torch.ones_like(out))
+
+
+def test_a_float32_rel_bias_with_float64_qkv_is_read_in_float64():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, 10, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    rel = torch.randn(2, 19, generator=g)
+    got = attention(q, k, v, rel_bias=rel, engine="cpp")
+    want = attention(q, k, v, rel_bias=rel.double(), engine="reference")
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
