@@ -661,3 +661,33 @@ def test_a_float32_rel_bias_with_float64_qkv_is_read_in_float64():
     got = attention(q, k, v, rel_bias=rel, engine="cpp")
     want = attention(q, k, v, rel_bias=rel.double(), engine="reference")
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(9, 9), (2, 9, 9), (2, 1, 9, 9)])
+def test_a_dense_mask_of_two_three_or_four_axes_alone(shape):
+    """A dense mask with nothing else: read in tiles, broadcast from the axes it has."""
+    g = torch.Generator().manual_seed(len(shape))
+    q, k, v = (torch.randn(2, 2, 9, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.rand(*shape, generator=g) > 0.3
+    got = attention(q, k, v, mask=mask, engine="cpp")
+    want = attention(q, k, v, mask=mask, engine="reference")
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("modifier", ["alibi_slopes", "rel_bias"])
+def test_a_placed_block_reads_its_positions_in_the_modifiers(modifier):
+    """A block pair placed at q_start, k_start (ring attention's): ALiBi and rel_bias read
+    the global positions, as the reference does."""
+    from causalattn.engines import run
+    from causalattn.masks import Pattern
+
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 6, 4, generator=g, dtype=torch.float64) for _ in range(3))
+    table = {
+        "alibi_slopes": torch.rand(2, generator=g),
+        "rel_bias": torch.randn(2, 41, generator=g),
+    }
+    pt = Pattern(q_start=8, k_start=5, **{modifier: table[modifier].double()})
+    got = run(make_problem(q, k, v, pattern=pt), "cpp")
+    want = run(make_problem(q, k, v, pattern=pt), "reference")
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
