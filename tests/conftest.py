@@ -95,6 +95,7 @@ MUTATION_TESTS = {
         "test_promises_cpp.py",
         "test_cpp_score_mod.py",
         "test_cpp_entry.py",  # the constants handed to the compiler (_literal)
+        "test_promises_cpp_build.py",
     ),
     "causalattn.engines.auto.": ("test_auto.py", "test_promises_auto_cli.py"),
     "causalattn.masks_mod.": (
@@ -107,6 +108,7 @@ MUTATION_TESTS = {
         "test_table_speed_path.py",
         "test_mods_bad_input.py",
         "test_mask_bounds.py",
+        "test_promises_mask_mod.py",
     ),
     "causalattn.inspect.": ("test_inspect.py", "test_induction.py", "test_promises_heads.py"),
     "causalattn.integrations.hf_edit.": ("test_hf_edit.py", "test_promises_heads.py"),

@@ -177,3 +177,46 @@ def test_an_index_out_of_range_at_a_readable_cell_is_an_error():
     short = torch.randn(T_K // 2)
     with pytest.raises(ValueError, match="score_mod: a captured tensor was indexed out of range"):
         ca.attention(q, k, v, engine="cpp", score_mod=lambda s, b, h, qi, kj: s + short[kj])
+
+
+def test_an_identity_score_mod_runs_as_none():
+    """score_mod=lambda s, ...: s is no score_mod: the same path, so the same bits (the
+    decoding path's key splits included)."""
+    g = torch.Generator().manual_seed(6)
+    for T_q in (1, 40):
+        q = torch.randn(1, 2, T_q, 8, generator=g)
+        k, v = (torch.randn(1, 2, 1200, 8, generator=g) for _ in range(2))
+        same = ca.attention(q, k, v, engine="cpp", score_mod=lambda s, b, h, qi, kj: s)
+        assert torch.equal(same, ca.attention(q, k, v, engine="cpp")), T_q
+
+
+def _reading(buf, frozen):
+    return lambda s, b, h, qi, kj: s + buf[kj] - frozen[qi]
+
+
+def test_one_learned_table_beside_a_frozen_one():
+    """Only the captured tensors that require a gradient get one; a frozen table beside a
+    learned one is read, and the learned one's gradient is the reference's."""
+    grads = []
+    for engine in ("cpp", "reference"):
+        (q, k, v), t = _leaves(seed=7)
+        mod = _reading(t["buf"], t["qbuf"].detach())  # its closure holds these two only
+        out = ca.attention(q, k, v, engine=engine, score_mod=mod)
+        grads.append(torch.autograd.grad(out.square().sum(), [q, t["buf"]]))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_a_direct_call_with_an_untraceable_score_mod_names_the_engines_that_run_it():
+    from causalattn.engines import make_problem
+
+    q, k, v = (t.detach().float() for t in _leaves()[0])
+
+    def branchy(s, b, h, qi, kj):
+        return s * 2 if s.sum() > 0 else s
+
+    p = make_problem(q, k, v, score_mod=branchy)
+    with pytest.raises(
+        ValueError, match=r"^engine 'cpp': .*branchy.*; engines that run it: 'tiled'"
+    ):
+        cpp.fwd(p)
