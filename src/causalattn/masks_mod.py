@@ -380,9 +380,11 @@ def tile_table(pattern, B: int, H: int, T_q: int, T_k: int, bq: int, bk: int, lo
     step = max(1, TILE_CELLS // (bq * bk))  # key tiles evaluated at once
     for qi in range(nq):
         q0, q1 = qi * bq, min(T_q, qi * bq + bq)
-        reach_lo, reach_hi = int(lo[:, q0:q1].min()), int(hi[:, q0:q1].max())
-        if reach_hi <= reach_lo:
+        lo_q, hi_q = lo[:, q0:q1], hi[:, q0:q1]
+        live = lo_q < hi_q  # an empty interval (a padding row's [T_k, T_k)) reaches no key
+        if not live.any():
             continue
+        reach_lo, reach_hi = int(lo_q[live].min()), int(hi_q[live].max())
         k_first, k_last = reach_lo // bk, -(-reach_hi // bk)
         for kc in range(k_first, k_last, step):
             kc2 = min(k_last, kc + step)

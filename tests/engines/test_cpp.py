@@ -551,15 +551,17 @@ def test_build_info_names_the_compiler_that_cxx_names(tmp_path, monkeypatch):
     assert cpp.build_info()["ninja"] is bool(cpp_extension.is_ninja_available()) is True
 
 
-def test_a_caller_sweeping_scales_keeps_a_few_calls_each_right():
+def test_a_caller_sweeping_scales_keeps_a_few_calls_each_right(monkeypatch):
     """The shortcut keeps a Call per scale, at most 16 (a sweep over many scales does not
     grow it without bound), and each scale's H is its own."""
-    from causalattn.engines import _PLAIN
+    import causalattn.engines as engines
 
+    monkeypatch.setattr(engines, "_PLAIN", {})  # this shape's remembered call only
     g = torch.Generator().manual_seed(2)
     q, k, v = (torch.randn(1, 2, 9, 8, generator=g) for _ in range(3))
     attention(q, k, v, engine="cpp", window=4)
-    prep = next(p for p in _PLAIN.values() if isinstance(p, cpp._Prepared))
+    (prep,) = engines._PLAIN.values()
+    assert isinstance(prep, cpp._Prepared)
     sizes = []
     for n in range(40):
         scale = 0.05 + n / 40

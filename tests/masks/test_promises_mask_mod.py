@@ -48,21 +48,19 @@ def _check_table(pt, B, H, T_q, T_k, bs):
     )
     M = np.broadcast_to(only.allowed(B, H, T_q, T_k), (B, H, T_q, T_k))
     lo, hi = (np.broadcast_to(x, (B, T_q)) for x in pt.row_ranges(T_q, T_k))
-    hull_lo, hull_hi, some_empty = [], [], []
+    hull_lo, hull_hi = [], []
     for qi in range(nq):
         q0, q1 = qi * bs, min(T_q, qi * bs + bs)
         live = lo[:, q0:q1] < hi[:, q0:q1]
         hull_lo.append(lo[:, q0:q1][live].min() if live.any() else T_k)
         hull_hi.append(hi[:, q0:q1][live].max() if live.any() else 0)
-        some_empty.append(live.any() and not live.all())
     for b, h, qi, ki in itertools.product(range(B), range(H), range(nq), range(nk)):
         q0, q1 = qi * bs, min(T_q, qi * bs + bs)
         k0, k1 = ki * bs, min(T_k, ki * bs + bs)
         kind = int(kinds[b, h, qi, ki])
         where = (b, h, qi, ki)
         if k1 <= hull_lo[qi] or k0 >= hull_hi[qi]:  # no row of the block reaches it
-            # (a block mixing rows that read nothing with rows that read: see the xfail below)
-            assert kind == 0 or some_empty[qi], where
+            assert kind == 0, where
             continue
         reached = (lo[:, q0:q1] < k1) & (hi[:, q0:q1] > k0) & (lo[:, q0:q1] < hi[:, q0:q1])
         if not reached.any():
@@ -113,20 +111,12 @@ def test_block_table_padding_rows_and_queries_before_the_keys_read_nothing():
     and the blocks after them are still filled."""
     ones = torch.ones(1, 1, 6, 6, dtype=torch.bool)
     t = _check_table(Pattern(lengths=[3], mask=ones), 1, 1, 6, 6, 4)
-    assert t["kinds"][0, 0].tolist() == [[1, 1], [0, 0]]
+    assert t["kinds"][0, 0].tolist() == [[1, 0], [0, 0]]  # keys 4, 5: no live row reaches
     ones = torch.ones(8, 8, dtype=torch.bool)
     t = _check_table(Pattern(q_start=0, k_start=4, mask=ones), 1, 1, 8, 8, 4)
     assert t["kinds"][0, 0].tolist() == [[0, 0], [1, 0]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="tile_table's reach over a query block takes the min/max of every row's [lo, hi), "
-    "the padding rows' empty [T_k, T_k) included: it evaluates and marks (here 1, full) key "
-    "tiles up to T_k that no row's interval reaches, against block_table's 'a tile no row's "
-    "interval reaches is 0, unevaluated' (the upper triangle of a causal mask + mask_mod with "
-    "lengths is evaluated and stored)",
-)
 def test_block_table_tiles_past_every_rows_interval_are_zero_beside_padding_rows():
     """Causal, lengths [3, 8]: queries 0..3 read keys 0..3 at most (query 3 of row 0 is
     padding and reads nothing), so the key tile 4..7 of that block is reached by no row."""
