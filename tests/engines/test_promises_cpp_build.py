@@ -197,6 +197,28 @@ def test_a_build_from_nothing_gets_an_empty_extension_folder_of_its_own(tmp_path
     assert not Path(listing[0]).exists()  # removed after
 
 
+def test_a_build_from_nothing_reports_its_seconds_or_why_it_failed(tmp_path, monkeypatch):
+    """Its seconds when the child says nothing is wrong, else (None, why): the child's error
+    output, the timeout, or the engine's own one-line reason (the real child's last line)."""
+    monkeypatch.delenv("CAUSALATTN_NO_CPP", raising=False)
+    real = sys.executable
+    monkeypatch.setattr(sys, "executable", _fake_python(tmp_path, "echo"))
+    seconds, why = cpp.build_from_nothing()
+    assert why == "" and isinstance(seconds, float) and 0 < seconds < 60
+    failing = _fake_python(tmp_path, "echo ' a.cpp: error: no' >&2; exit 1")
+    monkeypatch.setattr(sys, "executable", failing)
+    assert cpp.build_from_nothing() == (None, "a.cpp: error: no")
+    monkeypatch.setattr(sys, "executable", _fake_python(tmp_path, "exec sleep 5"))
+    assert cpp.build_from_nothing(timeout_s=1.0) == (None, "no build within 1 s")
+    monkeypatch.setattr(sys, "executable", real)
+    monkeypatch.setenv("CAUSALATTN_NO_CPP", "1")
+    assert cpp.build_from_nothing() == (None, "engine 'cpp': disabled by CAUSALATTN_NO_CPP")
+    monkeypatch.delenv("CAUSALATTN_NO_CPP")
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    seconds, why = cpp.build_from_nothing()
+    assert seconds is None and why.startswith("engine 'cpp': no C++ compiler found")
+
+
 def test_a_build_from_nothing_that_fails_says_why_in_at_most_300_characters(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "executable", _fake_python(tmp_path, f"echo {'e' * 400} >&2; exit 1"))
     assert cpp.build_from_nothing() == (None, "e" * 300)
