@@ -226,13 +226,10 @@ def _pattern(pm: ProbeMeasure, s: SliceMeasure) -> Finding | None:
         f" (on {pm.probe}, T_q×T_k = {pm.T_q}×{pm.T_k})"
     )
     if patched:
-        msg += f"; every row but {rows_text(patched)} has {fault}'s form ({_it(patched)} patched)"
+        it = verb(patched, "it is", "they are")
+        msg += f"; every row but {rows_text(patched)} has {fault}'s form ({it} patched)"
     rows = np.flatnonzero((P != E).any(-1))
     return _finding(pm, s, "M", fault, msg, rows, patched_rows=list(patched))
-
-
-def _it(rows) -> str:
-    return "it is" if len(rows) == 1 else "they are"
 
 
 def match_pattern(pm: ProbeMeasure, P: np.ndarray, E: np.ndarray, b: int = 0, h: int = 0):
