@@ -259,12 +259,14 @@ def captured_tensors(fn, limit: int = 64) -> list:
     import torch
 
     found: dict[int, torch.Tensor] = {}
-    seen: set[int] = set()
+    seen: dict[int, int] = {}  # id -> the least depth it was walked at
 
     def walk(obj, depth: int) -> None:
-        if depth > 4 or len(found) >= limit or id(obj) in seen:
+        # walked again only nearer fn: reached first by a deeper path, its own contents
+        # within the depth would be missed
+        if depth > 4 or len(found) >= limit or seen.get(id(obj), depth + 1) <= depth:
             return
-        seen.add(id(obj))
+        seen[id(obj)] = depth
         if isinstance(obj, torch.Tensor):
             if obj.requires_grad:
                 found.setdefault(id(obj), obj)
@@ -305,15 +307,9 @@ def captured_tensors(fn, limit: int = 64) -> list:
 
 
 # ---- tile tables: the kinds of a kernel's tiles -------------------------------------------
-def _classify(t, valid_r: int, valid_c: int):
-    """(kind per (b', h'), the tile) of a 4-D bool tile (B', H', r, c): 0 none, 1 all, 2 some."""
-    some = t.any(-1).any(-1)
-    every = t.all(-1).all(-1)
-    if _is_torch(t):
-        import torch
-
-        return torch.where(every, FULL, torch.where(some, PARTIAL_DENSE, SKIP))
-    return np.where(every, FULL, np.where(some, PARTIAL_DENSE, SKIP))
+def _classify(t: np.ndarray) -> np.ndarray:
+    """The kind per (b', h') of a 4-D bool NumPy tile (B', H', r, c): 0 none, 1 all, 2 some."""
+    return np.where(t.all((-2, -1)), FULL, np.where(t.any((-2, -1)), PARTIAL_DENSE, SKIP))
 
 
 def tile_kinds(pattern, B: int, H: int, T_q: int, T_k: int, bq: int, bk: int):
@@ -332,8 +328,7 @@ def tile_kinds(pattern, B: int, H: int, T_q: int, T_k: int, bq: int, bk: int):
             for ki in range(lo // bk, -(-hi // bk)):
                 k0, k1 = ki * bk, min(T_k, ki * bk + bk)
                 t = pattern.tile(B, H, T_q, T_k, q0, q1, k0, k1, batch=[b])
-                kinds = _classify(t, q1 - q0, k1 - k0)  # (1, H'|1)
-                out[b, :, qi, ki] = np.broadcast_to(np.asarray(kinds)[0], (heads,))
+                out[b, :, qi, ki] = np.broadcast_to(_classify(t)[0], (heads,))  # (1, H'|1)
     return out
 
 

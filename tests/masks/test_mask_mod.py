@@ -490,6 +490,112 @@ def test_captured_tensors_finds_each_place_a_rule_can_read_a_tensor_from():
     assert ids(lambda s, b, h, q, k: s + loop[0][h]) == {id(a)}
 
 
+_GLOBAL_V = torch.zeros(2, requires_grad=True)  # read by _Reads and _Empty.read below
+
+
+class _Reads(torch.nn.Module):  # no parameters: its forward reads a global tensor
+    def forward(self, s, b, h, q, k):
+        return s + _GLOBAL_V[h]
+
+
+class _Holder(list):  # a list whose bound methods carry it
+    def read(self, s, b, h, q, k):
+        return s + self[0][h]
+
+
+class _Empty:
+    def read(self, s, b, h, q, k):
+        return s + _GLOBAL_V[h]
+
+
+def _param_module():
+    m = torch.nn.Module()
+    m.p = torch.nn.Parameter(torch.zeros(2))
+    return m, m.p
+
+
+def _partial_of(t):
+    import functools
+
+    return functools.partial(lambda t, s, b, h, q, k: s + t[h], t), t
+
+
+def _partial_of_closure(t):
+    import functools
+
+    return functools.partial(lambda s, b, h, q, k: s + t[h]), t
+
+
+@pytest.mark.parametrize(
+    "carrier, hops",
+    [
+        (lambda: (torch.zeros(2, requires_grad=True),) * 2, 0),  # the tensor itself
+        (_param_module, 1),  # a module's parameter
+        (lambda: (_Reads(), _GLOBAL_V), 2),  # a module's forward's global
+        (lambda: _partial_of(torch.zeros(2, requires_grad=True)), 1),  # a partial's argument
+        (lambda: _partial_of_closure(torch.zeros(2, requires_grad=True)), 2),  # its function's
+        (lambda: (lambda t: (_Holder([t]).read, t))(torch.zeros(2, requires_grad=True)), 2),
+        (lambda: (_Empty().read, _GLOBAL_V), 2),  # a bound method's function's global
+    ],
+    ids=["tensor", "parameter", "forward", "partial-arg", "partial-fn", "self", "func"],
+)
+def test_captured_tensors_reach_depth_four_whichever_way_a_tensor_is_held(carrier, hops):
+    """A tensor is found exactly when it lies within 4 steps of the rule (a closure cell, a
+    list item, a module's parameter or forward, a partial's function or argument, a bound
+    method's object or function: one step each), however deep its holder sits."""
+    from causalattn.masks_mod import captured_tensors
+
+    for depth in range(1, 6):
+        held, t = carrier()
+        box = held
+        for _ in range(depth - 1):  # the holder `depth` steps from the rule
+            box = [box]
+
+        def rule(s, b, h, q, k, box=box):  # a default: one step, as a closure cell
+            return s + 0 * len(box)
+
+        found = {id(x) for x in captured_tensors(rule)}
+        assert found == ({id(t)} if depth + hops <= 4 else set()), (depth, hops)
+
+
+def test_captured_tensors_walks_a_holder_again_when_reached_nearer_the_rule():
+    """An object reached first by a long path and then by a short one is read along the
+    short one: the tensor it holds is found though the long path alone is too deep."""
+    from causalattn.masks_mod import captured_tensors
+
+    a = torch.zeros(2, requires_grad=True)
+    inner = [a]
+    deep = [[[inner]]]  # inner 4 steps from the rule through its closure, a at 5
+
+    def rule(s, b, h, q, k, t=inner):  # the default: inner 1 step away, walked after
+        return s + deep[0][0][0][0][h] + t[0][h]
+
+    assert [id(x) for x in captured_tensors(rule)] == [id(a)]
+    assert captured_tensors(lambda s, b, h, q, k: s + deep[0][0][0][0][h]) == []
+
+
+def test_captured_tensors_stops_at_its_limit_and_walks_each_object_once():
+    from causalattn.masks_mod import captured_tensors
+
+    many = [torch.zeros(1, requires_grad=True) for _ in range(100)]
+    rule = lambda s, b, h, q, k: s + many[0][0]  # noqa: E731
+    assert [id(x) for x in captured_tensors(rule)] == [id(t) for t in many[:64]]  # default
+    assert [id(x) for x in captured_tensors(rule, limit=5)] == [id(t) for t in many[:5]]
+
+    reads = []
+
+    class Counted(list):  # counts the walks through it (each reads a slice of it)
+        def __getitem__(self, i):
+            reads.append(i)
+            return super().__getitem__(i)
+
+    loop = Counted()
+    loop.extend([loop] * 8)  # without the walked set: 1 + 8 + 64 + ... walks
+    same = loop  # and reached twice at the same depth
+    assert captured_tensors(lambda s, b, h, q, k: s + len(loop) + len(same)) == []
+    assert len(reads) == 1
+
+
 def test_and_masks_and_or_masks_pass_every_index_to_every_rule():
 
     lengths = torch.tensor([2, 3])

@@ -9,6 +9,7 @@ engine on a dense mask with several batch rows AND a mask_mod."""
 from __future__ import annotations
 
 import itertools
+import sys
 
 import numpy as np
 import pytest
@@ -489,3 +490,59 @@ def test_a_blockmasks_mask_mod_reads_nothing_outside_its_own_lengths():
         want = torch.zeros(1, H, 64, 64, dtype=torch.bool)
         want[:, :, qs : qs + T_q, 24 : 24 + T_k] = inside
         assert torch.equal(got, want), (T_q, T_k)
+
+
+def test_to_block_mask_holds_create_block_masks_own_tensors():
+    """Over many key blocks, to_block_mask's four block lists are create_block_mask's,
+    entry for entry: int32 counts, and per query block the chosen key blocks first in
+    ascending order, then the others in ascending order."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    for pt, T_q, T_k in ((Pattern(window=9), 40, 200), (Pattern(causal=True), 96, 96)):
+        ours = pt.to_block_mask(T_q, T_k, block_size=4)
+        theirs = flex.create_block_mask(
+            pt.to_mask_mod(T_q, T_k), None, None, T_q, T_k, device="cpu", BLOCK_SIZE=4
+        )
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices"):
+            a, b = getattr(ours, name), getattr(theirs, name)
+            assert a.dtype == b.dtype == torch.int32, name
+            assert torch.equal(a, b), (name, T_q, T_k)
+
+
+@pytest.mark.parametrize("block_size", [(4, 8), (8, 4)])
+def test_a_blockmask_of_unequal_query_and_key_blocks_is_read_cell_by_cell(block_size):
+    """A BlockMask whose query blocks and key blocks differ in size (create_block_mask's
+    BLOCK_SIZE=(Q, KV)): its mask_mod's cells are the rule's, each head its own."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+
+    def rule(b, h, q_idx, kv_idx):  # partial blocks everywhere below the diagonal
+        return (kv_idx <= q_idx) & ((q_idx - kv_idx) % (3 + h) != 1)
+
+    T = 40
+    bm = flex.create_block_mask(rule, None, 2, T, T, device="cpu", BLOCK_SIZE=block_size)
+    back = Pattern.from_block_mask(bm)
+    h = torch.arange(2).view(1, 2, 1, 1)
+    want = rule(0, h, torch.arange(T).view(1, 1, T, 1), torch.arange(T).view(1, 1, 1, T))
+    got = np.broadcast_to(back.allowed(1, 2, T, T), (1, 2, T, T))
+    assert np.array_equal(got, want.expand(1, 2, T, T).numpy())
+
+
+def test_from_block_mask_names_its_argument_or_a_missing_flexattention(monkeypatch):
+    """Not a BlockMask: one ValueError naming what was given. A torch without FlexAttention:
+    one ValueError saying so. A BlockMask's mask_mod is named after its own rule."""
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    for bad, kind in (([1, 2], "list"), ("causal", "str"), (None, "NoneType")):
+        with pytest.raises(ValueError) as e:
+            Pattern.from_block_mask(bad)
+        assert str(e.value) == (
+            f"from_block_mask: expected a torch.nn.attention.flex_attention.BlockMask, got {kind}"
+        )
+
+    def near(b, h, q_idx, kv_idx):
+        return q_idx - kv_idx < 3
+
+    bm = flex.create_block_mask(near, None, None, 8, 8, device="cpu", BLOCK_SIZE=4)
+    assert Pattern.from_block_mask(bm).mask_mod.__name__ == "BlockMask[near]"
+    assert "BlockMask[near]" in Pattern.from_block_mask(bm).describe()
+    monkeypatch.setitem(sys.modules, "torch.nn.attention.flex_attention", None)
+    with pytest.raises(ValueError, match=r"^from_block_mask: FlexAttention is not available \("):
+        Pattern.from_block_mask(bm)
