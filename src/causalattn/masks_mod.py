@@ -41,6 +41,7 @@ __all__ = [
     "evaluate_mask",
     "apply_score_mod",
     "captured_tensors",
+    "reach",
     "tile_table",
     "tile_kinds",
     "block_kind",
@@ -247,62 +248,87 @@ def apply_score_mod(fn, S, b, h, q_idx, kv_idx):
             f"{_shape(S)} and dtype {S.dtype}; it must keep the scores' dtype (cast what it "
             "reads: buf.to(score.dtype))"
         )
-    if _is_torch(out) != _is_torch(S):
-        out = out.detach().cpu().numpy() if _is_torch(out) else type(S)(out)
+    if _is_torch(out) != _is_torch(S):  # back in the scores' kind, dtype kept
+        if _is_torch(out):
+            return out.detach().cpu().numpy()
+        import torch
+
+        return torch.as_tensor(out, device=S.device)
     return out
 
 
+EMPTY_CELL = object()  # what :func:`reach` yields for a closure cell not yet filled
+_LEAVES = (type(None), bool, int, float, complex, str, bytes, np.generic, np.ndarray)
+
+
+def reach(fn, limit: int = 64):
+    """Each object ``fn`` can read, depth first, ``fn`` first. One step each: a function's
+    closure cells, defaults and the globals it names; a partial's function and arguments; a
+    bound method's object and function; a torch module's ``state_dict`` tensors and its
+    ``forward``; the first ``limit`` items of a list or tuple, values of a dict; any other
+    object's ``__call__`` and fields (classes, modules, tensors, arrays and scalars: nothing
+    further). Followed to depth 4, over at most 64·``limit`` objects; an object reached
+    again is walked again only when nearer ``fn`` (a deeper path reached it first). The one
+    walk of a rule's state: what its gradient flows to (:func:`captured_tensors`) and what
+    invalidates its kept tables (:func:`causalattn.masks_table.rule_state`); leave the loop
+    to stop."""
+    import torch
+
+    seen: dict[int, int] = {}  # id -> the least depth it was walked at
+
+    def steps(obj):
+        if isinstance(obj, (torch.Tensor, type, types.ModuleType, *_LEAVES)):
+            return ()
+        if isinstance(obj, torch.nn.Module):
+            return (*obj.state_dict(keep_vars=True).values(), type(obj).forward)
+        if isinstance(obj, functools.partial):
+            return (obj.func, *obj.args, *obj.keywords.values())
+        if isinstance(obj, types.MethodType):
+            return (obj.__self__, obj.__func__)
+        if isinstance(obj, types.FunctionType):
+            g = obj.__globals__
+            return (
+                *(_cell(c) for c in obj.__closure__ or ()),
+                *(obj.__defaults__ or ()),
+                *(obj.__kwdefaults__ or {}).values(),
+                *(g[n] for n in obj.__code__.co_names if n in g),
+            )
+        if isinstance(obj, (list, tuple)):
+            return obj[:limit]
+        if isinstance(obj, dict):
+            return list(obj.values())[:limit]
+        own = (getattr(type(obj), "__call__", None),) if callable(obj) else ()  # noqa: B004
+        return (*own, getattr(obj, "__dict__", None))
+
+    def walk(obj, depth: int):
+        if depth > 4 or len(seen) >= 64 * limit or seen.get(id(obj), depth + 1) <= depth:
+            return
+        seen[id(obj)] = depth
+        yield obj
+        for x in steps(obj):
+            yield from walk(x, depth + 1)
+
+    yield from walk(fn, 0)
+
+
+def _cell(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return EMPTY_CELL
+
+
 def captured_tensors(fn, limit: int = 64) -> list:
-    """The tensors that require a gradient and that ``fn`` can reach: its closure, defaults,
-    the globals it names, a partial's arguments, a bound method's object, a module's
-    parameters; nested functions followed (depth 4). What a score_mod's gradient flows to."""
+    """The tensors that require a gradient among what ``fn`` can read (:func:`reach`), at
+    most ``limit``, each once: what a score_mod's gradient flows to."""
     import torch
 
     found: dict[int, torch.Tensor] = {}
-    seen: dict[int, int] = {}  # id -> the least depth it was walked at
-
-    def walk(obj, depth: int) -> None:
-        # walked again only nearer fn: reached first by a deeper path, its own contents
-        # within the depth would be missed
-        if depth > 4 or len(found) >= limit or seen.get(id(obj), depth + 1) <= depth:
-            return
-        seen[id(obj)] = depth
-        if isinstance(obj, torch.Tensor):
-            if obj.requires_grad:
-                found.setdefault(id(obj), obj)
-        elif isinstance(obj, torch.nn.Module):
-            for p in obj.parameters():
-                walk(p, depth + 1)
-            walk(getattr(type(obj), "forward", None), depth + 1)
-        elif isinstance(obj, functools.partial):
-            for x in (obj.func, *obj.args, *obj.keywords.values()):
-                walk(x, depth + 1)
-        elif isinstance(obj, types.MethodType):
-            walk(obj.__self__, depth + 1)
-            walk(obj.__func__, depth + 1)
-        elif isinstance(obj, types.FunctionType):
-            for cell in obj.__closure__ or ():
-                try:
-                    walk(cell.cell_contents, depth + 1)
-                except ValueError:  # an empty cell
-                    pass
-            for x in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
-                walk(x, depth + 1)
-            g = obj.__globals__
-            for name in obj.__code__.co_names:
-                if name in g and not isinstance(g[name], types.ModuleType):
-                    walk(g[name], depth + 1)
-        elif isinstance(obj, (list, tuple)):
-            for x in obj[:limit]:
-                walk(x, depth + 1)
-        elif isinstance(obj, dict):
-            for x in list(obj.values())[:limit]:
-                walk(x, depth + 1)
-        elif callable(obj) and not isinstance(obj, type):
-            walk(getattr(type(obj), "__call__", None), depth + 1)  # noqa: B004 - its code
-            walk(getattr(obj, "__dict__", None), depth + 1)
-
-    walk(fn, 0)
+    for obj in reach(fn, limit):
+        if isinstance(obj, torch.Tensor) and obj.requires_grad:
+            found.setdefault(id(obj), obj)
+            if len(found) >= limit:
+                break
     return list(found.values())
 
 

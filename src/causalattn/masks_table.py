@@ -20,8 +20,9 @@ and key positions modulo the block, so a problem's tiles are the table's tiles).
   tiles the earlier call evaluated in part).
 - Invalidated: the key holds the rule's state (:func:`rule_state`): the identity and
   version counter (``_internals.torch.version``) of every tensor it reaches, the bytes of
-  small NumPy arrays, and its scalars; an in-place write to a captured tensor, a new tensor
-  in its closure or a changed closure int makes a new table.
+  small NumPy arrays, and its scalars, wherever :func:`causalattn.masks_mod.reach` finds
+  them; an in-place write to a captured tensor, a new tensor in its closure, a changed
+  closure int or a changed field of an object it reads makes a new table.
 
 Bytes: 4 per (b', h', tile) for the kinds (int32) plus bq·bk (one bool per cell) per
 distinct partial tile; identical partial tiles are stored once.
@@ -232,114 +233,43 @@ class BlockTable:
 
 # ---- the rule's state: what invalidates its tables ------------------------------------------
 def rule_state(fn, limit: int = 64) -> tuple:
-    """A hashable summary of what ``fn`` reads: per tensor its identity, version counter,
-    shape and dtype; per small NumPy array its bytes' digest; its scalars; the identity of
-    other objects. Walked as :func:`causalattn.masks_mod.captured_tensors` walks (closure,
-    defaults, globals it names, partials, bound methods, callable objects' fields)."""
-    out: list = []
-    seen: set[int] = set()
+    """A hashable summary of what ``fn`` reads (:func:`causalattn.masks_mod.reach`, at most
+    ``limit`` entries): per tensor its identity, version counter, shape and dtype; per small
+    NumPy array its bytes' digest; its scalars; per function its code; per list, tuple or
+    dict its length; the identity of other objects."""
+    return _state(fn, limit)[0]
 
-    def walk(obj, depth: int) -> None:
-        if depth > 4 or len(out) >= limit or id(obj) in seen:
-            return
-        seen.add(id(obj))
+
+def _state(fn, limit: int = 64) -> tuple[tuple, list]:
+    """(:func:`rule_state`, the tensors in it, to check at a key's hit that they are still
+    the same objects: an id is reused once its tensor is gone)."""
+    out: list = []
+    tensors: list = []
+    for obj in _mod.reach(fn, limit):
+        if len(out) >= limit:
+            break
         if isinstance(obj, torch.Tensor):
             out.append(("t", id(obj), _version(obj), tuple(obj.shape), str(obj.dtype)))
+            tensors.append(obj)
         elif isinstance(obj, np.ndarray):
             if obj.nbytes <= SMALL_ARRAY:
                 digest = hashlib.blake2b(np.ascontiguousarray(obj).tobytes(), digest_size=16)
                 out.append(("a", obj.shape, str(obj.dtype), digest.hexdigest()))
             else:
                 out.append(("A", id(obj), obj.shape, obj.ctypes.data))
+        elif obj is _mod.EMPTY_CELL:
+            out.append(("s", None))
         elif obj is None or isinstance(obj, (bool, int, float, str, complex, np.generic)):
             out.append(("s", obj))
-        elif isinstance(obj, torch.nn.Module):
-            for t in obj.state_dict(keep_vars=True).values():
-                walk(t, depth + 1)
-        elif isinstance(obj, functools.partial):
-            for x in (obj.func, *obj.args, *obj.keywords.values()):
-                walk(x, depth + 1)
-        elif isinstance(obj, types.MethodType):
-            walk(obj.__self__, depth + 1)
-            walk(obj.__func__, depth + 1)
         elif isinstance(obj, types.FunctionType):
             out.append(("f", id(obj.__code__)))
-            for cell in obj.__closure__ or ():
-                try:
-                    walk(cell.cell_contents, depth + 1)
-                except ValueError:  # an empty cell
-                    out.append(("s", None))
-            for x in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
-                walk(x, depth + 1)
-            g = obj.__globals__
-            for name in obj.__code__.co_names:
-                if name in g and not isinstance(g[name], (types.ModuleType, type)):
-                    walk(g[name], depth + 1)
         elif isinstance(obj, (list, tuple)):
             out.append(("l", len(obj)))
-            for x in obj[:limit]:
-                walk(x, depth + 1)
         elif isinstance(obj, dict):
             out.append(("d", len(obj)))
-            for x in list(obj.values())[:limit]:
-                walk(x, depth + 1)
-        elif isinstance(obj, (types.BuiltinFunctionType, types.ModuleType, type)):
-            out.append(("o", id(obj)))
-        elif callable(obj):
-            out.append(("o", id(obj)))
-            walk(getattr(type(obj), "__call__", None), depth + 1)  # noqa: B004 - its code
-            walk(getattr(obj, "__dict__", None), depth + 1)
-        else:
-            out.append(("o", id(obj)))
-
-    walk(fn, 0)
-    return tuple(out)
-
-
-def _tensors(fn) -> list:
-    """The tensors in ``fn``'s state (to check, at a key's hit, that they are still the same
-    objects: an id is reused once its tensor is gone)."""
-    found = []
-    seen: set[int] = set()
-
-    def walk(obj, depth):
-        if depth > 4 or id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            found.append(obj)
-        elif isinstance(obj, functools.partial):
-            for x in (obj.func, *obj.args, *obj.keywords.values()):
-                walk(x, depth + 1)
-        elif isinstance(obj, types.MethodType):
-            walk(obj.__self__, depth + 1)
-            walk(obj.__func__, depth + 1)
-        elif isinstance(obj, types.FunctionType):
-            for cell in obj.__closure__ or ():
-                try:
-                    walk(cell.cell_contents, depth + 1)
-                except ValueError:
-                    pass
-            for x in (*(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()):
-                walk(x, depth + 1)
-            g = obj.__globals__
-            for name in obj.__code__.co_names:
-                if name in g and not isinstance(g[name], (types.ModuleType, type)):
-                    walk(g[name], depth + 1)
-        elif isinstance(obj, (list, tuple)):
-            for x in obj:
-                walk(x, depth + 1)
-        elif isinstance(obj, dict):
-            for x in obj.values():
-                walk(x, depth + 1)
-        elif isinstance(obj, torch.nn.Module):
-            for t in obj.state_dict(keep_vars=True).values():
-                walk(t, depth + 1)
-        elif callable(obj) and not isinstance(obj, type):
-            walk(getattr(obj, "__dict__", None), depth + 1)
-
-    walk(fn, 0)
-    return found
+        elif not isinstance(obj, (torch.nn.Module, functools.partial, types.MethodType)):
+            out.append(("o", id(obj)))  # (what those three hold is recorded instead)
+    return tuple(out), tensors
 
 
 # ---- the tables kept, per rule ----------------------------------------------------------------
@@ -361,7 +291,8 @@ def kept(fn, B: int, H: int, bq: int, bk: int, qs: int, ks: int) -> BlockTable:
     across calls while the rule's state (:func:`rule_state`) is unchanged, else a new one."""
     anchor, extra = _anchor(fn)
     q0, k0 = qs % bq, ks % bk
-    key = (extra, rule_state(fn), int(B), int(H), int(bq), int(bk), q0, k0)
+    state, tensors = _state(fn)
+    key = (extra, state, int(B), int(H), int(bq), int(bk), q0, k0)
     try:
         per = _KEPT.get(anchor)
         if per is None:
@@ -371,7 +302,6 @@ def kept(fn, B: int, H: int, bq: int, bk: int, qs: int, ks: int) -> BlockTable:
         while len(_UNKEPT) > PER_RULE:
             _UNKEPT.popitem(last=False)
     hit = per.get(key)
-    tensors = _tensors(fn)
     if hit is not None:
         table, refs = hit
         if len(refs) == len(tensors) and all(r() is t for r, t in zip(refs, tensors)):

@@ -207,6 +207,28 @@ def test_one_learned_table_beside_a_frozen_one():
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
 
+def _through_a_field(cfg):
+    def mod(s, b, h, qi, kj):
+        return s - cfg.slopes[h] * (qi - kj)
+
+    return mod
+
+
+def test_a_learned_table_held_as_a_plain_objects_field_gets_its_gradient():
+    """A score_mod reading its table through an object's field (a config, a namespace): the
+    table's gradient is the reference's, as for a table in the closure."""
+    import types
+
+    grads = []
+    for engine in ("cpp", "reference"):
+        (q, k, v), t = _leaves(seed=3)
+        mod = _through_a_field(types.SimpleNamespace(slopes=t["slopes"]))
+        out = ca.attention(q, k, v, engine=engine, score_mod=mod)
+        grads.append(torch.autograd.grad(out.square().sum(), [q, t["slopes"]]))
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
 def test_a_direct_call_with_an_untraceable_score_mod_names_the_engines_that_run_it():
     from causalattn.engines import make_problem
 

@@ -1,6 +1,6 @@
 """The kept block table of a mask_mod (causalattn.masks_table): made once, kept across
-calls of the keyword form, extended for a longer T_k, remade when a tensor it reads
-changes; create_block_mask as FlexAttention's; bad mask_mods named with the engine."""
+calls of the keyword form, extended for a longer T_k, remade when a tensor or a field it
+reads changes; create_block_mask as FlexAttention's; bad mask_mods named with the engine."""
 
 from __future__ import annotations
 
@@ -59,6 +59,34 @@ def test_an_inplace_write_to_a_captured_tensor_remakes_the_table(engine):
     assert len(_tables(docs)) == 2
     want = ca.attention(q, k, v, engine="reference", mask_mod=docs)
     torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+
+
+class _Config:  # a plain object a rule reads its setting from
+    def __init__(self, window):
+        self.window = window
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_a_changed_field_of_an_object_the_rule_reads_remakes_the_table(engine):
+    """A rule reading a field of a plain object (a config) or of an object two steps away:
+    after the field changes, the next call reads the new rule, not the kept table."""
+    cfg = _Config(8)
+    deep = {"cfg": _Config(8)}
+
+    def near(b, h, q, kv):
+        return q - kv < cfg.window
+
+    def far(b, h, q, kv):
+        return q - kv < deep["cfg"].window
+
+    q, k, v = _qkv()
+    for rule, holder in ((near, cfg), (far, deep["cfg"])):
+        ca.attention(q, k, v, mask_mod=rule, engine=engine)
+        holder.window = 40
+        got = ca.attention(q, k, v, mask_mod=rule, engine=engine)
+        assert len(_tables(rule)) == 2
+        want = ca.attention(q, k, v, engine="reference", mask_mod=rule)
+        torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
 
 
 def test_a_longer_sequence_extends_the_table():

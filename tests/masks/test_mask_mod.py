@@ -508,6 +508,16 @@ class _Empty:
         return s + _GLOBAL_V[h]
 
 
+class _CallsGlobal:  # a callable object with no fields: its __call__ reads a global tensor
+    def __call__(self, s, b, h, q, k):
+        return s + _GLOBAL_V[h]
+
+
+class _Fields:  # a plain object, not callable, holding a tensor as a field
+    def __init__(self, t):
+        self.t = t
+
+
 def _param_module():
     m = torch.nn.Module()
     m.p = torch.nn.Parameter(torch.zeros(2))
@@ -536,8 +546,22 @@ def _partial_of_closure(t):
         (lambda: _partial_of_closure(torch.zeros(2, requires_grad=True)), 2),  # its function's
         (lambda: (lambda t: (_Holder([t]).read, t))(torch.zeros(2, requires_grad=True)), 2),
         (lambda: (_Empty().read, _GLOBAL_V), 2),  # a bound method's function's global
+        (lambda: (lambda t: ({"t": t}, t))(torch.zeros(2, requires_grad=True)), 1),  # a dict's
+        (lambda: (_CallsGlobal(), _GLOBAL_V), 2),  # a callable object's __call__'s global
+        (lambda: (lambda t: (_Fields(t), t))(torch.zeros(2, requires_grad=True)), 2),  # a field
     ],
-    ids=["tensor", "parameter", "forward", "partial-arg", "partial-fn", "self", "func"],
+    ids=[
+        "tensor",
+        "parameter",
+        "forward",
+        "partial-arg",
+        "partial-fn",
+        "self",
+        "func",
+        "dict",
+        "call",
+        "field",
+    ],
 )
 def test_captured_tensors_reach_depth_four_whichever_way_a_tensor_is_held(carrier, hops):
     """A tensor is found exactly when it lies within 4 steps of the rule (a closure cell, a
@@ -594,6 +618,8 @@ def test_captured_tensors_stops_at_its_limit_and_walks_each_object_once():
     same = loop  # and reached twice at the same depth
     assert captured_tensors(lambda s, b, h, q, k: s + len(loop) + len(same)) == []
     assert len(reads) == 1
+    wide = [[[float(i)] * 64 for _ in range(64)] for i in range(64)]  # 4,161 lists, 64 floats
+    assert sum(1 for _ in masks_mod.reach(lambda s, b, h, q, k: wide)) == 64 * 64  # its bound
 
 
 def test_and_masks_and_or_masks_pass_every_index_to_every_rule():

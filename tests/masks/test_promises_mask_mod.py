@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -546,3 +547,71 @@ def test_from_block_mask_names_its_argument_or_a_missing_flexattention(monkeypat
     monkeypatch.setitem(sys.modules, "torch.nn.attention.flex_attention", None)
     with pytest.raises(ValueError, match=r"^from_block_mask: FlexAttention is not available \("):
         Pattern.from_block_mask(bm)
+
+
+# ---- score_mod: NumPy and torch scores, what it returns, its name ----------------------------
+def test_a_score_mod_written_for_the_other_array_kind_gives_the_scores_kind_and_dtype():
+    """NumPy scores and a rule written for torch (it is called again on torch tensors), or
+    torch scores and a rule that answers in NumPy: the result is in the scores' kind and
+    dtype, with the rule's values."""
+    S = np.random.default_rng(0).standard_normal((1, 2, 3, 4))
+    want = np.tanh(S) * 2 + np.arange(2).reshape(1, 2, 1, 1)
+    with_torch = Pattern(score_mod=lambda s, b, h, qi, kj: torch.tanh(s) * 2 + h)
+    got = with_torch.modify_scores(S)
+    assert isinstance(got, np.ndarray) and got.dtype == np.float64
+    np.testing.assert_allclose(got, want, rtol=1e-12)  # torch's tanh, not NumPy's
+
+    def in_numpy(s, b, h, qi, kj):
+        s = np.asarray(s)
+        return np.tanh(s) * 2 + h.numpy().astype(s.dtype)
+
+    with_numpy = Pattern(score_mod=in_numpy)
+    for dtype in (torch.float64, torch.float32):
+        got = with_numpy.modify_scores(torch.from_numpy(S).to(dtype))
+        assert isinstance(got, torch.Tensor) and got.dtype == dtype
+        tol = 1e-6 if dtype == torch.float32 else 0
+        np.testing.assert_allclose(got.numpy(), want, rtol=tol, atol=tol)
+
+
+def test_what_a_score_mod_returns_is_refused_in_full_words():
+    S = torch.zeros(1, 2, 3, 4, dtype=F64)
+    b, h, q, k = masks_mod.indices(torch, np.arange(1), 2, np.arange(3), np.arange(4))
+
+    def refused(fn):
+        with pytest.raises(ValueError) as e:
+            masks_mod.apply_score_mod(fn, S, b, h, q, k)
+        return str(e.value)
+
+    shaped = types.SimpleNamespace(shape=S.shape)  # a shape and no dtype: not an array
+    assert refused(lambda s, b, h, qi, kj: shaped) == (
+        "score_mod: lambda returned SimpleNamespace, not an array, for scores of shape "
+        "(1, 2, 3, 4); it "
+        "must return the scores changed elementwise, e.g. score + bias[h, q_idx - kv_idx]"
+    )
+    assert refused(lambda s, b, h, qi, kj: s[..., :2]) == (
+        "score_mod: lambda returned shape (1, 2, 3, 2) for scores of shape (1, 2, 3, 4); it "
+        "must return the scores' shape (change each score elementwise, e.g. "
+        "score + bias[h, q_idx - kv_idx])"
+    )
+
+
+class _Scaled:  # a callable object: no __name__ of its own
+    def __call__(self, s, b, h, q, k):
+        return s * 2
+
+
+def test_a_rule_is_named_by_its_function_its_partials_function_or_its_class():
+    import functools
+
+    def near(b, h, q, k):
+        return q - k < 2
+
+    assert masks_mod.name_of(near) == "near"
+    assert masks_mod.name_of(lambda b, h, q, k: q >= k) == "lambda"
+    assert masks_mod.name_of(functools.partial(near)) == "near"
+    assert masks_mod.name_of(_Scaled()) == "_Scaled"
+    assert masks_mod.name_of(functools.partial(_Scaled())) == "_Scaled"
+    S = torch.zeros(1, 1, 2, 2, dtype=F64)
+    idx = masks_mod.indices(torch, np.arange(1), 1, np.arange(2), np.arange(2))
+    with pytest.raises(ValueError, match=r"^score_mod: near raised TypeError"):
+        masks_mod.apply_score_mod(functools.partial(near), S, *idx)  # 5 arguments for 4
