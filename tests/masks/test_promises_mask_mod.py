@@ -615,3 +615,55 @@ def test_a_rule_is_named_by_its_function_its_partials_function_or_its_class():
     idx = masks_mod.indices(torch, np.arange(1), 1, np.arange(2), np.arange(2))
     with pytest.raises(ValueError, match=r"^score_mod: near raised TypeError"):
         masks_mod.apply_score_mod(functools.partial(near), S, *idx)  # 5 arguments for 4
+
+
+# ---- purity is sampled: which evaluations are made twice --------------------------------------
+class _Counted:
+    def __init__(self):
+        self.calls = 0
+
+    def rule(self, b, h, q, k):
+        self.calls += 1
+        return q >= k
+
+
+class _Slotted:  # a callable that takes no weak reference
+    __slots__ = ("calls",)
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, b, h, q, k):
+        self.calls += 1
+        return q >= k
+
+
+def test_a_rule_is_evaluated_twice_on_its_1st_2nd_4th_8th_evaluation_and_larger_blocks():
+    """A rule's 1st, 2nd, 4th, 8th, ... evaluation, and one of a block at least twice as
+    large as any before, is made twice; the others once. A bound method counts as its
+    function (a new one is made at each attribute read); a rule that takes no weak reference
+    is evaluated twice every time."""
+
+    def evaluate(fn, rows=4, cols=4):
+        masks_mod.evaluate_mask(fn, torch, np.arange(1), 1, np.arange(rows), np.arange(cols))
+
+    counted = _Counted()
+
+    def rule(b, h, q, k):
+        return counted.rule(b, h, q, k)
+
+    for _ in range(9):
+        evaluate(rule)
+    assert counted.calls == 9 + 4  # the 1st, 2nd, 4th and 8th twice
+    evaluate(rule, 8, 4)  # twice the largest block: twice
+    assert counted.calls == 15
+    evaluate(rule, 12, 4)  # larger, but not twice as large, and the 11th: once
+    assert counted.calls == 16
+    counted = _Counted()
+    for _ in range(9):
+        evaluate(counted.rule)  # a new bound method at each read, the same function
+    assert counted.calls == 13
+    slotted = _Slotted()
+    for _ in range(3):
+        evaluate(slotted)
+    assert slotted.calls == 6
