@@ -667,3 +667,20 @@ def test_a_rule_is_evaluated_twice_on_its_1st_2nd_4th_8th_evaluation_and_larger_
     for _ in range(3):
         evaluate(slotted)
     assert slotted.calls == 6
+
+
+def test_a_rule_reads_int64_indices_or_the_dtype_it_is_evaluated_in():
+    """evaluate_mask's index tensors are int64, or the dtype asked for (the block tables ask
+    for FlexAttention's int32), all four of them."""
+    seen = []
+
+    def rule(b, h, q, k):
+        seen.append((b.dtype, h.dtype, q.dtype, k.dtype))
+        return q >= k
+
+    for dtype, want in ((None, torch.int64), (torch.int32, torch.int32)):
+        seen.clear()
+        masks_mod.evaluate_mask(
+            rule, torch, np.arange(2), 2, np.arange(3), np.arange(3), None, dtype
+        )
+        assert seen and all(d == (want,) * 4 for d in seen), (dtype, seen)
