@@ -550,16 +550,23 @@ def test_from_block_mask_names_its_argument_or_a_missing_flexattention(monkeypat
 
 
 # ---- score_mod: NumPy and torch scores, what it returns, its name ----------------------------
-def test_a_score_mod_written_for_the_other_array_kind_gives_the_scores_kind_and_dtype():
-    """NumPy scores and a rule written for torch (it is called again on torch tensors), or
-    torch scores and a rule that answers in NumPy: the result is in the scores' kind and
-    dtype, with the rule's values."""
-    S = np.random.default_rng(0).standard_normal((1, 2, 3, 4))
-    want = np.tanh(S) * 2 + np.arange(2).reshape(1, 2, 1, 1)
+_S = np.random.default_rng(0).standard_normal((1, 2, 3, 4))
+_WANT = np.tanh(_S) * 2 + np.arange(2).reshape(1, 2, 1, 1)
+
+
+def test_numpy_scores_and_a_score_mod_written_for_torch_give_numpy_scores():
+    """NumPy scores and a rule written for torch (it is called again on torch tensors): the
+    result is NumPy, of the scores' dtype, with the rule's values."""
     with_torch = Pattern(score_mod=lambda s, b, h, qi, kj: torch.tanh(s) * 2 + h)
-    got = with_torch.modify_scores(S)
+    got = with_torch.modify_scores(_S)
     assert isinstance(got, np.ndarray) and got.dtype == np.float64
-    np.testing.assert_allclose(got, want, rtol=1e-12)  # torch's tanh, not NumPy's
+    np.testing.assert_allclose(got, _WANT, rtol=1e-12)  # torch's tanh, not NumPy's
+
+
+def test_torch_scores_and_a_score_mod_answering_in_numpy_keep_the_scores_dtype():
+    """Torch scores and a rule that answers in NumPy: a tensor of the scores' dtype (float64
+    stays float64), with the rule's values."""
+    S, want = _S, _WANT
 
     def in_numpy(s, b, h, qi, kj):
         s = np.asarray(s)
