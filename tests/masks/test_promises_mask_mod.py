@@ -677,17 +677,21 @@ def test_a_rule_is_evaluated_twice_on_its_1st_2nd_4th_8th_evaluation_and_larger_
 
 
 def test_a_rule_reads_int64_indices_or_the_dtype_it_is_evaluated_in():
-    """evaluate_mask's index tensors are int64, or the dtype asked for (the block tables ask
-    for FlexAttention's int32), all four of them."""
+    """evaluate_mask's index tensors are int64 in NumPy and torch, whatever integer arrays
+    the rows and positions come as, or the dtype asked for (the block tables ask for
+    FlexAttention's int32), all four of them."""
     seen = []
 
     def rule(b, h, q, k):
-        seen.append((b.dtype, h.dtype, q.dtype, k.dtype))
+        seen.append(tuple(str(x.dtype).replace("torch.", "") for x in (b, h, q, k)))
         return q >= k
 
-    for dtype, want in ((None, torch.int64), (torch.int32, torch.int32)):
+    rows, pos = np.arange(2, dtype=np.int32), np.arange(3, dtype=np.int32)
+    for xp, dtype, want in (
+        (np, None, "int64"),
+        (torch, None, "int64"),
+        (torch, torch.int32, "int32"),
+    ):
         seen.clear()
-        masks_mod.evaluate_mask(
-            rule, torch, np.arange(2), 2, np.arange(3), np.arange(3), None, dtype
-        )
-        assert seen and all(d == (want,) * 4 for d in seen), (dtype, seen)
+        masks_mod.evaluate_mask(rule, xp, rows, 2, pos, pos, None, dtype)
+        assert seen and all(d == (want,) * 4 for d in seen), (xp.__name__, dtype, seen)
