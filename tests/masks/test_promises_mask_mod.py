@@ -677,13 +677,15 @@ def test_a_rule_is_evaluated_twice_on_its_1st_2nd_4th_8th_evaluation_and_larger_
 
 
 def test_a_rule_reads_int64_indices_or_the_dtype_it_is_evaluated_in():
-    """evaluate_mask's index tensors are int64 in NumPy and torch, whatever integer arrays
-    the rows and positions come as, or the dtype asked for (the block tables ask for
-    FlexAttention's int32), all four of them."""
+    """evaluate_mask's index tensors, shaped (nb,1,1,1), (1,H,1,1), (1,1,rows,1), (1,1,1,cols),
+    are int64 in NumPy and torch, whatever integer arrays the rows and positions come as, or
+    the dtype asked for (the block tables ask for FlexAttention's int32)."""
     seen = []
 
     def rule(b, h, q, k):
         seen.append(tuple(str(x.dtype).replace("torch.", "") for x in (b, h, q, k)))
+        shapes = [tuple(x.shape) for x in (b, h, q, k)]
+        assert shapes == [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 3, 1), (1, 1, 1, 3)], shapes
         return q >= k
 
     rows, pos = np.arange(2, dtype=np.int32), np.arange(3, dtype=np.int32)
