@@ -697,3 +697,19 @@ def test_a_rule_reads_int64_indices_or_the_dtype_it_is_evaluated_in():
         seen.clear()
         masks_mod.evaluate_mask(rule, xp, rows, 2, pos, pos, None, dtype)
         assert seen and all(d == (want,) * 4 for d in seen), (xp.__name__, dtype, seen)
+
+
+def test_tile_kinds_evaluates_no_tile_before_a_query_blocks_key_range():
+    """tile_kinds asks the rule only about the key tiles a query block's key range reaches:
+    with a window of 4, no call for queries from q reads a key tile before (q - 3)'s."""
+    calls = []
+
+    def rule(b, h, q, k):
+        calls.append((int(q.min()), int(k.min())))
+        return (q - k) % 3 != 1
+
+    pt = Pattern(window=4, mask_mod=rule)
+    kinds = masks_mod.tile_kinds(pt, 1, 1, 64, 64, 8, 8)
+    assert kinds.shape == (1, 1, 8, 8) and calls
+    for q_min, k_min in calls:
+        assert k_min >= max(0, q_min - 3) // 8 * 8, (q_min, k_min)
