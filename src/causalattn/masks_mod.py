@@ -258,7 +258,8 @@ def apply_score_mod(fn, S, b, h, q_idx, kv_idx):
 
 
 EMPTY_CELL = object()  # what :func:`reach` yields for a closure cell not yet filled
-_LEAVES = (type(None), bool, int, float, complex, str, bytes, np.generic, np.ndarray)
+SCALARS = (type(None), bool, int, float, complex, str, np.generic)  # read by value
+_LEAVES = (*SCALARS, bytes, np.ndarray)  # nothing further to walk
 
 
 def reach(fn, limit: int = 64):

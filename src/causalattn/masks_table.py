@@ -259,7 +259,7 @@ def _state(fn, limit: int = 64) -> tuple[tuple, list]:
                 out.append(("A", id(obj), obj.shape, obj.ctypes.data))
         elif obj is _mod.EMPTY_CELL:
             out.append(("s", None))
-        elif obj is None or isinstance(obj, (bool, int, float, str, complex, np.generic)):
+        elif isinstance(obj, _mod.SCALARS):
             out.append(("s", obj))
         elif isinstance(obj, types.FunctionType):
             out.append(("f", id(obj.__code__)))
